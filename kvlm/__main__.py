@@ -1,0 +1,3 @@
+from kvlm.cli import main
+
+raise SystemExit(main())

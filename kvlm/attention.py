@@ -1,0 +1,90 @@
+"""Attention over a batch of sequences that each bring some new tokens and some cached history.
+
+`AttentionMetadata` describes one engine step: which flat token belongs to which sequence, at which
+position, where its K/V go in the cache and how long each sequence's context is. It is built once per
+step by the runner (`runner.py`) and passed explicitly through the model; nothing here is global.
+
+`attention()` is the pure-PyTorch reference (SDPA); it runs on CPU and CUDA. Keys/values arrive already
+gathered per sequence as (B, kv_heads, L, D) by the KV cache. GQA never repeats K/V: decode folds each
+K/V head's query group into the query-length axis, other steps use SDPA's `enable_gqa`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionMetadata:
+    """Per-step layout of a mixed batch of prefill chunks and decodes (T flat tokens, B sequences)."""
+
+    positions: torch.Tensor  # (T,) int64: position of each token in its sequence
+    slot_mapping: torch.Tensor  # (T,) int64: flat cache slot (block * block_size + offset) of each token
+    block_tables: torch.Tensor  # (B, max_blocks) int64, padded with 0
+    query_lens: tuple[int, ...]  # new tokens per sequence (host ints: they shape tensors)
+    seq_lens: tuple[int, ...]  # context length per sequence after this step (cached + new)
+    q_pad_index: torch.Tensor | None  # (T,) int64: row of each token in the (B * max_query_len) padded layout
+    attn_mask: torch.Tensor | None  # (B, 1, max_query_len, max_seq_len) bool, True = may attend; None = not needed
+    logits_indices: torch.Tensor  # (N,) int64: flat rows whose logits we need (a sequence's last token)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+    @property
+    def max_query_len(self) -> int:
+        return max(self.query_lens)
+
+    @property
+    def max_seq_len(self) -> int:
+        return max(self.seq_lens)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.max_query_len == 1
+
+
+def build_attn_mask(query_lens: list[int], seq_lens: list[int], device: torch.device) -> torch.Tensor:
+    """(B, 1, max_q, max_L) causal mask for sequences whose new tokens sit at the end of their context.
+
+    Query i of sequence b is at position seq_len_b - query_len_b + i and may see keys j <= that position.
+    Padding query rows get position 0 so they still see key 0 (no all-masked row, hence no NaN).
+    """
+    q = torch.tensor(query_lens, device=device)
+    s = torch.tensor(seq_lens, device=device)
+    i = torch.arange(max(query_lens), device=device)
+    pos = (s - q)[:, None] + i[None, :]  # (B, max_q)
+    pos = torch.where(i[None, :] < q[:, None], pos, torch.zeros_like(pos))
+    j = torch.arange(max(seq_lens), device=device)
+    return (j[None, None, :] <= pos[:, :, None]).unsqueeze(1)
+
+
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """q: (T, n_heads, D) new queries; k, v: (B, kv_heads, L, D) per-sequence context. Returns (T, n_heads*D)."""
+    T, nh, D = q.shape
+    B, kvh = k.shape[0], k.shape[1]
+    if meta.is_decode_only:
+        # One query per sequence: view it as (B, kv_heads, group, D) so each K/V head serves its group of
+        # query heads directly (HF's head order: head h uses kv head h // group).
+        qg = q.view(B, kvh, nh // kvh, D)
+        mask = None if meta.attn_mask is None else meta.attn_mask[:, :, :1, :]  # (B, 1, 1, L) key padding
+        out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
+        return out.reshape(T, nh * D)
+    if meta.attn_mask is None:
+        # A single sequence whose whole context is new (prefill from position 0): plain causal attention.
+        qp = q.transpose(0, 1).unsqueeze(0)  # (1, nh, T, D)
+        out = F.scaled_dot_product_attention(qp, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        return out[0].transpose(0, 1).reshape(T, nh * D)
+    # General mixed batch: scatter queries into a padded (B, nh, max_q, D) layout and mask.
+    max_q = meta.max_query_len
+    assert meta.q_pad_index is not None
+    qp = q.new_zeros(B * max_q, nh, D)
+    qp[meta.q_pad_index] = q
+    qp = qp.view(B, max_q, nh, D).transpose(1, 2)
+    out = F.scaled_dot_product_attention(qp, k, v, attn_mask=meta.attn_mask, scale=scale, enable_gqa=True)
+    return out.transpose(1, 2).reshape(B * max_q, nh * D)[meta.q_pad_index]

@@ -1,0 +1,310 @@
+"""The `kvlm` command line: pull, generate, chat, info, kv-size, bench.
+
+Only a consumer of the library (`LLM`, `Engine`, `SamplingParams`). User mistakes (bad flags, unknown
+models, broken files, prompts that do not fit) print one line on stderr and exit 2 (usage) or 1
+(runtime); there is no traceback for them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+from kvlm.errors import KvlmError
+
+DTYPE_BYTES = {"float32": 4.0, "fp32": 4.0, "float16": 2.0, "fp16": 2.0, "bfloat16": 2.0, "bf16": 2.0,
+               "int8": 1.0, "int4": 0.5}
+
+
+def _add_engine_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="weights and KV cache dtype (default float32: exact against the reference)")
+    g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    g.add_argument("--threads", type=int, default=None, help="CPU threads for PyTorch")
+    g.add_argument("--max-model-len", type=int, default=None, help="context length to allow (default min(model, 4096))")
+    g.add_argument("--no-kv-cache", action="store_true", help="recompute the whole sequence every step (same tokens, slower)")
+    g.add_argument("--kv-cache-layout", default="paged", choices=["paged", "contiguous"])
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    g.add_argument("--max-num-seqs", type=int, default=16, help="requests running at once")
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per engine step (prefill chunk budget)")
+    g.add_argument("--kv-cache-memory", default=None, help="KV pool size: bytes like 2GiB, or a fraction of free memory like 0.3")
+
+
+def _engine_kwargs(a: argparse.Namespace) -> dict[str, Any]:
+    from kvlm.config import parse_bytes
+
+    mem = None
+    if a.kv_cache_memory is not None:
+        try:
+            mem = parse_bytes(a.kv_cache_memory)
+        except ValueError:
+            raise ValueError(f"--kv-cache-memory: cannot parse {a.kv_cache_memory!r} (try 2GiB or 0.3)") from None
+    return dict(dtype=a.dtype, device=a.device, num_threads=a.threads, max_model_len=a.max_model_len,
+                enable_kv_cache=not a.no_kv_cache, kv_cache_layout=a.kv_cache_layout, block_size=a.block_size,
+                max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens, kv_cache_memory=mem)
+
+
+def _add_sampling_flags(p: argparse.ArgumentParser, max_tokens: int = 256) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=max_tokens)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    g.add_argument("--stop-token-ids", type=int, nargs="+", default=None)
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--logprobs", type=int, default=None, help="return this many top logprobs per token (with --json)")
+
+
+def _sampling_params(a: argparse.Namespace):
+    from kvlm.sampling_params import SamplingParams
+
+    return SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
+                          min_p=a.min_p, repetition_penalty=a.repetition_penalty,
+                          presence_penalty=a.presence_penalty, frequency_penalty=a.frequency_penalty,
+                          seed=a.seed, stop=a.stop, stop_token_ids=a.stop_token_ids, ignore_eos=a.ignore_eos,
+                          logprobs=a.logprobs)
+
+
+def cmd_pull(a: argparse.Namespace) -> int:
+    from kvlm.loader.registry import pull
+
+    print(pull(a.model, force=a.force))
+    return 0
+
+
+def _format_stats(m: dict[str, Any]) -> str:
+    def f(x: Any, fmt: str) -> str:
+        return "n/a" if x is None else format(x, fmt)
+
+    return (f"prompt tokens {m['prompt_tokens']} (cached {m['cached_tokens']}), generated {m['generated_tokens']}, "
+            f"TTFT {f(m['ttft_s'], '.3f')} s, decode {f(m['decode_tokens_per_s'], '.1f')} tok/s, "
+            f"KV held {m['kv_bytes_held'] / 2**20:.2f} MiB in {m['kv_blocks_held']} blocks")
+
+
+def cmd_generate(a: argparse.Namespace) -> int:
+    from kvlm.llm import LLM
+
+    if a.prompt is None and not a.prompts_file:
+        a.model, a.prompt = "smollm2-135m", a.model
+    if a.prompt is None and not a.prompts_file:
+        raise ValueError("give a PROMPT (or --prompts-file)")
+    params = _sampling_params(a)
+    llm = LLM(a.model, quiet=a.quiet, **_engine_kwargs(a))
+
+    def as_input(text: str):
+        if a.chat:
+            msgs = ([{"role": "system", "content": a.system}] if a.system else []) + [{"role": "user", "content": text}]
+            return {"prompt_token_ids": llm.render_chat(msgs)}
+        return text
+
+    if a.prompts_file:
+        return _generate_batch(llm, a, params, as_input)
+    if a.json:
+        out = llm.generate([as_input(a.prompt)], params, use_tqdm=False)[0]
+        c = out.outputs[0]
+        doc = {"text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason,
+               "stop_reason": c.stop_reason, "prompt_token_ids": out.prompt_token_ids,
+               "stats": out.metrics.as_dict()}
+        if c.logprobs is not None:
+            doc["logprobs"] = [{str(k): v for k, v in d.items()} for d in c.logprobs]
+        print(json.dumps(doc, ensure_ascii=False))
+        return 0
+    for d in llm.stream(as_input(a.prompt), params):
+        sys.stdout.write(d.text)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    if a.stats:
+        print("kvlm: " + _format_stats(llm.last_request.metrics.as_dict()), file=sys.stderr)
+    return 0
+
+
+def _generate_batch(llm: Any, a: argparse.Namespace, params: Any, as_input: Any) -> int:
+    lines = [ln for ln in Path(a.prompts_file).read_text().splitlines() if ln.strip()]
+    prompts = []
+    for i, ln in enumerate(lines, 1):
+        if ln.lstrip().startswith("{"):
+            try:
+                obj = json.loads(ln)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{a.prompts_file}:{i}: invalid JSON ({e.msg})") from None
+            prompts.append(as_input(obj["prompt"]) if "prompt" in obj else obj)
+        else:
+            prompts.append(as_input(ln))
+    outs = llm.generate(prompts, params)
+    for o in outs:
+        c = o.outputs[0]
+        if a.json:
+            print(json.dumps({"text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason,
+                              "stats": o.metrics.as_dict()}, ensure_ascii=False))
+        else:
+            print(c.text.replace("\n", "\\n"))
+    return 0
+
+
+def cmd_chat(a: argparse.Namespace) -> int:
+    from kvlm.llm import LLM
+
+    llm = LLM(a.model, quiet=a.quiet, **_engine_kwargs(a))
+    params = _sampling_params(a)
+    messages: list[dict[str, str]] = [{"role": "system", "content": a.system}] if a.system else []
+    prev = None
+    print("kvlm chat: /reset clears the conversation, /exit or Ctrl-D quits", file=sys.stderr)
+    while True:
+        try:
+            line = input(">>> ")
+        except (EOFError, KeyboardInterrupt):
+            print(file=sys.stderr)
+            break
+        if not line.strip():
+            continue
+        if line.strip() in ("/exit", "/quit"):
+            break
+        if line.strip() == "/reset":
+            messages = messages[:1] if a.system else []
+            if prev is not None:
+                llm.llm_engine.release(prev)
+                prev = None
+            continue
+        messages.append({"role": "user", "content": line})
+        ids = llm.render_chat(messages)
+        reply = []
+        for d in llm.stream({"prompt_token_ids": ids}, params, reuse=prev, keep_kv=True):
+            sys.stdout.write(d.text)
+            sys.stdout.flush()
+            reply.append(d.text)
+        sys.stdout.write("\n")
+        prev = llm.last_request
+        messages.append({"role": "assistant", "content": "".join(reply)})
+        m = prev.metrics
+        print(f"[{m.num_prompt_tokens} prompt tokens: {m.num_cached_tokens} reused from the cache, "
+              f"{m.num_prompt_tokens - m.num_cached_tokens} prefilled; {m.num_generated_tokens} generated]",
+              file=sys.stderr)
+    return 0
+
+
+def cmd_info(a: argparse.Namespace) -> int:
+    from kvlm.loader import load_config, resolve_model
+
+    path = resolve_model(a.model)
+    c = load_config(path)
+    info = {"model": str(path), "architecture": c.architecture, "parameters": c.num_parameters,
+            "layers": c.num_hidden_layers, "hidden_size": c.hidden_size, "attention_heads": c.num_attention_heads,
+            "kv_heads": c.num_key_value_heads, "head_dim": c.head_dim, "vocab_size": c.vocab_size,
+            "context_length": c.max_position_embeddings, "kv_bytes_per_token_fp32": int(c.kv_bytes_per_token(4)),
+            "kv_bytes_per_token_fp16": int(c.kv_bytes_per_token(2))}
+    if a.json:
+        print(json.dumps(info))
+    else:
+        for k, v in info.items():
+            print(f"{k:26s} {v:,}" if isinstance(v, int) else f"{k:26s} {v}")
+    return 0
+
+
+def cmd_kv_size(a: argparse.Namespace) -> int:
+    from kvlm.config import ModelConfig
+    from kvlm.loader import load_config, resolve_model
+
+    if a.config:
+        try:
+            c = ModelConfig.from_hf_dict(json.loads(Path(a.config).read_text()))
+        except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+            raise KvlmError(f"{a.config}: cannot read config ({e})") from None
+    elif a.model:
+        c = load_config(resolve_model(a.model))
+    else:
+        raise ValueError("give MODEL or --config FILE")
+    b = DTYPE_BYTES[a.dtype]
+    per_tok = c.kv_bytes_per_token(b)
+    mha = c.kv_bytes_per_token(b, kv_heads=c.num_attention_heads)
+    total, total_mha = per_tok * a.context * a.batch, mha * a.context * a.batch
+    doc = {"layers": c.num_hidden_layers, "kv_heads": c.num_key_value_heads, "attention_heads": c.num_attention_heads,
+           "head_dim": c.head_dim, "dtype": a.dtype, "context": a.context, "batch": a.batch,
+           "bytes_per_token": per_tok, "total_bytes": total, "mha_bytes_per_token": mha, "mha_total_bytes": total_mha,
+           "gqa_saving": 1 - per_tok / mha}
+    if a.json:
+        print(json.dumps(doc))
+        return 0
+    print(f"KV cache = 2 x {c.num_hidden_layers} layers x {c.num_key_value_heads} kv heads x {c.head_dim} dims x {b:g} B")
+    print(f"  per token:        {per_tok:,.0f} B ({per_tok / 1024:.1f} KiB)")
+    print(f"  {a.batch} x {a.context} tokens: {total:,.0f} B ({total / 2**20:.1f} MiB)")
+    print(f"  MHA equivalent ({c.num_attention_heads} kv heads): {mha:,.0f} B/token, {total_mha / 2**20:.1f} MiB "
+          f"-> GQA saves {100 * (1 - per_tok / mha):.0f}%")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvlm", description="A small, exact LLM inference engine built around the KV cache.")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress or cache log on stderr")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("pull", help="fetch a named model into $KVLM_HOME")
+    s.add_argument("model", nargs="?", default="smollm2-135m")
+    s.add_argument("--force", action="store_true", help="download again even if present")
+    s.set_defaults(func=cmd_pull)
+
+    s = sub.add_parser("generate", help="generate text from a prompt (streams to stdout)")
+    s.add_argument("model", help="model alias or path (default smollm2-135m when only PROMPT is given)")
+    s.add_argument("prompt", nargs="?")
+    s.add_argument("--prompts-file", help="one prompt per line, or JSONL with 'prompt' or 'prompt_token_ids'")
+    s.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    s.add_argument("--system", default=None, help="system message (with --chat)")
+    s.add_argument("--stats", action="store_true", help="print generation stats on stderr")
+    s.add_argument("--json", action="store_true", help="print one JSON document instead of streaming")
+    _add_sampling_flags(s)
+    _add_engine_flags(s)
+    s.set_defaults(func=cmd_generate)
+
+    s = sub.add_parser("chat", help="interactive multi-turn chat that keeps the KV cache between turns")
+    s.add_argument("model", nargs="?", default="smollm2-135m")
+    s.add_argument("--system", default=None)
+    _add_sampling_flags(s, max_tokens=512)
+    _add_engine_flags(s)
+    s.set_defaults(func=cmd_chat)
+
+    s = sub.add_parser("info", help="architecture, parameters, context length, KV bytes per token")
+    s.add_argument("model", nargs="?", default="smollm2-135m")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_info)
+
+    s = sub.add_parser("kv-size", help="KV cache memory for a model, context and batch")
+    s.add_argument("model", nargs="?")
+    s.add_argument("--config", help="a Hugging Face config.json instead of a model")
+    s.add_argument("--context", type=int, default=4096)
+    s.add_argument("--batch", type=int, default=1)
+    s.add_argument("--dtype", default="float16", choices=sorted(DTYPE_BYTES))
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_kv_size)
+
+    from kvlm.bench import add_bench_parser
+
+    add_bench_parser(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="%(message)s", stream=sys.stderr)
+    try:
+        return int(args.func(args) or 0)
+    except KvlmError as e:
+        print(f"kvlm: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except ValueError as e:  # invalid sampling values, bad prompts: usage errors
+        print(f"kvlm: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"kvlm: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130

@@ -1,0 +1,26 @@
+"""User-facing error types.
+
+Every error a user can cause (a bad model file, an unknown alias, a prompt that does not fit, an invalid
+sampling value) is one of these, carries a one-line message, and is turned by the CLI into that line on
+stderr and an exit code, never a traceback. Internal bugs stay ordinary exceptions.
+"""
+
+
+class KvlmError(Exception):
+    """Base class of errors caused by the user's input; `exit_code` is what the CLI exits with."""
+
+    exit_code: int = 1
+
+
+class ModelLoadError(KvlmError):
+    """A model file or folder is missing, truncated, corrupt or of an unsupported kind."""
+
+
+class UnsupportedModelError(ModelLoadError):
+    """The file is readable but names an architecture, tensor type or option kvlm does not implement."""
+
+
+class PromptTooLongError(KvlmError, ValueError):
+    """The prompt (plus the requested output) does not fit the model's context or the KV pool."""
+
+    exit_code = 2

@@ -1,0 +1,124 @@
+"""The KV cache: where each layer's keys and values of past tokens live between steps.
+
+`KVCache` is the protocol the model talks to: `update_and_fetch(layer, k, v, meta)` stores the new
+tokens' K/V at the slots the runner chose and returns every sequence's whole context as (B, kv_heads, L, D).
+Three implementations:
+
+* `PagedKVCache`: one pool per layer of fixed-size blocks (num_blocks, block_size, kv_heads, D); a
+  sequence's K/V are read through its block table. Memory is allocated in blocks as sequences grow.
+* `ContiguousKVCache`: one row of max_model_len slots per sequence, (max_seqs, kv_heads, max_len, D),
+  so a lone sequence's context is a view with no gather. It is the paged cache's bookkeeping with
+  block_size = max_model_len (one block per sequence), only the storage layout differs.
+* `NoKVCache`: keeps nothing; valid only when every step recomputes each sequence from position 0
+  (the engine's `enable_kv_cache=False` mode, which shows what the cache saves).
+
+The cache knows tensors and slots; it does not know requests, blocks' owners or the model.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from kvlm.attention import AttentionMetadata
+
+
+class KVCache(Protocol):
+    block_size: int
+    num_blocks: int
+
+    def update_and_fetch(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v (T, kv_heads, D) at meta.slot_mapping; return (B, kv_heads, L, D) keys and values."""
+        ...
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of K/V storage allocated (all layers)."""
+        ...
+
+
+def _pad_new_tokens(x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    """(T, kvh, D) flat new tokens -> (B, kvh, max_q, D), each sequence's tokens first, then zeros."""
+    if meta.num_seqs == 1:
+        return x.transpose(0, 1).unsqueeze(0)
+    assert meta.q_pad_index is not None
+    out = x.new_zeros(meta.num_seqs * meta.max_query_len, *x.shape[1:])
+    out[meta.q_pad_index] = x
+    return out.view(meta.num_seqs, meta.max_query_len, *x.shape[1:]).transpose(1, 2)
+
+
+class NoKVCache:
+    """Stores nothing: each step must carry each sequence's whole history (recompute mode)."""
+
+    block_size = 1 << 30
+    num_blocks = 1 << 30
+    nbytes = 0
+
+    def update_and_fetch(self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata):
+        assert meta.query_lens == meta.seq_lens, "NoKVCache needs every sequence recomputed from position 0"
+        return _pad_new_tokens(k, meta), _pad_new_tokens(v, meta)
+
+
+class PagedKVCache:
+    """Block pools per layer: k[layer] and v[layer] are (num_blocks, block_size, kv_heads, D)."""
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        self.block_size, self.num_blocks = block_size, num_blocks
+        shape = (num_blocks, block_size, kv_heads, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    def update_and_fetch(self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata):
+        kc, vc = self.k[layer], self.v[layer]
+        kvh, D = kc.shape[2], kc.shape[3]
+        kc.view(-1, kvh, D).index_copy_(0, meta.slot_mapping, k)
+        vc.view(-1, kvh, D).index_copy_(0, meta.slot_mapping, v)
+        L = meta.max_seq_len
+        nblk = -(-L // self.block_size)
+        bt = meta.block_tables[:, :nblk]  # (B, nblk)
+        B = bt.shape[0]
+        # Gather each sequence's blocks: (B, nblk, bs, kvh, D) -> (B, kvh, L, D). Padding beyond a
+        # sequence's length is masked by the attention mask.
+        kk = kc[bt].view(B, nblk * self.block_size, kvh, D)[:, :L].transpose(1, 2)
+        vv = vc[bt].view(B, nblk * self.block_size, kvh, D)[:, :L].transpose(1, 2)
+        return kk, vv
+
+
+class ContiguousKVCache:
+    """One max_len row per sequence: k[layer], v[layer] are (max_seqs, kv_heads, max_len, D).
+
+    Slots are numbered like a paged cache whose block is a whole row (block_size = max_len), so the same
+    block manager and slot mapping drive it.
+    """
+
+    def __init__(self, num_layers: int, max_seqs: int, max_len: int, kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        self.block_size, self.num_blocks = max_len, max_seqs
+        shape = (max_seqs, kv_heads, max_len, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    def update_and_fetch(self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata):
+        kc, vc = self.k[layer], self.v[layer]
+        row = meta.slot_mapping // self.block_size
+        off = meta.slot_mapping % self.block_size
+        kc[row, :, off] = k  # (T, kvh, D) into (row, :, off)
+        vc[row, :, off] = v
+        L = meta.max_seq_len
+        if meta.num_seqs == 1:
+            r = int(meta.block_tables[0, 0])  # the runner builds block tables on the host
+            return kc[r : r + 1, :, :L], vc[r : r + 1, :, :L]  # views: no copy
+        rows = meta.block_tables[:, 0]
+        return kc[rows, :, :L], vc[rows, :, :L]

@@ -1,0 +1,106 @@
+"""`LLM`: the offline Python API, shaped like vLLM's (`LLM(model).generate(prompts, params)`).
+
+A thin loop over `Engine.add_request()` and `Engine.step()`: it knows nothing about caches or batching.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator, Sequence
+from typing import Any, Union
+
+from kvlm.config import EngineConfig
+from kvlm.engine import Engine
+from kvlm.request import Request, RequestOutput, StreamDelta
+from kvlm.sampling_params import SamplingParams
+
+PromptType = Union[str, dict[str, Any]]  # "text" or {"prompt_token_ids": [...]} / {"prompt": "text"}
+Message = dict[str, str]
+
+
+def _prompt_input(p: PromptType) -> str | list[int]:
+    if isinstance(p, str):
+        return p
+    if isinstance(p, dict) and "prompt_token_ids" in p:
+        return list(p["prompt_token_ids"])
+    if isinstance(p, dict) and "prompt" in p:
+        return str(p["prompt"])
+    raise TypeError("a prompt is a string or a dict with 'prompt_token_ids' or 'prompt'")
+
+
+class LLM:
+    """Load a model (alias, .gguf file or HF folder) and generate from it.
+
+    Keyword arguments are `EngineConfig` fields (dtype, device, enable_kv_cache, max_model_len,
+    kv_cache_layout, block_size, max_num_seqs, max_num_batched_tokens, kv_cache_memory, num_threads).
+    """
+
+    def __init__(self, model: str | os.PathLike = "smollm2-135m", quiet: bool = True, **engine_kwargs: Any) -> None:
+        self.llm_engine = Engine(model, EngineConfig(**engine_kwargs), quiet=quiet)
+        self.tokenizer = self.llm_engine.tokenizer
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for every prompt (batched by the engine); outputs in input order."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(f"got {len(params_list)} sampling params for {len(prompts)} prompts")
+        eng = self.llm_engine
+        reqs: list[Request] = []
+        try:
+            for p, sp in zip(prompts, params_list):
+                reqs.append(eng.add_request(_prompt_input(p), sp))
+            self._run(reqs, use_tqdm and sys.stderr.isatty() and len(reqs) > 1)
+        except BaseException:
+            for r in reqs:
+                eng.abort(r.request_id)
+            raise
+        return [RequestOutput.from_request(r) for r in reqs]
+
+    def _run(self, reqs: list[Request], progress: bool) -> None:
+        from tqdm import tqdm
+
+        eng = self.llm_engine
+        with tqdm(total=len(reqs), desc="generating", unit="req", disable=not progress) as bar:
+            while any(not r.is_finished for r in reqs):
+                for d in eng.step():
+                    if d.finished:
+                        bar.update(1)
+
+    def chat(self, messages: list[Message] | list[list[Message]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             add_generation_prompt: bool = True, use_tqdm: bool = True) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation (or a list of them) and generate."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.render_chat(c, add_generation_prompt) for c in convs]  # type: ignore[arg-type]
+        return self.generate([{"prompt_token_ids": p} for p in prompts], sampling_params, use_tqdm)
+
+    def render_chat(self, messages: list[Message], add_generation_prompt: bool = True) -> list[int]:
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
+               reuse: Request | None = None, keep_kv: bool = False) -> Iterator[StreamDelta]:
+        """Yield text and token ids as they are generated (UTF-8 safe, stop strings never partial).
+
+        The finished `Request` (with metrics) is available as `self.last_request` afterwards; with
+        keep_kv=True it keeps its KV blocks so the next call can pass it as `reuse`.
+        """
+        eng = self.llm_engine
+        req = eng.add_request(_prompt_input(prompt), sampling_params, reuse=reuse)
+        self.last_request = req
+        try:
+            while not req.is_finished:
+                for d in eng.step(keep_kv=keep_kv):
+                    if d.request_id == req.request_id:
+                        yield d
+        finally:
+            if not req.is_finished:  # the consumer stopped early (or raised): free the request
+                eng.abort(req.request_id)

@@ -1,0 +1,66 @@
+"""Model loading: a name or path -> (`ModelConfig`, HF-named state dict, `Tokenizer`).
+
+`registry` resolves aliases (pulling named models on first use); `gguf` and `safetensors` read the two
+formats. Both produce the same HF-named float32 state dict, so the model code never sees a format.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from kvlm.config import ModelConfig
+from kvlm.errors import ModelLoadError
+from kvlm.loader.registry import DEFAULT_MODEL, resolve_model
+from kvlm.tokenizer import Tokenizer, TokenizerError
+
+__all__ = ["DEFAULT_MODEL", "load_checkpoint", "load_config", "resolve_model"]
+
+
+def _gguf_file(path: Path) -> Path | None:
+    if path.is_file():
+        return path
+    ggufs = sorted(path.glob("*.gguf"))
+    if ggufs and not (path / "config.json").is_file():
+        return ggufs[0]
+    return None
+
+
+def load_checkpoint(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
+    """Read a .gguf file or an HF folder (already resolved to a local path)."""
+    p = Path(path)
+    gg = _gguf_file(p)
+    try:
+        if gg is not None:
+            from kvlm.loader.gguf import load_gguf
+
+            config, state, fields = load_gguf(gg)
+            tokenizer = Tokenizer.from_gguf_fields(fields)
+        else:
+            from kvlm.loader.safetensors import load_hf_dir
+
+            config, state = load_hf_dir(p)
+            tokenizer = Tokenizer.from_hf_dir(p)
+    except TokenizerError as e:
+        raise ModelLoadError(f"{p}: bad tokenizer: {e}") from None
+    return config, state, tokenizer
+
+
+def load_config(path: str | os.PathLike) -> ModelConfig:
+    """Only the config (no tensors dequantized): for `kvlm info` and `kvlm kv-size`."""
+    p = Path(path)
+    gg = _gguf_file(p)
+    if gg is not None:
+        from kvlm.loader.gguf import config_from_gguf, read_gguf
+
+        reader, fields = read_gguf(gg)
+        return config_from_gguf(fields, {t.name for t in reader.tensors})
+    import json
+
+    cfg = p / "config.json" if p.is_dir() else p
+    try:
+        return ModelConfig.from_hf_dict(json.loads(cfg.read_text()))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ModelLoadError(f"{cfg}: cannot read config ({e})") from None

@@ -1,0 +1,194 @@
+"""GGUF files -> (`ModelConfig`, HF-named float tensors, tokenizer metadata).
+
+This module owns everything GGUF-specific: checking the header before trusting any size in it,
+translating `{arch}.*` metadata into `ModelConfig` fields, dequantizing tensors with the `gguf` package,
+the GGUF -> Hugging Face tensor-name table and the Q/K RoPE un-permute that llama.cpp's converter applied.
+It knows nothing about the model code beyond those names.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import struct
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvlm.config import ModelConfig
+from kvlm.errors import ModelLoadError, UnsupportedModelError
+
+GGUF_MAGIC = b"GGUF"
+# Sanity limits for the header counts: a corrupt header must not make us allocate or loop for ever.
+_MAX_TENSORS = 1_000_000
+_MAX_KV = 1_000_000
+
+# Tensor types we dequantize (the gguf package implements them in numpy).
+SUPPORTED_TENSOR_TYPES = frozenset(
+    ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
+)
+
+# GGUF architecture -> HF model_type.
+_ARCH_TO_MODEL_TYPE = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
+
+# The one GGUF -> HF name table. Per-layer names are under "blk.{i}." / "model.layers.{i}.".
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+    "rope_freqs.weight": "rope_freqs",  # llama3-style per-frequency scaling factors
+}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+
+
+def gguf_to_hf_name(name: str) -> str | None:
+    """Map a GGUF tensor name to its HF name; None for tensors we do not use."""
+    if name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[name]
+    m = _LAYER_RE.match(name)
+    if m and m.group(2) in _LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    return None
+
+
+def unpermute_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's Q/K permutation (interleaved RoPE pairs -> HF's rotate-half halves).
+
+    The converter reshaped each head's rows as (2, head_dim/2) and swapped to (head_dim/2, 2); we swap back.
+    Works for weights (rows, cols) and biases (rows,).
+    """
+    rows = w.shape[0]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def check_header(path: Path) -> None:
+    """Validate magic, version and counts against the file size before the reader trusts them."""
+    size = path.stat().st_size
+    if size < 24:
+        raise ModelLoadError(f"{path}: not a GGUF file (only {size} bytes)")
+    with open(path, "rb") as f:
+        head = f.read(24)
+    if head[:4] != GGUF_MAGIC:
+        raise ModelLoadError(f"{path}: not a GGUF file (bad magic {head[:4]!r})")
+    version, n_tensors, n_kv = struct.unpack("<IQQ", head[4:24])
+    if version not in (2, 3):
+        raise ModelLoadError(f"{path}: unsupported GGUF version {version}")
+    # Each tensor info and each key/value takes at least ~24 bytes in the file.
+    if n_tensors > _MAX_TENSORS or n_kv > _MAX_KV or 24 * (n_tensors + n_kv) > size:
+        raise ModelLoadError(f"{path}: corrupt GGUF header ({n_tensors} tensors, {n_kv} metadata keys)")
+
+
+def read_gguf(path: str | os.PathLike) -> tuple[Any, dict[str, Any]]:
+    """Open a GGUF file after checking it; returns (GGUFReader, metadata as plain Python values)."""
+    from gguf import GGUFReader
+
+    p = Path(path)
+    if not p.is_file():
+        raise ModelLoadError(f"{p}: no such model file")
+    check_header(p)
+    try:
+        reader = GGUFReader(p)
+        fields = {k: f.contents() for k, f in reader.fields.items()}
+    except Exception as e:  # the reader raises assorted errors on damaged files
+        raise ModelLoadError(f"{p}: corrupt or truncated GGUF file ({type(e).__name__}: {e})") from None
+    size = p.stat().st_size
+    for t in reader.tensors:
+        if t.data_offset + int(t.n_bytes) > size or t.data.nbytes != int(t.n_bytes):
+            raise ModelLoadError(f"{p}: truncated GGUF file (tensor {t.name} runs past the end)")
+    return reader, fields
+
+
+def config_from_gguf(fields: dict[str, Any], tensor_names: set[str]) -> ModelConfig:
+    """Translate GGUF metadata into a `ModelConfig` (HF field names)."""
+    arch = fields.get("general.architecture")
+    if arch not in _ARCH_TO_MODEL_TYPE:
+        raise UnsupportedModelError(
+            f"unsupported architecture {arch!r}; kvlm supports {', '.join(sorted(_ARCH_TO_MODEL_TYPE))}"
+        )
+
+    def get(key: str, default: Any = None) -> Any:
+        val = fields.get(f"{arch}.{key}", default)
+        if val is None:
+            raise ModelLoadError(f"GGUF metadata lacks {arch}.{key}")
+        return val
+
+    heads = int(get("attention.head_count"))
+    hidden = int(get("embedding_length"))
+    vocab = fields.get(f"{arch}.vocab_size") or len(fields.get("tokenizer.ggml.tokens") or [])
+    rope_scaling = None
+    if fields.get(f"{arch}.rope.scaling.type") == "linear":
+        rope_scaling = {"rope_type": "linear", "factor": float(fields[f"{arch}.rope.scaling.factor"])}
+    return ModelConfig(
+        model_type=_ARCH_TO_MODEL_TYPE[arch],
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(get("feed_forward_length")),
+        num_hidden_layers=int(get("block_count")),
+        num_attention_heads=heads,
+        num_key_value_heads=int(get("attention.head_count_kv", heads)),
+        head_dim=int(fields.get(f"{arch}.attention.key_length") or hidden // heads),
+        max_position_embeddings=int(get("context_length", 2048)),
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(get("rope.freq_base", 10000.0)),
+        rope_scaling=rope_scaling,
+        tie_word_embeddings="output.weight" not in tensor_names,
+        attention_bias="blk.0.attn_q.bias" in tensor_names,
+        qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
+        bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
+        eos_token_id=fields.get("tokenizer.ggml.eos_token_id"),
+    )
+
+
+def dequantize_tensor(t: Any) -> torch.Tensor:
+    """One GGUF tensor -> float32 torch tensor in HF (row-major, out x in) shape."""
+    from gguf import quants
+
+    qtype = t.tensor_type.name
+    if qtype not in SUPPORTED_TENSOR_TYPES:
+        raise UnsupportedModelError(f"tensor {t.name} has unsupported type {qtype}")
+    shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # GGUF lists dims fastest-first
+    if qtype == "F32":
+        arr = np.array(t.data, dtype=np.float32)  # copy: the reader memory-maps read-only
+    elif qtype == "F16":
+        arr = np.asarray(t.data, dtype=np.float16).astype(np.float32)
+    else:
+        arr = quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+    return torch.from_numpy(np.ascontiguousarray(arr).reshape(shape))
+
+
+def load_gguf(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str, Any]]:
+    """Load a GGUF model: (config, HF-named float32 state dict, metadata fields for the tokenizer)."""
+    reader, fields = read_gguf(path)
+    names = {t.name for t in reader.tensors}
+    config = config_from_gguf(fields, names)
+    state: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        hf = gguf_to_hf_name(t.name)
+        if hf is None:
+            continue
+        try:
+            w = dequantize_tensor(t)
+        except (ValueError, AssertionError) as e:
+            raise ModelLoadError(f"{path}: cannot read tensor {t.name} ({e})") from None
+        if fields.get("general.architecture") == "llama":
+            if hf.endswith("q_proj.weight") or hf.endswith("q_proj.bias"):
+                w = unpermute_rope(w, config.num_attention_heads)
+            elif hf.endswith("k_proj.weight") or hf.endswith("k_proj.bias"):
+                w = unpermute_rope(w, config.num_key_value_heads)
+        state[hf] = w
+    return config, state, fields

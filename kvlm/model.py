@@ -1,0 +1,193 @@
+"""The Llama family (Llama 2/3, SmolLM/SmolLM2, Mistral, Qwen2/2.5, Qwen3) as one PyTorch module tree.
+
+Module names equal Hugging Face checkpoint names (`model.layers.0.self_attn.q_proj`), so loading is a
+dictionary copy; format-specific renaming lives in `loader/`. The model works on a flat batch:
+`forward(input_ids (T,), positions (T,), kv_cache, meta)` where the T tokens may come from many
+sequences (prefill chunks and decodes mixed); `meta` (attention.AttentionMetadata) says which is which.
+The model owns no cache state: each attention layer asks the cache for its context.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvlm.attention import AttentionMetadata, attention
+from kvlm.config import ModelConfig
+from kvlm.errors import ModelLoadError
+from kvlm.kv_cache import KVCache
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 like the reference, then cast back before the weight.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(config: ModelConfig, rope_freqs: torch.Tensor | None = None) -> torch.Tensor:
+    """(head_dim/2,) inverse frequencies, with llama3 / linear scaling or GGUF per-frequency factors."""
+    D = config.head_dim
+    inv = 1.0 / (config.rope_theta ** (torch.arange(0, D, 2, dtype=torch.int64).float() / D))
+    rs = config.rope_scaling or {}
+    kind = rs.get("rope_type", rs.get("type", "default"))
+    if kind == "linear":
+        inv = inv / float(rs["factor"])
+    elif kind == "llama3":
+        factor, lo, hi = float(rs["factor"]), float(rs["low_freq_factor"]), float(rs["high_freq_factor"])
+        old = float(rs["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > old / lo, inv / factor, inv)
+        smooth = (old / wavelen - lo) / (hi - lo)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old / hi) & ~(wavelen > old / lo)
+        inv = torch.where(medium, smoothed, scaled)
+    if rope_freqs is not None:
+        inv = inv / rope_freqs.float()
+    return inv
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_heads, self.n_kv, self.head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        h, bias = config.hidden_size, config.attention_bias
+        self.q_proj = nn.Linear(h, self.n_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(h, self.n_kv * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(h, self.n_kv * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, h, bias=False)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.qk_norm = config.qk_norm
+        self.scale = self.head_dim**-0.5
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        T = x.shape[0]
+        q = self.q_proj(x).view(T, self.n_heads, self.head_dim)  # (T, nh, D)
+        k = self.k_proj(x).view(T, self.n_kv, self.head_dim)  # (T, kvh, D)
+        v = self.v_proj(x).view(T, self.n_kv, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q * cos + rotate_half(q) * sin  # cos, sin: (T, 1, D)
+        k = k * cos + rotate_half(k) * sin
+        kk, vv = kv_cache.update_and_fetch(self.layer_idx, k, v, meta)  # (B, kvh, L, D)
+        return self.o_proj(attention(q, kk, vv, meta, self.scale))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        h, i = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(h, i, bias=False)
+        self.up_proj = nn.Linear(h, i, bias=False)
+        self.down_proj = nn.Linear(i, h, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, layer_idx)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """forward() -> final hidden states (T, hidden); compute_logits() -> float32 logits for chosen rows."""
+
+    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.max_positions = max_positions
+        self.set_rope(rope_inv_freq(config))
+
+    def set_rope(self, inv_freq: torch.Tensor) -> None:
+        # cos/sin tables for every position we may see: (max_positions, D), computed in float32.
+        t = torch.arange(self.max_positions, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        dev = self.model.embed_tokens.weight.device
+        self.register_buffer("rope_cos", emb.cos().to(dev), persistent=False)
+        self.register_buffer("rope_sin", emb.sin().to(dev), persistent=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        x = self.model.embed_tokens(input_ids)  # (T, hidden)
+        cos = self.rope_cos[positions].to(x.dtype).unsqueeze(1)  # (T, 1, D)
+        sin = self.rope_sin[positions].to(x.dtype).unsqueeze(1)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, kv_cache, meta)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()  # (N, vocab)
+
+    def to_input_major(self) -> None:
+        """Store every linear weight (out, in) in input-major memory order (a transposed view of an
+        (in, out) contiguous tensor). Same values and shapes; on CPU the matrix-vector product of a
+        decode step then runs as x @ W_t, which PyTorch's GEMM streams about twice as fast as its GEMV
+        over the (out, in) layout (bench: kvlm bench decode). Tied embeddings are transposed once."""
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                m.weight.data = m.weight.data.t().contiguous().t()
+
+    def load_weights(self, state: dict[str, torch.Tensor]) -> None:
+        """Copy an HF-named state dict in; shape and name mismatches become one readable error."""
+        state = dict(state)
+        rope_freqs = state.pop("rope_freqs", None)
+        if rope_freqs is not None:
+            self.set_rope(rope_inv_freq(self.config, rope_freqs))
+        if self.config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        own = self.state_dict()
+        if self.config.tie_word_embeddings:
+            own.pop("lm_head.weight", None)
+        missing = sorted(set(own) - set(state))
+        if missing:
+            raise ModelLoadError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[0]}")
+        for name, t in state.items():
+            if name not in own:
+                continue  # e.g. rotary inv_freq buffers in old checkpoints
+            if tuple(t.shape) != tuple(own[name].shape):
+                raise ModelLoadError(
+                    f"tensor {name} has shape {tuple(t.shape)}, config implies {tuple(own[name].shape)}"
+                )
+            with torch.no_grad():
+                own[name].copy_(t)

@@ -1,0 +1,155 @@
+"""The request object that flows through schedule -> execute -> update, and the outputs users receive.
+
+A `Request` holds everything about one generation: its token ids (prompt then output), how many of them
+already have K/V in the cache (`num_computed_tokens`), its block table, sampling parameters, status,
+streaming-text state and metrics. The scheduler, block manager, runner and engine all read and update
+this one object; there are no side tables keyed by request id.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import TYPE_CHECKING, Literal
+
+from kvlm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvlm.tokenizer import IncrementalDetokenizer
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class RequestStatus(Enum):
+    WAITING = "waiting"  # queued, or preempted and queued again (its KV was freed; it will recompute)
+    RUNNING = "running"  # holds blocks; prefilling in chunks or decoding
+    FINISHED = "finished"
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    """Timings (time.perf_counter seconds) and cache figures of one request."""
+
+    arrival_time: float = field(default_factory=time.perf_counter)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens whose K/V were reused, not recomputed
+    num_generated_tokens: int = 0
+    num_preemptions: int = 0
+    blocks_held: int = 0  # at the last step it ran
+    kv_bytes_held: int = 0  # bytes of the blocks held
+    kv_bytes_used: int = 0  # bytes of those blocks actually filled (held - used = paging waste)
+
+    @property
+    def time_in_queue(self) -> float | None:
+        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
+
+    @property
+    def ttft(self) -> float | None:
+        """Time to first token: arrival to the end of the prefill that produced it."""
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def decode_tokens_per_s(self) -> float | None:
+        if self.finished_time is None or self.first_token_time is None or self.num_generated_tokens < 2:
+            return None
+        dt = self.finished_time - self.first_token_time
+        return (self.num_generated_tokens - 1) / dt if dt > 0 else None
+
+    def as_dict(self) -> dict[str, float | int | None]:
+        return {
+            "prompt_tokens": self.num_prompt_tokens,
+            "cached_tokens": self.num_cached_tokens,
+            "generated_tokens": self.num_generated_tokens,
+            "time_in_queue_s": self.time_in_queue,
+            "ttft_s": self.ttft,
+            "decode_tokens_per_s": self.decode_tokens_per_s,
+            "preemptions": self.num_preemptions,
+            "kv_blocks_held": self.blocks_held,
+            "kv_bytes_held": self.kv_bytes_held,
+            "kv_bytes_waste": self.kv_bytes_held - self.kv_bytes_used,
+        }
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    request_id: str
+    token_ids: list[int]  # prompt, then every generated token
+    num_prompt_tokens: int
+    params: SamplingParams
+    prompt: str | None = None
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0  # leading tokens whose K/V are in the cache
+    block_table: list[int] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    logprobs: list[dict[int, float]] | None = None
+    text: str = ""  # final text emitted so far (stop strings never enter it)
+    pending_text: str = ""  # decoded but held back: it may be the start of a stop string
+    detokenizer: IncrementalDetokenizer | None = None
+    generator: torch.Generator | None = None
+    metrics: RequestMetrics = field(default_factory=RequestMetrics)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason | None
+    stop_reason: str | int | None = None
+    logprobs: list[dict[int, float]] | None = None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What `LLM.generate` returns per prompt (vLLM's shape): `.outputs[0].text`, `.outputs[0].token_ids`."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics
+
+    @classmethod
+    def from_request(cls, req: Request) -> RequestOutput:
+        out = CompletionOutput(0, req.text, req.output_token_ids, req.finish_reason, req.stop_reason,
+                               None if req.logprobs is None else list(req.logprobs))
+        return cls(req.request_id, req.prompt, req.prompt_token_ids, [out], req.is_finished, req.metrics)
+
+
+@dataclass(slots=True)
+class StreamDelta:
+    """One streaming update: text and token ids new since the last delta of this request."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finished: bool
+    finish_reason: FinishReason | None = None

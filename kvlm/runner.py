@@ -1,0 +1,92 @@
+"""Model runner: turns a `ScheduledBatch` into tensors, runs the model once, samples.
+
+It owns the model, the KV cache tensors and the device. Per step it builds the flat input (token ids and
+positions of every scheduled token, all requests concatenated), the `AttentionMetadata` (slot mapping,
+block tables, lengths, mask) once, runs one forward pass, computes logits only for requests whose
+scheduled tokens reach the end of their sequence (a prefill chunk in the middle of a prompt samples
+nothing), and calls the sampler.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvlm.attention import AttentionMetadata, build_attn_mask
+from kvlm.kv_cache import KVCache
+from kvlm.model import LlamaForCausalLM
+from kvlm.request import Request
+from kvlm.sampler import sample
+from kvlm.scheduler import ScheduledBatch
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    """Requests that produced a token this step, with their tokens, logprobs and float32 logits (N, V)."""
+
+    requests: list[Request]
+    token_ids: list[int]
+    logprobs: list[dict[int, float] | None]
+    logits: torch.Tensor | None
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, device: torch.device) -> None:
+        self.model, self.kv_cache, self.device = model, kv_cache, device
+
+    def build_metadata(self, batch: ScheduledBatch) -> tuple[torch.Tensor, AttentionMetadata, list[Request]]:
+        """Flat input ids (T,) and the step's metadata; also the requests that sample this step."""
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
+        logits_rows: list[int] = []
+        samplers: list[Request] = []
+        bs = self.kv_cache.block_size
+        for req, n in zip(batch.requests, batch.num_new_tokens):
+            start = req.num_computed_tokens
+            ids.extend(req.token_ids[start : start + n])
+            positions.extend(range(start, start + n))
+            bt = req.block_table
+            slots.extend(bt[p // bs] * bs + p % bs for p in range(start, start + n))
+            query_lens.append(n)
+            seq_lens.append(start + n)
+            if start + n == req.num_tokens:  # this chunk reaches the end: the request gets a token
+                logits_rows.append(len(ids) - 1)
+                samplers.append(req)
+        B = len(query_lens)
+        max_blocks = max(len(r.block_table) for r in batch.requests)
+        tables = [r.block_table + [0] * (max_blocks - len(r.block_table)) for r in batch.requests]
+        single_full = B == 1 and (query_lens[0] == 1 or query_lens[0] == seq_lens[0])
+        q_pad_index = mask = None
+        if B > 1:
+            max_q = max(query_lens)
+            q_pad_index = torch.tensor(
+                [b * max_q + i for b, n in enumerate(query_lens) for i in range(n)], device=self.device
+            )
+        if not single_full:
+            mask = build_attn_mask(query_lens, seq_lens, self.device)
+        dev = self.device
+        meta = AttentionMetadata(
+            positions=torch.tensor(positions, device=dev),
+            slot_mapping=torch.tensor(slots, device=dev),
+            block_tables=torch.tensor(tables, device=dev),
+            query_lens=tuple(query_lens),
+            seq_lens=tuple(seq_lens),
+            q_pad_index=q_pad_index,
+            attn_mask=mask,
+            logits_indices=torch.tensor(logits_rows, device=dev),
+        )
+        return torch.tensor(ids, device=dev), meta, samplers
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch, keep_logits: bool = False) -> StepResult:
+        input_ids, meta, samplers = self.build_metadata(batch)
+        hidden = self.model(input_ids, meta.positions, self.kv_cache, meta)  # (T, hidden)
+        if not samplers:
+            return StepResult([], [], [], None)
+        logits = self.model.compute_logits(hidden[meta.logits_indices])  # (N, vocab) float32
+        out = sample(logits, samplers)
+        return StepResult(samplers, out.token_ids, out.logprobs, logits if keep_logits else None)

@@ -1,0 +1,93 @@
+"""Sampler: logits of a batch -> one token per row, each row under its own `SamplingParams`.
+
+Batched over rows with per-row parameters as tensors (temperature, top-k, top-p, min-p). Randomness comes
+from each request's own `torch.Generator`, so a seeded request draws the same tokens whatever it is
+batched with. Draws use the exponential race (argmax of p / E, E ~ Exp(1)), which samples exactly from p
+without a host sync. Logprobs are those of the model's raw distribution (before penalties/temperature).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvlm.request import Request
+
+
+@dataclass(frozen=True, slots=True)
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[dict[int, float] | None]
+
+
+def apply_penalties(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+    """Repetition (HF: prompt + output), presence and frequency (output only) penalties, in place."""
+    V = logits.shape[1]
+    for i, r in enumerate(reqs):
+        p = r.params
+        if p.repetition_penalty != 1.0:
+            ids = torch.tensor(sorted(set(r.token_ids)), device=logits.device, dtype=torch.long)
+            ids = ids[ids < V]
+            sel = logits[i, ids]
+            logits[i, ids] = torch.where(sel > 0, sel / p.repetition_penalty, sel * p.repetition_penalty)
+        if p.presence_penalty or p.frequency_penalty:
+            out = torch.tensor(r.output_token_ids, device=logits.device, dtype=torch.long)
+            counts = torch.bincount(out[out < V], minlength=V).to(logits.dtype)
+            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                  min_p: torch.Tensor) -> torch.Tensor:
+    """Mask to -inf what top-k (0 = off), top-p (1 = off) and min-p (0 = off) exclude. logits: (B, V)."""
+    V = logits.shape[1]
+    sorted_logits, _ = logits.sort(dim=-1, descending=True)
+    k = torch.where(top_k > 0, top_k, torch.full_like(top_k, V)).clamp(max=V)
+    kth = sorted_logits.gather(1, (k - 1).unsqueeze(1))  # (B, 1): the k-th largest logit
+    keep = logits >= kth
+    # top-p: keep the smallest prefix of sorted tokens whose mass reaches top_p (always the first).
+    probs_sorted = sorted_logits.softmax(-1)
+    mass_before = probs_sorted.cumsum(-1) - probs_sorted
+    cutoff_idx = (mass_before < top_p.unsqueeze(1)).sum(-1, keepdim=True) - 1  # (B, 1)
+    keep &= logits >= sorted_logits.gather(1, cutoff_idx)
+    # min-p: drop tokens less likely than min_p x the top token.
+    probs = logits.softmax(-1)
+    keep &= probs >= min_p.unsqueeze(1) * probs.max(-1, keepdim=True).values
+    return logits.masked_fill(~keep, float("-inf"))
+
+
+def sample(logits: torch.Tensor, reqs: list[Request]) -> SamplerOutput:
+    """logits: (B, V) float32, row i for reqs[i]. Returns the chosen token of each row."""
+    want_logprobs = any(r.params.logprobs is not None for r in reqs)
+    raw_logprobs = logits.log_softmax(-1) if want_logprobs else None
+    if any(r.params.repetition_penalty != 1.0 or r.params.presence_penalty or r.params.frequency_penalty
+           for r in reqs):
+        logits = apply_penalties(logits.clone(), reqs)
+    tokens = logits.argmax(-1)  # (B,) greedy choice for every row; sampled rows are overwritten
+    rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
+    if rows:
+        dev = logits.device
+        idx = torch.tensor(rows, device=dev)
+        sub = logits[idx]
+        temp = torch.tensor([reqs[i].params.temperature for i in rows], device=dev).unsqueeze(1)
+        top_k = torch.tensor([reqs[i].params.top_k for i in rows], device=dev)
+        top_p = torch.tensor([reqs[i].params.top_p for i in rows], device=dev, dtype=sub.dtype)
+        min_p = torch.tensor([reqs[i].params.min_p for i in rows], device=dev, dtype=sub.dtype)
+        probs = filter_logits(sub / temp, top_k, top_p, min_p).softmax(-1)
+        noise = torch.empty_like(probs)
+        for j, i in enumerate(rows):
+            noise[j].exponential_(generator=reqs[i].generator)
+        tokens[idx] = (probs / noise).argmax(-1)
+    token_list = tokens.tolist()  # the one host sync of a step: the engine needs the ids
+    lps: list[dict[int, float] | None] = [None] * len(reqs)
+    if raw_logprobs is not None:
+        for i, r in enumerate(reqs):
+            k = r.params.logprobs
+            if k is None:
+                continue
+            vals, ids = raw_logprobs[i].topk(k) if k else (raw_logprobs[i][:0], raw_logprobs[i][:0].long())
+            d = dict(zip(ids.tolist(), vals.tolist()))
+            d[token_list[i]] = float(raw_logprobs[i, token_list[i]])
+            lps[i] = d
+    return SamplerOutput(token_list, lps)
