@@ -71,14 +71,16 @@ def attention(
     if meta.is_decode_only:
         # One query per sequence: view it as (B, kv_heads, group, D) so each K/V head serves its group of
         # query heads directly (HF's head order: head h uses kv head h // group).
-        qg = q.view(B, kvh, nh // kvh, D)
+        qg = q.reshape(B, kvh, nh // kvh, D)
         mask = None if meta.attn_mask is None else meta.attn_mask[:, :, :1, :]  # (B, 1, 1, L) key padding
         out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
         return out.reshape(T, nh * D)
-    if meta.attn_mask is None:
-        # A single sequence whose whole context is new (prefill from position 0): plain causal attention.
+    if B == 1:
+        # One sequence: no padding. Without a mask its whole context is new (prefill from position 0),
+        # so plain causal attention; with cached history the mask offsets the causal diagonal.
         qp = q.transpose(0, 1).unsqueeze(0)  # (1, nh, T, D)
-        out = F.scaled_dot_product_attention(qp, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        out = F.scaled_dot_product_attention(qp, k, v, attn_mask=meta.attn_mask, is_causal=meta.attn_mask is None,
+                                             scale=scale, enable_gqa=True)
         return out[0].transpose(0, 1).reshape(T, nh * D)
     # General mixed batch: scatter queries into a padded (B, nh, max_q, D) layout and mask.
     max_q = meta.max_query_len

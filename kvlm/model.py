@@ -28,7 +28,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32 like the reference, then cast back before the weight.
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one fused kernel
+        # Half precision: normalise in float32 like the reference, cast back before the weight.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
@@ -56,20 +58,37 @@ def rope_inv_freq(config: ModelConfig, rope_freqs: torch.Tensor | None = None) -
     return inv
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+_STACKS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def stack_weights(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Replace `...q_proj.weight`, `...k_proj.weight`, `...v_proj.weight` by `...qkv_proj.weight`
+    (rows concatenated in that order), likewise biases and gate/up -> gate_up_proj."""
+    for key in [k for k in state if ".q_proj." in k or ".gate_proj." in k]:
+        for stacked, parts in _STACKS.items():
+            if f".{parts[0]}." in key:
+                names = [key.replace(f".{parts[0]}.", f".{p}.") for p in parts]
+                if all(n in state for n in names):
+                    state[key.replace(f".{parts[0]}.", f".{stacked}.")] = torch.cat([state.pop(n) for n in names])
+    return state
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """HF's rotate-half RoPE: x * cos + rotate_half(x) * sin, where rotate_half([a, b]) = [-b, a].
+    roll(x, D/2) gives [b, a]; the sign lives in the table (sin_signed = [-sin, sin]), saving two ops."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed
 
 
 class LlamaAttention(nn.Module):
+    """q/k/v projections are stacked into one `qkv_proj` (and gate/up into `gate_up_proj` in the MLP):
+    one matrix product per step instead of three; `load_weights` stacks the checkpoint's tensors."""
+
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.n_heads, self.n_kv, self.head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
-        h, bias = config.hidden_size, config.attention_bias
-        self.q_proj = nn.Linear(h, self.n_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(h, self.n_kv * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(h, self.n_kv * self.head_dim, bias=bias)
+        h = config.hidden_size
+        self.qkv_proj = nn.Linear(h, (self.n_heads + 2 * self.n_kv) * self.head_dim, bias=config.attention_bias)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, h, bias=False)
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -79,14 +98,13 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
-        T = x.shape[0]
-        q = self.q_proj(x).view(T, self.n_heads, self.head_dim)  # (T, nh, D)
-        k = self.k_proj(x).view(T, self.n_kv, self.head_dim)  # (T, kvh, D)
-        v = self.v_proj(x).view(T, self.n_kv, self.head_dim)
+        T, nh, kvh = x.shape[0], self.n_heads, self.n_kv
+        qkv = self.qkv_proj(x).view(T, nh + 2 * kvh, self.head_dim)  # (T, nh + 2 kvh, D)
+        qk, v = qkv[:, : nh + kvh], qkv[:, nh + kvh :]
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = q * cos + rotate_half(q) * sin  # cos, sin: (T, 1, D)
-        k = k * cos + rotate_half(k) * sin
+            qk = torch.cat((self.q_norm(qk[:, :nh]), self.k_norm(qk[:, nh:])), dim=1)
+        qk = apply_rope(qk, cos, sin)  # queries and keys at once; cos, sin: (T, 1, D)
+        q, k = qk[:, :nh], qk[:, nh:]
         kk, vv = kv_cache.update_and_fetch(self.layer_idx, k, v, meta)  # (B, kvh, L, D)
         return self.o_proj(attention(q, kk, vv, meta, self.scale))
 
@@ -95,12 +113,12 @@ class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         h, i = config.hidden_size, config.intermediate_size
-        self.gate_proj = nn.Linear(h, i, bias=False)
-        self.up_proj = nn.Linear(h, i, bias=False)
+        self.gate_up_proj = nn.Linear(h, 2 * i, bias=False)
         self.down_proj = nn.Linear(i, h, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -145,7 +163,9 @@ class LlamaForCausalLM(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         dev = self.model.embed_tokens.weight.device
         self.register_buffer("rope_cos", emb.cos().to(dev), persistent=False)
-        self.register_buffer("rope_sin", emb.sin().to(dev), persistent=False)
+        sin = emb.sin()
+        half = sin.shape[-1] // 2
+        self.register_buffer("rope_sin", torch.cat((-sin[:, :half], sin[:, half:]), -1).to(dev), persistent=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
@@ -169,8 +189,11 @@ class LlamaForCausalLM(nn.Module):
                 m.weight.data = m.weight.data.t().contiguous().t()
 
     def load_weights(self, state: dict[str, torch.Tensor]) -> None:
-        """Copy an HF-named state dict in; shape and name mismatches become one readable error."""
-        state = dict(state)
+        """Copy an HF-named state dict in; shape and name mismatches become one readable error.
+
+        The checkpoint's separate q/k/v and gate/up tensors are concatenated into the stacked modules.
+        """
+        state = stack_weights(dict(state))
         rope_freqs = state.pop("rope_freqs", None)
         if rope_freqs is not None:
             self.set_rope(rope_inv_freq(self.config, rope_freqs))

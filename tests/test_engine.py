@@ -1,0 +1,195 @@
+"""Engine behaviour on a tiny random model: the KV cache never changes the answer.
+
+Cached decode == full recompute; paged == contiguous; a request alone == inside a batch (chunked
+prefill, mixed steps); preemption by recompute changes nothing; abort frees everything; seeds, streaming
+and chat-turn cache reuse.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvlm import LLM, SamplingParams
+from kvlm.engine import Engine
+from kvlm.errors import PromptTooLongError
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+def run_engine(engine: Engine, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] = GREEDY,
+               order: list[int] | None = None) -> tuple[dict[int, list[int]], dict[int, list[torch.Tensor]]]:
+    """Run prompts to completion; returns tokens and per-step logits keyed by prompt index."""
+    plist = params if isinstance(params, list) else [params] * len(prompts)
+    order = order if order is not None else list(range(len(prompts)))
+    reqs = {i: engine.add_request(prompts[i], plist[i]) for i in order}
+    logits: dict[int, list[torch.Tensor]] = {i: [] for i in reqs}
+    index = {r.request_id: i for i, r in reqs.items()}
+    while engine.has_unfinished:
+        engine.step(keep_logits=True)
+        res = engine.last_result
+        for j, r in enumerate(res.requests):
+            logits[index[r.request_id]].append(res.logits[j])
+        engine.block_manager.check(engine.scheduler.running)
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    return {i: r.output_token_ids for i, r in reqs.items()}, logits
+
+
+def random_prompts(n: int, seed: int, lo: int = 3, hi: int = 40) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(0, 256) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def test_cached_decode_equals_full_recompute(tiny_gguf: Path) -> None:
+    """Every cached decode step's logits equal a full recompute of the same sequence."""
+    prompts = random_prompts(1, 0)
+    cached, lc = run_engine(Engine(tiny_gguf, quiet=True), prompts)
+    nocache_engine = Engine(tiny_gguf, quiet=True, config=__import__("kvlm").EngineConfig(enable_kv_cache=False))
+    full, lf = run_engine(nocache_engine, prompts)
+    assert cached == full
+    assert len(lc[0]) == len(lf[0]) == GREEDY.max_tokens
+    for a, b in zip(lc[0], lf[0]):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "paged"])
+def test_layouts_agree(tiny_gguf: Path, layout: str) -> None:
+    """Paged and contiguous caches give identical tokens (and logits within float noise)."""
+    from kvlm import EngineConfig
+
+    prompts = random_prompts(4, 1)
+    ref, lref = run_engine(Engine(tiny_gguf, EngineConfig(kv_cache_layout="paged", block_size=4), quiet=True), prompts)
+    out, lout = run_engine(Engine(tiny_gguf, EngineConfig(kv_cache_layout=layout), quiet=True), prompts)
+    assert out == ref
+    for i in ref:
+        torch.testing.assert_close(torch.stack(lout[i]), torch.stack(lref[i]), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("batch,seed", [(2, 0), (5, 1), (9, 2), (16, 3)])
+def test_alone_equals_in_batch(tiny_gguf: Path, batch: int, seed: int) -> None:
+    """A prompt alone vs at a random position in a batch of mixed lengths with chunked prefill."""
+    from kvlm import EngineConfig
+
+    prompts = random_prompts(batch, seed, lo=2, hi=60)
+    target = random.Random(seed).randrange(batch)
+    alone, la = run_engine(Engine(tiny_gguf, EngineConfig(block_size=8), quiet=True), [prompts[target]])
+    # A small token budget forces prefill chunks that are mixed with other requests' decodes.
+    cfg = EngineConfig(block_size=8, max_num_batched_tokens=32, max_num_seqs=16)
+    batched, lb = run_engine(Engine(tiny_gguf, cfg, quiet=True), prompts)
+    assert batched[target] == alone[0]
+    torch.testing.assert_close(torch.stack(lb[target]), torch.stack(la[0]), atol=1e-4, rtol=0)
+
+
+def test_preemption_changes_nothing(tiny_gguf: Path) -> None:
+    """With a pool too small for all requests, some are preempted and recomputed: same tokens."""
+    from kvlm import EngineConfig
+
+    prompts = random_prompts(8, 7, lo=10, hi=30)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    free_run, _ = run_engine(Engine(tiny_gguf, EngineConfig(block_size=4), quiet=True), prompts, params)
+    small = Engine(tiny_gguf, EngineConfig(block_size=4, kv_cache_memory=24 * 4 * small_bytes(tiny_gguf)), quiet=True)
+    reqs = [small.add_request(p, params) for p in prompts]
+    while small.has_unfinished:
+        small.step()
+        small.block_manager.check(small.scheduler.running)
+    assert sum(r.metrics.num_preemptions for r in reqs) > 0
+    assert {i: r.output_token_ids for i, r in enumerate(reqs)} == free_run
+
+
+def small_bytes(path: Path) -> int:
+    """KV bytes per token of the tiny model in float32."""
+    from kvlm.loader import load_config
+
+    return int(load_config(path).kv_bytes_per_token(4))
+
+
+def test_abort_frees_blocks_and_others_finish_unchanged(tiny_gguf: Path) -> None:
+    prompts = random_prompts(3, 11)
+    ref, _ = run_engine(Engine(tiny_gguf, quiet=True), prompts)
+    e = Engine(tiny_gguf, quiet=True)
+    reqs = [e.add_request(p, GREEDY) for p in prompts]
+    for _ in range(3):
+        e.step()
+    assert reqs[1].block_table
+    assert e.abort(reqs[1].request_id)
+    assert reqs[1].block_table == [] and reqs[1].finish_reason == "abort"
+    assert not e.abort(reqs[1].request_id)
+    while e.has_unfinished:
+        e.step()
+    assert e.block_manager.num_free_blocks == e.block_manager.num_blocks
+    assert reqs[0].output_token_ids == ref[0] and reqs[2].output_token_ids == ref[2]
+
+
+def test_request_that_can_never_fit_is_rejected(tiny_gguf: Path) -> None:
+    from kvlm import EngineConfig
+
+    e = Engine(tiny_gguf, EngineConfig(block_size=4, kv_cache_memory=8 * 4 * small_bytes(tiny_gguf)), quiet=True)
+    with pytest.raises(PromptTooLongError, match="pool holds 32"):
+        e.add_request(list(range(20)), SamplingParams(max_tokens=20))
+    with pytest.raises(PromptTooLongError, match="context"):
+        e.add_request([1] * 300, SamplingParams(max_tokens=1))
+
+
+def test_seeds_and_top_k_one(tiny_gguf: Path) -> None:
+    llm = LLM(tiny_gguf)
+    prompt = {"prompt_token_ids": [5, 6, 7, 8]}
+
+    def toks(**kw: object) -> list[int]:
+        return llm.generate(prompt, SamplingParams(max_tokens=16, ignore_eos=True, **kw))[0].outputs[0].token_ids
+
+    assert toks(temperature=1.0, seed=1) == toks(temperature=1.0, seed=1)
+    assert toks(temperature=1.0, seed=1) != toks(temperature=1.0, seed=2)
+    assert toks(temperature=1.0, top_k=1, seed=3) == toks(temperature=0)
+    # A seeded request gives the same tokens inside a batch with other sampled requests.
+    others = [SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.7, top_p=0.9, seed=s) for s in (8, 9)]
+    batch = llm.generate([prompt, {"prompt_token_ids": [1, 2]}, {"prompt_token_ids": [9] * 30}],
+                         [SamplingParams(max_tokens=16, ignore_eos=True, temperature=1.0, seed=1), *others])
+    assert batch[0].outputs[0].token_ids == toks(temperature=1.0, seed=1)
+
+
+def test_stream_is_utf8_safe_and_matches_full_decode(tiny_gguf: Path) -> None:
+    """Random byte tokens split multi-byte characters: streamed text never holds a partial one."""
+    llm = LLM(tiny_gguf)
+    for seed in range(5):
+        params = SamplingParams(temperature=1.0, seed=seed, max_tokens=40, ignore_eos=True)
+        deltas = list(llm.stream("héllo 😀", params))
+        ids = [t for d in deltas for t in d.token_ids]
+        text = "".join(d.text for d in deltas)
+        assert text == llm.tokenizer.decode(ids)
+        assert deltas[-1].finished and deltas[-1].finish_reason == "length"
+        full = llm.tokenizer.decode(ids)
+        for d in deltas:  # no delta introduces a replacement char the full decode lacks
+            assert "\ufffd" not in d.text or "\ufffd" in full
+
+
+def test_chat_turn_reuses_cache_and_gives_same_tokens(tiny_gguf: Path) -> None:
+    llm = LLM(tiny_gguf)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    msgs = [{"role": "user", "content": "hello world"}]
+    first = list(llm.stream({"prompt_token_ids": llm.render_chat(msgs)}, params, keep_kv=True))
+    prev = llm.last_request
+    msgs += [{"role": "assistant", "content": "".join(d.text for d in first)}, {"role": "user", "content": "again"}]
+    ids = llm.render_chat(msgs)
+    second = [t for d in llm.stream({"prompt_token_ids": ids}, params, reuse=prev, keep_kv=True) for t in d.token_ids]
+    turn2 = llm.last_request
+    assert turn2.metrics.num_cached_tokens >= len(prev.prompt_token_ids)
+    fresh = llm.generate({"prompt_token_ids": ids}, params)[0].outputs[0].token_ids
+    assert second == fresh
+    llm.llm_engine.release(turn2)
+    eng = llm.llm_engine
+    assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+
+
+def test_generate_outputs_in_input_order_and_params_list(tiny_gguf: Path) -> None:
+    llm = LLM(tiny_gguf)
+    prompts = ["hello", {"prompt_token_ids": [1, 2, 3]}, "w"]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (3, 5, 7)]
+    outs = llm.generate(prompts, params)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [3, 5, 7]
+    assert outs[1].prompt_token_ids == [1, 2, 3]
+    assert all(o.outputs[0].finish_reason == "length" for o in outs)
+    with pytest.raises(ValueError, match="sampling params"):
+        llm.generate(prompts, params[:2])

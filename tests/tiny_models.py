@@ -1,0 +1,224 @@
+"""Tiny random models that tests write themselves: GGUF (via gguf.GGUFWriter) and HF safetensors folders.
+
+The GGUF writer does what llama.cpp's converter does (HF -> GGUF names, Q/K RoPE permutation for the
+llama architecture, optional quantization), so loading it back exercises kvlm's loader for real.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+# -------------------------------------------------------------------------------- a byte-level vocab
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    keep = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
+    extra = iter(range(256, 512))
+    return {b: chr(b) if b in keep else chr(next(extra)) for b in range(256)}
+
+
+BYTE = _bytes_to_unicode()
+SPELL = lambda text: "".join(BYTE[b] for b in text.encode())  # noqa: E731
+CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def byte_level_fields(**extra: Any) -> dict[str, Any]:
+    """A byte-level BPE vocab: every single byte, a few merges, and ChatML control tokens (GGUF fields)."""
+    merges = [("h", "e"), ("l", "l"), ("he", "ll"), ("hell", "o"), (SPELL(" "), "w")]
+    tokens = [BYTE[b] for b in range(256)] + [a + b for a, b in merges] + ["<|im_start|>", "<|im_end|>", "<think>"]
+    fields = {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": "smollm",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": [1] * (len(tokens) - 3) + [3, 3, 4],
+        "tokenizer.ggml.merges": [f"{a} {b}" for a, b in merges],
+        "tokenizer.ggml.bos_token_id": len(tokens) - 3,
+        "tokenizer.ggml.eos_token_id": len(tokens) - 2,
+        "tokenizer.chat_template": CHATML,
+    }
+    return {**fields, **extra}
+
+
+VOCAB = len(byte_level_fields()["tokenizer.ggml.tokens"])  # 264
+
+# ----------------------------------------------------------------------------------- configs, weights
+
+
+def tiny_config(model_type: str = "llama", **kw: Any) -> dict[str, Any]:
+    """An HF config.json dict for a 2-layer model with GQA (4 query heads, 2 KV heads)."""
+    cfg = {
+        "model_type": model_type, "architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                                                     "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM"}[model_type]],
+        "vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 256,
+        "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": True, "bos_token_id": VOCAB - 3,
+        "eos_token_id": VOCAB - 2, "torch_dtype": "float32",
+    }
+    if model_type == "qwen2":
+        cfg["use_sliding_window"] = False
+    cfg.update(kw)
+    return cfg
+
+
+def random_state_dict(cfg: dict[str, Any], seed: int = 0) -> dict[str, torch.Tensor]:
+    """HF-named random weights for `cfg` (scaled so activations stay O(1))."""
+    g = torch.Generator().manual_seed(seed)
+    h, i, D = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
+    nh, kvh = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    bias = cfg["model_type"] == "qwen2" or cfg.get("attention_bias", False)
+
+    def r(*shape: int, scale: float = 0.1) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * scale
+
+    sd = {"model.embed_tokens.weight": r(cfg["vocab_size"], h, scale=0.3), "model.norm.weight": 1 + r(h)}
+    if not cfg["tie_word_embeddings"]:
+        sd["lm_head.weight"] = r(cfg["vocab_size"], h)
+    for L in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{L}."
+        sd[p + "input_layernorm.weight"] = 1 + r(h)
+        sd[p + "post_attention_layernorm.weight"] = 1 + r(h)
+        for name, rows in (("q_proj", nh * D), ("k_proj", kvh * D), ("v_proj", kvh * D)):
+            sd[p + f"self_attn.{name}.weight"] = r(rows, h)
+            if bias:
+                sd[p + f"self_attn.{name}.bias"] = r(rows)
+        sd[p + "self_attn.o_proj.weight"] = r(h, nh * D)
+        if cfg["model_type"] == "qwen3":
+            sd[p + "self_attn.q_norm.weight"] = 1 + r(D)
+            sd[p + "self_attn.k_norm.weight"] = 1 + r(D)
+        sd[p + "mlp.gate_proj.weight"] = r(i, h)
+        sd[p + "mlp.up_proj.weight"] = r(i, h)
+        sd[p + "mlp.down_proj.weight"] = r(h, i)
+    return sd
+
+
+# --------------------------------------------------------------------------------------------- GGUF
+_HF_TO_GGUF = {
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+}
+
+
+def _gguf_name(hf: str) -> str:
+    glob = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+            "lm_head.weight": "output.weight"}
+    if hf in glob:
+        return glob[hf]
+    parts = hf.split(".")  # model.layers.{i}.<module...>.<weight|bias>
+    return f"blk.{parts[2]}.{_HF_TO_GGUF['.'.join(parts[3:-1])]}.{parts[-1]}"
+
+
+def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf permutation of Q/K rows (rotate-half -> interleaved pairs)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_tiny_gguf(path: Path, cfg: dict[str, Any] | None = None, state: dict[str, torch.Tensor] | None = None,
+                    tensor_type: str = "F32", arch: str | None = None, fields: dict[str, Any] | None = None) -> Path:
+    """Write cfg/state as a GGUF file the way llama.cpp's converter would. tensor_type: F32, F16, Q8_0, ..."""
+    import gguf
+
+    cfg = cfg or tiny_config()
+    state = state if state is not None else random_state_dict(cfg)
+    arch = arch or {"mistral": "llama"}.get(cfg["model_type"], cfg["model_type"])
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_rope_freq_base(cfg["rope_theta"])
+    w.add_key_length(cfg["head_dim"])
+    w.add_value_length(cfg["head_dim"])
+    w.add_vocab_size(cfg["vocab_size"])
+    tok = byte_level_fields(**(fields or {}))
+    w.add_tokenizer_model(tok["tokenizer.ggml.model"])
+    w.add_tokenizer_pre(tok["tokenizer.ggml.pre"])
+    w.add_token_list(tok["tokenizer.ggml.tokens"])
+    w.add_token_types(tok["tokenizer.ggml.token_type"])
+    w.add_token_merges(tok["tokenizer.ggml.merges"])
+    w.add_bos_token_id(tok["tokenizer.ggml.bos_token_id"])
+    w.add_eos_token_id(tok["tokenizer.ggml.eos_token_id"])
+    w.add_chat_template(tok["tokenizer.chat_template"])
+    qtype = gguf.GGMLQuantizationType[tensor_type]
+    for hf, t in state.items():
+        a = t.float().numpy()
+        if arch == "llama" and (".q_proj." in hf or ".k_proj." in hf):
+            heads = cfg["num_attention_heads"] if ".q_proj." in hf else cfg["num_key_value_heads"]
+            a = _permute(a, heads)
+        if a.ndim == 1 or tensor_type == "F32":  # norms and biases stay F32, as llama.cpp keeps them
+            w.add_tensor(_gguf_name(hf), a.astype(np.float32))
+        elif tensor_type == "F16":
+            w.add_tensor(_gguf_name(hf), a.astype(np.float16))
+        else:
+            q = gguf.quants.quantize(a, qtype)
+            w.add_tensor(_gguf_name(hf), q, raw_shape=q.shape, raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+# -------------------------------------------------------------------------------------- HF folders
+
+
+def write_tiny_hf_dir(path: Path, cfg: dict[str, Any] | None = None, state: dict[str, torch.Tensor] | None = None,
+                      shards: int = 1) -> Path:
+    """config.json, (sharded) safetensors, tokenizer.json and tokenizer_config.json with a ChatML template."""
+    from safetensors.torch import save_file
+    from tokenizers import AddedToken, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as Backend
+
+    cfg = cfg or tiny_config()
+    state = state if state is not None else random_state_dict(cfg)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(cfg))
+    names = sorted(state)
+    if shards == 1:
+        save_file({k: state[k].contiguous() for k in names}, str(path / "model.safetensors"))
+    else:
+        weight_map = {}
+        for s in range(shards):
+            fname = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+            part = names[s::shards]
+            save_file({k: state[k].contiguous() for k in part}, str(path / fname))
+            weight_map.update({k: fname for k in part})
+        (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    f = byte_level_fields()
+    vocab = {t: i for i, t in enumerate(f["tokenizer.ggml.tokens"])}
+    merges = [tuple(m.split(" ")) for m in f["tokenizer.ggml.merges"]]
+    backend = Backend(models.BPE(vocab, merges))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in ("<|im_start|>", "<|im_end|>")])
+    backend.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "add_bos_token": False, "chat_template": CHATML}))
+    return path
+
+
+def hf_reference_model(cfg: dict[str, Any], state: dict[str, torch.Tensor]) -> Any:
+    """The same weights in Hugging Face transformers (built from the config: nothing is downloaded)."""
+    import transformers
+
+    conf_cls = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config"}
+    model_cls = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "qwen3": "Qwen3ForCausalLM"}
+    c = getattr(transformers, conf_cls[cfg["model_type"]])(**{k: v for k, v in cfg.items() if k != "model_type"})
+    c._attn_implementation = "eager"
+    m = getattr(transformers, model_cls[cfg["model_type"]])(c).eval()
+    sd = dict(state)
+    if cfg["tie_word_embeddings"]:
+        sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
+    m.load_state_dict(sd, strict=False)
+    return m
