@@ -25,7 +25,7 @@ from kvlm.output_processor import OutputProcessor
 from kvlm.request import Request, StreamDelta
 from kvlm.runner import ModelRunner, StepResult
 from kvlm.sampling_params import SamplingParams
-from kvlm.scheduler import Scheduler
+from kvlm.scheduler import ScheduledBatch, Scheduler
 from kvlm.tokenizer import Tokenizer
 
 log = logging.getLogger("kvlm")
@@ -204,6 +204,7 @@ class Engine:
                 raise RuntimeError("scheduler made no progress with requests waiting")
             return []
         result = self.runner.execute(batch, keep_logits=keep_logits)
+        self.last_batch: ScheduledBatch = batch
         self.last_result: StepResult = result
         self.num_steps += 1
         return self._update(batch.requests, batch.num_new_tokens, result, keep_kv)

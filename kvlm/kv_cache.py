@@ -87,8 +87,9 @@ class PagedKVCache:
         B = bt.shape[0]
         # Gather each sequence's blocks: (B, nblk, bs, kvh, D) -> (B, kvh, L, D). Padding beyond a
         # sequence's length is masked by the attention mask.
-        kk = kc[bt].view(B, nblk * self.block_size, kvh, D)[:, :L].transpose(1, 2)
-        vv = vc[bt].view(B, nblk * self.block_size, kvh, D)[:, :L].transpose(1, 2)
+        flat = bt.reshape(-1)  # index_select copies whole blocks (memcpy); x[bt] takes a slower generic path
+        kk = kc.index_select(0, flat).view(B, nblk * self.block_size, kvh, D)[:, :L].transpose(1, 2)
+        vv = vc.index_select(0, flat).view(B, nblk * self.block_size, kvh, D)[:, :L].transpose(1, 2)
         return kk, vv
 
 

@@ -28,8 +28,11 @@ def run_engine(engine: Engine, prompts: list[list[int]], params: SamplingParams 
     reqs = {i: engine.add_request(prompts[i], plist[i]) for i in order}
     logits: dict[int, list[torch.Tensor]] = {i: [] for i in reqs}
     index = {r.request_id: i for i, r in reqs.items()}
+    engine.mixed_steps = 0  # steps that ran a prefill chunk together with another request's decode
     while engine.has_unfinished:
         engine.step(keep_logits=True)
+        qlens = engine.last_batch.num_new_tokens
+        engine.mixed_steps += int(1 in qlens and any(q > 1 for q in qlens))
         res = engine.last_result
         for j, r in enumerate(res.requests):
             logits[index[r.request_id]].append(res.logits[j])
@@ -78,7 +81,9 @@ def test_alone_equals_in_batch(tiny_gguf: Path, batch: int, seed: int) -> None:
     alone, la = run_engine(Engine(tiny_gguf, EngineConfig(block_size=8), quiet=True), [prompts[target]])
     # A small token budget forces prefill chunks that are mixed with other requests' decodes.
     cfg = EngineConfig(block_size=8, max_num_batched_tokens=32, max_num_seqs=16)
-    batched, lb = run_engine(Engine(tiny_gguf, cfg, quiet=True), prompts)
+    engine = Engine(tiny_gguf, cfg, quiet=True)
+    batched, lb = run_engine(engine, prompts)
+    assert engine.mixed_steps > 0 or batch == 2
     assert batched[target] == alone[0]
     torch.testing.assert_close(torch.stack(lb[target]), torch.stack(la[0]), atol=1e-4, rtol=0)
 

@@ -36,9 +36,11 @@ class Sim:
 
     def step(self) -> ScheduledBatch:
         s = self.sched
+        before = set(s.running)
         batch = s.schedule()
-        ids = [r.request_id for r in batch.requests]
-        assert len(ids) == len(set(ids)), "a request scheduled twice in one step"
+        if batch.preempted:  # a preempting step admits nobody (it would only take the freed blocks)
+            assert all(r in before for r in batch.requests)
+        assert len(batch.requests) == len(set(batch.requests)), "a request scheduled twice in one step"
         assert len(s.running) <= s.max_num_seqs and len(batch.requests) <= s.max_num_seqs
         if not s.recompute_all:
             assert batch.num_tokens <= s.max_num_batched_tokens
@@ -50,8 +52,7 @@ class Sim:
                 self.admitted.append(req.request_id)
         for req in batch.preempted:
             assert req not in batch.requests and req.status is RequestStatus.WAITING
-        if s.has_unfinished:
-            assert not batch.is_empty, "no progress"
+        assert batch.requests or not s.has_unfinished, "no progress"
         # Play the engine: the chunk's K/V are now cached; a chunk reaching the end yields a token.
         for req, n in zip(batch.requests, batch.num_new_tokens):
             req.num_computed_tokens += n
@@ -168,6 +169,10 @@ def test_preemption_of_most_recent_request_and_resume() -> None:
     assert list(sim.sched.waiting) == [b, c], "preempted request must go to the front"
     assert b.num_tokens == 9 and b.num_output_tokens == 5, "generated tokens are kept for recompute"
     assert a.status is RequestStatus.RUNNING and b not in sim.sched.running
+    while b.status is not RequestStatus.RUNNING:
+        sim.step()
+    # The step that re-admitted b recomputed its whole history (prompt + 5 outputs) from position 0.
+    assert b.num_computed_tokens == 9 and len(b.block_table) == 3 and a.is_finished
     sim.run()
     assert a.is_finished and b.is_finished and c.is_finished
     assert b.num_output_tokens == 10 and b.output_token_ids == [FAKE_TOKEN] * 10
@@ -175,19 +180,15 @@ def test_preemption_of_most_recent_request_and_resume() -> None:
     assert sim.bm.num_free_blocks == 4
 
 
-def test_preempted_request_recomputes_whole_history() -> None:
-    """A resumed request prefills prompt + generated tokens again before it decodes."""
-    sim = Sim(num_blocks=4, block_size=4, max_num_seqs=2, budget=64)
-    sim.add("a", prompt_len=4, outputs=10)
-    b = sim.add("b", prompt_len=4, outputs=10)
-    while b.metrics.num_preemptions == 0:
-        sim.step()
-    history = b.num_tokens
-    while b.status is not RequestStatus.RUNNING:
-        sim.step()
-    # The step that re-admitted b gave it its whole history (or a chunk of it) from position 0.
-    assert b.num_computed_tokens == history
-    assert len(b.block_table) == sim.bm.blocks_for(history)
+def test_preempting_step_admits_nobody() -> None:
+    """The victim is not re-admitted in the step that preempted it, even if its first chunk would fit."""
+    sim = Sim(num_blocks=4, block_size=2, max_num_seqs=2, budget=3)
+    a, b = sim.add("a", prompt_len=3, outputs=4), sim.add("b", prompt_len=3, outputs=4)
+    while not (batch := sim.step()).preempted:
+        pass
+    assert batch.preempted == [b] and batch.requests == [a] and list(sim.sched.waiting) == [b]
+    sim.run()
+    assert a.is_finished and b.is_finished and b.metrics.num_preemptions >= 1
 
 
 def test_abort_waiting_and_running_requests() -> None:
@@ -206,17 +207,6 @@ def test_abort_waiting_and_running_requests() -> None:
     assert sim.sched.schedule().is_empty
 
 
-def test_finish_can_keep_blocks() -> None:
-    """finish(free_blocks=False) leaves the queues but keeps the blocks (for a follow-up turn to adopt)."""
-    sim = Sim(num_blocks=8, block_size=4, max_num_seqs=2, budget=16)
-    a = sim.add("a", prompt_len=6, outputs=100)
-    sim.step()
-    held = list(a.block_table)
-    sim.sched.finish(a, free_blocks=False)
-    assert a.is_finished and a.block_table == held and not sim.sched.has_unfinished
-    sim.bm.check(sim.reqs)
-
-
 def test_recompute_all_schedules_whole_sequences() -> None:
     """recompute_all: every step feeds each request its whole history, never a chunk."""
     sim = Sim(num_blocks=4, block_size=64, max_num_seqs=4, budget=128, recompute_all=True)
@@ -231,6 +221,16 @@ def test_recompute_all_schedules_whole_sequences() -> None:
         seen.append([(r.request_id, n) for r, n in zip(batch.requests, batch.num_new_tokens)])
     assert seen[0] == [("a", 5), ("b", 9)] and seen[1] == [("a", 6), ("b", 10)]
     assert a.num_output_tokens == 4 and b.num_output_tokens == 3
+
+
+@pytest.mark.xfail(strict=True, reason="kvlm bug: recompute_all never admits a prompt longer than "
+                                       "max_num_batched_tokens, even when idle (scheduler.py admission check)")
+def test_recompute_all_makes_progress_with_prompt_over_budget() -> None:
+    """An idle recompute_all scheduler still schedules a waiting prompt longer than the token budget
+    (it cannot be chunked; the engine raises 'scheduler made no progress' otherwise)."""
+    sim = Sim(num_blocks=2, block_size=64, max_num_seqs=2, budget=8, recompute_all=True)
+    sim.add("long", prompt_len=12, outputs=1)
+    assert not sim.sched.schedule().is_empty
 
 
 def test_recompute_all_does_not_admit_beyond_budget() -> None:

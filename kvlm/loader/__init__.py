@@ -31,6 +31,8 @@ def _gguf_file(path: Path) -> Path | None:
 def load_checkpoint(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
     """Read a .gguf file or an HF folder (already resolved to a local path)."""
     p = Path(path)
+    if not p.exists():
+        raise ModelLoadError(f"{p}: no such model file or folder")
     gg = _gguf_file(p)
     try:
         if gg is not None:

@@ -27,7 +27,7 @@ def load_hf_dir(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.T
         raise ModelLoadError(f"{root}: no config.json (not a Hugging Face model folder)")
     try:
         config = ModelConfig.from_hf_dict(json.loads(cfg_path.read_text()))
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError) as e:  # JSONDecodeError is a ValueError
         raise ModelLoadError(f"{cfg_path}: invalid config ({type(e).__name__}: {e})") from None
 
     index = root / "model.safetensors.index.json"

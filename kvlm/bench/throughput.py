@@ -1,0 +1,175 @@
+"""`kvlm bench throughput`: offline throughput of continuous batching vs one request at a time, and vs
+Hugging Face transformers' padded batched `generate`, on the same seeded random workload in one run.
+
+Workload: N prompts of random token ids, prompt lengths uniform in [in_min, in_max], output lengths
+uniform in [out_min, out_max], greedy, ignore_eos (every request produces exactly its output length).
+Reports output tokens/s, total tokens/s, peak KV blocks and paging waste; the last line is JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import resource
+import sys
+import time
+from datetime import datetime, timezone
+from typing import Any
+
+import torch
+
+
+def make_workload(n: int, vocab: int, in_range: tuple[int, int], out_range: tuple[int, int],
+                  seed: int) -> tuple[list[list[int]], list[int]]:
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(100, min(vocab, 20000)) for _ in range(rng.randint(*in_range))] for _ in range(n)]
+    return prompts, [rng.randint(*out_range) for _ in range(n)]
+
+
+def run_kvlm_batched(llm: Any, prompts: list[list[int]], outs: list[int]) -> dict[str, Any]:
+    """All requests at once through the engine; tracks peak blocks and paging waste per step."""
+    from kvlm.sampling_params import SamplingParams
+
+    eng = llm.llm_engine
+    bm, bpt = eng.block_manager, eng.kv_bytes_per_token
+    t0 = time.perf_counter()
+    reqs = [eng.add_request(p, SamplingParams(temperature=0, max_tokens=o, ignore_eos=True)) for p, o in zip(prompts, outs)]
+    peak_blocks = peak_running = 0
+    max_waste_per_req = 0.0
+    while eng.has_unfinished:
+        eng.step()
+        running = eng.scheduler.running
+        peak_blocks = max(peak_blocks, bm.num_used_blocks)
+        peak_running = max(peak_running, len(running))
+        for r in running:  # allocated minus filled slots, in blocks
+            max_waste_per_req = max(max_waste_per_req, (len(r.block_table) * bm.block_size - r.num_computed_tokens) / bm.block_size)
+    dt = time.perf_counter() - t0
+    n_out = sum(r.num_output_tokens for r in reqs)
+    assert n_out == sum(outs)
+    return {"seconds": dt, "output_tokens_per_s": n_out / dt, "total_tokens_per_s": (n_out + sum(map(len, prompts))) / dt,
+            "peak_kv_blocks": peak_blocks, "peak_kv_bytes": peak_blocks * bm.block_size * bpt, "peak_running": peak_running,
+            "max_waste_blocks_per_request": max_waste_per_req, "preemptions": sum(r.metrics.num_preemptions for r in reqs),
+            "kv_pool_bytes": eng.kv_cache.nbytes, "steps": eng.num_steps}
+
+
+def run_kvlm_sequential(llm: Any, prompts: list[list[int]], outs: list[int]) -> dict[str, Any]:
+    from kvlm.sampling_params import SamplingParams
+
+    t0 = time.perf_counter()
+    n_out = 0
+    for p, o in zip(prompts, outs):
+        r = llm.generate({"prompt_token_ids": p}, SamplingParams(temperature=0, max_tokens=o, ignore_eos=True), use_tqdm=False)
+        n_out += len(r[0].outputs[0].token_ids)
+    dt = time.perf_counter() - t0
+    return {"seconds": dt, "output_tokens_per_s": n_out / dt, "total_tokens_per_s": (n_out + sum(map(len, prompts))) / dt}
+
+
+def run_hf_padded(model_path: Any, prompts: list[list[int]], outs: list[int], batch_size: int) -> dict[str, Any] | None:
+    """HF generate on left-padded batches; every row runs to the batch's longest output, only each
+    request's own output tokens count as useful."""
+    from kvlm.bench.decode import _load_hf
+
+    try:
+        model = _load_hf(model_path, torch.get_num_threads())
+    except Exception as e:  # transformers without gguf support, etc.
+        print(f"skipping Hugging Face comparison: {e}", file=sys.stderr)
+        return None
+    if model is None:
+        return None
+    t0 = time.perf_counter()
+    for s in range(0, len(prompts), batch_size):
+        ps, os_ = prompts[s : s + batch_size], outs[s : s + batch_size]
+        L = max(map(len, ps))
+        ids = torch.zeros(len(ps), L, dtype=torch.long)
+        mask = torch.zeros(len(ps), L, dtype=torch.long)
+        for i, p in enumerate(ps):
+            ids[i, L - len(p):] = torch.tensor(p)
+            mask[i, L - len(p):] = 1
+        with torch.inference_mode():
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max(os_), min_new_tokens=max(os_),
+                           do_sample=False, pad_token_id=0)
+    dt = time.perf_counter() - t0
+    n_out = sum(outs)
+    return {"seconds": dt, "output_tokens_per_s": n_out / dt, "total_tokens_per_s": (n_out + sum(map(len, prompts))) / dt}
+
+
+def run(model: str = "smollm2-135m", num_prompts: int = 16, in_range: tuple[int, int] = (64, 512),
+        out_range: tuple[int, int] = (64, 256), seed: int = 0, threads: int = 2, max_num_seqs: int = 16,
+        max_num_batched_tokens: int = 1024, sequential: bool = True, compare_hf: bool = True,
+        dtype: str = "float32") -> dict[str, Any]:
+    from kvlm.llm import LLM
+
+    torch.set_num_threads(threads)
+    llm = LLM(model, dtype=dtype, num_threads=threads, max_num_seqs=max_num_seqs,
+              max_num_batched_tokens=max_num_batched_tokens, max_model_len=in_range[1] + out_range[1])
+    prompts, outs = make_workload(num_prompts, llm.llm_engine.model_config.vocab_size, in_range, out_range, seed)
+    llm.generate({"prompt_token_ids": prompts[0][:16]}, use_tqdm=False)  # warm-up
+    batched = run_kvlm_batched(llm, prompts, outs)
+    seq = run_kvlm_sequential(llm, prompts, outs) if sequential else None
+    hf = run_hf_padded(llm.llm_engine.model_path, prompts, outs, max_num_seqs) if compare_hf else None
+    return {
+        "bench": "throughput", "model": model, "dtype": dtype, "threads": threads,
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"), "cpu": platform.processor() or platform.machine(),
+        "device": str(llm.llm_engine.device), "torch": torch.__version__, "num_prompts": num_prompts,
+        "prompt_len_range": list(in_range), "output_len_range": list(out_range), "seed": seed,
+        "prompt_tokens": sum(map(len, prompts)), "output_tokens": sum(outs),
+        "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
+        "kvlm_batched": batched, "kvlm_sequential": seq, "hf_padded_batched": hf,
+        "batching_speedup": batched["output_tokens_per_s"] / seq["output_tokens_per_s"] if seq else None,
+        "vs_hf": batched["output_tokens_per_s"] / hf["output_tokens_per_s"] if hf else None,
+        "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+    }
+
+
+def print_table(d: dict[str, Any]) -> None:
+    print(f"{d['num_prompts']} prompts, {d['prompt_tokens']} prompt + {d['output_tokens']} output tokens, "
+          f"{d['threads']} threads, {d['device']}")
+    print(f"{'':34s} {'output tok/s':>12s} {'total tok/s':>12s} {'seconds':>9s}")
+    for name, key in (("kvlm continuous batching", "kvlm_batched"), ("kvlm one request at a time", "kvlm_sequential"),
+                      ("HF transformers padded batches", "hf_padded_batched")):
+        r = d[key]
+        if r:
+            print(f"{name:34s} {r['output_tokens_per_s']:12.1f} {r['total_tokens_per_s']:12.1f} {r['seconds']:9.1f}")
+    b = d["kvlm_batched"]
+    print(f"peak KV: {b['peak_kv_blocks']} blocks ({b['peak_kv_bytes'] / 2**20:.1f} MiB), peak running {b['peak_running']}, "
+          f"max paging waste {b['max_waste_blocks_per_request']:.2f} block/request, preemptions {b['preemptions']}")
+    if d["batching_speedup"]:
+        print(f"continuous batching vs one at a time: {d['batching_speedup']:.2f}x")
+    if d["vs_hf"]:
+        print(f"continuous batching vs HF padded batching: {d['vs_hf']:.2f}x")
+
+
+def _add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", default="smollm2-135m")
+    p.add_argument("--num-prompts", type=int, default=16)
+    p.add_argument("--input-len", type=int, nargs=2, default=[64, 512], metavar=("MIN", "MAX"))
+    p.add_argument("--output-len", type=int, nargs=2, default=[64, 256], metavar=("MIN", "MAX"))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--no-sequential", action="store_true", help="skip the one-request-at-a-time run")
+    p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face comparison")
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("throughput", help="continuous batching vs one at a time vs HF padded batching")
+    _add_args(p)
+    p.set_defaults(func=main_args)
+
+
+def main_args(a: argparse.Namespace) -> int:
+    d = run(a.model, a.num_prompts, tuple(a.input_len), tuple(a.output_len), a.seed, a.threads, a.max_num_seqs,
+            a.max_num_batched_tokens, not a.no_sequential, not a.no_hf, a.dtype)
+    print_table(d)
+    print(json.dumps(d))
+    return 0
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="python -m kvlm.bench.throughput")
+    _add_args(parser)
+    raise SystemExit(main_args(parser.parse_args()))

@@ -1,0 +1,275 @@
+"""Tests for the `kvlm` command line, run for real as `python -m kvlm` subprocesses on a tiny GGUF.
+
+`KVLM_HOME` points to an empty temporary folder, so nothing is ever downloaded. Every command of this
+module is started once, up front, on a small process pool (each pays ~2 s of imports); the tests then
+read their finished results.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tiny_models import VOCAB, random_state_dict, tiny_config
+
+IM_START = VOCAB - 3  # <|im_start|> in the tiny byte-level vocab
+EOS = VOCAB - 2  # <|im_end|>
+LONG_PROMPT = "hello world, this prompt is far longer than eight tokens"
+PLAIN_PROMPTS = ["hello", "world", "foo bar"]
+JSONL_PROMPTS: list[dict[str, Any]] = [{"prompt": "foo bar"}, {"prompt_token_ids": [1, 2, 3]}, {"prompt": "hello"}]
+
+# Llama-3-8B shapes: 32 layers, 32 query heads, 8 KV heads, head_dim 4096 / 32 = 128.
+LLAMA3_8B = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 128256,
+             "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+             "num_key_value_heads": 8, "max_position_embeddings": 8192, "rope_theta": 500000.0}
+
+
+def commands(model: Path, files: dict[str, Path]) -> dict[str, list[str]]:
+    """Every kvlm invocation of this module, by name (arguments after `python -m kvlm`)."""
+    m = str(model)
+    gen = ["-q", "generate", m]
+    sample = ["--temperature", "1.5", "--ignore-eos", "--max-tokens", "16", "--json"]
+    return {
+        "json": gen + ["hello", "--max-tokens", "8", "--json"],
+        "no_kv_cache": gen + ["hello", "--max-tokens", "8", "--json", "--no-kv-cache"],
+        "seed3": gen + ["hello", *sample, "--seed", "3"],
+        "seed3_again": gen + ["hello", *sample, "--seed", "3"],
+        "seed4": gen + ["hello", *sample, "--seed", "4"],
+        "chat": gen + ["hello", "--chat", "--max-tokens", "4", "--json"],
+        "stream_stats": ["generate", m, "hello", "--max-tokens", "8", "--stats"],  # not -q: logs go to stderr
+        "prompts_plain": gen + ["--prompts-file", str(files["plain"]), "--max-tokens", "4"],
+        "prompts_jsonl": gen + ["--prompts-file", str(files["jsonl"]), "--max-tokens", "4", "--json"],
+        "info": ["-q", "info", m, "--json"],
+        "kv_json": ["kv-size", "--config", str(files["config"]), "--context", "1024", "--batch", "2",
+                    "--dtype", "float16", "--json"],
+        "kv_text": ["kv-size", "--config", str(files["config"]), "--context", "1024", "--batch", "2",
+                    "--dtype", "float16"],
+        "help": ["--help"],
+        # user errors
+        "err_missing": gen[:2] + [str(files["missing"]), "hi"],
+        "err_truncated": gen[:2] + [str(files["truncated"]), "hi"],
+        "err_alias": gen[:2] + ["nosuchalias", "hi"],
+        "err_temperature": gen + ["hi", "--temperature", "-1"],
+        "err_top_p": gen + ["hi", "--top-p", "0"],
+        "err_too_long": gen + [LONG_PROMPT, "--max-model-len", "8"],
+        "err_kv_memory": gen + ["hi", "--kv-cache-memory", "lots"],
+        "err_unknown_flag": gen + ["hi", "--no-such-flag"],
+    }
+
+
+@pytest.fixture(scope="session")
+def kvlm_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("kvlm_home")
+
+
+@pytest.fixture(scope="session")
+def cli_files(tmp_path_factory: pytest.TempPathFactory, tiny_gguf: Path) -> dict[str, Path]:
+    d = tmp_path_factory.mktemp("cli")
+    data = tiny_gguf.read_bytes()
+    (d / "truncated.gguf").write_bytes(data[: len(data) // 2])
+    (d / "prompts.txt").write_text("\n".join(PLAIN_PROMPTS) + "\n\n")  # a blank line is skipped
+    (d / "prompts.jsonl").write_text("\n".join(json.dumps(p) for p in JSONL_PROMPTS) + "\n")
+    (d / "config.json").write_text(json.dumps(LLAMA3_8B))
+    return {"truncated": d / "truncated.gguf", "plain": d / "prompts.txt", "jsonl": d / "prompts.jsonl",
+            "config": d / "config.json", "missing": d / "missing.gguf"}
+
+
+def _run(args: list[str], home: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "KVLM_HOME": str(home), "PYTHONIOENCODING": "utf-8", "HF_HUB_OFFLINE": "1",
+           "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "kvlm", *args], capture_output=True, text=True, env=env,
+                          cwd=home, timeout=300)
+
+
+@pytest.fixture(scope="session")
+def runs(tiny_gguf: Path, cli_files: dict[str, Path], kvlm_home: Path):
+    """name -> finished CompletedProcess; all commands start at once on a small pool."""
+    pool = ThreadPoolExecutor(max_workers=max(3, min(8, os.cpu_count() or 1)))  # imports wait on I/O too
+    futures: dict[str, Future] = {name: pool.submit(_run, args, kvlm_home)
+                                  for name, args in commands(tiny_gguf, cli_files).items()}
+
+    def result(name: str) -> subprocess.CompletedProcess[str]:
+        return futures[name].result()
+
+    result.names = list(futures)  # type: ignore[attr-defined]
+    yield result
+    pool.shutdown(wait=True, cancel_futures=True)
+
+
+def ok_json(p: subprocess.CompletedProcess[str]) -> Any:
+    assert p.returncode == 0, p.stderr
+    assert "Traceback" not in p.stderr
+    return json.loads(p.stdout)  # exactly one JSON document
+
+
+@pytest.fixture(scope="session")
+def api_greedy(tiny_gguf: Path):
+    """In-process greedy outputs of the same model, to check that the CLI only wraps the library."""
+    from kvlm.llm import LLM
+    from kvlm.sampling_params import SamplingParams
+
+    llm = LLM(str(tiny_gguf), num_threads=2)
+
+    def go(prompt: str | dict[str, Any], max_tokens: int) -> Any:
+        out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False)
+        return out[0].outputs[0]
+
+    return go
+
+
+# ----------------------------------------------------------------------------------------- generate
+
+
+def test_generate_json(runs, api_greedy) -> None:
+    doc = ok_json(runs("json"))
+    assert {"text", "token_ids", "finish_reason", "prompt_token_ids", "stats"} <= set(doc)
+    ids = doc["token_ids"]
+    assert all(isinstance(t, int) and 0 <= t < VOCAB for t in ids)
+    if doc["finish_reason"] == "length":
+        assert len(ids) == 8
+    else:
+        assert doc["finish_reason"] == "stop" and len(ids) <= 8 and ids[-1] == EOS
+    assert isinstance(doc["text"], str)
+    assert doc["stats"]["generated_tokens"] == len(ids)
+    assert doc["stats"]["prompt_tokens"] == len(doc["prompt_token_ids"])
+    assert ids == api_greedy("hello", 8).token_ids
+
+
+def test_no_kv_cache_gives_the_same_tokens(runs) -> None:
+    assert ok_json(runs("no_kv_cache"))["token_ids"] == ok_json(runs("json"))["token_ids"]
+
+
+def test_seeded_sampling_is_reproducible(runs) -> None:
+    a, b, c = (ok_json(runs(n)) for n in ("seed3", "seed3_again", "seed4"))
+    assert len(a["token_ids"]) == 16 and a["finish_reason"] == "length"  # --ignore-eos
+    assert a["token_ids"] == b["token_ids"] and a["text"] == b["text"]
+    assert len(set(a["token_ids"])) > 1  # really sampled (this tiny model's greedy output repeats one token)
+    assert c["token_ids"] != a["token_ids"]
+
+
+def test_chat_applies_the_template(runs) -> None:
+    doc = ok_json(runs("chat"))
+    prompt = doc["prompt_token_ids"]
+    assert prompt[0] == IM_START
+    assert prompt.count(IM_START) == 2  # the user turn and the assistant generation prompt
+    assert EOS in prompt  # <|im_end|> closes the user turn
+
+
+def test_streaming_prints_text_and_stats(runs) -> None:
+    p = runs("stream_stats")
+    assert p.returncode == 0, p.stderr
+    assert p.stdout == ok_json(runs("json"))["text"] + "\n"  # only the generated text on stdout
+    assert "Traceback" not in p.stderr
+    stats = [ln for ln in p.stderr.splitlines() if ln.startswith("kvlm: prompt tokens")]
+    assert len(stats) == 1, p.stderr
+    assert "generated" in stats[0] and "TTFT" in stats[0] and "tok/s" in stats[0]
+
+
+def test_prompts_file_plain_lines(runs, api_greedy) -> None:
+    p = runs("prompts_plain")
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.splitlines()  # plain mode: one line of text per prompt, in input order
+    assert lines == [api_greedy(q, 4).text.replace("\n", "\\n") for q in PLAIN_PROMPTS]
+    assert len(set(lines)) == 3  # distinct outputs, so the order check means something
+
+
+def test_prompts_file_jsonl(runs, api_greedy) -> None:
+    p = runs("prompts_jsonl")
+    assert p.returncode == 0, p.stderr
+    docs = [json.loads(ln) for ln in p.stdout.splitlines()]
+    assert len(docs) == 3
+    expected = [api_greedy(q.get("prompt", q), 4).token_ids for q in JSONL_PROMPTS]
+    assert [d["token_ids"] for d in docs] == expected
+    assert len({tuple(e) for e in expected}) == 3  # distinct outputs, so the order check means something
+
+
+# ------------------------------------------------------------------------------------ info, kv-size
+
+
+def test_info_json(runs) -> None:
+    doc = ok_json(runs("info"))
+    cfg = tiny_config()
+    assert doc["architecture"] == "LlamaForCausalLM"
+    assert (doc["layers"], doc["hidden_size"], doc["attention_heads"], doc["kv_heads"], doc["head_dim"]) == (
+        cfg["num_hidden_layers"], cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"],
+        cfg["head_dim"])
+    assert doc["vocab_size"] == VOCAB
+    assert doc["context_length"] == cfg["max_position_embeddings"]
+    assert doc["parameters"] == sum(t.numel() for t in random_state_dict(cfg).values())  # tied: embeddings once
+    per_tok = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * cfg["head_dim"]
+    assert doc["kv_bytes_per_token_fp32"] == per_tok * 4
+    assert doc["kv_bytes_per_token_fp16"] == per_tok * 2
+    assert doc["model"].endswith("tiny.gguf")
+
+
+def test_kv_size_json(runs) -> None:
+    doc = ok_json(runs("kv_json"))
+    layers, kv, heads, hd = 32, 8, 32, 128
+    per_tok = 2 * layers * kv * hd * 2
+    assert (doc["layers"], doc["kv_heads"], doc["attention_heads"], doc["head_dim"]) == (layers, kv, heads, hd)
+    assert doc["bytes_per_token"] == per_tok == 131072
+    assert doc["total_bytes"] == per_tok * 1024 * 2
+    assert doc["mha_bytes_per_token"] == 2 * layers * heads * hd * 2
+    assert doc["mha_total_bytes"] == doc["mha_bytes_per_token"] * 1024 * 2
+    assert doc["gqa_saving"] == pytest.approx(0.75)
+    assert (doc["dtype"], doc["context"], doc["batch"]) == ("float16", 1024, 2)
+
+
+def test_kv_size_text(runs) -> None:
+    p = runs("kv_text")
+    assert p.returncode == 0, p.stderr
+    assert "GQA saves 75%" in p.stdout
+    assert "131,072 B" in p.stdout  # per token
+    assert f"{131072 * 1024 * 2:,} B" in p.stdout  # 2 x 1024 tokens
+
+
+def test_help(runs) -> None:
+    p = runs("help")
+    assert p.returncode == 0
+    for word in ("generate", "chat", "info", "kv-size", "pull"):
+        assert word in p.stdout
+
+
+# ------------------------------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize("name, code, words", [
+    ("err_missing", 1, ["missing.gguf"]),
+    ("err_truncated", 1, ["truncated.gguf", "truncated"]),
+    ("err_alias", 1, ["nosuchalias", "smollm2-135m"]),
+    ("err_temperature", 2, ["temperature"]),
+    ("err_top_p", 2, ["top_p"]),
+    ("err_too_long", 2, ["prompt", "8"]),
+    ("err_kv_memory", 2, ["--kv-cache-memory", "lots"]),
+])
+def test_user_errors_print_one_line(runs, name: str, code: int, words: list[str]) -> None:
+    p = runs(name)
+    assert p.returncode == code, (p.returncode, p.stderr)
+    assert "Traceback" not in p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1, p.stderr
+    assert lines[0].startswith("kvlm: error:")
+    for w in words:
+        assert w in lines[0], (w, lines[0])
+    assert p.stdout == ""
+
+
+def test_unknown_flag_is_a_usage_error(runs) -> None:
+    p = runs("err_unknown_flag")
+    assert p.returncode == 2
+    assert "Traceback" not in p.stderr
+    assert p.stderr.strip().splitlines()[-1] == "kvlm: error: unrecognized arguments: --no-such-flag"
+    assert p.stdout == ""
+
+
+def test_nothing_was_downloaded(runs, kvlm_home: Path) -> None:
+    for name in runs.names:  # wait for every command, including the unknown alias
+        runs(name)
+    assert not (kvlm_home / "models").exists()
