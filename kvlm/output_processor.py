@@ -44,7 +44,7 @@ class OutputProcessor:
                 req.pending_text += req.detokenizer.flush()
             new_text, req.pending_text = req.pending_text, ""
         else:
-            new_text = self._release_safe_text(req)
+            new_text = self._release_safe_text(req, can_stop)
         req.text += new_text
         return StreamDelta(req.request_id, new_text, [token], req.finish_reason is not None, req.finish_reason)
 
@@ -67,11 +67,12 @@ class OutputProcessor:
             req.finish_reason, req.stop_reason = "stop", s
 
     @staticmethod
-    def _release_safe_text(req: Request) -> str:
-        """Release held-back text except a tail that could still grow into a stop string."""
+    def _release_safe_text(req: Request, can_stop: bool) -> str:
+        """Release held-back text except a tail that could still grow into a stop string. Before
+        min_tokens no stop string can end the request, so that text is final at once."""
         stops = req.params.stop_strings
         pending = req.pending_text
-        if req.finish_reason is not None or not stops:
+        if req.finish_reason is not None or not stops or not can_stop:
             req.pending_text = ""
             return pending
         hold = 0

@@ -40,17 +40,23 @@ def apply_penalties(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
 
 def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                   min_p: torch.Tensor) -> torch.Tensor:
-    """Mask to -inf what top-k (0 = off), top-p (1 = off) and min-p (0 = off) exclude. logits: (B, V)."""
+    """Mask to -inf what top-k (0 = off), top-p (1 = off) and min-p (0 = off) exclude. logits: (B, V).
+
+    As in vLLM and HF, top-p is measured on the distribution left after top-k.
+    """
     V = logits.shape[1]
     sorted_logits, _ = logits.sort(dim=-1, descending=True)
     k = torch.where(top_k > 0, top_k, torch.full_like(top_k, V)).clamp(max=V)
+    rank = torch.arange(V, device=logits.device)
+    sorted_logits = sorted_logits.masked_fill(rank[None, :] >= k[:, None], float("-inf"))  # top-k
     kth = sorted_logits.gather(1, (k - 1).unsqueeze(1))  # (B, 1): the k-th largest logit
     keep = logits >= kth
     # top-p: keep the smallest prefix of sorted tokens whose mass reaches top_p (always the first).
     probs_sorted = sorted_logits.softmax(-1)
     mass_before = probs_sorted.cumsum(-1) - probs_sorted
     cutoff_idx = (mass_before < top_p.unsqueeze(1)).sum(-1, keepdim=True) - 1  # (B, 1)
-    keep &= logits >= sorted_logits.gather(1, cutoff_idx)
+    # top_p == 1 is "off": float32 cumulative sums reach 1 early, so do not let them cut the tail.
+    keep &= (logits >= sorted_logits.gather(1, cutoff_idx)) | (top_p >= 1).unsqueeze(1)
     # min-p: drop tokens less likely than min_p x the top token.
     probs = logits.softmax(-1)
     keep &= probs >= min_p.unsqueeze(1) * probs.max(-1, keepdim=True).values

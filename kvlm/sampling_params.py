@@ -63,10 +63,12 @@ class SamplingParams:
             raise bad("max_tokens", "must be a positive integer or None")
         if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
             raise bad("min_tokens", "must be in [0, max_tokens]")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
             raise bad("logprobs", "must be in [0, 20]")
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad("seed", "must be an integer")
+        if self.stop_token_ids is not None and any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "must be non-negative integers")
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if any(not isinstance(s, str) or not s for s in stops):
             raise bad("stop", "must be non-empty strings")

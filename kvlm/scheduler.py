@@ -85,7 +85,9 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not batch.preempted:
             req = self.waiting[0]
             n = self._wanted(req, budget)
-            if (self.recompute_all and n > budget) or not self.bm.can_allocate(req, req.num_computed_tokens + n):
+            # Without a cache a request cannot be chunked: it may exceed the budget only when alone.
+            too_big = self.recompute_all and n > budget and bool(batch.requests)
+            if too_big or not self.bm.can_allocate(req, req.num_computed_tokens + n):
                 break
             self.waiting.popleft()
             self.bm.allocate(req, req.num_computed_tokens + n)

@@ -146,9 +146,6 @@ def test_min_tokens_delays_stop_strings(tok: Tokenizer) -> None:
     assert req.text == "ab-xyz-" and req.stop_reason == "ab"
 
 
-@pytest.mark.xfail(strict=True, reason="kvlm bug: a stop string completed before min_tokens, held back because it "
-                                       "is a prefix of another stop string, stops the request once min_tokens is "
-                                       "reached (output_processor.py _add_text / _release_safe_text)")
 def test_min_tokens_ignores_stop_completed_earlier_with_several_stops(tok: Tokenizer) -> None:
     """Adding a second stop string must not change whether an early (pre-min_tokens) "\n" counts."""
     texts = []

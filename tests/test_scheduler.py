@@ -223,8 +223,6 @@ def test_recompute_all_schedules_whole_sequences() -> None:
     assert a.num_output_tokens == 4 and b.num_output_tokens == 3
 
 
-@pytest.mark.xfail(strict=True, reason="kvlm bug: recompute_all never admits a prompt longer than "
-                                       "max_num_batched_tokens, even when idle (scheduler.py admission check)")
 def test_recompute_all_makes_progress_with_prompt_over_budget() -> None:
     """An idle recompute_all scheduler still schedules a waiting prompt longer than the token budget
     (it cannot be chunked; the engine raises 'scheduler made no progress' otherwise)."""
