@@ -71,6 +71,10 @@ class PagedKVCache:
         shape = (num_blocks, block_size, kv_heads, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        # Gather buffers reused by every layer (a layer's attention is done before the next one reads):
+        # allocating megabytes per layer per step costs page faults that dominate batched decode on CPU.
+        self._kbuf = torch.empty(0, block_size, kv_heads, head_dim, dtype=dtype, device=device)
+        self._vbuf = torch.empty_like(self._kbuf)
 
     @property
     def nbytes(self) -> int:
@@ -88,8 +92,13 @@ class PagedKVCache:
         # Gather each sequence's blocks: (B, nblk, bs, kvh, D) -> (B, kvh, L, D). Padding beyond a
         # sequence's length is masked by the attention mask.
         flat = bt.reshape(-1)  # index_select copies whole blocks (memcpy); x[bt] takes a slower generic path
-        kk = kc.index_select(0, flat).view(B, nblk * self.block_size, kvh, D)[:, :L].transpose(1, 2)
-        vv = vc.index_select(0, flat).view(B, nblk * self.block_size, kvh, D)[:, :L].transpose(1, 2)
+        if self._kbuf.shape[0] < flat.numel():
+            self._kbuf = kc.new_empty(flat.numel(), *kc.shape[1:])
+            self._vbuf = torch.empty_like(self._kbuf)
+        kg = torch.index_select(kc, 0, flat, out=self._kbuf[: flat.numel()])
+        vg = torch.index_select(vc, 0, flat, out=self._vbuf[: flat.numel()])
+        kk = kg.view(B, nblk * self.block_size, kvh, D)[:, :L].transpose(1, 2)
+        vv = vg.view(B, nblk * self.block_size, kvh, D)[:, :L].transpose(1, 2)
         return kk, vv
 
 
