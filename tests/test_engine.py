@@ -37,6 +37,12 @@ def run_engine(engine: Engine, prompts: list[list[int]], params: SamplingParams 
         for j, r in enumerate(res.requests):
             logits[index[r.request_id]].append(res.logits[j])
         engine.block_manager.check(engine.scheduler.running)
+        if engine.config.enable_kv_cache:  # paging waste: allocated minus filled slots < one block
+            bs = engine.block_manager.block_size
+            for r in engine.scheduler.running:
+                assert 0 <= len(r.block_table) * bs - r.num_computed_tokens < bs
+                m = r.metrics
+                assert 0 <= m.kv_bytes_held - m.kv_bytes_used < bs * engine.kv_bytes_per_token
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     return {i: r.output_token_ids for i, r in reqs.items()}, logits
 

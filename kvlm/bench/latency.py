@@ -1,0 +1,222 @@
+"""`kvlm bench latency`: time to first token vs prompt length and time per output token vs context,
+placed against this machine's own ceilings (a roofline).
+
+* Ceilings, measured by the command itself with the same thread count:
+  memory bandwidth = 2 x bytes / time of `dst.copy_(src)` on a 256 MiB float32 tensor (read + write),
+  best of 5; peak compute = 2 n^3 / time of an n x n float32 matmul (n = 2048), best of 3.
+* Prefill (TTFT, best of `--repeats`): FLOPs from `waste.forward_flops` (2 x params x P plus the
+  causal attention term); bytes = weights read once + the P tokens' K/V written, a lower bound on the
+  traffic (activations are ignored), so its arithmetic intensity is an upper bound. Prefill should sit
+  near the compute ceiling: every weight fetched serves P tokens.
+* Decode (median time of the steps after the first token, at a context of C tokens): bytes per
+  token = every weight once + the K/V of the whole context (C x kv_bytes_per_token); achieved GB/s =
+  bytes / time per token. Its intensity is ~0.5 FLOP/byte in float32 (2 FLOPs per 4-byte weight), far
+  left on the roofline: decode is memory-bound, and the KV read grows with the context.
+
+Weight bytes read per forward pass: parameters x 4 (float32), less the input embedding table when it
+is not tied to lm_head (a lookup reads one row, not the table); a tied table is read whole by lm_head.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from typing import Any
+
+from kvlm.bench.plotting import fmt_bytes, run_header
+
+
+def memory_bandwidth(mib: int = 256, repeats: int = 5) -> float:
+    """Bytes/s of a tensor copy (each byte read once and written once), best of `repeats`."""
+    import torch
+
+    n = mib * 2**20 // 4
+    src = torch.ones(n, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # touch every page first: page faults are not bandwidth
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t)
+    return 2 * n * 4 / best
+
+
+def peak_flops(n: int = 2048, repeats: int = 3) -> float:
+    """FLOP/s of an n x n float32 matmul (2 n^3 FLOPs), best of `repeats`."""
+    import torch
+
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    out = a @ b  # warm-up: thread pool and buffers
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        torch.matmul(a, b, out=out)
+        best = min(best, time.perf_counter() - t)
+    return 2 * n**3 / best
+
+
+def weight_bytes_read(cfg: Any, elem: int = 4) -> int:
+    """Bytes of weights one forward pass reads (see the module docstring)."""
+    emb = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size
+    return (cfg.num_parameters - emb) * elem
+
+
+def _decode_step_times(llm: Any, ids: list[int], steps: int) -> list[float]:
+    """Seconds of each decode step (after the first token) of one greedy request."""
+    from kvlm.sampling_params import SamplingParams
+
+    eng = llm.llm_engine
+    req = eng.add_request(ids, SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True))
+    stamps = []
+    while not req.is_finished:
+        eng.step()
+        stamps.append(time.perf_counter())
+    return [b - a for a, b in zip(stamps, stamps[1:])]
+
+
+def run(model: str = "smollm2-135m", threads: int = 2, prompt_lens: tuple[int, ...] = (32, 64, 128, 256, 512),
+        contexts: tuple[int, ...] = (64, 256, 512, 1024), decode_steps: int = 16, repeats: int = 2,
+        copy_mib: int = 256, matmul_n: int = 2048, log: Any = print) -> dict[str, Any]:
+    import torch
+
+    from kvlm.bench.decode import _kvlm_run, _prompt_ids
+    from kvlm.bench.waste import forward_flops
+    from kvlm.llm import LLM
+
+    torch.set_num_threads(threads)
+    bw = memory_bandwidth(copy_mib)
+    peak = peak_flops(matmul_n)
+    log(f"  machine: copy {bw / 1e9:.1f} GB/s, matmul {peak / 1e9:.1f} GFLOP/s ({threads} threads)")
+
+    max_len = max(max(prompt_lens) + 2, max(contexts) + decode_steps + 2)
+    llm = LLM(model, num_threads=threads, max_num_seqs=1, kv_cache_layout="contiguous", max_model_len=max_len)
+    eng = llm.llm_engine
+    cfg = eng.model_config
+    kv_tok = eng.kv_bytes_per_token
+    wbytes = weight_bytes_read(cfg, torch.finfo(eng.dtype).bits // 8)
+    _kvlm_run(llm, _prompt_ids(cfg.vocab_size, 16), 4)  # warm-up
+
+    prefill = []
+    for P in prompt_lens:
+        ids = _prompt_ids(cfg.vocab_size, P, seed=P)
+        ttft = min(_kvlm_run(llm, ids, 1)[0] for _ in range(repeats))
+        flops = forward_flops(cfg, P, P * (P + 1) // 2)
+        nbytes = wbytes + P * kv_tok
+        prefill.append({"prompt_len": P, "ttft_s": ttft, "tokens_per_s": P / ttft, "flops": flops,
+                        "gflops_per_s": flops / ttft / 1e9, "bytes": nbytes, "intensity": flops / nbytes,
+                        "fraction_of_peak": flops / ttft / peak})
+        log(f"  prefill {P}: TTFT {ttft * 1e3:.1f} ms")
+
+    decode = []
+    for C in contexts:
+        ids = _prompt_ids(cfg.vocab_size, C, seed=C)
+        times = [t for _ in range(repeats) for t in _decode_step_times(llm, ids, decode_steps)]
+        tpt = statistics.median(times)  # robust to the odd slow step (other processes, allocations)
+        ctx = C + decode_steps / 2  # mean context of the timed steps (C+1 .. C+decode_steps)
+        flops = forward_flops(cfg, 1, round(ctx))
+        nbytes = wbytes + ctx * kv_tok
+        decode.append({"context": C, "mean_context": ctx, "time_per_token_s": tpt, "tokens_per_s": 1 / tpt,
+                       "bytes_per_token": nbytes, "kv_bytes_per_token_read": ctx * kv_tok,
+                       "gb_per_s": nbytes / tpt / 1e9, "fraction_of_bandwidth": nbytes / tpt / bw,
+                       "flops": flops, "gflops_per_s": flops / tpt / 1e9, "intensity": flops / nbytes})
+        log(f"  decode at {C}: {tpt * 1e3:.1f} ms/token")
+
+    doc = run_header("latency", model, threads)
+    doc.update({
+        "dtype": str(eng.dtype).removeprefix("torch."), "repeats": repeats, "decode_steps": decode_steps,
+        "memory_bandwidth_gb_per_s": bw / 1e9, "copy_mib": copy_mib,
+        "peak_gflops_per_s": peak / 1e9, "matmul_n": matmul_n,
+        "ridge_intensity": peak / bw,  # FLOP/byte where the two ceilings meet
+        "parameters": cfg.num_parameters, "weight_bytes_read": wbytes, "kv_bytes_per_token": kv_tok,
+        "prefill": prefill, "decode": decode,
+    })
+    return doc
+
+
+def print_table(d: dict[str, Any]) -> None:
+    print(f"{d['model']} ({d['dtype']}), {d['threads']} threads on {d['cpu']}")
+    print(f"machine ceilings: memory {d['memory_bandwidth_gb_per_s']:.1f} GB/s (copy of {d['copy_mib']} MiB), "
+          f"compute {d['peak_gflops_per_s']:.1f} GFLOP/s ({d['matmul_n']}^2 matmul), "
+          f"ridge at {d['ridge_intensity']:.1f} FLOP/byte")
+    print()
+    print("prefill (time to first token; compute-bound)")
+    print(f"{'prompt':>7s} {'TTFT ms':>9s} {'tok/s':>8s} {'GFLOP':>7s} {'GFLOP/s':>8s} {'% peak':>7s} {'FLOP/B':>7s}")
+    for r in d["prefill"]:
+        print(f"{r['prompt_len']:7d} {r['ttft_s'] * 1e3:9.1f} {r['tokens_per_s']:8.1f} {r['flops'] / 1e9:7.1f} "
+              f"{r['gflops_per_s']:8.1f} {100 * r['fraction_of_peak']:6.0f}% {r['intensity']:7.1f}")
+    print()
+    print(f"decode (median time per output token; memory-bound: weights {fmt_bytes(d['weight_bytes_read'])} "
+          f"+ KV {d['kv_bytes_per_token']:,} B x context per token)")
+    print(f"{'context':>7s} {'ms/token':>9s} {'tok/s':>8s} {'KV read':>10s} {'MB read':>8s} {'GB/s':>6s} "
+          f"{'% copy':>7s} {'FLOP/B':>7s}")
+    for r in d["decode"]:
+        print(f"{r['context']:7d} {r['time_per_token_s'] * 1e3:9.2f} {r['tokens_per_s']:8.1f} "
+              f"{fmt_bytes(r['kv_bytes_per_token_read']):>10s} {r['bytes_per_token'] / 1e6:8.1f} "
+              f"{r['gb_per_s']:6.1f} {100 * r['fraction_of_bandwidth']:6.0f}% {r['intensity']:7.2f}")
+
+
+def plot(d: dict[str, Any], path: str) -> str:
+    from kvlm.bench.plotting import new_figure, save_figure
+
+    fig, ax = new_figure(width=7.0, height=4.0)
+    bw, peak = d["memory_bandwidth_gb_per_s"], d["peak_gflops_per_s"]
+    xs = [r["intensity"] for r in d["prefill"] + d["decode"]]
+    lo, hi = min(xs + [d["ridge_intensity"]]) / 4, max(xs + [d["ridge_intensity"]]) * 4
+    ridge = d["ridge_intensity"]
+    ax.plot([lo, ridge, hi], [bw * lo, peak, peak], "k-", lw=1.5, label="roofline (measured)")
+    ax.plot([ridge, hi], [bw * ridge, bw * hi], "k:", lw=1, label=f"memory {bw:.1f} GB/s (copy)")
+    ax.plot([lo, ridge], [peak, peak], "k--", lw=1, label=f"compute {peak:.0f} GFLOP/s (matmul)")
+    ax.scatter([r["intensity"] for r in d["prefill"]], [r["gflops_per_s"] for r in d["prefill"]],
+               marker="o", label="prefill (prompt length)", zorder=3)
+    for r in d["prefill"]:
+        ax.annotate(str(r["prompt_len"]), (r["intensity"], r["gflops_per_s"]), fontsize=7,
+                    xytext=(3, -9), textcoords="offset points")
+    ax.scatter([r["intensity"] for r in d["decode"]], [r["gflops_per_s"] for r in d["decode"]],
+               marker="s", label="decode (context)", zorder=3)
+    for r in d["decode"]:
+        ax.annotate(str(r["context"]), (r["intensity"], r["gflops_per_s"]), fontsize=7,
+                    xytext=(4, 2), textcoords="offset points")
+    ax.set(xscale="log", yscale="log", xlim=(lo, hi), xlabel="arithmetic intensity (FLOP/byte)",
+           ylabel="GFLOP/s", title=f"{d['model']}: prefill vs decode, {d['threads']} threads")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, loc="lower right")
+    return save_figure(fig, path)
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("latency", help="TTFT vs prompt length, time per token vs context, on a measured roofline")
+    _add_args(p)
+    p.set_defaults(func=main_args)
+
+
+def _add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", default="smollm2-135m")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--prompt-lens", type=int, nargs="+", default=[32, 64, 128, 256, 512])
+    p.add_argument("--contexts", type=int, nargs="+", default=[64, 256, 512, 1024])
+    p.add_argument("--decode-steps", type=int, default=16, help="timed decode steps per context")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--copy-mib", type=int, default=256, help="tensor size of the bandwidth test")
+    p.add_argument("--matmul-n", type=int, default=2048, help="matrix size of the compute test")
+    p.add_argument("--plot", metavar="FILE", help="write a roofline PNG")
+
+
+def main_args(a: argparse.Namespace) -> int:
+    log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
+    d = run(a.model, a.threads, tuple(a.prompt_lens), tuple(a.contexts), a.decode_steps, a.repeats,
+            a.copy_mib, a.matmul_n, log=log)
+    if a.plot:
+        d["plot"] = plot(d, a.plot)
+    print_table(d)
+    print(json.dumps(d))
+    return 0
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="python -m kvlm.bench.latency")
+    _add_args(parser)
+    raise SystemExit(main_args(parser.parse_args()))
