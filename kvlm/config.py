@@ -108,7 +108,8 @@ class EngineConfig:
     """Runtime knobs of the engine. Defaults suit one CPU user; the CLI exposes each as a flag.
 
     KV memory: `kv_cache_memory` is bytes (int), a fraction of free memory (float in (0, 1]) or None, which
-    sizes the pool for `max_num_seqs` requests at full context (capped by `max_kv_cache_bytes_default`).
+    sizes the pool for `max_num_seqs` requests at full context, capped at a quarter of free memory and,
+    on CPU, at 1 GiB.
     """
 
     device: str | None = None  # None: "cuda" when available, else "cpu"

@@ -95,9 +95,13 @@ class Engine:
             return cache, BlockManager(cfg.max_num_seqs, self.max_model_len)
         per_block = self.kv_bytes_per_token * cfg.block_size
         mem = cfg.kv_cache_memory
-        if mem is None:  # enough for max_num_seqs sequences at full context, at most a quarter of free memory
+        if mem is None:
+            # Enough for max_num_seqs sequences at full context, but at most a quarter of free memory
+            # and, on CPU, 1 GiB: the pool is zero-filled up front, so it is resident memory.
             budget = min(cfg.max_num_seqs * self.max_model_len * self.kv_bytes_per_token,
                          available_memory_bytes(self.device) // 4)
+            if self.device.type == "cpu":
+                budget = min(budget, 1 << 30)
         elif isinstance(mem, float):
             budget = int(mem * available_memory_bytes(self.device))
         else:
