@@ -71,7 +71,7 @@ class Engine:
         self.kv_cache, self.block_manager = self._make_cache()
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    recompute_all=not cfg.enable_kv_cache)
-        self.runner = ModelRunner(self.model, self.kv_cache, self.device)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.device, self.tokenizer.eos_token_ids)
         self.output_processor = OutputProcessor(self.tokenizer.eos_token_ids, self.max_model_len)
         self.requests: dict[str, Request] = {}  # live requests by id, for abort()
         self._ids = itertools.count()

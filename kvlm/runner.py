@@ -32,8 +32,10 @@ class StepResult:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, device: torch.device) -> None:
+    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, device: torch.device,
+                 eos_token_ids: frozenset[int] = frozenset()) -> None:
         self.model, self.kv_cache, self.device = model, kv_cache, device
+        self.eos_token_ids = eos_token_ids  # banned until a request reaches min_tokens
 
     def build_metadata(self, batch: ScheduledBatch) -> tuple[torch.Tensor, AttentionMetadata, list[Request]]:
         """Flat input ids (T,) and the step's metadata; also the requests that sample this step."""
@@ -88,5 +90,5 @@ class ModelRunner:
         if not samplers:
             return StepResult([], [], [], None)
         logits = self.model.compute_logits(hidden[meta.logits_indices])  # (N, vocab) float32
-        out = sample(logits, samplers)
+        out = sample(logits, samplers, self.eos_token_ids)
         return StepResult(samplers, out.token_ids, out.logprobs, logits if keep_logits else None)

@@ -63,10 +63,23 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     return logits.masked_fill(~keep, float("-inf"))
 
 
-def sample(logits: torch.Tensor, reqs: list[Request]) -> SamplerOutput:
+def ban_stop_tokens(logits: torch.Tensor, reqs: list[Request], eos_token_ids: frozenset[int]) -> torch.Tensor:
+    """Until a request has min_tokens outputs, it may not pick EOS or its stop token ids (vLLM semantics)."""
+    for i, r in enumerate(reqs):
+        if r.num_output_tokens < r.params.min_tokens:
+            ban = set(r.params.stop_token_ids or ()) | (set() if r.params.ignore_eos else set(eos_token_ids))
+            ids = [t for t in ban if t < logits.shape[1]]
+            if ids:
+                logits[i, ids] = float("-inf")
+    return logits
+
+
+def sample(logits: torch.Tensor, reqs: list[Request], eos_token_ids: frozenset[int] = frozenset()) -> SamplerOutput:
     """logits: (B, V) float32, row i for reqs[i]. Returns the chosen token of each row."""
     want_logprobs = any(r.params.logprobs is not None for r in reqs)
     raw_logprobs = logits.log_softmax(-1) if want_logprobs else None
+    if any(r.params.min_tokens for r in reqs):
+        logits = ban_stop_tokens(logits.clone(), reqs, eos_token_ids)
     if any(r.params.repetition_penalty != 1.0 or r.params.presence_penalty or r.params.frequency_penalty
            for r in reqs):
         logits = apply_penalties(logits.clone(), reqs)

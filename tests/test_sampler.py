@@ -213,3 +213,15 @@ def test_logprobs_zero_none_and_chosen_in_topk() -> None:
     top5 = raw[2].topk(5)
     assert out.logprobs[2] == pytest.approx(dict(zip(top5.indices.tolist(), top5.values.tolist())))
     assert out.token_ids[2] in out.logprobs[2]
+
+
+def test_min_tokens_bans_eos_and_stop_ids_until_reached() -> None:
+    """Before min_tokens outputs, EOS and stop_token_ids cannot be drawn, even when they dominate."""
+    from kvlm.sampler import sample as _sample
+
+    logits = torch.tensor([[0.0, 10.0, 9.0, 1.0]])
+    params = SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[2], max_tokens=5)
+    req = Request("r", [3], 1, params)
+    assert _sample(logits.clone(), [req], frozenset({1})).token_ids == [3]
+    req.token_ids += [3, 3]  # min_tokens reached: EOS allowed again
+    assert _sample(logits.clone(), [req], frozenset({1})).token_ids == [1]
