@@ -76,8 +76,7 @@ class Engine:
         self.requests: dict[str, Request] = {}  # live requests by id, for abort()
         self._ids = itertools.count()
         self.num_steps = 0
-        if not quiet:
-            log.info(self.describe_cache())
+        log.info(self.describe_cache())  # shown when the "kvlm" logger is at INFO (the CLI without -q)
 
     # -- setup -------------------------------------------------------------------------------------
     @property
