@@ -228,10 +228,20 @@ def cmd_kv_size(a: argparse.Namespace) -> int:
     per_tok = c.kv_bytes_per_token(b)
     mha = c.kv_bytes_per_token(b, kv_heads=c.num_attention_heads)
     total, total_mha = per_tok * a.context * a.batch, mha * a.context * a.batch
+    from kvlm.bench import kv_size_plot
+
+    weights = c.num_parameters * b  # weights in the same dtype as the cache
+    cross = kv_size_plot.crossover_context(c, batch=a.batch)  # same for every dtype: b cancels
     doc = {"layers": c.num_hidden_layers, "kv_heads": c.num_key_value_heads, "attention_heads": c.num_attention_heads,
            "head_dim": c.head_dim, "dtype": a.dtype, "context": a.context, "batch": a.batch,
            "bytes_per_token": per_tok, "total_bytes": total, "mha_bytes_per_token": mha, "mha_total_bytes": total_mha,
-           "gqa_saving": 1 - per_tok / mha}
+           "gqa_saving": 1 - per_tok / mha, "parameters": c.num_parameters, "weight_bytes": weights,
+           "crossover_context": cross}
+    if a.compare_known:
+        doc["known"] = kv_size_plot.known_summary(a.context, b, a.batch)
+    if a.plot:
+        name = a.model or Path(a.config).stem
+        doc["plot"] = kv_size_plot.plot(c, name, a.dtype, b, a.plot, a.batch, a.compare_known)
     if a.json:
         print(json.dumps(doc))
         return 0
@@ -240,6 +250,21 @@ def cmd_kv_size(a: argparse.Namespace) -> int:
     print(f"  {a.batch} x {a.context} tokens: {total:,.0f} B ({total / 2**20:.1f} MiB)")
     print(f"  MHA equivalent ({c.num_attention_heads} kv heads): {mha:,.0f} B/token, {total_mha / 2**20:.1f} MiB "
           f"-> GQA saves {100 * (1 - per_tok / mha):.0f}%")
+    print(f"  outgrows the weights ({c.num_parameters:,} params x {b:g} B = {weights / 2**20:,.1f} MiB) "
+          f"at {cross:,} tokens{' per sequence' if a.batch > 1 else ''} (in any dtype shared by both)")
+    if a.compare_known:
+        print(f"known models ({a.dtype}, {a.batch} x {a.context} tokens):")
+        print(f"  {'model':16s} {'layers':>6s} {'heads':>5s} {'kv':>3s} {'dim':>4s} {'params':>8s} {'KV B/token':>11s} "
+              f"{'KV total':>10s} {'weights':>10s} {'KV > weights at':>15s}")
+        for k in doc["known"]:
+            print(f"  {k['name']:16s} {k['layers']:6d} {k['attention_heads']:5d} {k['kv_heads']:3d} {k['head_dim']:4d} "
+                  f"{k['parameters'] / 1e9:7.2f}B {k['bytes_per_token']:11,.0f} {k['total_bytes'] / 2**30:6.2f} GiB "
+                  f"{k['weight_bytes'] / 2**30:6.2f} GiB {k['crossover_context']:15,d}"
+                  + (f"  (sliding window {k['sliding_window']:,})" if k["sliding_window"] else ""))
+    if a.plot:
+        print(f"plot: {doc['plot']}")
+    if a.plot or a.compare_known:  # bench-style use: end with the JSON document, like `kvlm bench ...`
+        print(json.dumps(doc))
     return 0
 
 
@@ -284,6 +309,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--batch", type=int, default=1)
     s.add_argument("--dtype", default="float16", choices=sorted(DTYPE_BYTES))
     s.add_argument("--json", action="store_true")
+    s.add_argument("--plot", metavar="FILE", help="write a PNG: KV memory vs context (MHA/GQA/MQA, dtypes, crossover "
+                   "with the weights); the text output then ends with the JSON line")
+    s.add_argument("--compare-known", action="store_true",
+                   help="also show the shipped reference models (Llama-3-8B/70B, Qwen2.5-7B, Mistral-7B, SmolLM2-135M)")
     s.set_defaults(func=cmd_kv_size)
 
     from kvlm.bench import add_bench_parser

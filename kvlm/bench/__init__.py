@@ -6,9 +6,9 @@ import argparse
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
-    from kvlm.bench import decode, throughput
+    from kvlm.bench import compare, decode, invariance, latency, throughput, waste
 
     p = sub.add_parser("bench", help="benchmarks (each ends with one JSON line)")
     bsub = p.add_subparsers(dest="bench", required=True)
-    decode.add_parser(bsub)
-    throughput.add_parser(bsub)
+    for module in (decode, throughput, waste, invariance, latency, compare):
+        module.add_parser(bsub)

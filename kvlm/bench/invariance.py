@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from typing import Any
 
 import torch
@@ -165,11 +164,14 @@ def plot(d: dict[str, Any], path: str) -> str:
     w = 0.4
     ax.bar([i - w / 2 for i in x], causal, w, label="causal (engine cache)")
     ax.bar([i + w / 2 for i in x], nonc, w, label="no causal mask")
+    ax.axhline(floor, color="k", lw=0.8)
+    ax.text(x[-1] + 0.5, floor * 3, "bars at this line: exactly 0", ha="right", va="bottom", fontsize=7,
+            bbox={"fc": "white", "ec": "none", "alpha": 0.8})
     ax.set(yscale="log", ylim=(floor / 2, None), xlabel="layer",
            ylabel="max |K/V diff| of shared positions",
            title=f"history K/V: {d['prompt_len']} tokens vs {d['prompt_len']} + {d['extra_len']} tokens")
     ax.grid(True, axis="y", alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="center right")
     return save_figure(fig, path)
 
 

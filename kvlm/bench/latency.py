@@ -1,14 +1,15 @@
 """`kvlm bench latency`: time to first token vs prompt length and time per output token vs context,
 placed against this machine's own ceilings (a roofline).
 
-* Ceilings, measured by the command itself with the same thread count:
+* Ceilings, measured by the command itself on the engine's device with the same thread count:
   memory bandwidth = 2 x bytes / time of `dst.copy_(src)` on a 256 MiB float32 tensor (read + write),
   best of 5; peak compute = 2 n^3 / time of an n x n float32 matmul (n = 2048), best of 3.
 * Prefill (TTFT, best of `--repeats`): FLOPs from `waste.forward_flops` (2 x params x P plus the
   causal attention term); bytes = weights read once + the P tokens' K/V written, a lower bound on the
   traffic (activations are ignored), so its arithmetic intensity is an upper bound. Prefill should sit
   near the compute ceiling: every weight fetched serves P tokens.
-* Decode (median time of the steps after the first token, at a context of C tokens): bytes per
+* Decode (median time of the `--decode-steps` steps after the first token of one request with a
+  C-token prompt): bytes per
   token = every weight once + the K/V of the whole context (C x kv_bytes_per_token); achieved GB/s =
   bytes / time per token. Its intensity is ~0.5 FLOP/byte in float32 (2 FLOPs per 4-byte weight), far
   left on the roofline: decode is memory-bound, and the KV read grows with the context.
@@ -29,32 +30,43 @@ from typing import Any
 from kvlm.bench.plotting import fmt_bytes, run_header
 
 
-def memory_bandwidth(mib: int = 256, repeats: int = 5) -> float:
+def _sync(device: Any) -> None:
+    import torch
+
+    if torch.device(device).type == "cuda":  # kernels are asynchronous: time them to completion
+        torch.cuda.synchronize(device)
+
+
+def memory_bandwidth(mib: int = 256, repeats: int = 5, device: Any = "cpu") -> float:
     """Bytes/s of a tensor copy (each byte read once and written once), best of `repeats`."""
     import torch
 
     n = mib * 2**20 // 4
-    src = torch.ones(n, dtype=torch.float32)
+    src = torch.ones(n, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
     dst.copy_(src)  # touch every page first: page faults are not bandwidth
     best = float("inf")
     for _ in range(repeats):
+        _sync(device)
         t = time.perf_counter()
         dst.copy_(src)
+        _sync(device)
         best = min(best, time.perf_counter() - t)
     return 2 * n * 4 / best
 
 
-def peak_flops(n: int = 2048, repeats: int = 3) -> float:
+def peak_flops(n: int = 2048, repeats: int = 3, device: Any = "cpu") -> float:
     """FLOP/s of an n x n float32 matmul (2 n^3 FLOPs), best of `repeats`."""
     import torch
 
-    a, b = torch.randn(n, n), torch.randn(n, n)
+    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
     out = a @ b  # warm-up: thread pool and buffers
     best = float("inf")
     for _ in range(repeats):
+        _sync(device)
         t = time.perf_counter()
         torch.matmul(a, b, out=out)
+        _sync(device)
         best = min(best, time.perf_counter() - t)
     return 2 * n**3 / best
 
@@ -79,7 +91,7 @@ def _decode_step_times(llm: Any, ids: list[int], steps: int) -> list[float]:
 
 
 def run(model: str = "smollm2-135m", threads: int = 2, prompt_lens: tuple[int, ...] = (32, 64, 128, 256, 512),
-        contexts: tuple[int, ...] = (64, 256, 512, 1024), decode_steps: int = 16, repeats: int = 2,
+        contexts: tuple[int, ...] = (64, 256, 512, 1024), decode_steps: int = 24, repeats: int = 2,
         copy_mib: int = 256, matmul_n: int = 2048, log: Any = print) -> dict[str, Any]:
     import torch
 
@@ -88,13 +100,13 @@ def run(model: str = "smollm2-135m", threads: int = 2, prompt_lens: tuple[int, .
     from kvlm.llm import LLM
 
     torch.set_num_threads(threads)
-    bw = memory_bandwidth(copy_mib)
-    peak = peak_flops(matmul_n)
-    log(f"  machine: copy {bw / 1e9:.1f} GB/s, matmul {peak / 1e9:.1f} GFLOP/s ({threads} threads)")
-
     max_len = max(max(prompt_lens) + 2, max(contexts) + decode_steps + 2)
     llm = LLM(model, num_threads=threads, max_num_seqs=1, kv_cache_layout="contiguous", max_model_len=max_len)
     eng = llm.llm_engine
+    # The ceilings of the device the engine runs on (the CPU here; a GPU when the engine picked CUDA).
+    bw = memory_bandwidth(copy_mib, device=eng.device)
+    peak = peak_flops(matmul_n, device=eng.device)
+    log(f"  {eng.device}: copy {bw / 1e9:.1f} GB/s, matmul {peak / 1e9:.1f} GFLOP/s ({threads} threads)")
     cfg = eng.model_config
     kv_tok = eng.kv_bytes_per_token
     wbytes = weight_bytes_read(cfg, torch.finfo(eng.dtype).bits // 8)
@@ -114,9 +126,8 @@ def run(model: str = "smollm2-135m", threads: int = 2, prompt_lens: tuple[int, .
     decode = []
     for C in contexts:
         ids = _prompt_ids(cfg.vocab_size, C, seed=C)
-        times = [t for _ in range(repeats) for t in _decode_step_times(llm, ids, decode_steps)]
-        tpt = statistics.median(times)  # robust to the odd slow step (other processes, allocations)
-        ctx = C + decode_steps / 2  # mean context of the timed steps (C+1 .. C+decode_steps)
+        tpt = statistics.median(_decode_step_times(llm, ids, decode_steps))  # robust to the odd slow step
+        ctx = C + (decode_steps + 1) / 2  # mean context of the timed steps: C+1 .. C+decode_steps
         flops = forward_flops(cfg, 1, round(ctx))
         nbytes = wbytes + ctx * kv_tok
         decode.append({"context": C, "mean_context": ctx, "time_per_token_s": tpt, "tokens_per_s": 1 / tpt,
@@ -127,7 +138,8 @@ def run(model: str = "smollm2-135m", threads: int = 2, prompt_lens: tuple[int, .
 
     doc = run_header("latency", model, threads)
     doc.update({
-        "dtype": str(eng.dtype).removeprefix("torch."), "repeats": repeats, "decode_steps": decode_steps,
+        "device": str(eng.device), "dtype": str(eng.dtype).removeprefix("torch."), "repeats": repeats,
+        "decode_steps": decode_steps,
         "memory_bandwidth_gb_per_s": bw / 1e9, "copy_mib": copy_mib,
         "peak_gflops_per_s": peak / 1e9, "matmul_n": matmul_n,
         "ridge_intensity": peak / bw,  # FLOP/byte where the two ceilings meet
@@ -138,7 +150,7 @@ def run(model: str = "smollm2-135m", threads: int = 2, prompt_lens: tuple[int, .
 
 
 def print_table(d: dict[str, Any]) -> None:
-    print(f"{d['model']} ({d['dtype']}), {d['threads']} threads on {d['cpu']}")
+    print(f"{d['model']} ({d['dtype']}) on {d['device']}, {d['threads']} threads, CPU {d['cpu']}")
     print(f"machine ceilings: memory {d['memory_bandwidth_gb_per_s']:.1f} GB/s (copy of {d['copy_mib']} MiB), "
           f"compute {d['peak_gflops_per_s']:.1f} GFLOP/s ({d['matmul_n']}^2 matmul), "
           f"ridge at {d['ridge_intensity']:.1f} FLOP/byte")
@@ -146,7 +158,7 @@ def print_table(d: dict[str, Any]) -> None:
     print("prefill (time to first token; compute-bound)")
     print(f"{'prompt':>7s} {'TTFT ms':>9s} {'tok/s':>8s} {'GFLOP':>7s} {'GFLOP/s':>8s} {'% peak':>7s} {'FLOP/B':>7s}")
     for r in d["prefill"]:
-        print(f"{r['prompt_len']:7d} {r['ttft_s'] * 1e3:9.1f} {r['tokens_per_s']:8.1f} {r['flops'] / 1e9:7.1f} "
+        print(f"{r['prompt_len']:7d} {r['ttft_s'] * 1e3:9.1f} {r['tokens_per_s']:8.1f} {r['flops'] / 1e9:7.3g} "
               f"{r['gflops_per_s']:8.1f} {100 * r['fraction_of_peak']:6.0f}% {r['intensity']:7.1f}")
     print()
     print(f"decode (median time per output token; memory-bound: weights {fmt_bytes(d['weight_bytes_read'])} "
@@ -177,13 +189,16 @@ def plot(d: dict[str, Any], path: str) -> str:
                     xytext=(3, -9), textcoords="offset points")
     ax.scatter([r["intensity"] for r in d["decode"]], [r["gflops_per_s"] for r in d["decode"]],
                marker="s", label="decode (context)", zorder=3)
-    for r in d["decode"]:
-        ax.annotate(str(r["context"]), (r["intensity"], r["gflops_per_s"]), fontsize=7,
-                    xytext=(4, 2), textcoords="offset points")
-    ax.set(xscale="log", yscale="log", xlim=(lo, hi), xlabel="arithmetic intensity (FLOP/byte)",
+    for i, r in enumerate(d["decode"]):  # all decode points share ~0.5 FLOP/byte: stagger their labels
+        ax.annotate(f"ctx {r['context']}", (r["intensity"], r["gflops_per_s"]), fontsize=7,
+                    xytext=(8, 9 * (i - len(d["decode"]) / 2)), textcoords="offset points",
+                    arrowprops={"arrowstyle": "-", "lw": 0.5})
+    ys = [r["gflops_per_s"] for r in d["prefill"] + d["decode"]]
+    ax.set(xscale="log", yscale="log", xlim=(lo, hi), ylim=(min(ys + [bw * lo]) / 3, peak * 3),
+           xlabel="arithmetic intensity (FLOP/byte)",
            ylabel="GFLOP/s", title=f"{d['model']}: prefill vs decode, {d['threads']} threads")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7, loc="lower right")
+    ax.legend(fontsize=7, loc="best")
     return save_figure(fig, path)
 
 
@@ -198,8 +213,8 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--prompt-lens", type=int, nargs="+", default=[32, 64, 128, 256, 512])
     p.add_argument("--contexts", type=int, nargs="+", default=[64, 256, 512, 1024])
-    p.add_argument("--decode-steps", type=int, default=16, help="timed decode steps per context")
-    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--decode-steps", type=int, default=24, help="timed decode steps per context (median)")
+    p.add_argument("--repeats", type=int, default=2, help="prefill runs per prompt length (best kept)")
     p.add_argument("--copy-mib", type=int, default=256, help="tensor size of the bandwidth test")
     p.add_argument("--matmul-n", type=int, default=2048, help="matrix size of the compute test")
     p.add_argument("--plot", metavar="FILE", help="write a roofline PNG")

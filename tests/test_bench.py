@@ -1,0 +1,277 @@
+"""The KV-cache benchmarks (`kvlm bench waste|invariance|latency|compare`, `kvlm kv-size --plot`) on the
+tiny GGUF: their JSON fields and invariants, their plots (valid PNGs under 200 KB), the shipped reference
+configs, and that absent peers are skipped rather than failing. Timings are only checked for sign: this
+file must not depend on the machine's speed."""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvlm.cli import main
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+CONFIGS = Path(__file__).parent.parent / "kvlm" / "configs"
+
+
+def quiet(_: str) -> None:
+    pass
+
+
+def assert_png(path: Path) -> None:
+    data = path.read_bytes()
+    assert data.startswith(PNG_MAGIC), path
+    assert len(data) < 200_000, f"{path}: {len(data)} bytes"
+
+
+def cli_json(capsys: pytest.CaptureFixture[str], argv: list[str]) -> tuple[dict[str, Any], str]:
+    """Run `kvlm ARGV`; return (the JSON document on the last line, the text before it)."""
+    assert main(argv) == 0
+    out = capsys.readouterr().out.rstrip("\n").splitlines()
+    return json.loads(out[-1]), "\n".join(out[:-1])
+
+
+def assert_header(d: dict[str, Any], bench: str) -> None:
+    assert d["bench"] == bench and d["threads"] == 2
+    assert isinstance(d["date"], str) and isinstance(d["cpu"], str) and d["cpu"]
+
+
+# ------------------------------------------------------------------------------------------- waste
+
+
+def test_waste(tiny_gguf: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    png = tmp_path / "waste.png"
+    d, table = cli_json(capsys, ["-q", "bench", "waste", str(tiny_gguf), "--prompt-len", "8", "--lengths", "4", "8",
+                                 "--repeats", "1", "--plot", str(png)])
+    assert_header(d, "waste")
+    rows = d["rows"]
+    assert [r["n"] for r in rows] == [1, 4, 8]  # n = 1, the break-even point, is always added
+    P = 8
+    for r in rows:
+        n = r["n"]
+        assert r["tokens_cache"] == P + n - 1
+        assert r["tokens_no_cache"] == n * P + n * (n - 1) // 2
+        assert r["identical"] is True
+        assert r["seconds_cache"] > 0 and r["seconds_no_cache"] > 0 and r["speedup"] > 0
+        assert r["kv_bytes"] == r["tokens_cache"] * d["kv_bytes_per_token"]
+    for key in ("tokens_cache", "tokens_no_cache", "flops_cache", "flops_no_cache", "kv_bytes"):
+        vals = [r[key] for r in rows]
+        assert vals == sorted(vals) and len(set(vals)) == len(vals), key  # strictly increasing with n
+    # n = 1 is one prefill either way: same work, so the cache cannot pay there
+    assert rows[0]["tokens_cache"] == rows[0]["tokens_no_cache"] and rows[0]["flops_cache"] == rows[0]["flops_no_cache"]
+    assert d["break_even_speedup"] == rows[0]["speedup"]
+    assert d["all_identical"] is True and d["no_cache_tokens_measured"] == 8
+    assert d["largest_measured_n"] == 8
+    assert d["processed_tokens_per_s_no_cache"] > 0 and d["processed_tokens_per_s_cache"] > 0
+    assert d["kv_outgrows_weights_at_tokens"] * d["kv_bytes_per_token"] >= d["weight_bytes"]
+    assert "break-even" in table and "identical" in table
+    assert d["plot"] == str(png)
+    assert_png(png)
+
+
+def test_waste_no_cache_budget_stops_early(tiny_gguf: Path) -> None:
+    from kvlm.bench import waste
+
+    d = waste.run(str(tiny_gguf), threads=2, prompt_len=8, lengths=(6,), repeats=1, no_cache_seconds=0.0, log=quiet)
+    assert d["no_cache_tokens_measured"] == 1  # one step always runs, then the budget stops it
+    first, last = d["rows"]
+    assert first["identical"] is True and first["seconds_no_cache"] > 0
+    assert last["seconds_no_cache"] is None and last["speedup"] is None and last["identical"] is None
+    assert last["tokens_no_cache"] == 6 * 8 + 15  # counts stay exact when not measured
+
+
+def test_forward_flops_formula() -> None:
+    from kvlm.bench.waste import forward_flops, tokens_processed
+    from kvlm.config import ModelConfig
+    from tiny_models import tiny_config
+
+    cfg = ModelConfig.from_hf_dict(tiny_config())
+    T, ctx = tokens_processed(5, 3, cache=True)
+    assert (T, ctx) == (7, 28)  # positions 0..6, contexts 1..7
+    assert forward_flops(cfg, T, ctx) == 2 * cfg.num_parameters * 7 + 4 * 2 * (4 * 16) * 28
+    assert tokens_processed(5, 3, cache=False) == (5 + 6 + 7, 15 + 21 + 28)
+
+
+# -------------------------------------------------------------------------------------- invariance
+
+
+def test_invariance(tiny_gguf: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    png = tmp_path / "inv.png"
+    d, table = cli_json(capsys, ["-q", "bench", "invariance", str(tiny_gguf), "--prompt-len", "12", "--extra-len", "8",
+                                 "--plot", str(png)])
+    assert_header(d, "invariance")
+    layers = d["layers"]
+    assert [r["layer"] for r in layers] == list(range(d["num_layers"])) and len(layers) >= 2
+    for r in layers:  # causal: appending tokens never changes history K/V (engine cache and own forward)
+        for key in ("cache_k_diff", "cache_v_diff", "causal_k_diff", "causal_v_diff"):
+            assert isinstance(r[key], float) and r[key] < 1e-5, (r["layer"], key)
+    assert layers[0]["noncausal_k_diff"] < 1e-5 and layers[0]["noncausal_v_diff"] < 1e-5  # token + position only
+    for r in layers[1:]:  # without the mask later tokens leak into earlier positions from layer 1 on
+        assert r["noncausal_k_diff"] > 1e-4 and r["noncausal_v_diff"] > 1e-4
+    assert d["causal_max_diff"] < 1e-5 < 1e-4 < d["noncausal_min_diff_layers_1plus"]
+    assert "layer" in table
+    assert_png(png)
+
+
+# ----------------------------------------------------------------------------------------- latency
+
+
+def test_latency(tiny_gguf: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    png = tmp_path / "roofline.png"
+    d, table = cli_json(capsys, ["-q", "bench", "latency", str(tiny_gguf), "--prompt-lens", "8", "16",
+                                 "--contexts", "8", "32", "--decode-steps", "3", "--repeats", "1",
+                                 "--copy-mib", "8", "--matmul-n", "128", "--plot", str(png)])
+    assert_header(d, "latency")
+    assert d["memory_bandwidth_gb_per_s"] > 0 and d["peak_gflops_per_s"] > 0 and d["ridge_intensity"] > 0
+    assert [r["prompt_len"] for r in d["prefill"]] == [8, 16]
+    for r in d["prefill"]:
+        assert r["ttft_s"] > 0 and r["gflops_per_s"] > 0 and r["intensity"] > 0
+    assert [r["context"] for r in d["decode"]] == [8, 32]
+    for r in d["decode"]:
+        assert r["time_per_token_s"] > 0 and r["gb_per_s"] > 0
+        assert r["bytes_per_token"] == pytest.approx(d["weight_bytes_read"] + r["mean_context"] * d["kv_bytes_per_token"])
+    # decode reads every weight per token: ~0.5 FLOP/byte in float32, far below prefill's intensity
+    assert max(r["intensity"] for r in d["decode"]) < 1 < min(r["intensity"] for r in d["prefill"])
+    assert "prefill" in table and "decode" in table
+    assert_png(png)
+
+
+def test_machine_ceilings_positive() -> None:
+    from kvlm.bench.latency import memory_bandwidth, peak_flops
+
+    assert memory_bandwidth(mib=4, repeats=2) > 0
+    assert peak_flops(n=64, repeats=2) > 0
+
+
+# ----------------------------------------------------------------------------------------- kv-size
+
+
+PUBLISHED_PARAMS = {"Llama-3-8B": 8_030_261_248, "Llama-3-70B": 70_553_706_496, "Qwen2.5-7B": 7_615_616_512,
+                    "Mistral-7B-v0.1": 7_241_732_096, "SmolLM2-135M": 134_515_008}
+
+
+def test_known_configs_are_the_published_shapes() -> None:
+    from kvlm.bench.kv_size_plot import known_configs
+
+    known = known_configs()
+    assert {name: c.num_parameters for name, c in known.items()} == PUBLISHED_PARAMS
+    assert (known["Llama-3-70B"].num_hidden_layers, known["Llama-3-70B"].num_key_value_heads) == (80, 8)
+    assert known["Qwen2.5-7B"].kv_bytes_per_token(2) == 2 * 28 * 4 * 128 * 2
+
+
+def test_kv_size_plot_and_crossover(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = CONFIGS / "Llama-3-8B.json"
+    png = tmp_path / "kv.png"
+    d, text = cli_json(capsys, ["kv-size", "--config", str(cfg), "--dtype", "float16", "--compare-known",
+                                "--plot", str(png)])
+    per_tok_1b = 2 * 32 * 8 * 128
+    assert d["crossover_context"] == PUBLISHED_PARAMS["Llama-3-8B"] // per_tok_1b + 1
+    cross, per_tok = d["crossover_context"], d["bytes_per_token"]
+    assert cross * per_tok > d["weight_bytes"] >= (cross - 1) * per_tok  # the first context past the weights
+    assert d["weight_bytes"] == PUBLISHED_PARAMS["Llama-3-8B"] * 2
+    assert {k["name"] for k in d["known"]} == set(PUBLISHED_PARAMS)
+    assert "GQA saves 75%" in text and "outgrows the weights" in text  # the existing text is kept
+    assert_png(png)
+    # the crossover does not depend on the dtype (cache and weights scale together); --json is unchanged
+    assert main(["kv-size", "--config", str(cfg), "--dtype", "int4", "--json"]) == 0
+    d4 = json.loads(capsys.readouterr().out)
+    assert d4["crossover_context"] == d["crossover_context"] and "known" not in d4
+
+
+# ----------------------------------------------------------------------------------------- compare
+
+
+class FakeLlama:
+    """Stands in for llama_cpp.Llama: records how the bench drives it."""
+
+    instances: list[FakeLlama] = []
+
+    def __init__(self, model_path: str, **kw: Any) -> None:
+        self.model_path, self.kw, self.n_tokens, self.evals = model_path, kw, 0, []
+        FakeLlama.instances.append(self)
+
+    def reset(self) -> None:
+        self.n_tokens = 0
+
+    def eval(self, tokens: list[int]) -> None:
+        self.evals.append((self.n_tokens, len(tokens)))
+        self.n_tokens += len(tokens)
+
+    def sample(self, **kw: Any) -> int:
+        assert kw.get("top_k") == 1 and kw.get("temp") == 0.0  # greedy, like the other engines
+        return 7
+
+
+def test_compare_llama_cpp_path_and_skips(tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    from kvlm.bench import compare
+
+    monkeypatch.setitem(sys.modules, "llama_cpp", types.SimpleNamespace(Llama=FakeLlama))
+    FakeLlama.instances.clear()
+    d = compare.run(str(tiny_gguf), threads=2, prompt_len=16, decode_prompt_len=8, gen_tokens=4, repeats=1,
+                    peers=("llama_cpp",), log=quiet)
+    assert_header(d, "compare")
+    e = d["engines"]
+    assert e["kvlm"]["status"] == "ok" and e["kvlm"]["decode_tokens_per_s"] > 0 and e["kvlm"]["prefill_tokens_per_s"] > 0
+    assert e["hf"]["status"] == "skipped"
+    lc = e["llama_cpp"]
+    assert lc["status"] == "ok" and lc["prefill_tokens_per_s"] > 0 and lc["kvlm_over_peer_decode"] > 0
+    (fake,) = FakeLlama.instances
+    assert fake.model_path == str(tiny_gguf)
+    assert fake.kw["n_threads"] == 2 and fake.kw["n_threads_batch"] == 2
+    assert (0, 16) in fake.evals  # prefill: the whole prompt on a fresh context
+    assert (8, 1) in fake.evals  # decode: one token at a time after the prompt
+
+    # llama-cpp-python absent: a skipped column, not an error; same through the CLI
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # `import llama_cpp` now raises ImportError
+    d, table = cli_json(capsys, ["-q", "bench", "compare", str(tiny_gguf), "--prompt-len", "16",
+                                 "--decode-prompt-len", "8", "--gen-tokens", "4", "--repeats", "1"])
+    assert d["engines"]["llama_cpp"]["status"] == "skipped" and "not installed" in d["engines"]["llama_cpp"]["reason"]
+    assert "skipped" in table
+    hf = d["engines"]["hf"]
+    assert hf["status"] in ("ok", "skipped")
+    if hf["status"] == "ok":
+        assert hf["decode_tokens_per_s"] > 0 and hf["kvlm_over_peer_prefill"] > 0
+
+
+# ------------------------------------------------------------------------------ docs/benchmarks.md
+
+
+def test_make_benchmarks_md_copies_only_numbers_from_results(tiny_gguf: Path, tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    import importlib.util
+    import re
+
+    spec = importlib.util.spec_from_file_location("make_benchmarks_md",
+                                                  Path(__file__).parent.parent / "scripts" / "make_benchmarks_md.py")
+    mod = importlib.util.module_from_spec(spec)
+    assert spec.loader is not None
+    spec.loader.exec_module(mod)
+
+    monkeypatch.chdir(tmp_path)  # bench_all.sh runs from the repository root with relative paths
+    results = Path("docs/results")
+    results.mkdir(parents=True)
+    commands = {"invariance": ["-q", "bench", "invariance", str(tiny_gguf), "--prompt-len", "8", "--extra-len", "4",
+                               "--plot", "docs/img/invariance.png"],
+                "kv_size": ["kv-size", "--config", str(CONFIGS / "SmolLM2-135M.json"),
+                            "--compare-known", "--plot", "docs/img/kv_size.png"]}
+    for name, argv in commands.items():
+        assert main(argv) == 0
+        (results / f"{name}.txt").write_text("$ kvlm " + " ".join(argv) + "\n" + capsys.readouterr().out)
+    assert mod.main([]) == 0
+    md = Path("docs/benchmarks.md").read_text()
+    inv = (results / "invariance.txt").read_text().splitlines()
+    assert "$ kvlm -q bench invariance" in md and inv[1] in md and inv[-2] in md  # command and table verbatim
+    doc = json.loads(inv[-1])
+    assert f"date: {doc['date']}; CPU: {doc['cpu']}; threads: {doc['threads']}" in md
+    assert "![" in md and "(img/invariance.png)" in md and "(img/kv_size.png)" in md
+    assert "waste.txt` is missing" in md  # not run: said, not invented
+    sources = "".join(f.read_text() for f in results.iterdir())
+    for num in set(re.findall(r"\d+(?:\.\d+)?", md)):
+        assert num in sources, f"{num} in benchmarks.md is not in the results"
