@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import platform
 import resource
 import sys
 import time
@@ -18,6 +17,8 @@ from datetime import datetime, timezone
 from typing import Any
 
 import torch
+
+from kvlm.bench.plotting import cpu_name
 
 
 def _peak_rss_mib() -> float:
@@ -93,7 +94,7 @@ def run(model: str = "smollm2-135m", threads: int = 2, prompt_len: int = 512, de
     best = {k: max(v) if v else None for k, v in res.items()}
     doc = {
         "bench": "decode", "model": model, "dtype": dtype, "threads": threads,
-        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"), "cpu": platform.processor() or platform.machine(),
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"), "cpu": cpu_name(),
         "torch": torch.__version__, "prompt_len": prompt_len, "decode_prompt_len": decode_prompt_len,
         "gen_tokens": gen_tokens, "repeats": repeats,
         "prefill_tokens_per_s": best["prefill"], "decode_tokens_per_s": best["decode"],

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import random
 import resource
 import sys
@@ -19,6 +18,8 @@ from datetime import datetime, timezone
 from typing import Any
 
 import torch
+
+from kvlm.bench.plotting import cpu_name
 
 
 def make_workload(n: int, vocab: int, in_range: tuple[int, int], out_range: tuple[int, int],
@@ -95,9 +96,9 @@ def run_hf_padded(model_path: Any, prompts: list[list[int]], outs: list[int], ba
     return {"seconds": dt, "output_tokens_per_s": n_out / dt, "total_tokens_per_s": (n_out + sum(map(len, prompts))) / dt}
 
 
-def run(model: str = "smollm2-135m", num_prompts: int = 16, in_range: tuple[int, int] = (64, 512),
-        out_range: tuple[int, int] = (64, 256), seed: int = 0, threads: int = 2, max_num_seqs: int = 16,
-        max_num_batched_tokens: int = 1024, sequential: bool = True, compare_hf: bool = True,
+def run(model: str = "smollm2-135m", num_prompts: int = 32, in_range: tuple[int, int] = (64, 512),
+        out_range: tuple[int, int] = (64, 256), seed: int = 0, threads: int = 2, max_num_seqs: int = 32,
+        max_num_batched_tokens: int = 2048, sequential: bool = True, compare_hf: bool = True,
         dtype: str = "float32") -> dict[str, Any]:
     from kvlm.llm import LLM
 
@@ -111,7 +112,7 @@ def run(model: str = "smollm2-135m", num_prompts: int = 16, in_range: tuple[int,
     hf = run_hf_padded(llm.llm_engine.model_path, prompts, outs, max_num_seqs) if compare_hf else None
     return {
         "bench": "throughput", "model": model, "dtype": dtype, "threads": threads,
-        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"), "cpu": platform.processor() or platform.machine(),
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"), "cpu": cpu_name(),
         "device": str(llm.llm_engine.device), "torch": torch.__version__, "num_prompts": num_prompts,
         "prompt_len_range": list(in_range), "output_len_range": list(out_range), "seed": seed,
         "prompt_tokens": sum(map(len, prompts)), "output_tokens": sum(outs),
@@ -143,13 +144,13 @@ def print_table(d: dict[str, Any]) -> None:
 
 def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default="smollm2-135m")
-    p.add_argument("--num-prompts", type=int, default=16)
+    p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--input-len", type=int, nargs=2, default=[64, 512], metavar=("MIN", "MAX"))
     p.add_argument("--output-len", type=int, nargs=2, default=[64, 256], metavar=("MIN", "MAX"))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--max-num-seqs", type=int, default=16)
-    p.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    p.add_argument("--max-num-seqs", type=int, default=32, help="also the HF batch size")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--no-sequential", action="store_true", help="skip the one-request-at-a-time run")
     p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face comparison")
