@@ -8,7 +8,7 @@ file name. Per-request knobs live in `sampling_params.SamplingParams`.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from kvlm.errors import UnsupportedModelError
@@ -20,8 +20,6 @@ SUPPORTED_MODEL_TYPES: dict[str, str] = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
 }
-
-DTYPE_BYTES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1, "int4": 0.5}  # type: ignore[dict-item]
 
 
 @dataclass(slots=True, frozen=True)
@@ -122,8 +120,6 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     kv_cache_memory: int | float | None = None
     num_threads: int | None = None
-    seed: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):

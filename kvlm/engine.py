@@ -60,6 +60,10 @@ class Engine:
         self.model_config: ModelConfig = model_config
         self.max_model_len = min(cfg.max_model_len or min(model_config.max_position_embeddings, 4096),
                                  model_config.max_position_embeddings)
+        if model_config.sliding_window and self.max_model_len > model_config.sliding_window:
+            # The attention here is full, which equals sliding-window attention only within the window.
+            log.warning("kvlm: context capped at the model's sliding window of %d tokens", model_config.sliding_window)
+            self.max_model_len = model_config.sliding_window
         net = LlamaForCausalLM(model_config, self.max_model_len)
         net.load_weights(state)
         del state
