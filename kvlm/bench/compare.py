@@ -164,7 +164,7 @@ def run(model: str = "smollm2-135m", threads: int = 2, prompt_len: int = 256, de
     engines.clear()
     gc.collect()
     doc = run_header("compare", model, threads)
-    doc.update({"model_path": str(path), "prompt_len": prompt_len, "decode_prompt_len": decode_prompt_len,
+    doc.update({"model_file": path.name, "prompt_len": prompt_len, "decode_prompt_len": decode_prompt_len,
                 "gen_tokens": gen_tokens, "repeats": repeats, "engines": results})
     return doc
 
