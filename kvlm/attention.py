@@ -29,6 +29,11 @@ class AttentionMetadata:
     q_pad_index: torch.Tensor | None  # (T,) int64: row of each token in the (B * max_query_len) padded layout
     attn_mask: torch.Tensor | None  # (B, 1, max_query_len, max_seq_len) bool, True = may attend; None = not needed
     logits_indices: torch.Tensor  # (N,) int64: flat rows whose logits we need (a sequence's last token)
+    # Decode-only batches of sequences with very different lengths are attended in groups of similar
+    # length, so that short sequences are not padded to the longest (see plan_length_groups). Each
+    # group is a metadata of its own whose `rows` are its tokens' rows in this batch.
+    groups: tuple[AttentionMetadata, ...] = ()
+    rows: torch.Tensor | None = None  # (T_group,) int64, only in a group
 
     @property
     def num_seqs(self) -> int:
@@ -45,6 +50,38 @@ class AttentionMetadata:
     @property
     def is_decode_only(self) -> bool:
         return self.max_query_len == 1
+
+
+def plan_length_groups(seq_lens: list[int], max_groups: int = 4, group_cost: int = 1024) -> list[list[int]]:
+    """Partition sequences into at most `max_groups` groups of similar length for decode attention.
+
+    Gathering and attending over a padded (B, L_max) context costs about sum over groups of
+    len(group) x max length in group; each extra group costs a fixed `group_cost` (in token slots) of
+    per-call overhead. Sequences sorted by length are split into contiguous runs by dynamic programming
+    (B is at most max_num_seqs, so this is a few thousand additions on the host). Returns lists of
+    sequence indices; one group means no split.
+    """
+    order = sorted(range(len(seq_lens)), key=seq_lens.__getitem__)
+    L = [seq_lens[i] for i in order]
+    n = len(L)
+    INF = float("inf")
+    # best[g][j]: cheapest cost of splitting the first j sorted sequences into g groups.
+    best = [[INF] * (n + 1) for _ in range(max_groups + 1)]
+    cut = [[0] * (n + 1) for _ in range(max_groups + 1)]
+    best[0][0] = 0
+    for g in range(1, max_groups + 1):
+        for j in range(1, n + 1):
+            for i in range(g - 1, j):
+                c = best[g - 1][i] + (j - i) * L[j - 1] + group_cost
+                if c < best[g][j]:
+                    best[g][j], cut[g][j] = c, i
+    g = min(range(1, max_groups + 1), key=lambda k: best[k][n])
+    groups, j = [], n
+    while g > 0:
+        i = cut[g][j]
+        groups.append(order[i:j])
+        j, g = i, g - 1
+    return groups[::-1]
 
 
 def build_attn_mask(query_lens: list[int], seq_lens: list[int], device: torch.device) -> torch.Tensor:

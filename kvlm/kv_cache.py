@@ -28,10 +28,18 @@ class KVCache(Protocol):
     block_size: int
     num_blocks: int
 
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
+        """Store k, v (T, kv_heads, D) at meta.slot_mapping."""
+        ...
+
+    def fetch(self, layer: int, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of every sequence of `meta` as (B, kv_heads, L, D), padded to the longest."""
+        ...
+
     def update_and_fetch(
         self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k, v (T, kv_heads, D) at meta.slot_mapping; return (B, kv_heads, L, D) keys and values."""
+        """write() then fetch()."""
         ...
 
     @property
@@ -57,9 +65,17 @@ class NoKVCache:
     num_blocks = 1 << 30
     nbytes = 0
 
-    def update_and_fetch(self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata):
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
+        self._kv = (k, v)  # only until fetch(): the current step's tokens are the whole context
+
+    def fetch(self, layer: int, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         assert meta.query_lens == meta.seq_lens, "NoKVCache needs every sequence recomputed from position 0"
+        k, v = self._kv
         return _pad_new_tokens(k, meta), _pad_new_tokens(v, meta)
+
+    def update_and_fetch(self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata):
+        self.write(layer, k, v, meta)
+        return self.fetch(layer, meta)
 
 
 class PagedKVCache:
@@ -81,10 +97,18 @@ class PagedKVCache:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
     def update_and_fetch(self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata):
+        self.write(layer, k, v, meta)
+        return self.fetch(layer, meta)
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
         kc, vc = self.k[layer], self.v[layer]
         kvh, D = kc.shape[2], kc.shape[3]
         kc.view(-1, kvh, D).index_copy_(0, meta.slot_mapping, k)
         vc.view(-1, kvh, D).index_copy_(0, meta.slot_mapping, v)
+
+    def fetch(self, layer: int, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        kc, vc = self.k[layer], self.v[layer]
+        kvh, D = kc.shape[2], kc.shape[3]
         L = meta.max_seq_len
         nblk = -(-L // self.block_size)
         bt = meta.block_tables[:, :nblk]  # (B, nblk)
@@ -121,11 +145,17 @@ class ContiguousKVCache:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
     def update_and_fetch(self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata):
-        kc, vc = self.k[layer], self.v[layer]
+        self.write(layer, k, v, meta)
+        return self.fetch(layer, meta)
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
         row = meta.slot_mapping // self.block_size
         off = meta.slot_mapping % self.block_size
-        kc[row, :, off] = k  # (T, kvh, D) into (row, :, off)
-        vc[row, :, off] = v
+        self.k[layer][row, :, off] = k  # (T, kvh, D) into (row, :, off)
+        self.v[layer][row, :, off] = v
+
+    def fetch(self, layer: int, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        kc, vc = self.k[layer], self.v[layer]
         L = meta.max_seq_len
         if meta.num_seqs == 1:
             r = int(meta.block_tables[0, 0])  # the runner builds block tables on the host

@@ -105,8 +105,16 @@ class LlamaAttention(nn.Module):
             qk = torch.cat((self.q_norm(qk[:, :nh]), self.k_norm(qk[:, nh:])), dim=1)
         qk = apply_rope(qk, cos, sin)  # queries and keys at once; cos, sin: (T, 1, D)
         q, k = qk[:, :nh], qk[:, nh:]
-        kk, vv = kv_cache.update_and_fetch(self.layer_idx, k, v, meta)  # (B, kvh, L, D)
-        return self.o_proj(attention(q, kk, vv, meta, self.scale))
+        if not meta.groups:
+            kk, vv = kv_cache.update_and_fetch(self.layer_idx, k, v, meta)  # (B, kvh, L, D)
+            return self.o_proj(attention(q, kk, vv, meta, self.scale))
+        # Decode batch split by context length: write once, then attend group by group.
+        kv_cache.write(self.layer_idx, k, v, meta)
+        out = q.new_empty(T, nh * self.head_dim)
+        for g in meta.groups:
+            kk, vv = kv_cache.fetch(self.layer_idx, g)
+            out[g.rows] = attention(q[g.rows], kk, vv, g, self.scale)
+        return self.o_proj(out)
 
 
 class LlamaMLP(nn.Module):

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlm.attention import AttentionMetadata, build_attn_mask
-from kvlm.kv_cache import KVCache
+from kvlm.attention import AttentionMetadata, build_attn_mask, plan_length_groups
+from kvlm.kv_cache import KVCache, PagedKVCache
 from kvlm.model import LlamaForCausalLM
 from kvlm.request import Request
 from kvlm.sampler import sample
@@ -36,6 +36,10 @@ class ModelRunner:
                  eos_token_ids: frozenset[int] = frozenset()) -> None:
         self.model, self.kv_cache, self.device = model, kv_cache, device
         self.eos_token_ids = eos_token_ids  # banned until a request reaches min_tokens
+        # Decode batches this large may be split into length groups (plan_length_groups); the
+        # contiguous cache's rows are views only when B == 1, so grouping would just add gathers there.
+        self.min_group_batch = 4 if isinstance(kv_cache, PagedKVCache) else 1 << 30
+        self.group_cost = 1024  # padded token slots one more group is worth (per-call overhead)
 
     def build_metadata(self, batch: ScheduledBatch) -> tuple[torch.Tensor, AttentionMetadata, list[Request]]:
         """Flat input ids (T,) and the step's metadata; also the requests that sample this step."""
@@ -71,6 +75,11 @@ class ModelRunner:
         if not single_full:
             mask = build_attn_mask(query_lens, seq_lens, self.device)
         dev = self.device
+        groups: tuple[AttentionMetadata, ...] = ()
+        if B >= self.min_group_batch and max(query_lens) == 1:
+            plan = plan_length_groups(seq_lens, group_cost=self.group_cost)
+            if len(plan) > 1:
+                groups = tuple(self._group_metadata(idx, tables, seq_lens) for idx in plan)
         meta = AttentionMetadata(
             positions=torch.tensor(positions, device=dev),
             slot_mapping=torch.tensor(slots, device=dev),
@@ -80,8 +89,23 @@ class ModelRunner:
             q_pad_index=q_pad_index,
             attn_mask=mask,
             logits_indices=torch.tensor(logits_rows, device=dev),
+            groups=groups,
         )
         return torch.tensor(ids, device=dev), meta, samplers
+
+    def _group_metadata(self, idx: list[int], tables: list[list[int]], seq_lens: list[int]) -> AttentionMetadata:
+        """Metadata of a group of decoding sequences (one token each, so token row == sequence index)."""
+        dev = self.device
+        lens = [seq_lens[i] for i in idx]
+        nblk = -(-max(lens) // self.kv_cache.block_size)
+        rows = torch.tensor(idx, device=dev)
+        return AttentionMetadata(
+            positions=rows, slot_mapping=rows,  # unused: a group only fetches
+            block_tables=torch.tensor([tables[i][:nblk] for i in idx], device=dev),
+            query_lens=(1,) * len(idx), seq_lens=tuple(lens), q_pad_index=None,
+            attn_mask=None if len(idx) == 1 else build_attn_mask([1] * len(idx), lens, dev),
+            logits_indices=rows, rows=rows,
+        )
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, keep_logits: bool = False) -> StepResult:

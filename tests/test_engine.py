@@ -204,3 +204,37 @@ def test_generate_outputs_in_input_order_and_params_list(tiny_gguf: Path) -> Non
     assert all(o.outputs[0].finish_reason == "length" for o in outs)
     with pytest.raises(ValueError, match="sampling params"):
         llm.generate(prompts, params[:2])
+
+
+def test_length_grouped_decode_attention_changes_nothing(tiny_gguf: Path) -> None:
+    """Decode batches split into groups of similar context length give the ungrouped tokens/logits."""
+    from kvlm import EngineConfig
+    from kvlm.attention import plan_length_groups
+
+    prompts = random_prompts(9, 5, lo=2, hi=90)
+    cfg = EngineConfig(block_size=8, max_num_batched_tokens=64)
+    plain = Engine(tiny_gguf, cfg, quiet=True)
+    plain.runner.min_group_batch = 1 << 30
+    ref, lref = run_engine(plain, prompts)
+    grouped = Engine(tiny_gguf, cfg, quiet=True)
+    grouped.runner.group_cost = 0  # split whenever it saves any padding
+    seen_groups = []
+    build = grouped.runner.build_metadata
+
+    def spy(batch):  # record how many groups each step used
+        ids, meta, samplers = build(batch)
+        seen_groups.append(len(meta.groups))
+        return ids, meta, samplers
+
+    grouped.runner.build_metadata = spy
+    out, lout = run_engine(grouped, prompts)
+    assert max(seen_groups) > 1
+    assert out == ref
+    for i in ref:
+        torch.testing.assert_close(torch.stack(lout[i]), torch.stack(lref[i]), atol=1e-4, rtol=0)
+    # The planner covers every sequence exactly once, in groups of ascending length.
+    lens = [5, 300, 7, 290, 6, 800]
+    plan = plan_length_groups(lens, group_cost=0)
+    assert sorted(i for g in plan for i in g) == list(range(len(lens)))
+    assert [max(lens[i] for i in g) for g in plan] == sorted(max(lens[i] for i in g) for g in plan)
+    assert plan_length_groups([100, 101, 102]) == [[0, 1, 2]]
