@@ -78,27 +78,41 @@ class NoKVCache:
         return self.fetch(layer, meta)
 
 
-class PagedKVCache:
-    """Block pools per layer: k[layer] and v[layer] are (num_blocks, block_size, kv_heads, D)."""
+class _LayerStorage:
+    """K and V tensors of one shape per layer, zero-filled (padding slots are read, then masked, and
+    must not hold NaN garbage), and update_and_fetch as write then fetch."""
 
-    def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
-        self.block_size, self.num_blocks = block_size, num_blocks
-        shape = (num_blocks, block_size, kv_heads, head_dim)
+    def __init__(self, num_layers: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        # Gather buffers reused by every layer (a layer's attention is done before the next one reads):
-        # allocating megabytes per layer per step costs page faults that dominate batched decode on CPU.
-        self._kbuf = torch.empty(0, block_size, kv_heads, head_dim, dtype=dtype, device=device)
-        self._vbuf = torch.empty_like(self._kbuf)
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
-    def update_and_fetch(self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata):
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
+        raise NotImplementedError
+
+    def fetch(self, layer: int, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def update_and_fetch(self, layer: int, k: torch.Tensor, v: torch.Tensor,
+                         meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         self.write(layer, k, v, meta)
         return self.fetch(layer, meta)
+
+
+class PagedKVCache(_LayerStorage):
+    """Block pools per layer: k[layer] and v[layer] are (num_blocks, block_size, kv_heads, D)."""
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__(num_layers, (num_blocks, block_size, kv_heads, head_dim), dtype, device)
+        self.block_size, self.num_blocks = block_size, num_blocks
+        # Gather buffers reused by every layer (a layer's attention is done before the next one reads):
+        # allocating megabytes per layer per step costs page faults that dominate batched decode on CPU.
+        self._kbuf = torch.empty(0, block_size, kv_heads, head_dim, dtype=dtype, device=device)
+        self._vbuf = torch.empty_like(self._kbuf)
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
         kc, vc = self.k[layer], self.v[layer]
@@ -126,7 +140,7 @@ class PagedKVCache:
         return kk, vv
 
 
-class ContiguousKVCache:
+class ContiguousKVCache(_LayerStorage):
     """One max_len row per sequence: k[layer], v[layer] are (max_seqs, kv_heads, max_len, D).
 
     Slots are numbered like a paged cache whose block is a whole row (block_size = max_len), so the same
@@ -135,18 +149,8 @@ class ContiguousKVCache:
 
     def __init__(self, num_layers: int, max_seqs: int, max_len: int, kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__(num_layers, (max_seqs, kv_heads, max_len, head_dim), dtype, device)
         self.block_size, self.num_blocks = max_len, max_seqs
-        shape = (max_seqs, kv_heads, max_len, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
-
-    def update_and_fetch(self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata):
-        self.write(layer, k, v, meta)
-        return self.fetch(layer, meta)
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
         row = meta.slot_mapping // self.block_size
