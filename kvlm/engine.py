@@ -15,10 +15,10 @@ from pathlib import Path
 
 import torch
 
-from kvlm.block_manager import BlockManager
 from kvlm.config import EngineConfig, ModelConfig
-from kvlm.errors import KvlmError, PromptTooLongError
-from kvlm.kv_cache import ContiguousKVCache, KVCache, NoKVCache, PagedKVCache
+from kvlm.errors import PromptTooLongError
+from kvlm.kv_cache import KVCache
+from kvlm.kv_pool import describe_kv_pool, make_kv_cache
 from kvlm.loader import load_checkpoint, resolve_model
 from kvlm.model import LlamaForCausalLM
 from kvlm.output_processor import OutputProcessor
@@ -26,25 +26,10 @@ from kvlm.request import Request, StreamDelta
 from kvlm.runner import ModelRunner, StepResult
 from kvlm.sampling_params import SamplingParams
 from kvlm.scheduler import ScheduledBatch, Scheduler
-from kvlm.tokenizer import Tokenizer
 
 log = logging.getLogger("kvlm")
 
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def available_memory_bytes(device: torch.device) -> int:
-    """Free memory on the device (CUDA) or available RAM (CPU, from /proc/meminfo)."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 8 << 30
 
 
 class Engine:
@@ -72,7 +57,9 @@ class Engine:
         if self.device.type == "cpu":
             self.model.to_input_major()
 
-        self.kv_cache, self.block_manager = self._make_cache()
+        self.kv_cache: KVCache
+        self.kv_cache, self.block_manager = make_kv_cache(cfg, model_config, self.max_model_len,
+                                                          self.kv_bytes_per_token, self.dtype, self.device)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    recompute_all=not cfg.enable_kv_cache)
         self.runner = ModelRunner(self.model, self.kv_cache, self.device, self.tokenizer.eos_token_ids)
@@ -87,45 +74,9 @@ class Engine:
     def kv_bytes_per_token(self) -> int:
         return int(self.model_config.kv_bytes_per_token(torch.finfo(self.dtype).bits // 8))
 
-    def _make_cache(self) -> tuple[KVCache, BlockManager]:
-        cfg, mc = self.config, self.model_config
-        args = (mc.num_hidden_layers,)
-        if not cfg.enable_kv_cache:
-            return NoKVCache(), BlockManager(cfg.max_num_seqs, self.max_model_len)
-        if cfg.kv_cache_layout == "contiguous":
-            cache = ContiguousKVCache(*args, cfg.max_num_seqs, self.max_model_len, mc.num_key_value_heads,
-                                      mc.head_dim, self.dtype, self.device)
-            return cache, BlockManager(cfg.max_num_seqs, self.max_model_len)
-        per_block = self.kv_bytes_per_token * cfg.block_size
-        mem = cfg.kv_cache_memory
-        if mem is None:
-            # Enough for max_num_seqs sequences at full context, but at most a quarter of free memory
-            # and, on CPU, 1 GiB: the pool is zero-filled up front, so it is resident memory.
-            budget = min(cfg.max_num_seqs * self.max_model_len * self.kv_bytes_per_token,
-                         available_memory_bytes(self.device) // 4)
-            if self.device.type == "cpu":
-                budget = min(budget, 1 << 30)
-        elif isinstance(mem, float):
-            budget = int(mem * available_memory_bytes(self.device))
-        else:
-            budget = mem
-        num_blocks = budget // per_block
-        if num_blocks < 1:
-            raise KvlmError(f"KV cache memory {budget} B is smaller than one block ({per_block} B)")
-        cache = PagedKVCache(*args, num_blocks, cfg.block_size, mc.num_key_value_heads, mc.head_dim,
-                             self.dtype, self.device)
-        return cache, BlockManager(num_blocks, cfg.block_size)
-
     def describe_cache(self) -> str:
-        bm = self.block_manager
-        if not self.config.enable_kv_cache:
-            return "kvlm: KV cache disabled: every step recomputes the whole sequence"
-        tokens = bm.num_blocks * bm.block_size
-        conc = tokens // self.max_model_len
-        return (f"kvlm: KV cache ({self.config.kv_cache_layout}): {bm.num_blocks} blocks x {bm.block_size} "
-                f"tokens = {tokens} tokens, {self.kv_cache.nbytes / 2**20:.1f} MiB "
-                f"({self.kv_bytes_per_token} B/token); max concurrency at full context "
-                f"({self.max_model_len} tokens): {conc}")
+        return describe_kv_pool(self.config, self.kv_cache, self.block_manager, self.max_model_len,
+                                self.kv_bytes_per_token)
 
     # -- requests ----------------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,

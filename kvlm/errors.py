@@ -24,3 +24,21 @@ class PromptTooLongError(KvlmError, ValueError):
     """The prompt (plus the requested output) does not fit the model's context or the KV pool."""
 
     exit_code = 2
+
+
+class TokenizerError(KvlmError, ValueError):
+    """Bad or unsupported tokenizer data, or a chat template that failed; one readable line."""
+
+
+class ParameterError(KvlmError, ValueError):
+    """An invalid value for one named parameter (a sampling option, an engine setting, a request field).
+
+    `param` is the field's name as the caller spelled it in the API (`top_p`, `max_tokens`, ...), so
+    the CLI can name the flag and the server can fill OpenAI's `error.param`.
+    """
+
+    exit_code = 2
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
