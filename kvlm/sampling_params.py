@@ -19,6 +19,8 @@ class SamplingParams:
     seed: a per-request generator, so the same seed gives the same tokens whatever else is batched.
     stop: strings that end generation; they are excluded from the text and never streamed in part.
     logprobs: how many top alternatives to return per generated token (None: none).
+    prompt_logprobs: the same for each prompt token (the first has none); such a request computes its
+    whole prompt (it takes no cached prefix), as in vLLM.
     """
 
     n: int = 1
@@ -36,6 +38,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     stop_strings: tuple[str, ...] = field(init=False, default=())
@@ -65,6 +68,9 @@ class SamplingParams:
             raise bad("min_tokens", "must be in [0, max_tokens]")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
             raise bad("logprobs", "must be in [0, 20]")
+        if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int)
+                                                  or not 0 <= self.prompt_logprobs <= 20):
+            raise bad("prompt_logprobs", "must be in [0, 20]")
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad("seed", "must be an integer")
         if self.stop_token_ids is not None and any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
