@@ -8,10 +8,12 @@ file name. Per-request knobs live in `sampling_params.SamplingParams`.
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from kvlm.errors import UnsupportedModelError
+from kvlm.errors import ParameterError, UnsupportedModelError
 
 # model_type -> architecture class name, for the Llama family we implement with one model file.
 SUPPORTED_MODEL_TYPES: dict[str, str] = {
@@ -105,9 +107,13 @@ class ModelConfig:
 class EngineConfig:
     """Runtime knobs of the engine. Defaults suit one CPU user; the CLI exposes each as a flag.
 
-    KV memory: `kv_cache_memory` is bytes (int), a fraction of free memory (float in (0, 1]) or None, which
-    sizes the pool for `max_num_seqs` requests at full context, capped at a quarter of free memory and,
-    on CPU, at 1 GiB.
+    KV memory: `kv_cache_memory` is bytes (an int), a fraction of the memory available now (a float in
+    (0, 1]) or None, which sizes the pool for `max_num_seqs` requests at full context, capped at a
+    quarter of available memory and, on CPU, at 1 GiB. A budget above 90% of available memory is refused
+    when the pool is made (`kv_pool.kv_pool_budget`).
+
+    Validated on construction, like `SamplingParams`: a bad value raises `ParameterError` naming the
+    field. Checks that need the model (max_model_len above its context) are made by the engine.
     """
 
     device: str | None = None  # None: "cuda" when available, else "cpu"
@@ -122,31 +128,76 @@ class EngineConfig:
     num_threads: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
-            if int(getattr(self, name)) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        def bad(name: str, rule: str) -> ParameterError:
+            text = repr(getattr(self, name))
+            return ParameterError(name, f"{name} {rule}, got {text if len(text) <= 40 else text[:37] + '...'}")
+
+        def is_int(v: Any) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        # Upper bounds keep every size a tensor index can hold; none is near a real setting.
+        for name, hi in (("block_size", 1 << 16), ("max_num_seqs", 1 << 20), ("max_num_batched_tokens", 1 << 31),
+                         ("max_model_len", 1 << 31), ("num_threads", 1 << 12)):
+            v = getattr(self, name)
+            if v is None and name in ("max_model_len", "num_threads"):
+                continue
+            if not is_int(v) or not 1 <= v <= hi:
+                raise bad(name, f"must be an integer in [1, {hi}]")
         if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+            raise bad("dtype", "must be float32, bfloat16 or float16")
         if self.kv_cache_layout not in ("paged", "contiguous"):
-            raise ValueError(f"kv_cache_layout must be 'paged' or 'contiguous', got {self.kv_cache_layout!r}")
+            raise bad("kv_cache_layout", "must be 'paged' or 'contiguous'")
+        if not isinstance(self.enable_kv_cache, bool):
+            raise bad("enable_kv_cache", "must be true or false")
         m = self.kv_cache_memory
-        if isinstance(m, float) and not 0 < m <= 1:
-            raise ValueError(f"kv_cache_memory as a fraction must be in (0, 1], got {m}")
-        if isinstance(m, int) and m <= 0:
-            raise ValueError(f"kv_cache_memory must be positive, got {m}")
+        if isinstance(m, float) and not (math.isfinite(m) and 0 < m <= 1):
+            raise bad("kv_cache_memory", "as a fraction of available memory must be in (0, 1]")
+        if (m is not None and not isinstance(m, float)) and (not is_int(m) or m <= 0):
+            raise bad("kv_cache_memory", "must be a positive number of bytes (int) or a fraction in (0, 1] (float)")
+        if self.device is not None:
+            self._check_device()
+
+    def _check_device(self) -> None:
+        """"cpu", "cuda" or "cuda:N", and CUDA must be there when asked for."""
+        import torch
+
+        d = self.device
+        if not isinstance(d, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", d):
+            raise ParameterError("device", f"device must be 'cpu', 'cuda' or 'cuda:N', got {d!r}")
+        if d.startswith("cuda"):
+            if not torch.cuda.is_available():
+                raise ParameterError("device", f"device {d!r} was asked for but CUDA is not available here "
+                                               f"(torch {torch.__version__}); use --device cpu")
+            if ":" in d and int(d.split(":")[1]) >= torch.cuda.device_count():
+                raise ParameterError("device", f"device {d!r} does not exist: {torch.cuda.device_count()} CUDA "
+                                               "device(s) visible")
+
+
+_UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6, "mib": 2**20,
+          "g": 2**30, "gb": 10**9, "gib": 2**30, "t": 2**40, "tb": 10**12, "tib": 2**40}
 
 
 def parse_bytes(text: str) -> int | float:
-    """'2GiB' -> 2147483648, '512MB' -> 512e6, '0.5' -> 0.5 (a fraction of free memory)."""
-    s = text.strip()
-    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9, "b": 1,
-             "k": 2**10, "m": 2**20, "g": 2**30}
-    low = s.lower()
-    for u in sorted(units, key=len, reverse=True):
-        if low.endswith(u):
-            num = float(low[: -len(u)])
-            return int(num * units[u])
-    val = float(s)
-    return val if val <= 1 else int(val)
+    """A KV budget from the command line, with one meaning per spelling:
+
+    '2GiB' -> 2147483648, '512MB' -> 512000000, '1048576' -> 1048576 (a bare number is bytes, so it must
+    be whole), '30%' -> 0.3 (a fraction of available memory). Anything else raises `ParameterError`.
+    """
+    s = text.strip().lower().replace(" ", "")
+    m = re.fullmatch(r"(\d+(?:\.\d*)?|\.\d+)(%|[kmgt]i?b|[kmgtb])?", s)
+    if not m:
+        raise ParameterError("kv_cache_memory", f"--kv-cache-memory: cannot parse {text!r} "
+                                                "(write bytes like 2GiB, 512MB or 1048576, or a share like 30%)")
+    num, unit = m.group(1), m.group(2) or ""
+    if unit == "%":
+        frac = float(num) / 100
+        if not 0 < frac <= 1:
+            raise ParameterError("kv_cache_memory", f"--kv-cache-memory: {text!r} must be a share in (0%, 100%]")
+        return frac
+    if unit == "" and "." in num:
+        raise ParameterError("kv_cache_memory", f"--kv-cache-memory: a bare number is bytes and must be whole, "
+                                                f"got {text!r} (for a share of memory write e.g. 30%)")
+    value = int(float(num) * _UNITS[unit]) if "." in num else int(num) * _UNITS[unit]
+    if value < 1:
+        raise ParameterError("kv_cache_memory", f"--kv-cache-memory: {text!r} is less than one byte")
+    return value

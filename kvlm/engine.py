@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from kvlm.config import EngineConfig, ModelConfig
-from kvlm.errors import PromptTooLongError
+from kvlm.errors import ParameterError, PromptTooLongError
 from kvlm.kv_cache import KVCache
 from kvlm.kv_pool import describe_kv_pool, make_kv_cache
 from kvlm.loader import load_checkpoint, resolve_model
@@ -43,8 +43,10 @@ class Engine:
         self.model_path: Path = resolve_model(str(model), quiet=quiet)
         model_config, state, self.tokenizer = load_checkpoint(self.model_path)
         self.model_config: ModelConfig = model_config
-        self.max_model_len = min(cfg.max_model_len or min(model_config.max_position_embeddings, 4096),
-                                 model_config.max_position_embeddings)
+        if cfg.max_model_len is not None and cfg.max_model_len > model_config.max_position_embeddings:
+            raise ParameterError("max_model_len", f"max_model_len {cfg.max_model_len} is greater than the model's "
+                                 f"maximum context (max_position_embeddings={model_config.max_position_embeddings})")
+        self.max_model_len = cfg.max_model_len or min(model_config.max_position_embeddings, 4096)
         if model_config.sliding_window and self.max_model_len > model_config.sliding_window:
             # The attention here is full, which equals sliding-window attention only within the window.
             log.warning("kvlm: context capped at the model's sliding window of %d tokens", model_config.sliding_window)
@@ -89,9 +91,13 @@ class Engine:
         else:
             text, ids = None, list(prompt)
         if not ids:
-            raise ValueError("prompt is empty")
-        if any(not isinstance(t, int) or not 0 <= t < self.model_config.vocab_size for t in ids):
-            raise ValueError(f"prompt_token_ids must be integers in [0, {self.model_config.vocab_size})")
+            raise ParameterError("prompt", "prompt is empty")
+        vocab = self.model_config.vocab_size
+        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+            raise ParameterError("prompt_token_ids", f"prompt_token_ids must be integers in [0, {vocab})")
+        if any(t >= vocab for t in params.stop_token_ids or ()):
+            raise ParameterError("stop_token_ids", f"stop_token_ids must be in [0, {vocab}) (the vocabulary), "
+                                 f"got {max(params.stop_token_ids or ())}")
         if len(ids) >= self.max_model_len:
             raise PromptTooLongError(
                 f"prompt has {len(ids)} tokens; the context holds {self.max_model_len} (room for at least one output token is needed)"

@@ -2,7 +2,8 @@
 
 The engine asks `make_kv_cache` once at start. The budget comes from `EngineConfig.kv_cache_memory`
 (bytes, or a fraction of the memory free now) or, when unset, from the workload (`max_num_seqs`
-sequences at full context) capped at a quarter of free memory and, on CPU, 1 GiB. This module knows
+sequences at full context) capped at a quarter of free memory and, on CPU, 1 GiB. A budget above
+90% of available memory is refused. This module knows
 nothing about requests or admission; it only turns bytes into blocks.
 """
 
@@ -12,8 +13,10 @@ import torch
 
 from kvlm.block_manager import BlockManager
 from kvlm.config import EngineConfig, ModelConfig
-from kvlm.errors import KvlmError
+from kvlm.errors import KvlmError, ParameterError
 from kvlm.kv_cache import ContiguousKVCache, KVCache, NoKVCache, PagedKVCache
+
+MAX_KV_SHARE = 0.9  # the largest share of available memory a KV pool may take
 
 
 def available_memory_bytes(device: torch.device) -> int:
@@ -40,9 +43,15 @@ def kv_pool_budget(cfg: EngineConfig, max_model_len: int, kv_bytes_per_token: in
         if device.type == "cpu":
             budget = min(budget, 1 << 30)
         return budget
-    if isinstance(mem, float):
-        return int(mem * available_memory_bytes(device))
-    return mem
+    avail = available_memory_bytes(device)
+    budget = int(mem * avail) if isinstance(mem, float) else mem
+    # A pool is resident memory the moment it is made: one that takes nearly all of what is available
+    # would push the machine into swap or the OOM killer, so refuse it with the numbers.
+    if budget > MAX_KV_SHARE * avail:
+        raise ParameterError("kv_cache_memory",
+                             f"kv_cache_memory: {budget / 2**30:.2f} GiB is more than {MAX_KV_SHARE:.0%} of the "
+                             f"{avail / 2**30:.2f} GiB available on {device.type}; ask for less (e.g. 30%)")
+    return budget
 
 
 def make_kv_cache(cfg: EngineConfig, mc: ModelConfig, max_model_len: int, kv_bytes_per_token: int,

@@ -12,6 +12,7 @@ from typing import Any, Union
 
 from kvlm.config import EngineConfig
 from kvlm.engine import Engine
+from kvlm.errors import ParameterError
 from kvlm.request import Request, RequestOutput, StreamDelta
 from kvlm.sampling_params import SamplingParams
 
@@ -20,13 +21,21 @@ Message = dict[str, str]
 
 
 def _prompt_input(p: PromptType) -> str | list[int]:
+    """One prompt as the engine takes it; anything else is a `ParameterError` naming the field."""
     if isinstance(p, str):
         return p
     if isinstance(p, dict) and "prompt_token_ids" in p:
-        return list(p["prompt_token_ids"])
+        ids = p["prompt_token_ids"]
+        if not isinstance(ids, (list, tuple)):
+            raise ParameterError("prompt_token_ids", f"prompt_token_ids must be a list of integers, "
+                                                     f"got {type(ids).__name__}")
+        return list(ids)  # the engine checks each id against the vocabulary
     if isinstance(p, dict) and "prompt" in p:
-        return str(p["prompt"])
-    raise TypeError("a prompt is a string or a dict with 'prompt_token_ids' or 'prompt'")
+        if not isinstance(p["prompt"], str):
+            raise ParameterError("prompt", f"prompt must be a string, got {type(p['prompt']).__name__}")
+        return p["prompt"]
+    raise ParameterError("prompts", "prompts must be a string, a dict with 'prompt' or 'prompt_token_ids', "
+                                    f"or a list of them; got {type(p).__name__}")
 
 
 class LLM:
@@ -46,6 +55,10 @@ class LLM:
         """Generate for every prompt (batched by the engine); outputs in input order."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
+        if not isinstance(prompts, Sequence):
+            raise ParameterError("prompts", "prompts must be a string, a dict with 'prompt' or 'prompt_token_ids', "
+                                            f"or a list of them; got {type(prompts).__name__}")
+        prompts = [_prompt_input(p) for p in prompts]  # check them all before any is queued
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params or SamplingParams()] * len(prompts)
         else:
@@ -56,7 +69,7 @@ class LLM:
         reqs: list[Request] = []
         try:
             for p, sp in zip(prompts, params_list):
-                reqs.append(eng.add_request(_prompt_input(p), sp))
+                reqs.append(eng.add_request(p, sp))
             self._run(reqs, use_tqdm and sys.stderr.isatty() and len(reqs) > 1)
         except BaseException:
             for r in reqs:

@@ -1,5 +1,14 @@
 """Sampler: logits of a batch -> one token per row, each row under its own `SamplingParams`.
 
+The order is vLLM V1's (vllm/v1/sample/sampler.py), step by step for each row:
+  1. min_tokens: EOS and the stop token ids are banned until the request has min_tokens outputs;
+  2. penalties: repetition (HF, prompt + output), presence and frequency (OpenAI, output only);
+  3. temperature < 1e-5: greedy, the argmax; top-k, top-p and min-p are ignored. Otherwise:
+  4. logits / temperature;
+  5. min-p: drop tokens whose probability is below min_p x the top probability;
+  6. top-k, then top-p on what is left (top-k keeps ties with the k-th logit; top-p cuts by sorted
+     position, see `filter_logits`);
+  7. a draw from the renormalized distribution.
 Batched over rows with per-row parameters as tensors (temperature, top-k, top-p, min-p). Randomness comes
 from each request's own `torch.Generator`, so a seeded request draws the same tokens whatever it is
 batched with. Draws use the exponential race (argmax of p / E, E ~ Exp(1)), which samples exactly from p
@@ -40,27 +49,28 @@ def apply_penalties(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
 
 def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                   min_p: torch.Tensor) -> torch.Tensor:
-    """Mask to -inf what top-k (0 = off), top-p (1 = off) and min-p (0 = off) exclude. logits: (B, V).
+    """Mask to -inf what min-p (0 = off), then top-k (0 = off) and top-p (1 = off) exclude. logits: (B, V),
+    already divided by the temperature; top_k (B,) long, top_p and min_p (B,) float.
 
-    As in vLLM and HF, top-p is measured on the distribution left after top-k.
+    vLLM V1 semantics, step by step:
+    * min-p on softmax(logits): keep tokens with p >= min_p x max p;
+    * top-k on what is left: keep logits >= the k-th largest (ties with the k-th are kept, as in vLLM);
+    * top-p on the distribution renormalized over the survivors: sort ascending (stable, so ties are
+      ordered by token id), drop every token whose cumulative mass is <= 1 - top_p, always keep the
+      most likely one. Cuts fall by sorted position: of tokens tied at the cut, the lower ids go first.
     """
-    V = logits.shape[1]
-    sorted_logits, _ = logits.sort(dim=-1, descending=True)
-    k = torch.where(top_k > 0, top_k, torch.full_like(top_k, V)).clamp(max=V)
-    rank = torch.arange(V, device=logits.device)
-    sorted_logits = sorted_logits.masked_fill(rank[None, :] >= k[:, None], float("-inf"))  # top-k
-    kth = sorted_logits.gather(1, (k - 1).unsqueeze(1))  # (B, 1): the k-th largest logit
-    keep = logits >= kth
-    # top-p: keep the smallest prefix of sorted tokens whose mass reaches top_p (always the first).
-    probs_sorted = sorted_logits.softmax(-1)
-    mass_before = probs_sorted.cumsum(-1) - probs_sorted
-    cutoff_idx = (mass_before < top_p.unsqueeze(1)).sum(-1, keepdim=True) - 1  # (B, 1)
-    # top_p == 1 is "off": float32 cumulative sums reach 1 early, so do not let them cut the tail.
-    keep &= (logits >= sorted_logits.gather(1, cutoff_idx)) | (top_p >= 1).unsqueeze(1)
-    # min-p: drop tokens less likely than min_p x the top token.
+    B, V = logits.shape
     probs = logits.softmax(-1)
-    keep &= probs >= min_p.unsqueeze(1) * probs.max(-1, keepdim=True).values
-    return logits.masked_fill(~keep, float("-inf"))
+    logits = logits.masked_fill(probs < min_p.unsqueeze(1) * probs.amax(-1, keepdim=True), float("-inf"))
+    sorted_logits, order = logits.sort(dim=-1, descending=False, stable=True)  # (B, V) ascending
+    k = torch.where(top_k > 0, top_k, torch.full_like(top_k, V)).clamp(max=V)
+    kth = sorted_logits.gather(1, (V - k).unsqueeze(1))  # (B, 1): the k-th largest logit
+    sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+    cum = sorted_logits.softmax(-1).cumsum(-1)  # (B, V): mass of this token and every smaller one
+    drop = cum <= (1 - top_p).unsqueeze(1)
+    drop[:, -1] = False  # the most likely token always stays
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
 def ban_stop_tokens(logits: torch.Tensor, reqs: list[Request], eos_token_ids: frozenset[int]) -> torch.Tensor:
@@ -86,14 +96,18 @@ def sample(logits: torch.Tensor, reqs: list[Request], eos_token_ids: frozenset[i
     tokens = logits.argmax(-1)  # (B,) greedy choice for every row; sampled rows are overwritten
     rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
     if rows:
-        dev = logits.device
+        dev, V = logits.device, logits.shape[1]
         idx = torch.tensor(rows, device=dev)
-        sub = logits[idx]
-        temp = torch.tensor([reqs[i].params.temperature for i in rows], device=dev).unsqueeze(1)
-        top_k = torch.tensor([reqs[i].params.top_k for i in rows], device=dev)
+        sub = logits[idx]  # (R, V)
+        temp = torch.tensor([reqs[i].params.temperature for i in rows], device=dev, dtype=sub.dtype)
+        top_k = torch.tensor([min(reqs[i].params.top_k, V) for i in rows], device=dev)
         top_p = torch.tensor([reqs[i].params.top_p for i in rows], device=dev, dtype=sub.dtype)
         min_p = torch.tensor([reqs[i].params.min_p for i in rows], device=dev, dtype=sub.dtype)
-        probs = filter_logits(sub / temp, top_k, top_p, min_p).softmax(-1)
+        # Shift so the top logit is 0 before dividing: a small temperature then sends the others
+        # towards -inf (probability 0), never the top one to +inf (which would make softmax NaN).
+        # softmax is shift-invariant, so the distribution is that of logits / temperature.
+        scaled = (sub - sub.amax(-1, keepdim=True)) / temp.unsqueeze(1)
+        probs = filter_logits(scaled, top_k, top_p, min_p).softmax(-1)
         noise = torch.empty_like(probs)
         for j, i in enumerate(rows):
             noise[j].exponential_(generator=reqs[i].generator)

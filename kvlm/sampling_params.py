@@ -1,26 +1,59 @@
 """`SamplingParams`: how one request picks its tokens and when it stops (vLLM semantics).
 
-Validated on construction: an invalid value raises `ValueError` naming the parameter.
+This is the one place where sampling options are validated: the CLI, the Python API and the server
+all construct a `SamplingParams`, so each gets the same checks and messages. An invalid value raises
+`ParameterError` (a `ValueError`) whose `.param` is the field's API name and whose message starts with
+it ("top_p must be in (0, 1], got 0.0"), so it reads well on a command line and in an HTTP 400 body.
+Ranges are vLLM's. Checks that need the vocabulary (stop_token_ids below the vocab size) are made
+where the vocabulary is known: `Engine.add_request`.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from typing import Any
+
+from kvlm.errors import ParameterError
+
+# Below this temperature a request is greedy (vLLM's _SAMPLING_EPS): dividing logits by it would
+# only turn the distribution into a numerically fragile one-hot anyway.
+GREEDY_TEMPERATURE = 1e-5
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs
+SEED_RANGE = (-(2**63), 2**63 - 1)  # a signed 64-bit integer, as vLLM's API and torch accept
+
+
+def _show(value: Any) -> str:
+    """repr() of a bad value, shortened so a huge int or a long string still gives one readable line."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 @dataclass(slots=True)
 class SamplingParams:
     """Per-request sampling and stopping options.
 
-    temperature: 0 means greedy (argmax). top_k: 0 or -1 disables. top_p in (0, 1]. min_p in [0, 1]: drop
-    tokens whose probability is below min_p x the top probability. repetition_penalty (HF semantics, over
-    prompt and output): positive logits are divided by it, negative ones multiplied. presence_penalty and
-    frequency_penalty (OpenAI semantics, over output tokens): subtract p * [count > 0] and f * count.
-    seed: a per-request generator, so the same seed gives the same tokens whatever else is batched.
+    temperature: below 1e-5 means greedy (argmax; top-k, top-p and min-p are then ignored). top_k: 0 or
+    -1 disables. top_p in (0, 1]. min_p in [0, 1]: drop tokens whose probability is below min_p x the
+    top probability. The sampler applies them in vLLM V1's order (see `kvlm.sampler`).
+    repetition_penalty (HF semantics, over prompt and output): positive logits are divided by it,
+    negative ones multiplied. presence_penalty and frequency_penalty (OpenAI semantics, over output
+    tokens): subtract p * [count > 0] and f * count.
+    seed: a per-request generator, so the same seed gives the same tokens whatever else is batched
+    (-1 means no seed, as in vLLM).
     stop: strings that end generation; they are excluded from the text and never streamed in part.
     logprobs: how many top alternatives to return per generated token (None: none).
     prompt_logprobs: the same for each prompt token (the first has none); such a request computes its
     whole prompt (it takes no cached prefix), as in vLLM.
+    n: must be 1 here; a server fans several completions out into several requests.
     """
 
     n: int = 1
@@ -44,44 +77,57 @@ class SamplingParams:
     stop_strings: tuple[str, ...] = field(init=False, default=())
 
     def __post_init__(self) -> None:
-        def bad(name: str, rule: str) -> ValueError:
-            return ValueError(f"{name} {rule}, got {getattr(self, name)!r}")
+        def bad(name: str, rule: str) -> ParameterError:
+            return ParameterError(name, f"{name} {rule}, got {_show(getattr(self, name))}")
 
-        if self.n != 1:
-            raise bad("n", "must be 1 (several completions per prompt are not supported yet)")
-        if not self.temperature >= 0:  # also rejects NaN
-            raise bad("temperature", "must be >= 0")
-        if not 0 < self.top_p <= 1:
-            raise bad("top_p", "must be in (0, 1]")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
-            raise bad("top_k", "must be -1, 0 (disabled) or a positive integer")
-        if not 0 <= self.min_p <= 1:
-            raise bad("min_p", "must be in [0, 1]")
-        if not self.repetition_penalty > 0:
-            raise bad("repetition_penalty", "must be > 0")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not -2 <= getattr(self, name) <= 2:
-                raise bad(name, "must be in [-2, 2]")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-            raise bad("max_tokens", "must be a positive integer or None")
-        if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
-            raise bad("min_tokens", "must be in [0, max_tokens]")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
-            raise bad("logprobs", "must be in [0, 20]")
-        if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int)
-                                                  or not 0 <= self.prompt_logprobs <= 20):
-            raise bad("prompt_logprobs", "must be in [0, 20]")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise bad("seed", "must be an integer")
-        if self.stop_token_ids is not None and any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise bad("stop_token_ids", "must be non-negative integers")
-        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        if any(not isinstance(s, str) or not s for s in stops):
-            raise bad("stop", "must be non-empty strings")
-        self.stop_strings = tuple(stops)
+        def number(name: str, rule: str, ok: Any) -> None:
+            v = getattr(self, name)
+            if not _is_number(v) or not math.isfinite(v) or not ok(v):
+                raise bad(name, rule)
+
+        def integer(name: str, rule: str, ok: Any, optional: bool = False) -> None:
+            v = getattr(self, name)
+            if optional and v is None:
+                return
+            if not _is_int(v) or not ok(v):
+                raise bad(name, rule)
+
+        integer("n", "must be 1 (a server asks for several completions as several requests)", lambda v: v == 1)
+        number("temperature", "must be a finite number >= 0", lambda v: v >= 0)
+        number("top_p", "must be a number in (0, 1]", lambda v: 0 < v <= 1)
+        integer("top_k", "must be -1 or 0 (disabled) or a positive integer", lambda v: v >= -1)
+        number("min_p", "must be a number in [0, 1]", lambda v: 0 <= v <= 1)
+        number("repetition_penalty", "must be a finite number > 0", lambda v: v > 0)
+        number("presence_penalty", "must be a number in [-2, 2]", lambda v: -2 <= v <= 2)
+        number("frequency_penalty", "must be a number in [-2, 2]", lambda v: -2 <= v <= 2)
+        integer("seed", f"must be an integer in [{SEED_RANGE[0]}, {SEED_RANGE[1]}]",
+                lambda v: SEED_RANGE[0] <= v <= SEED_RANGE[1], optional=True)
+        integer("max_tokens", "must be a positive integer or None", lambda v: v >= 1, optional=True)
+        integer("min_tokens", "must be an integer in [0, max_tokens]",
+                lambda v: 0 <= v and (self.max_tokens is None or v <= self.max_tokens))
+        integer("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}] or None",
+                lambda v: 0 <= v <= MAX_LOGPROBS, optional=True)
+        integer("prompt_logprobs", f"must be an integer in [0, {MAX_LOGPROBS}] or None",
+                lambda v: 0 <= v <= MAX_LOGPROBS, optional=True)
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, "must be true or false")
+        ids = self.stop_token_ids
+        if ids is not None:
+            if not isinstance(ids, (list, tuple)) or any(not _is_int(t) or t < 0 for t in ids):
+                raise bad("stop_token_ids", "must be a list of non-negative integers")
+            self.stop_token_ids = list(ids)
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop
+        if stops is not None and (not isinstance(stops, (list, tuple))
+                                  or any(not isinstance(s, str) or not s for s in stops)):
+            raise bad("stop", "must be a non-empty string or a list of non-empty strings")
+        self.stop_strings = tuple(stops or ())
         if self.top_k == -1:
             self.top_k = 0
+        if self.seed == -1:  # vLLM: -1 is "no seed"
+            self.seed = None
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """Argmax decoding: temperature below 1e-5 (vLLM's threshold)."""
+        return self.temperature < GREEDY_TEMPERATURE

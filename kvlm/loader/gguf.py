@@ -8,6 +8,8 @@ It knows nothing about the model code beyond those names.
 
 from __future__ import annotations
 
+import math
+import mmap
 import os
 import re
 import struct
@@ -76,21 +78,112 @@ def unpermute_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
+# GGUF metadata value types -> byte size of a scalar (8: string, 9: array are walked separately).
+_SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_MAX_DIMS = 4  # GGML_MAX_DIMS
+
+
+class _HeaderWalker:
+    """Reads the GGUF header (metadata and tensor table) checking every length against the file size
+    before using it, so a damaged file fails here with a plain sentence instead of making the reader
+    loop or allocate for ever. Works on an mmap: nothing beyond the header is read."""
+
+    def __init__(self, buf: Any, path: Path) -> None:
+        self.buf, self.path, self.pos, self.size = buf, path, 24, len(buf)
+
+    def fail(self, what: str) -> ModelLoadError:
+        return ModelLoadError(f"{self.path}: corrupt or truncated GGUF file ({what} at byte {self.pos})")
+
+    def take(self, n: int, what: str) -> int:
+        if n < 0 or self.pos + n > self.size:
+            raise self.fail(f"{what} runs past the end of the {self.size}-byte file")
+        start, self.pos = self.pos, self.pos + n
+        return start
+
+    def u32(self, what: str) -> int:
+        return struct.unpack_from("<I", self.buf, self.take(4, what))[0]
+
+    def u64(self, what: str) -> int:
+        return struct.unpack_from("<Q", self.buf, self.take(8, what))[0]
+
+    def string(self, what: str) -> bytes:
+        n = self.u64(f"length of {what}")
+        start = self.take(n, what)
+        return bytes(self.buf[start:start + n]) if n <= 256 else b""
+
+    def value(self, vtype: int, what: str, depth: int = 0) -> Any:
+        if vtype in _SCALAR_SIZES:
+            start = self.take(_SCALAR_SIZES[vtype], what)
+            return int.from_bytes(self.buf[start:start + _SCALAR_SIZES[vtype]], "little") if vtype == 4 else None
+        if vtype == 8:
+            self.string(what)
+            return None
+        if vtype == 9 and depth < 2:
+            etype, count = self.u32(f"element type of {what}"), self.u64(f"length of {what}")
+            least = _SCALAR_SIZES.get(etype, 8 if etype in (8, 9) else None)
+            if least is None:
+                raise self.fail(f"unknown element type {etype} in {what}")
+            if count * least > self.size - self.pos:
+                raise self.fail(f"{what} claims {count} elements, more than the file holds")
+            if etype in _SCALAR_SIZES:
+                self.take(count * least, what)
+            else:
+                for _ in range(count):
+                    self.value(etype, what, depth + 1)
+            return None
+        raise self.fail(f"unknown value type {vtype} in {what}")
+
+    def walk(self, n_tensors: int, n_kv: int) -> None:
+        from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+        alignment = 32
+        for i in range(n_kv):
+            key = self.string(f"metadata key {i}")
+            value = self.value(self.u32(f"type of metadata key {i}"), f"metadata value {key[:64]!r}")
+            if key == b"general.alignment" and value is not None:
+                alignment = value
+        if not 1 <= alignment <= 1 << 16 or alignment & (alignment - 1):
+            raise self.fail(f"general.alignment {alignment} is not a power of two")
+        tensors = []
+        for i in range(n_tensors):
+            self.string(f"name of tensor {i}")
+            n_dims = self.u32(f"dimension count of tensor {i}")
+            if not 1 <= n_dims <= _MAX_DIMS:
+                raise self.fail(f"tensor {i} has {n_dims} dimensions")
+            dims = [self.u64(f"shape of tensor {i}") for _ in range(n_dims)]
+            qtype, offset = self.u32(f"type of tensor {i}"), self.u64(f"offset of tensor {i}")
+            try:
+                block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
+            except (ValueError, KeyError):
+                raise self.fail(f"tensor {i} has unknown type {qtype}") from None
+            elems = math.prod(dims)
+            if dims[0] % block:
+                raise self.fail(f"tensor {i}'s rows ({dims[0]}) are not whole {block}-element blocks")
+            tensors.append((i, offset, elems // block * type_size))
+        data_start = -(-self.pos // alignment) * alignment
+        for i, offset, nbytes in tensors:
+            if data_start + offset + nbytes > self.size:
+                raise self.fail(f"tensor {i} ({nbytes} bytes at offset {offset}) runs past the end of the file")
+
+
 def check_header(path: Path) -> None:
-    """Validate magic, version and counts against the file size before the reader trusts them."""
+    """Validate magic, version, every metadata length and the tensor table against the file size
+    before the `gguf` reader trusts any of them."""
     size = path.stat().st_size
     if size < 24:
         raise ModelLoadError(f"{path}: not a GGUF file (only {size} bytes)")
     with open(path, "rb") as f:
         head = f.read(24)
-    if head[:4] != GGUF_MAGIC:
-        raise ModelLoadError(f"{path}: not a GGUF file (bad magic {head[:4]!r})")
-    version, n_tensors, n_kv = struct.unpack("<IQQ", head[4:24])
-    if version not in (2, 3):
-        raise ModelLoadError(f"{path}: unsupported GGUF version {version}")
-    # Each tensor info and each key/value takes at least ~24 bytes in the file.
-    if n_tensors > _MAX_TENSORS or n_kv > _MAX_KV or 24 * (n_tensors + n_kv) > size:
-        raise ModelLoadError(f"{path}: corrupt GGUF header ({n_tensors} tensors, {n_kv} metadata keys)")
+        if head[:4] != GGUF_MAGIC:
+            raise ModelLoadError(f"{path}: not a GGUF file (bad magic {head[:4]!r})")
+        version, n_tensors, n_kv = struct.unpack("<IQQ", head[4:24])
+        if version not in (2, 3):
+            raise ModelLoadError(f"{path}: unsupported GGUF version {version}")
+        # Each tensor info and each key/value takes at least ~24 bytes in the file.
+        if n_tensors > _MAX_TENSORS or n_kv > _MAX_KV or 24 * (n_tensors + n_kv) > size:
+            raise ModelLoadError(f"{path}: corrupt GGUF header ({n_tensors} tensors, {n_kv} metadata keys)")
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            _HeaderWalker(buf, path).walk(n_tensors, n_kv)
 
 
 def read_gguf(path: str | os.PathLike) -> tuple[Any, dict[str, Any]]:
@@ -104,8 +197,8 @@ def read_gguf(path: str | os.PathLike) -> tuple[Any, dict[str, Any]]:
     try:
         reader = GGUFReader(p)
         fields = {k: f.contents() for k, f in reader.fields.items()}
-    except Exception as e:  # the reader raises assorted errors on damaged files
-        raise ModelLoadError(f"{p}: corrupt or truncated GGUF file ({type(e).__name__}: {e})") from None
+    except Exception:  # the header walk passed, so this is damage it does not model (bad UTF-8, ...)
+        raise ModelLoadError(f"{p}: corrupt GGUF file (its metadata cannot be decoded)") from None
     size = p.stat().st_size
     for t in reader.tensors:
         if t.data_offset + int(t.n_bytes) > size or t.data.nbytes != int(t.n_bytes):
@@ -114,7 +207,15 @@ def read_gguf(path: str | os.PathLike) -> tuple[Any, dict[str, Any]]:
 
 
 def config_from_gguf(fields: dict[str, Any], tensor_names: set[str]) -> ModelConfig:
-    """Translate GGUF metadata into a `ModelConfig` (HF field names)."""
+    """Translate GGUF metadata into a `ModelConfig` (HF field names); nonsense values (a string where a
+    count belongs, zero heads) are a `ModelLoadError`."""
+    try:
+        return _config_from_gguf(fields, tensor_names)
+    except (ValueError, TypeError, KeyError, ArithmeticError) as e:
+        raise ModelLoadError(f"invalid GGUF metadata ({type(e).__name__}: {str(e)[:120]})") from None
+
+
+def _config_from_gguf(fields: dict[str, Any], tensor_names: set[str]) -> ModelConfig:
     arch = fields.get("general.architecture")
     if arch not in _ARCH_TO_MODEL_TYPE:
         raise UnsupportedModelError(
@@ -184,7 +285,7 @@ def load_gguf(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Ten
         try:
             w = dequantize_tensor(t)
         except (ValueError, AssertionError) as e:
-            raise ModelLoadError(f"{path}: cannot read tensor {t.name} ({e})") from None
+            raise ModelLoadError(f"{path}: cannot read tensor {t.name} ({str(e)[:120]})") from None
         if fields.get("general.architecture") == "llama":
             if hf.endswith("q_proj.weight") or hf.endswith("q_proj.bias"):
                 w = unpermute_rope(w, config.num_attention_heads)
