@@ -10,11 +10,21 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
-from kvlm.errors import KvlmError
+from kvlm.errors import KvlmError, ParameterError
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with our error contract: one line `kvlm: error: ...` on stderr and exit 2 (no usage dump;
+    `--help` still shows it). Subcommand parsers inherit the class."""
+
+    def error(self, message: str) -> NoReturn:
+        print(f"kvlm: error: {message} (see `{self.prog} --help`)", file=sys.stderr)
+        sys.exit(2)
+
 
 DTYPE_BYTES = {"float32": 4.0, "fp32": 4.0, "float16": 2.0, "fp16": 2.0, "bfloat16": 2.0, "bf16": 2.0,
                "int8": 1.0, "int4": 0.5}
@@ -32,18 +42,15 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     g.add_argument("--max-num-seqs", type=int, default=16, help="requests running at once")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per engine step (prefill chunk budget)")
-    g.add_argument("--kv-cache-memory", default=None, help="KV pool size: bytes like 2GiB, or a fraction of free memory like 0.3")
+    g.add_argument("--kv-cache-memory", default=None,
+                   help="KV pool size: bytes (2GiB, 512MB, or a bare whole number of bytes) or a share of the "
+                        "memory available now (30%%); more than 90%% of it is refused")
 
 
 def _engine_kwargs(a: argparse.Namespace) -> dict[str, Any]:
     from kvlm.config import parse_bytes
 
-    mem = None
-    if a.kv_cache_memory is not None:
-        try:
-            mem = parse_bytes(a.kv_cache_memory)
-        except ValueError:
-            raise ValueError(f"--kv-cache-memory: cannot parse {a.kv_cache_memory!r} (try 2GiB or 0.3)") from None
+    mem = None if a.kv_cache_memory is None else parse_bytes(a.kv_cache_memory)
     return dict(dtype=a.dtype, device=a.device, num_threads=a.threads, max_model_len=a.max_model_len,
                 enable_kv_cache=not a.no_kv_cache, kv_cache_layout=a.kv_cache_layout, block_size=a.block_size,
                 max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens, kv_cache_memory=mem)
@@ -92,13 +99,41 @@ def _format_stats(m: dict[str, Any]) -> str:
             f"KV held {m['kv_bytes_held'] / 2**20:.2f} MiB in {m['kv_blocks_held']} blocks")
 
 
+def _looks_like_model(arg: str) -> bool:
+    """A model path or alias, not a prompt: one word naming a model file, a folder, a path or an alias."""
+    from kvlm.loader.registry import MODELS
+
+    if not arg or any(c.isspace() for c in arg):
+        return False
+    return (arg in MODELS or arg.endswith((".gguf", ".safetensors")) or "/" in arg or os.sep in arg
+            or Path(arg).expanduser().exists())
+
+
+def _model_and_prompt(inputs: list[str], from_file: bool) -> tuple[str, str | None]:
+    """`generate [MODEL] PROMPT`: one positional list (so options may sit anywhere), split here."""
+    from kvlm.loader.registry import DEFAULT_MODEL
+
+    if from_file:
+        if len(inputs) > 1:
+            raise ParameterError("prompt", "give either PROMPT or --prompts-file, not both")
+        return (inputs[0] if inputs else DEFAULT_MODEL), None
+    if not inputs:
+        raise ParameterError("prompt", "give a PROMPT (or --prompts-file)")
+    if len(inputs) == 1:
+        if _looks_like_model(inputs[0]):
+            raise ParameterError("prompt", f"no PROMPT after the model {inputs[0]!r} "
+                                           "(give one after it, or use --prompts-file)")
+        return DEFAULT_MODEL, inputs[0]
+    if len(inputs) > 2:
+        raise ParameterError("prompt", f"expected [MODEL] PROMPT, got {len(inputs)} positional arguments "
+                                       "(quote a prompt of several words)")
+    return inputs[0], inputs[1]
+
+
 def cmd_generate(a: argparse.Namespace) -> int:
     from kvlm.llm import LLM
 
-    if a.prompt is None and not a.prompts_file:
-        a.model, a.prompt = "smollm2-135m", a.model
-    if a.prompt is None and not a.prompts_file:
-        raise ValueError("give a PROMPT (or --prompts-file)")
+    a.model, a.prompt = _model_and_prompt(a.inputs, bool(a.prompts_file))
     params = _sampling_params(a)
     llm = LLM(a.model, quiet=a.quiet, **_engine_kwargs(a))
 
@@ -269,7 +304,7 @@ def cmd_kv_size(a: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvlm", description="A small, exact LLM inference engine built around the KV cache.")
+    p = _Parser(prog="kvlm", description="A small, exact LLM inference engine built around the KV cache.")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress or cache log on stderr")
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -279,8 +314,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_pull)
 
     s = sub.add_parser("generate", help="generate text from a prompt (streams to stdout)")
-    s.add_argument("model", help="model alias or path (default smollm2-135m when only PROMPT is given)")
-    s.add_argument("prompt", nargs="?")
+    s.add_argument("inputs", nargs="*", metavar="[MODEL] PROMPT",
+                   help="model alias or path (default smollm2-135m when only PROMPT is given), then the prompt")
     s.add_argument("--prompts-file", help="one prompt per line, or JSONL with 'prompt' or 'prompt_token_ids'")
     s.add_argument("--chat", action="store_true", help="apply the model's chat template")
     s.add_argument("--system", default=None, help="system message (with --chat)")
@@ -322,14 +357,24 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # argparse takes a command's positional words in one run, so `generate MODEL --max-tokens 3 PROMPT`
+    # leaves PROMPT over: words after options belong to the same positional list.
+    if extra and isinstance(getattr(args, "inputs", None), list) and not any(x.startswith("-") for x in extra):
+        args.inputs += extra
+    elif extra:
+        print(f"kvlm: error: unrecognized arguments: {' '.join(extra)} (see `kvlm {args.command} --help`)",
+              file=sys.stderr)
+        return 2
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="%(message)s", stream=sys.stderr)
     try:
         return int(args.func(args) or 0)
     except KvlmError as e:
-        print(f"kvlm: error: {e}", file=sys.stderr)
+        flag = {"num_threads": "--threads: "}.get(getattr(e, "param", ""), "")  # where the flag's name differs
+        print(f"kvlm: error: {flag}{e}", file=sys.stderr)
         return e.exit_code
-    except ValueError as e:  # invalid sampling values, bad prompts: usage errors
+    except (ValueError, OverflowError) as e:  # invalid values, bad prompts: usage errors
         print(f"kvlm: error: {e}", file=sys.stderr)
         return 2
     except OSError as e:

@@ -13,7 +13,7 @@ import torch
 
 from kvlm.block_manager import BlockManager
 from kvlm.config import EngineConfig, ModelConfig
-from kvlm.errors import KvlmError, ParameterError
+from kvlm.errors import ParameterError
 from kvlm.kv_cache import ContiguousKVCache, KVCache, NoKVCache, PagedKVCache
 
 MAX_KV_SHARE = 0.9  # the largest share of available memory a KV pool may take
@@ -68,7 +68,8 @@ def make_kv_cache(cfg: EngineConfig, mc: ModelConfig, max_model_len: int, kv_byt
     budget = kv_pool_budget(cfg, max_model_len, kv_bytes_per_token, device)
     num_blocks = budget // per_block
     if num_blocks < 1:
-        raise KvlmError(f"KV cache memory {budget} B is smaller than one block ({per_block} B)")
+        raise ParameterError("kv_cache_memory",
+                             f"kv_cache_memory: {budget} B is smaller than one KV block ({per_block} B)")
     cache = PagedKVCache(layers, num_blocks, cfg.block_size, mc.num_key_value_heads, mc.head_dim, dtype, device)
     return cache, BlockManager(num_blocks, cfg.block_size)
 

@@ -61,7 +61,33 @@ def commands(model: Path, files: dict[str, Path]) -> dict[str, list[str]]:
         "err_too_long": gen + [LONG_PROMPT, "--max-model-len", "8"],
         "err_kv_memory": gen + ["hi", "--kv-cache-memory", "lots"],
         "err_unknown_flag": gen + ["hi", "--no-such-flag"],
+        **{name: (["-q", *args[:1], m, *args[1:]] if args and args[0] == "generate" else args)
+           for name, (args, _, _) in BAD_INPUT.items()},
+        "options_between_model_and_prompt": ["-q", "generate", m, "--max-tokens", "3", "hello", "--json"],
+        "options_everywhere": ["-q", "generate", "--max-tokens", "3", m, "--json", "hello", "--seed", "1"],
+        "tiny_temperature": gen + ["hello", "--temperature", "1e-40", "--max-tokens", "3", "--json"],
+        "err_truncated_header": gen[:2] + [str(files["truncated_header"]), "hi"],
     }
+
+
+# The bad-input table: name -> (arguments, with "generate" put before the tiny model's path; exit code;
+# words the one `kvlm: error:` line must hold). Every case once crashed with a traceback or misled.
+BAD_INPUT: dict[str, tuple[list[str], int, list[str]]] = {
+    "no_prompt_after_path": (["generate", "--max-tokens", "3"], 2, ["PROMPT", "tiny.gguf"]),
+    "kv_memory_inf": (["generate", "hi", "--kv-cache-memory", "inf"], 2, ["--kv-cache-memory", "inf"]),
+    "kv_memory_bare_fraction": (["generate", "hi", "--kv-cache-memory", "1.5"], 2, ["bytes", "whole"]),
+    "kv_memory_one_byte": (["generate", "hi", "--kv-cache-memory", "1"], 2, ["kv_cache_memory", "1 B"]),
+    "kv_memory_most_of_ram": (["generate", "hi", "--kv-cache-memory", "95%"], 2, ["90%", "available"]),
+    "threads_negative": (["generate", "hi", "--threads", "-1"], 2, ["--threads", "-1"]),
+    "device_unknown": (["generate", "hi", "--device", "foo"], 2, ["device", "foo"]),
+    "max_model_len_too_big": (["generate", "hi", "--max-model-len", "100000000"], 2,
+                              ["max_model_len", "100000000", "256"]),
+    "seed_overflow": (["generate", "hi", "--seed", "99999999999999999999999"], 2, ["seed"]),
+    "stop_token_outside_vocab": (["generate", "hi", "--stop-token-ids", "99999999"], 2,
+                                 ["stop_token_ids", "99999999", "264"]),
+    "temperature_inf": (["generate", "hi", "--temperature", "inf"], 2, ["temperature", "inf"]),
+    "too_many_words": (["generate", "hello", "world"], 2, ["PROMPT", "quote"]),
+}
 
 
 @pytest.fixture(scope="session")
@@ -74,10 +100,11 @@ def cli_files(tmp_path_factory: pytest.TempPathFactory, tiny_gguf: Path) -> dict
     d = tmp_path_factory.mktemp("cli")
     data = tiny_gguf.read_bytes()
     (d / "truncated.gguf").write_bytes(data[: len(data) // 2])
+    (d / "truncated_header.gguf").write_bytes(data[:700])  # cut inside the metadata (the token list)
     (d / "prompts.txt").write_text("\n".join(PLAIN_PROMPTS) + "\n\n")  # a blank line is skipped
     (d / "prompts.jsonl").write_text("\n".join(json.dumps(p) for p in JSONL_PROMPTS) + "\n")
     (d / "config.json").write_text(json.dumps(LLAMA3_8B))
-    return {"truncated": d / "truncated.gguf", "plain": d / "prompts.txt", "jsonl": d / "prompts.jsonl",
+    return {"truncated": d / "truncated.gguf", "truncated_header": d / "truncated_header.gguf", "plain": d / "prompts.txt", "jsonl": d / "prompts.jsonl",
             "config": d / "config.json", "missing": d / "missing.gguf"}
 
 
@@ -265,8 +292,61 @@ def test_unknown_flag_is_a_usage_error(runs) -> None:
     p = runs("err_unknown_flag")
     assert p.returncode == 2
     assert "Traceback" not in p.stderr
-    assert p.stderr.strip().splitlines()[-1] == "kvlm: error: unrecognized arguments: --no-such-flag"
+    assert p.stderr.splitlines() == ["kvlm: error: unrecognized arguments: --no-such-flag "
+                                     "(see `kvlm generate --help`)"]
     assert p.stdout == ""
+
+
+def one_error_line(p: subprocess.CompletedProcess[str]) -> str:
+    assert "Traceback" not in p.stderr, p.stderr
+    lines = p.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kvlm: error: "), p.stderr
+    assert p.stdout == ""
+    return lines[0]
+
+
+@pytest.mark.parametrize("name", list(BAD_INPUT))
+def test_bad_input_table(runs, name: str) -> None:
+    """Each bad input gives exactly one `kvlm: error:` line naming what is wrong, and the right exit code."""
+    _, code, words = BAD_INPUT[name]
+    p = runs(name)
+    assert p.returncode == code, (p.returncode, p.stderr)
+    line = one_error_line(p)
+    for w in words:
+        assert w in line, (w, line)
+
+
+def test_truncated_metadata_names_no_numpy_internals(runs) -> None:
+    """A file cut inside its metadata fails with a plain sentence, not the reader's numpy errors."""
+    p = runs("err_truncated_header")
+    assert p.returncode == 1
+    line = one_error_line(p)
+    assert "truncated_header.gguf" in line and "truncated" in line
+    for internal in ("dtype", "numpy", "ValueError", "buffer"):
+        assert internal not in line, line
+
+
+def test_cuda_without_cuda_is_one_line(tiny_gguf: Path, kvlm_home: Path) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    p = _run(["-q", "generate", str(tiny_gguf), "hi", "--device", "cuda"], kvlm_home)
+    assert p.returncode == 2
+    assert "CUDA is not available" in one_error_line(p)
+
+
+def test_options_work_anywhere_on_the_line(runs) -> None:
+    """Options between MODEL and PROMPT, or before MODEL, parse as in any other position."""
+    a = ok_json(runs("options_between_model_and_prompt"))
+    assert a["prompt_token_ids"] == ok_json(runs("json"))["prompt_token_ids"] and len(a["token_ids"]) <= 3
+    b = ok_json(runs("options_everywhere"))
+    assert b["prompt_token_ids"] == a["prompt_token_ids"] and len(b["token_ids"]) <= 3
+
+
+def test_tiny_temperature_is_greedy(runs) -> None:
+    """A temperature below 1e-5 decodes greedily (vLLM), instead of overflowing into NaN probabilities."""
+    assert ok_json(runs("tiny_temperature"))["token_ids"] == ok_json(runs("json"))["token_ids"][:3]
 
 
 def test_nothing_was_downloaded(runs, kvlm_home: Path) -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvlm import LLM, SamplingParams
+from kvlm import LLM, EngineConfig, SamplingParams
 from kvlm.engine import Engine
 from kvlm.errors import PromptTooLongError
 
@@ -238,3 +238,99 @@ def test_length_grouped_decode_attention_changes_nothing(tiny_gguf: Path) -> Non
     assert sorted(i for g in plan for i in g) == list(range(len(lens)))
     assert [max(lens[i] for i in g) for g in plan] == sorted(max(lens[i] for i in g) for g in plan)
     assert plan_length_groups([100, 101, 102]) == [[0, 1, 2]]
+
+
+# ------------------------------------------------------------------ seeded sampling is position-free
+SEEDED = SamplingParams(temperature=1.0, top_p=0.95, top_k=200, min_p=0.01, seed=1234, max_tokens=24, ignore_eos=True)
+TARGET = [17, 101, 5, 9, 200, 33, 71, 2, 44, 90, 13, 250, 61, 8, 19, 77, 120, 3, 55, 66]
+
+
+def seeded_alone(path: Path) -> list[int]:
+    out, _ = run_engine(Engine(path, quiet=True), [TARGET], SEEDED)
+    assert len(set(out[0])) > 3, "the tiny model must really sample here, or these tests prove nothing"
+    return out[0]
+
+
+def test_seeded_sampling_same_in_a_batch(tiny_gguf: Path) -> None:
+    """A seeded request draws the same tokens alone and amid greedy, unseeded and other seeded requests."""
+    prompts = random_prompts(5, 21) + [TARGET]
+    others = [SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+              SamplingParams(temperature=0.8, max_tokens=30, ignore_eos=True),
+              SamplingParams(temperature=1.3, top_k=5, seed=1234, max_tokens=20, ignore_eos=True),
+              SamplingParams(temperature=0.5, min_p=0.2, seed=9, max_tokens=12, ignore_eos=True),
+              SamplingParams(temperature=1.0, top_p=0.5, max_tokens=16, ignore_eos=True)]
+    out, _ = run_engine(Engine(tiny_gguf, quiet=True), prompts, [*others, SEEDED], order=[0, 1, 5, 2, 3, 4])
+    assert out[5] == seeded_alone(tiny_gguf)
+
+
+def test_seeded_sampling_same_after_preemption(tiny_gguf: Path) -> None:
+    """Preempted and recomputed, a seeded request continues its own random stream: same tokens."""
+    prompts = random_prompts(7, 22, lo=10, hi=30) + [TARGET]  # the last admitted is preempted first
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=40, ignore_eos=True) for s in range(7)] + [SEEDED]
+    e = Engine(tiny_gguf, EngineConfig(block_size=4, kv_cache_memory=24 * 4 * small_bytes(tiny_gguf)), quiet=True)
+    reqs = [e.add_request(p, sp) for p, sp in zip(prompts, params)]
+    while e.has_unfinished:
+        e.step()
+    assert reqs[-1].metrics.num_preemptions > 0, "the target must be preempted for this test to mean anything"
+    assert reqs[-1].output_token_ids == seeded_alone(tiny_gguf)
+
+
+def test_seeded_sampling_same_with_chunked_prefill(tiny_gguf: Path) -> None:
+    """A prompt prefilled in 3-token chunks (no token drawn mid-prompt) samples the same tokens."""
+    e = Engine(tiny_gguf, EngineConfig(max_num_batched_tokens=3), quiet=True)
+    req = e.add_request(TARGET, SEEDED)
+    chunks = []
+    while e.has_unfinished:
+        e.step()
+        chunks.append(e.last_batch.num_new_tokens[0])
+    assert chunks[:7] == [3] * 6 + [2]
+    assert req.output_token_ids == seeded_alone(tiny_gguf)
+
+
+def test_seeded_sampling_same_without_kv_cache(tiny_gguf: Path) -> None:
+    """--no-kv-cache recomputes everything each step; a seeded request still draws the same tokens."""
+    out, _ = run_engine(Engine(tiny_gguf, EngineConfig(enable_kv_cache=False), quiet=True), [TARGET], SEEDED)
+    assert out[0] == seeded_alone(tiny_gguf)
+
+
+# -------------------------------------------------------------------------------- bad API input
+@pytest.mark.parametrize(("prompts", "param"), [
+    (123, "prompts"),
+    ([123], "prompts"),
+    ({"prompt_token_ids": [True, False]}, "prompt_token_ids"),
+    ({"prompt_token_ids": [1, 264]}, "prompt_token_ids"),
+    ({"prompt_token_ids": [1, -1]}, "prompt_token_ids"),
+    ({"prompt_token_ids": [1.0, 2.0]}, "prompt_token_ids"),
+    ({"prompt_token_ids": "1 2 3"}, "prompt_token_ids"),
+    ({"prompt": 5}, "prompt"),
+    ({"prompt_token_ids": []}, "prompt"),
+])
+def test_bad_prompts_raise_parameter_error(tiny_gguf: Path, prompts: object, param: str) -> None:
+    """Malformed prompts raise ParameterError naming the API field, and leave nothing queued."""
+    from kvlm.errors import ParameterError
+
+    llm = LLM(tiny_gguf)
+    with pytest.raises(ParameterError) as exc:
+        llm.generate(prompts, GREEDY)  # type: ignore[arg-type]
+    assert exc.value.param == param
+    assert not llm.llm_engine.has_unfinished
+
+
+def test_stop_token_ids_outside_vocab_are_refused(tiny_gguf: Path) -> None:
+    from kvlm.errors import ParameterError
+
+    llm = LLM(tiny_gguf)
+    with pytest.raises(ParameterError, match="stop_token_ids") as exc:
+        llm.generate("hi", SamplingParams(stop_token_ids=[3, 264]))
+    assert exc.value.param == "stop_token_ids"
+    llm.generate("hi", SamplingParams(stop_token_ids=[263], max_tokens=2))  # the last id is fine
+
+
+def test_max_model_len_above_the_model_is_refused(tiny_gguf: Path) -> None:
+    """As in vLLM: asking for more context than the model has is an error, not a silent cap."""
+    from kvlm.errors import ParameterError
+
+    with pytest.raises(ParameterError, match="max_position_embeddings=256") as exc:
+        Engine(tiny_gguf, EngineConfig(max_model_len=257), quiet=True)
+    assert exc.value.param == "max_model_len"
+    assert Engine(tiny_gguf, EngineConfig(max_model_len=256), quiet=True).max_model_len == 256
