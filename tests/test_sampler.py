@@ -128,20 +128,111 @@ def test_top_p_applies_after_top_k_like_vllm() -> None:
     assert kept(filt(logits, top_k=2, top_p=0.5)) == {0}
 
 
-@pytest.mark.parametrize(("temperature", "top_k"), [(1.0, 0), (0.7, 0), (2.0, 0), (1.0, 2)])
-def test_empirical_frequencies_match_softmax(temperature: float, top_k: int) -> None:
-    """~4000 seeded draws follow softmax(logits / T) (renormalized over the top-k) within 0.03."""
-    base = torch.tensor([1.0, 0.5, -0.5, 2.0])
-    n = 4000
-    reqs = [make_req(seed=10_000 + i, temperature=temperature, top_k=top_k) for i in range(n)]
-    toks = sample(base.repeat(n, 1), reqs).token_ids
-    z = base / temperature
+def expected_probs(logits: list[float], temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+                   min_p: float = 0.0) -> list[float]:
+    """vLLM V1's distribution written out independently, in float64 Python: softmax(logits / T), then
+    min-p, then top-k (ties with the k-th kept), then top-p by descending position, renormalized."""
+    z = [x / temperature for x in logits]
+    m = max(z)
+    p = [math.exp(x - m) for x in z]
+    s = sum(p)
+    p = [x / s for x in p]
+    keep = [x >= min_p * max(p) for x in p]
     if top_k:
-        z = torch.where(z >= z.topk(top_k).values[-1], z, torch.tensor(-math.inf))
-    want = z.softmax(-1).tolist()
-    freq = Counter(toks)
-    for t in range(4):
-        assert abs(freq[t] / n - want[t]) < 0.03, (t, freq[t] / n, want[t])
+        kth = sorted((z[i] for i in range(len(z)) if keep[i]), reverse=True)[min(top_k, sum(keep)) - 1]
+        keep = [k and z[i] >= kth for i, k in enumerate(keep)]
+    mass = sum(p[i] for i in range(len(p)) if keep[i])
+    before = 0.0
+    for i in sorted(range(len(p)), key=lambda i: (-p[i], -i)):  # ties: higher id first, as vLLM
+        if keep[i]:
+            if before >= top_p:
+                keep[i] = False
+            before += p[i] / mass
+    total = sum(p[i] for i in range(len(p)) if keep[i])
+    return [p[i] / total if keep[i] else 0.0 for i in range(len(p))]
+
+
+def chi2_critical(dof: int, z: float = 4.26) -> float:
+    """Upper quantile of chi-square(dof) by Wilson-Hilferty; z=4.26 is p ~ 1e-5 (a fixed seed makes the
+    test deterministic; the bound only decides how wrong a sampler may be and still pass)."""
+    return dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
+
+
+# Token 5 has probability ~2% at T=1; tokens 1 and 2 are tied.
+BASE = [2.0, 1.0, 1.0, 0.2, -0.3, -0.6, 2.6, -3.0]
+
+
+@pytest.mark.parametrize(("temperature", "top_k", "top_p", "min_p"), [
+    (1.0, 0, 1.0, 0.0), (0.7, 0, 1.0, 0.0), (2.0, 3, 1.0, 0.0), (1.0, 0, 0.8, 0.0), (1.5, 0, 0.8, 0.0),
+    (1.0, 0, 1.0, 0.1), (0.6, 0, 1.0, 0.1), (1.3, 0, 0.7, 0.2), (0.8, 4, 0.9, 0.05), (1.0, 2, 1.0, 0.0),
+])
+def test_empirical_frequencies_match_vllm_distribution(temperature: float, top_k: int, top_p: float,
+                                                        min_p: float) -> None:
+    """20,000 seeded draws pass a chi-square test against vLLM's distribution (computed independently),
+    every token's count is within 5 sigma of its binomial mean, and filtered tokens never appear."""
+    want = expected_probs(BASE, temperature, top_k, top_p, min_p)
+    n = 20_000
+    reqs = [make_req(seed=50_000 + i, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+            for i in range(n)]
+    freq = Counter(sample(torch.tensor(BASE).repeat(n, 1), reqs).token_ids)
+    support = [t for t, q in enumerate(want) if q > 0]
+    assert set(freq) <= set(support), (freq, want)
+    for t in support:
+        sd = math.sqrt(n * want[t] * (1 - want[t]))
+        assert abs(freq[t] - n * want[t]) <= 5 * sd + 1, (t, freq[t], n * want[t])
+    if len(support) > 1:
+        chi2 = sum((freq[t] - n * want[t]) ** 2 / (n * want[t]) for t in support)
+        assert chi2 < chi2_critical(len(support) - 1), (chi2, freq, want)
+
+
+def test_frequency_test_catches_a_sampler_that_drops_a_rare_token() -> None:
+    """The statistics above bite: a distribution missing the 2% token fails the same chi-square bound."""
+    want = expected_probs(BASE)
+    assert 0.015 < want[5] < 0.03
+    n = 20_000
+    counts = [round(n * q) for q in want]
+    counts[0] += counts[5]
+    counts[5] = 0
+    chi2 = sum((c - n * q) ** 2 / (n * q) for c, q in zip(counts, want))
+    assert chi2 > chi2_critical(len(want) - 1)
+
+
+def test_min_p_comes_before_top_p_like_vllm() -> None:
+    """vLLM V1 applies min-p first and top-p on what it leaves: [.5, .3, .15, .05] with min_p=.35 keeps
+    {.5, .3}, renormalized to {.625, .375}; top_p=.6 then keeps only the first (top-p first would keep two)."""
+    assert kept(filt(probs_row([0.5, 0.3, 0.15, 0.05]), top_p=0.6, min_p=0.35)) == {0}
+
+
+def test_top_p_cuts_ties_by_position_like_vllm() -> None:
+    """[.4, .3, .3] with top_p=.5: vLLM keeps two tokens (cut by sorted position), not all three tied ones;
+    of the tied pair, the higher id survives (stable ascending sort drops the lower id first)."""
+    assert kept(filt(probs_row([0.4, 0.3, 0.3]), top_p=0.5)) == {0, 2}
+
+
+def test_top_k_keeps_ties_with_the_kth_like_vllm() -> None:
+    """vLLM's top-k masks logits below the k-th value, so tokens tied with it stay."""
+    assert kept(filt(probs_row([0.4, 0.3, 0.3]), top_k=2)) == {0, 1, 2}
+    assert kept(filt(probs_row([0.4, 0.3, 0.2, 0.1]), top_k=2)) == {0, 1}
+
+
+@pytest.mark.parametrize("temperature", [9.9e-6, 1e-8, 1e-40, 1e-45, 5e-324])
+def test_temperature_below_1e_5_is_greedy_and_ignores_filters(temperature: float) -> None:
+    """Below vLLM's 1e-5 the row is greedy: the argmax, whatever top-k/top-p/min-p say, never a crash."""
+    logits = rand_logits(3, 50, seed=4) * 10
+    reqs = [make_req(seed=i, temperature=temperature, top_k=3, top_p=0.2, min_p=0.5) for i in range(3)]
+    assert all(r.params.greedy for r in reqs)
+    assert sample(logits, reqs).token_ids == logits.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("temperature", [1e-5, 1e-4, 1e-3])
+def test_tiny_sampling_temperature_does_not_overflow(temperature: float) -> None:
+    """Just above the greedy threshold, logits / T would overflow float32 for large logits; the sampler
+    still returns the argmax of a near-one-hot distribution, never NaN or an out-of-range id."""
+    logits = torch.tensor([[1e30, 9.9e29, -1e30, 0.0], [3.0, 2.0, 5.0, 4.9]])
+    for s in range(20):
+        out = sample(logits.clone(), [make_req(seed=s, temperature=temperature),
+                                      make_req(seed=s, temperature=temperature)]).token_ids
+        assert out == [0, 2]
 
 
 def test_repetition_penalty_hf_semantics() -> None:

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from kvlm.errors import ParameterError
 from kvlm.sampling_params import SamplingParams
 
 INVALID: list[tuple[dict[str, Any], str]] = [
@@ -34,16 +35,52 @@ INVALID: list[tuple[dict[str, Any], str]] = [
     ({"stop": ["ok", ""]}, "stop"),
     ({"n": 2}, "n"),
     ({"seed": 1.5}, "seed"),
+    # wrong types, non-finite values and huge integers, each named
+    ({"temperature": "0.7"}, "temperature"),
+    ({"temperature": math.inf}, "temperature"),
+    ({"temperature": True}, "temperature"),
+    ({"top_p": math.nan}, "top_p"),
+    ({"top_p": "1"}, "top_p"),
+    ({"top_k": True}, "top_k"),
+    ({"top_k": "5"}, "top_k"),
+    ({"min_p": math.nan}, "min_p"),
+    ({"repetition_penalty": math.inf}, "repetition_penalty"),
+    ({"repetition_penalty": math.nan}, "repetition_penalty"),
+    ({"presence_penalty": math.nan}, "presence_penalty"),
+    ({"max_tokens": True}, "max_tokens"),
+    ({"max_tokens": 2.0}, "max_tokens"),
+    ({"min_tokens": 1.5}, "min_tokens"),
+    ({"min_tokens": True}, "min_tokens"),
+    ({"seed": 10**23}, "seed"),
+    ({"seed": -(2**63) - 1}, "seed"),
+    ({"seed": True}, "seed"),
+    ({"seed": "42"}, "seed"),
+    ({"logprobs": True}, "logprobs"),
+    ({"logprobs": 2.0}, "logprobs"),
+    ({"prompt_logprobs": 21}, "prompt_logprobs"),
+    ({"prompt_logprobs": -1}, "prompt_logprobs"),
+    ({"prompt_logprobs": False}, "prompt_logprobs"),
+    ({"n": True}, "n"),
+    ({"stop": 5}, "stop"),
+    ({"stop": [b"x"]}, "stop"),
+    ({"stop_token_ids": [True]}, "stop_token_ids"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids"),
+    ({"stop_token_ids": "12"}, "stop_token_ids"),
+    ({"stop_token_ids": 12}, "stop_token_ids"),
+    ({"ignore_eos": "yes"}, "ignore_eos"),
+    ({"skip_special_tokens": 1}, "skip_special_tokens"),
 ]
 
 
 @pytest.mark.parametrize(("kwargs", "name"), INVALID, ids=[f"{k}" for k, _ in INVALID])
 def test_invalid_value_raises_naming_parameter(kwargs: dict[str, Any], name: str) -> None:
     """Every invalid value raises ValueError whose message starts with the offending parameter's name."""
-    with pytest.raises(ValueError) as exc:
+    with pytest.raises(ParameterError) as exc:
         SamplingParams(**kwargs)
     msg = str(exc.value)
+    assert isinstance(exc.value, ValueError) and exc.value.param == name
     assert msg.split()[0] == name, msg
+    assert len(msg) < 160 and "\n" not in msg, msg  # one readable line, even for a huge value
 
 
 def test_defaults_are_valid_and_as_documented() -> None:
@@ -70,10 +107,21 @@ def test_boundary_values_are_accepted(kwargs: dict[str, Any]) -> None:
             assert getattr(p, k) == v
 
 
-def test_greedy_iff_temperature_zero() -> None:
-    """`greedy` is exactly temperature == 0."""
+def test_greedy_below_vllm_threshold() -> None:
+    """`greedy` is temperature < 1e-5, vLLM's _SAMPLING_EPS."""
     assert SamplingParams(temperature=0).greedy
+    assert SamplingParams(temperature=9.99e-6).greedy
+    assert SamplingParams(temperature=1e-300).greedy
+    assert not SamplingParams(temperature=1e-5).greedy
     assert not SamplingParams(temperature=1e-4).greedy
+
+
+def test_seed_range_and_minus_one() -> None:
+    """Seeds span the signed 64-bit range vLLM's API accepts; -1 means no seed, as in vLLM."""
+    assert SamplingParams(seed=2**63 - 1).seed == 2**63 - 1
+    assert SamplingParams(seed=-(2**63)).seed == -(2**63)
+    assert SamplingParams(seed=-1).seed is None
+    assert SamplingParams(stop_token_ids=(3, 4)).stop_token_ids == [3, 4]
 
 
 def test_stop_string_normalised_to_tuple() -> None:
