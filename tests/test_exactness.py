@@ -14,6 +14,7 @@ import torch
 
 from kvlm import LLM, EngineConfig, SamplingParams
 from kvlm.engine import Engine
+from deps import need
 
 pytestmark = pytest.mark.slow
 
@@ -29,7 +30,7 @@ CHAT = [{"role": "system", "content": "You are a concise assistant."},
 
 @pytest.fixture(scope="module")
 def hf_model(smollm2_gguf: Path) -> Any:
-    transformers = pytest.importorskip("transformers")
+    transformers = need("transformers")
     m = transformers.AutoModelForCausalLM.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name,
                                                           dtype=torch.float32)
     return m.eval()

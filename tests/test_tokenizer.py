@@ -15,6 +15,7 @@ from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFBackend
 
 from kvlm.tokenizer import IncrementalDetokenizer, Tokenizer, TokenizerError
+from deps import need
 from tiny_models import BYTE, SPELL, byte_level_fields
 
 
@@ -62,7 +63,7 @@ def smollm(smollm_fields: dict[str, Any]) -> Tokenizer:
 
 @pytest.fixture(scope="session")
 def hf_smollm(smollm2_gguf: Path) -> Any:
-    transformers = pytest.importorskip("transformers")
+    transformers = need("transformers")
     return transformers.AutoTokenizer.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name)
 
 
@@ -229,11 +230,12 @@ def test_sentencepiece_incremental_byte_fallback() -> None:
         assert detok.text == tok.decode(ids)
 
 
-@pytest.mark.slow
-def test_sentencepiece_matches_transformers_on_plain_text(tmp_path: Path) -> None:
-    gguf = pytest.importorskip("gguf")
-    transformers = pytest.importorskip("transformers")
-
+@pytest.fixture(scope="module")
+def spm_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Tokenizer, Any]:
+    """The same sentencepiece GGUF vocab in kvlm and in transformers."""
+    gguf = need("gguf")
+    transformers = need("transformers")
+    tmp_path = tmp_path_factory.mktemp("spm")
     fields = spm_fields()
     writer = gguf.GGUFWriter(str(tmp_path / "spm.gguf"), "llama")
     writer.add_tokenizer_model("llama")
@@ -244,12 +246,27 @@ def test_sentencepiece_matches_transformers_on_plain_text(tmp_path: Path) -> Non
     n_vocab = len(fields["tokenizer.ggml.tokens"])
     writer.add_tensor("token_embd.weight", numpy.zeros((n_vocab, 4), dtype=numpy.float32))
     writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file(), writer.close()
-    hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="spm.gguf")
-    tok = Tokenizer.from_gguf_fields(fields)
-    # Text that neither starts with a space nor follows a special token: there the two agree.
-    for text in ["hello world", "hello  world\nhé 😀", "[INST] hello [/INST]", "wor ld</s>"]:
-        assert tok.encode(text) == hf.encode(text)
-        assert tok.decode(tok.encode(text)) == hf.decode(hf.encode(text), skip_special_tokens=True)
+    return Tokenizer.from_gguf_fields(fields), transformers.AutoTokenizer.from_pretrained(str(tmp_path),
+                                                                                         gguf_file="spm.gguf")
+
+
+_SPM_LEADING_SPACE = ("known divergence: llama.cpp (and kvlm) prepend the '▁' prefix and keep the text's own "
+                      "leading space as a second one; transformers' GGUF sentencepiece tokenizer merges them")
+_SPM_AFTER_SPECIAL = ("known divergence: llama.cpp (and kvlm) add the '▁' prefix to text after a special token "
+                      "too; transformers adds it only at the start of the input")
+
+
+@pytest.mark.parametrize("text", [
+    "hello world", "hello  world\nhé 😀", "[INST] hello [/INST]", "wor ld</s>", "\nhello",
+    pytest.param(" hello", marks=pytest.mark.xfail(strict=True, reason=_SPM_LEADING_SPACE)),
+    pytest.param("  hello world", marks=pytest.mark.xfail(strict=True, reason=_SPM_LEADING_SPACE)),
+    pytest.param("</s>hello", marks=pytest.mark.xfail(strict=True, reason=_SPM_AFTER_SPECIAL)),
+    pytest.param("hello</s> world", marks=pytest.mark.xfail(strict=True, reason=_SPM_AFTER_SPECIAL)),
+])
+def test_sentencepiece_matches_transformers(spm_pair: tuple[Tokenizer, Any], text: str) -> None:
+    tok, hf = spm_pair
+    assert tok.encode(text) == hf.encode(text)
+    assert tok.decode(tok.encode(text)) == hf.decode(hf.encode(text), skip_special_tokens=True)
 
 
 # ------------------------------------------------------------------------------ templates, errors
@@ -308,12 +325,31 @@ def test_bad_tokenizer_data() -> None:
         tok.incremental_detokenizer().push(-1)
 
 
-@pytest.mark.parametrize("pre", ["gpt-2", "llama-bpe", "qwen2", "qwen35", "tekken", "gpt-4o", "default",
-                                 "falcon", "deepseek-coder", "deepseek-v3", "bloom"])
-def test_pre_tokenizers_compile(pre: str) -> None:
+PRE_CORPUS = ["Hello world, it's 2024!\n\t日本 😀 x+=1", "I'M HERE they'll   12345678 go\r\n\n  end",
+              "CamelCaseWord über-naïve 3.14159 ", "don't  stop\n\n\nnow?! ...  ",
+              "你好世界，ＡＢＣ１２３ émoji 🎉🎉 tabs\t\tand", "a/b/c//d   \n  x"]
+_NO_HF_SPLIT = ("transformers maps no split regex for this tokenizer.ggml.pre and falls back to GPT-2's byte-level "
+                "regex; kvlm follows llama.cpp's regexes for it")
+
+
+@pytest.mark.parametrize("pre", ["gpt-2", "llama-bpe", "qwen2", "qwen35", "tekken", "gpt-4o",
+                                 *[pytest.param(p, marks=pytest.mark.xfail(strict=True, reason=_NO_HF_SPLIT))
+                                   for p in ("default", "falcon", "deepseek-coder", "deepseek-v3", "bloom",
+                                             "smollm")]])
+def test_pre_tokenizer_splits_match_transformers(pre: str, tmp_path: Path) -> None:
+    """kvlm's pre-token splits equal those of transformers' tokenizer for the same GGUF file, on text with
+    digits, contractions, whitespace runs, CJK and emoji (and round-trip through encode/decode)."""
+    transformers = need("transformers")
+    from tiny_models import write_tiny_gguf
+
+    write_tiny_gguf(tmp_path / "t.gguf", fields={"tokenizer.ggml.pre": pre})
+    hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="t.gguf")
     tok = Tokenizer.from_gguf_fields(byte_level_fields(**{"tokenizer.ggml.pre": pre}))
-    text = "Hello world, it's 2024!\n\t日本 😀 x+=1"
-    assert tok.decode(tok.encode(text)) == text
+    for text in PRE_CORPUS:
+        assert tok.decode(tok.encode(text)) == text
+        ours = [piece for piece, _ in tok._backend.pre_tokenizer.pre_tokenize_str(text)]
+        theirs = [piece for piece, _ in hf.backend_tokenizer.pre_tokenizer.pre_tokenize_str(text)]
+        assert ours == theirs, text
 
 
 # ------------------------------------------------------------------------------------- HF folders
