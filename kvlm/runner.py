@@ -40,6 +40,9 @@ class ModelRunner:
         # contiguous cache's rows are views only when B == 1, so grouping would just add gathers there.
         self.min_group_batch = 4 if isinstance(kv_cache, PagedKVCache) else 1 << 30
         self.group_cost = 1024  # padded token slots one more group is worth (per-call overhead)
+        # Work done, counted as it happens (benchmarks check their closed forms against these):
+        self.num_tokens_processed = 0  # tokens fed through the model
+        self.num_context_tokens = 0  # sum over those tokens of their context length (attention work)
 
     def build_metadata(self, batch: ScheduledBatch) -> tuple[torch.Tensor, AttentionMetadata, list[Request]]:
         """Flat input ids (T,) and the step's metadata; also the requests that sample this step."""
@@ -110,6 +113,9 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, keep_logits: bool = False) -> StepResult:
         input_ids, meta, samplers = self.build_metadata(batch)
+        self.num_tokens_processed += len(input_ids)
+        # A chunk of q tokens ending at sequence length s has contexts s-q+1 .. s.
+        self.num_context_tokens += sum(q * s - q * (q - 1) // 2 for q, s in zip(meta.query_lens, meta.seq_lens))
         hidden = self.model(input_ids, meta.positions, self.kv_cache, meta)  # (T, hidden)
         if not samplers:
             return StepResult([], [], [], None)

@@ -85,6 +85,24 @@ def test_waste_no_cache_budget_stops_early(tiny_gguf: Path) -> None:
     assert last["tokens_no_cache"] == 6 * 8 + 15  # counts stay exact when not measured
 
 
+@pytest.mark.parametrize("cache", [True, False])
+def test_tokens_processed_formula_matches_the_runner_count(tiny_gguf: Path, cache: bool) -> None:
+    """The waste benchmark's closed forms equal what the model actually processed, as counted by the
+    runner: tokens fed through the model and the sum of their context lengths."""
+    from kvlm import LLM
+    from kvlm.bench.waste import timed_generation, tokens_processed
+
+    llm = LLM(str(tiny_gguf), enable_kv_cache=cache)
+    runner = llm.llm_engine.runner
+    P = 8
+    for n in (1, 4, 9):
+        before = (runner.num_tokens_processed, runner.num_context_tokens)
+        toks, _ = timed_generation(llm, list(range(1, P + 1)), n)
+        assert len(toks) == n
+        counted = (runner.num_tokens_processed - before[0], runner.num_context_tokens - before[1])
+        assert counted == tokens_processed(P, n, cache=cache), (n, counted)
+
+
 def test_forward_flops_formula() -> None:
     from kvlm.bench.waste import forward_flops, tokens_processed
     from kvlm.config import ModelConfig

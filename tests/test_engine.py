@@ -64,14 +64,15 @@ def test_cached_decode_equals_full_recompute(tiny_gguf: Path) -> None:
         torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("layout", ["contiguous", "paged"])
-def test_layouts_agree(tiny_gguf: Path, layout: str) -> None:
-    """Paged and contiguous caches give identical tokens (and logits within float noise)."""
-    from kvlm import EngineConfig
-
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_layouts_agree(tiny_gguf: Path, block_size: int) -> None:
+    """The paged cache (small and default blocks) gives the contiguous cache's tokens and logits."""
     prompts = random_prompts(4, 1)
-    ref, lref = run_engine(Engine(tiny_gguf, EngineConfig(kv_cache_layout="paged", block_size=4), quiet=True), prompts)
-    out, lout = run_engine(Engine(tiny_gguf, EngineConfig(kv_cache_layout=layout), quiet=True), prompts)
+    contiguous = Engine(tiny_gguf, EngineConfig(kv_cache_layout="contiguous"), quiet=True)
+    paged = Engine(tiny_gguf, EngineConfig(kv_cache_layout="paged", block_size=block_size), quiet=True)
+    assert type(contiguous.kv_cache).__name__ == "ContiguousKVCache" and type(paged.kv_cache).__name__ == "PagedKVCache"
+    ref, lref = run_engine(contiguous, prompts)
+    out, lout = run_engine(paged, prompts)
     assert out == ref
     for i in ref:
         torch.testing.assert_close(torch.stack(lout[i]), torch.stack(lref[i]), atol=1e-4, rtol=0)
@@ -161,19 +162,51 @@ def test_seeds_and_top_k_one(tiny_gguf: Path) -> None:
     assert batch[0].outputs[0].token_ids == toks(temperature=1.0, seed=1)
 
 
+def check_stream(tok, deltas: list) -> int:
+    """Streamed text is exact and prompt: the deltas add up to the full decode; at every step the text
+    so far is a prefix of the decode of the tokens so far, never holds a broken character, and equals it
+    whenever those tokens end on a whole character (no text is held back longer than needed).
+    Returns how many generated tokens decode alone to a broken character (split characters)."""
+    ids: list[int] = []
+    text = ""
+    for d in deltas:
+        ids += d.token_ids
+        text += d.text
+        now = tok.decode(ids)
+        clean = now.rstrip("\ufffd")
+        assert now.startswith(text), (text, now)
+        if not d.finished:  # at the end, flush() emits a really incomplete last character as U+FFFD
+            assert clean.startswith(text), (text, now)
+        if now == clean:
+            assert text == now, (text, now)  # a whole character has arrived: it is streamed at once
+    assert deltas[-1].finished and text == tok.decode(ids)
+    return sum("\ufffd" in tok.decode([t]) for t in ids)
+
+
 def test_stream_is_utf8_safe_and_matches_full_decode(tiny_gguf: Path) -> None:
-    """Random byte tokens split multi-byte characters: streamed text never holds a partial one."""
+    """Random byte tokens (seeded) split multi-byte characters: text is never partial, never late."""
     llm = LLM(tiny_gguf)
     for seed in range(5):
         params = SamplingParams(temperature=1.0, seed=seed, max_tokens=40, ignore_eos=True)
         deltas = list(llm.stream("héllo 😀", params))
-        ids = [t for d in deltas for t in d.token_ids]
-        text = "".join(d.text for d in deltas)
-        assert text == llm.tokenizer.decode(ids)
-        assert deltas[-1].finished and deltas[-1].finish_reason == "length"
-        full = llm.tokenizer.decode(ids)
-        for d in deltas:  # no delta introduces a replacement char the full decode lacks
-            assert "\ufffd" not in d.text or "\ufffd" in full
+        assert deltas[-1].finish_reason == "length"
+        check_stream(llm.tokenizer, deltas)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("prompt", ["Translate to Chinese: Good morning, my friend. Chinese:",
+                                    "Write three emojis about the sea: 🌊"])
+def test_stream_splits_cjk_and_emoji_across_tokens(smollm2_llm, prompt: str) -> None:
+    """The real model writes CJK / emoji whose UTF-8 bytes span several tokens; each character is
+    streamed exactly when its last byte arrives, and most deltas carry text."""
+    tok = smollm2_llm.tokenizer
+    ids = smollm2_llm.render_chat([{"role": "user", "content": prompt}])
+    deltas = list(smollm2_llm.stream({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=20)))
+    split = check_stream(tok, deltas)
+    text = "".join(d.text for d in deltas)
+    assert split >= 4, f"only {split} split characters: the test needs CJK/emoji in {text!r}"
+    assert any(ord(c) > 0x2E80 for c in text)
+    assert sum(bool(d.text) for d in deltas) >= len(deltas) // 3
 
 
 def test_chat_turn_reuses_cache_and_gives_same_tokens(tiny_gguf: Path) -> None:
