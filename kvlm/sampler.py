@@ -59,7 +59,7 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
       ordered by token id), drop every token whose cumulative mass is <= 1 - top_p, always keep the
       most likely one. Cuts fall by sorted position: of tokens tied at the cut, the lower ids go first.
     """
-    B, V = logits.shape
+    V = logits.shape[1]
     probs = logits.softmax(-1)
     logits = logits.masked_fill(probs < min_p.unsqueeze(1) * probs.amax(-1, keepdim=True), float("-inf"))
     sorted_logits, order = logits.sort(dim=-1, descending=False, stable=True)  # (B, V) ascending

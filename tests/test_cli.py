@@ -292,8 +292,8 @@ def test_unknown_flag_is_a_usage_error(runs) -> None:
     p = runs("err_unknown_flag")
     assert p.returncode == 2
     assert "Traceback" not in p.stderr
-    assert p.stderr.splitlines() == ["kvlm: error: unrecognized arguments: --no-such-flag "
-                                     "(see `kvlm generate --help`)"]
+    assert p.stderr.splitlines() == [("kvlm: error: unrecognized arguments: --no-such-flag "
+                                      "(see `kvlm generate --help`)")]
     assert p.stdout == ""
 
 
@@ -314,6 +314,36 @@ def test_bad_input_table(runs, name: str) -> None:
     line = one_error_line(p)
     for w in words:
         assert w in line, (w, line)
+
+
+@pytest.mark.parametrize(("args", "words"), [
+    (["--temperature", "nan"], ["temperature", "nan"]),
+    (["--top-k", "-5"], ["top_k", "-5"]),
+    (["--min-p", "2"], ["min_p"]),
+    (["--max-tokens", "0"], ["max_tokens"]),
+    (["--logprobs", "99"], ["logprobs", "99"]),
+    (["--block-size", "0"], ["block_size"]),
+    (["--threads", "two"], ["--threads", "two"]),
+    (["--max-model-len", "0"], ["max_model_len"]),
+    (["--kv-cache-memory", "999999TiB"], ["90%", "available"]),
+    (["--kv-cache-memory", "0.3"], ["bare number is bytes", "30%"]),
+    (["--device", "cuda:x"], ["device", "cuda:x"]),
+])
+def test_more_bad_values_in_process(tiny_gguf: Path, capsys: pytest.CaptureFixture[str], args: list[str],
+                                    words: list[str]) -> None:
+    """The same contract through `kvlm.cli.main` (cheaper than a process per case): exit 2, one line."""
+    from kvlm.cli import main
+
+    try:
+        code = main(["-q", "generate", str(tiny_gguf), "hi", *args])
+    except SystemExit as e:  # argparse's own errors exit from inside parse_known_args
+        code = e.code
+    out, err = capsys.readouterr()
+    assert code == 2
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kvlm: error: ") and out == "", err
+    for w in words:
+        assert w in lines[0], (w, lines[0])
 
 
 def test_truncated_metadata_names_no_numpy_internals(runs) -> None:

@@ -16,7 +16,7 @@ from tokenizers import Tokenizer as HFBackend
 
 from kvlm.tokenizer import IncrementalDetokenizer, Tokenizer, TokenizerError
 from deps import need
-from tiny_models import BYTE, SPELL, byte_level_fields
+from tiny_models import BYTE, byte_level_fields
 
 
 def read_gguf_fields(path: str | Path) -> dict[str, Any]:
