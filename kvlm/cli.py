@@ -17,6 +17,7 @@ from typing import Any, NoReturn
 
 from kvlm.errors import KvlmError, ParameterError
 
+
 class _Parser(argparse.ArgumentParser):
     """argparse with our error contract: one line `kvlm: error: ...` on stderr and exit 2 (no usage dump;
     `--help` still shows it). Subcommand parsers inherit the class."""
