@@ -90,7 +90,7 @@ class BlockManager:
         """sha256(parent hash || token ids as int64): the name of a full block's whole prefix."""
         return hashlib.sha256(parent_hash + array("q", token_ids).tobytes()).digest()
 
-    def _hashes(self, req: Request, num_full: int) -> list[bytes]:
+    def block_hashes(self, req: Request, num_full: int) -> list[bytes]:
         """`req.block_hashes` extended to its first `num_full` full blocks (token ids never change once
         written, so hashes are computed once per block)."""
         hs, bs = req.block_hashes, self.block_size
@@ -115,7 +115,7 @@ class BlockManager:
             return []
         bs = self.block_size
         limit = (req.num_tokens - 1) // bs if max_blocks is None else min(max_blocks, req.num_tokens // bs)
-        hashes = self._hashes(req, limit)
+        hashes = self.block_hashes(req, limit)
         hit: list[int] = []
         for i in range(limit):
             b = self.hash_to_block.get(hashes[i])
@@ -190,7 +190,7 @@ class BlockManager:
         num_full = min(req.num_computed_tokens // bs, len(table))
         if num_full <= req.num_cached_blocks:
             return
-        hashes = self._hashes(req, num_full)
+        hashes = self.block_hashes(req, num_full)
         for i in range(req.num_cached_blocks, num_full):
             h, mine = hashes[i], table[i]
             tokens = tuple(req.token_ids[i * bs : (i + 1) * bs])

@@ -96,9 +96,12 @@ class Scheduler:
             budget -= n
         # Admit waiting requests only when nobody was preempted this step (otherwise they would just
         # take the blocks the preemption freed for older requests).
+        pending = self._pending_blocks(batch)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not batch.preempted:
             req = self.waiting[0]
             hit = [] if req.params.prompt_logprobs is not None else self.bm.find_cached_prefix(req)
+            if pending and len(hit) < len(req.block_hashes) and req.block_hashes[len(hit)] in pending:
+                break  # its next block is being computed this step: wait one step and reuse it instead
             req.num_computed_tokens = len(hit) * self.bm.block_size
             n = self._wanted(req, budget)
             # Without a cache a request cannot be chunked: it may exceed the budget only when alone.
@@ -116,10 +119,28 @@ class Scheduler:
             batch.requests.append(req)
             batch.num_new_tokens.append(n)
             budget -= n
+            if pending is not None:
+                pending.update(self._new_full_blocks(req, n))
         if self.bm.readers is not None:  # debug mode: nobody writes into a block another one reads
             for req, n in zip(batch.requests, batch.num_new_tokens):
                 self.bm.assert_writable(req, req.num_computed_tokens, req.num_computed_tokens + n)
         return batch
+
+    def _pending_blocks(self, batch: ScheduledBatch) -> set[bytes] | None:
+        """Hashes of the full blocks this step computes (None without prefix caching). A waiting request
+        whose next uncached block is among them is admitted a step later, to take it from the cache
+        instead of computing the same K/V twice (N requests sharing a system prompt arriving together)."""
+        if not self.bm.enable_prefix_caching or self.recompute_all:
+            return None
+        pending: set[bytes] = set()
+        for req, n in zip(batch.requests, batch.num_new_tokens):
+            pending.update(self._new_full_blocks(req, n))
+        return pending
+
+    def _new_full_blocks(self, req: Request, n: int) -> list[bytes]:
+        bs = self.bm.block_size
+        first, end = req.num_computed_tokens // bs, (req.num_computed_tokens + n) // bs
+        return self.bm.block_hashes(req, end)[first:end] if req.params.prompt_logprobs is None else []
 
     def _first_admission(self, req: Request) -> None:
         """Prefix-cache accounting and miss diagnostics, once per request."""
