@@ -34,7 +34,8 @@ class LLM:
     """Load a model (alias, .gguf file or HF folder) and generate from it.
 
     Keyword arguments are `EngineConfig` fields (dtype, device, enable_kv_cache, max_model_len,
-    kv_cache_layout, block_size, max_num_seqs, max_num_batched_tokens, kv_cache_memory, num_threads).
+    kv_cache_layout, block_size, max_num_seqs, max_num_batched_tokens, kv_cache_memory, num_threads,
+    enable_prefix_caching).
     """
 
     def __init__(self, model: str | os.PathLike = "smollm2-135m", quiet: bool = True, **engine_kwargs: Any) -> None:

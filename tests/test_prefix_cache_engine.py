@@ -187,3 +187,45 @@ def test_miss_diagnostics(tiny_gguf: Path, caplog: pytest.LogCaptureFixture) -> 
     assert f"diverged at token {n}:" in r.metrics.prefix_miss  # where the earlier request's output began
     r = req(base + "Question one? More. And more.")  # the same prompt again: nothing missed
     assert r.metrics.prefix_miss is None
+
+
+@pytest.mark.slow
+def test_ten_turn_chat_on_default_model_same_with_and_without_reuse(smollm2_gguf: Path) -> None:
+    """SmolLM2: a 10-turn greedy chat gives the same replies with the prefix cache as without, and from
+    turn 2 on each turn reuses the earlier turns (it prefills far fewer tokens than its prompt)."""
+    from kvlm import LLM
+    from kvlm.bench.prefix import CHAT_TURNS
+
+    params = SamplingParams(temperature=0, max_tokens=8)
+    replies, prefilled = {}, {}
+    for caching in (False, True):
+        llm = LLM(str(smollm2_gguf), num_threads=2, enable_prefix_caching=caching)
+        messages = [{"role": "system", "content": "You are a concise assistant."}]
+        replies[caching], prefilled[caching] = [], []
+        for turn in CHAT_TURNS:
+            messages.append({"role": "user", "content": turn})
+            out = llm.chat(messages, params)[0]
+            replies[caching].append(out.outputs[0].token_ids)
+            prefilled[caching].append((out.metrics.num_prompt_tokens, out.metrics.num_prefilled_tokens))
+            messages.append({"role": "assistant", "content": out.outputs[0].text})
+    assert replies[True] == replies[False]
+    assert all(p == n for n, p in prefilled[False])
+    for n, p in prefilled[True][1:]:
+        assert p < 40 and p < n / 2, prefilled[True]
+
+
+def test_kvlm_chat_reuses_earlier_turns(tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """The REPL sends the whole conversation each turn; from turn 2 on most of it comes from the cache."""
+    import builtins
+
+    from kvlm.cli import main
+
+    lines = iter(["hello there, how are you today?", "and what about tomorrow?", "/exit"])
+    monkeypatch.setattr(builtins, "input", lambda prompt="": next(lines))
+    assert main(["-q", "chat", str(tiny_gguf), "--block-size", "4", "--max-tokens", "6", "--ignore-eos"]) == 0
+    stats = [ln for ln in capsys.readouterr().err.splitlines() if "prompt tokens:" in ln]
+    assert len(stats) == 2
+    first, second = ([int(w) for w in ln.replace("[", " ").split() if w.isdigit()] for ln in stats)
+    assert first[1] == 0  # nothing cached before the first turn
+    assert second[1] >= first[0] // 4 * 4 and second[2] < second[0] / 2
