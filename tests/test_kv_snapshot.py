@@ -64,7 +64,7 @@ def write_header_variant(src: Path, dst: Path, **changes: str) -> None:
 
     with safe_open(str(src), framework="pt") as f:
         meta = {**f.metadata(), **changes}
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
     save_file(tensors, str(dst), metadata=meta)
 
 
@@ -119,7 +119,7 @@ def test_refused_for_another_model_dtype_or_block_size(tiny_gguf: Path, snapshot
             llm.load_prefix(snapshot)
         assert llm.llm_engine.block_manager.num_cached_blocks == 0
         assert len(llm.generate({"prompt_token_ids": PROMPT}, PARAMS)[0].outputs[0].token_ids) == 10
-    for cfg in (dict(enable_prefix_caching=False), dict(kv_cache_layout="contiguous")):
+    for cfg in ({"enable_prefix_caching": False}, {"kv_cache_layout": "contiguous"}):
         with pytest.raises(SnapshotError, match="prefix caching"):
             LLM(tiny_gguf, block_size=BS, **cfg).load_prefix(snapshot)
 

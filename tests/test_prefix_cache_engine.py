@@ -50,7 +50,7 @@ def test_cached_prefix_equals_recompute(tiny_gguf: Path, shared: int, mixed: boo
     warm = common + rand_tokens(rng, 5)
     target = common + rand_tokens(rng, 9)
     others = [rand_tokens(rng, 30), common[:BS] + rand_tokens(rng, 20)] if mixed else []
-    cfg = dict(block_size=BS, max_num_batched_tokens=16 if mixed else 2048)
+    cfg = {"block_size": BS, "max_num_batched_tokens": 16 if mixed else 2048}
     off = Engine(tiny_gguf, EngineConfig(enable_prefix_caching=False, **cfg), quiet=True)
     ref_tokens, ref_logits, _ = run(off, [target] + others)
     on = Engine(tiny_gguf, EngineConfig(**cfg), quiet=True)

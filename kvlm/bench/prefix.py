@@ -6,7 +6,8 @@
 (b) chat: a 10-turn greedy chat, with and without reuse: tokens prefilled and seconds per turn (with
     reuse each turn prefills only its new tokens), and whether both give the same replies.
 (c) snapshot: the K/V of a 2048-token prefix loaded from a safetensors snapshot vs recomputed.
-Each part prints a table and ends with one JSON line; `--plot DIR` draws (a) and (b).
+Each part prints a table; the output ends with one JSON line (the part's, or all three under one
+header); `--plot FILE` draws (a) and (b) in one PNG.
 `--explain PROMPT_A PROMPT_B` runs A then B and prints why B reused less of A than it shares (if so).
 """
 
@@ -14,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -33,7 +33,7 @@ CHAT_TURNS = ["Hi! What is a KV cache?", "Why does it make decoding faster?", "H
 
 def _percentile(xs: list[float], q: float) -> float:
     xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+    return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
 
 
 def _llm(model: str, threads: int, caching: bool, **kw: Any) -> Any:
@@ -161,35 +161,37 @@ def explain(model: str, threads: int, a: str, b: str, chat: bool, block_size: in
             "block_size": block_size, "miss": m.prefix_miss}
 
 
-def plot(shared: dict[str, Any] | None, chat: dict[str, Any] | None, folder: str) -> list[str]:
-    paths = []
+def plot(shared: dict[str, Any] | None, chat: dict[str, Any] | None, path: str) -> str:
+    """One PNG: (a) tokens prefilled and TTFT, caching off vs on; (b) tokens prefilled and seconds per
+    chat turn, with and without reuse (the panels of the parts that ran)."""
+    panels = (2 if shared is not None else 0) + (2 if chat is not None else 0)
+    fig, axes = new_figure(panels, width=4.0 * panels)
+    axes = axes if isinstance(axes, list) else [axes]
+    modes = ["off", "on"]
     if shared is not None:
-        fig, (ax1, ax2) = new_figure(2)
-        modes = ["off", "on"]
+        ax1, ax2 = axes[0], axes[1]
+        axes = axes[2:]
         ax1.bar(modes, [shared[m]["prefilled_tokens"] for m in modes], color=["#999", "#3a7"])
-        ax1.set_title(f"tokens prefilled, {shared['num_requests']} requests")
+        ax1.set_title(f"(a) tokens prefilled, {shared['num_requests']} requests")
         ax1.set_xlabel("prefix caching")
-        x = range(2)
-        ax2.bar([i - 0.2 for i in x], [shared[m]["ttft_p50_s"] for m in modes], width=0.4, label="p50")
-        ax2.bar([i + 0.2 for i in x], [shared[m]["ttft_p90_s"] for m in modes], width=0.4, label="p90")
-        ax2.set_xticks(list(x), modes)
-        ax2.set_title("time to first token (s)")
+        ax2.bar([i - 0.2 for i in range(2)], [shared[m]["ttft_p50_s"] for m in modes], width=0.4, label="p50")
+        ax2.bar([i + 0.2 for i in range(2)], [shared[m]["ttft_p90_s"] for m in modes], width=0.4, label="p90")
+        ax2.set_xticks(range(2), modes)
+        ax2.set_title("(a) time to first token (s)")
         ax2.set_xlabel("prefix caching")
         ax2.legend()
-        paths.append(save_figure(fig, Path(folder) / "prefix_shared.png"))
     if chat is not None:
-        fig, (ax1, ax2) = new_figure(2)
+        ax1, ax2 = axes[0], axes[1]
         turns = range(1, chat["turns"] + 1)
         for mode, label in (("off", "no reuse"), ("on", "prefix cache")):
             ax1.plot(turns, [r["prefilled_tokens"] for r in chat[mode]], marker="o", label=label)
             ax2.plot(turns, [r["seconds"] for r in chat[mode]], marker="o", label=label)
-        ax1.set_title("tokens prefilled per chat turn")
-        ax2.set_title("seconds per chat turn")
+        ax1.set_title("(b) tokens prefilled per chat turn")
+        ax2.set_title("(b) seconds per chat turn")
         for ax in (ax1, ax2):
             ax.set_xlabel("turn")
             ax.legend()
-        paths.append(save_figure(fig, Path(folder) / "prefix_chat.png"))
-    return paths
+    return save_figure(fig, path)
 
 
 def print_shared(d: dict[str, Any]) -> None:
@@ -229,7 +231,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--turn-tokens", type=int, default=48, help="max output tokens per chat turn in (b)")
     p.add_argument("--snapshot-len", type=int, default=2048, help="tokens of the snapshot prefix in (c)")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--plot", metavar="DIR", default=None, help="write prefix_shared.png and prefix_chat.png here")
+    p.add_argument("--plot", metavar="FILE", default=None, help="write a PNG of (a) and (b)")
     p.add_argument("--explain", nargs=2, metavar=("PROMPT_A", "PROMPT_B"), default=None,
                    help="run A then B and print why B reused less of the cache than it shares with A")
     p.add_argument("--chat", action="store_true", help="with --explain: render each prompt as a chat user turn")
@@ -244,22 +246,19 @@ def main_args(a: argparse.Namespace) -> int:
         print(f"why not more: {d['miss'] or 'nothing was missed (B reused all it shares with A in whole blocks)'}")
         print(json.dumps(d))
         return 0
+    parts: dict[str, Any] = {}
     if a.part in ("all", "shared"):
-        shared = run_shared(a.model, a.threads, a.num_requests, a.system_len, a.max_tokens)
-        print_shared(shared)
-        if a.plot:
-            shared["plot"] = plot(shared, None, a.plot)[0]
-            print(f"plot: {shared['plot']}")
-        print(json.dumps(shared))
+        parts["shared"] = run_shared(a.model, a.threads, a.num_requests, a.system_len, a.max_tokens)
+        print_shared(parts["shared"])
     if a.part in ("all", "chat"):
-        chat = run_chat(a.model, a.threads, a.turns, a.turn_tokens)
-        print_chat(chat)
-        if a.plot:
-            chat["plot"] = plot(None, chat, a.plot)[0]
-            print(f"plot: {chat['plot']}")
-        print(json.dumps(chat))
+        parts["chat"] = run_chat(a.model, a.threads, a.turns, a.turn_tokens)
+        print_chat(parts["chat"])
     if a.part in ("all", "snapshot"):
-        snap = run_snapshot(a.model, a.threads, a.snapshot_len)
-        print_snapshot(snap)
-        print(json.dumps(snap))
+        parts["snapshot"] = run_snapshot(a.model, a.threads, a.snapshot_len)
+        print_snapshot(parts["snapshot"])
+    doc = parts[a.part] if a.part != "all" else {**run_header("prefix", a.model, a.threads), **parts}
+    if a.plot and ("shared" in parts or "chat" in parts):
+        doc["plot"] = plot(parts.get("shared"), parts.get("chat"), a.plot)
+        print(f"plot: {doc['plot']}")
+    print(json.dumps(doc))
     return 0
