@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
+from kvlm.cache_cli import add_prefix_snapshot_flag, load_prefix_snapshot
 from kvlm.errors import KvlmError, ParameterError
 
 
@@ -46,6 +47,8 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory", default=None,
                    help="KV pool size: bytes (2GiB, 512MB, or a bare whole number of bytes) or a share of the "
                         "memory available now (30%%); more than 90%% of it is refused")
+    g.add_argument("--no-prefix-caching", action="store_true",
+                   help="do not reuse cached K/V blocks of earlier requests with the same beginning")
 
 
 def _engine_kwargs(a: argparse.Namespace) -> dict[str, Any]:
@@ -54,7 +57,8 @@ def _engine_kwargs(a: argparse.Namespace) -> dict[str, Any]:
     mem = None if a.kv_cache_memory is None else parse_bytes(a.kv_cache_memory)
     return dict(dtype=a.dtype, device=a.device, num_threads=a.threads, max_model_len=a.max_model_len,
                 enable_kv_cache=not a.no_kv_cache, kv_cache_layout=a.kv_cache_layout, block_size=a.block_size,
-                max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens, kv_cache_memory=mem)
+                max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens, kv_cache_memory=mem,
+                enable_prefix_caching=not a.no_prefix_caching)
 
 
 def _add_sampling_flags(p: argparse.ArgumentParser, max_tokens: int = 256) -> None:
@@ -95,9 +99,12 @@ def _format_stats(m: dict[str, Any]) -> str:
     def f(x: Any, fmt: str) -> str:
         return "n/a" if x is None else format(x, fmt)
 
-    return (f"prompt tokens {m['prompt_tokens']} (cached {m['cached_tokens']}), generated {m['generated_tokens']}, "
+    line = (f"prompt tokens {m['prompt_tokens']} (cached {m['cached_tokens']}, computed {m['prefilled_tokens']}), "
+            f"generated {m['generated_tokens']}, "
             f"TTFT {f(m['ttft_s'], '.3f')} s, decode {f(m['decode_tokens_per_s'], '.1f')} tok/s, "
-            f"KV held {m['kv_bytes_held'] / 2**20:.2f} MiB in {m['kv_blocks_held']} blocks")
+            f"KV held {m['kv_bytes_held'] / 2**20:.2f} MiB in {m['kv_blocks_held']} blocks "
+            f"({m['kv_blocks_shared']} shared)")
+    return line + (f"; prefix cache: {m['prefix_cache_miss']}" if m.get("prefix_cache_miss") else "")
 
 
 def _looks_like_model(arg: str) -> bool:
@@ -137,6 +144,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
     a.model, a.prompt = _model_and_prompt(a.inputs, bool(a.prompts_file))
     params = _sampling_params(a)
     llm = LLM(a.model, quiet=a.quiet, **_engine_kwargs(a))
+    load_prefix_snapshot(llm, a.prefix_snapshot, a.quiet)
 
     def as_input(text: str):
         if a.chat:
@@ -192,9 +200,9 @@ def cmd_chat(a: argparse.Namespace) -> int:
     from kvlm.llm import LLM
 
     llm = LLM(a.model, quiet=a.quiet, **_engine_kwargs(a))
+    load_prefix_snapshot(llm, a.prefix_snapshot, a.quiet)
     params = _sampling_params(a)
     messages: list[dict[str, str]] = [{"role": "system", "content": a.system}] if a.system else []
-    prev = None
     print("kvlm chat: /reset clears the conversation, /exit or Ctrl-D quits", file=sys.stderr)
     while True:
         try:
@@ -208,24 +216,21 @@ def cmd_chat(a: argparse.Namespace) -> int:
             break
         if line.strip() == "/reset":
             messages = messages[:1] if a.system else []
-            if prev is not None:
-                llm.llm_engine.release(prev)
-                prev = None
             continue
         messages.append({"role": "user", "content": line})
         ids = llm.render_chat(messages)
         reply = []
-        for d in llm.stream({"prompt_token_ids": ids}, params, reuse=prev, keep_kv=True):
+        # Earlier turns are in the prefix cache: only the new tokens of this turn are prefilled.
+        for d in llm.stream({"prompt_token_ids": ids}, params):
             sys.stdout.write(d.text)
             sys.stdout.flush()
             reply.append(d.text)
         sys.stdout.write("\n")
-        prev = llm.last_request
         messages.append({"role": "assistant", "content": "".join(reply)})
-        m = prev.metrics
+        m = llm.last_request.metrics
         print(f"[{m.num_prompt_tokens} prompt tokens: {m.num_cached_tokens} reused from the cache, "
-              f"{m.num_prompt_tokens - m.num_cached_tokens} prefilled; {m.num_generated_tokens} generated]",
-              file=sys.stderr)
+              f"{m.num_prompt_tokens - m.num_cached_tokens} prefilled; {m.num_generated_tokens} generated]"
+              + (f" [prefix cache: {m.prefix_miss}]" if a.stats and m.prefix_miss else ""), file=sys.stderr)
     return 0
 
 
@@ -322,13 +327,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--system", default=None, help="system message (with --chat)")
     s.add_argument("--stats", action="store_true", help="print generation stats on stderr")
     s.add_argument("--json", action="store_true", help="print one JSON document instead of streaming")
+    add_prefix_snapshot_flag(s)
     _add_sampling_flags(s)
     _add_engine_flags(s)
     s.set_defaults(func=cmd_generate)
 
-    s = sub.add_parser("chat", help="interactive multi-turn chat that keeps the KV cache between turns")
+    s = sub.add_parser("chat", help="interactive multi-turn chat; earlier turns are reused from the prefix cache")
     s.add_argument("model", nargs="?", default="smollm2-135m")
     s.add_argument("--system", default=None)
+    s.add_argument("--stats", action="store_true", help="also say why a turn reused less than it could have")
+    add_prefix_snapshot_flag(s)
     _add_sampling_flags(s, max_tokens=512)
     _add_engine_flags(s)
     s.set_defaults(func=cmd_chat)
@@ -352,7 +360,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_kv_size)
 
     from kvlm.bench import add_bench_parser
+    from kvlm.cache_cli import add_cache_parser
 
+    add_cache_parser(sub)
     add_bench_parser(sub)
     return p
 

@@ -126,6 +126,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     kv_cache_memory: int | float | None = None
     num_threads: int | None = None
+    enable_prefix_caching: bool = True  # share cached full blocks across requests (paged layout only)
 
     def __post_init__(self) -> None:
         def bad(name: str, rule: str) -> ParameterError:

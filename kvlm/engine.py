@@ -7,7 +7,10 @@ over `add_request()` and `step()`.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import itertools
+import json
 import logging
 import os
 import time
@@ -15,13 +18,16 @@ from pathlib import Path
 
 import torch
 
+from kvlm import kv_snapshot
 from kvlm.config import EngineConfig, ModelConfig
 from kvlm.errors import ParameterError, PromptTooLongError
 from kvlm.kv_cache import KVCache
 from kvlm.kv_pool import describe_kv_pool, make_kv_cache
+from kvlm.kv_snapshot import SnapshotInfo, model_files, model_fingerprint
 from kvlm.loader import load_checkpoint, resolve_model
 from kvlm.model import LlamaForCausalLM
 from kvlm.output_processor import OutputProcessor
+from kvlm.prefix_miss import PrefixHistory
 from kvlm.request import Request, StreamDelta
 from kvlm.runner import ModelRunner, StepResult
 from kvlm.sampling_params import SamplingParams
@@ -62,8 +68,12 @@ class Engine:
         self.kv_cache: KVCache
         self.kv_cache, self.block_manager = make_kv_cache(cfg, model_config, self.max_model_len,
                                                           self.kv_bytes_per_token, self.dtype, self.device)
+        history = None
+        if self.block_manager.enable_prefix_caching:
+            self.block_manager.set_extra_keys(self._prefix_hash_keys())
+            history = PrefixHistory(cfg.block_size, describe=self.tokenizer.decode)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens,
-                                   recompute_all=not cfg.enable_kv_cache)
+                                   recompute_all=not cfg.enable_kv_cache, prefix_history=history)
         self.runner = ModelRunner(self.model, self.kv_cache, self.device, self.tokenizer.eos_token_ids)
         self.output_processor = OutputProcessor(self.tokenizer.eos_token_ids, self.max_model_len)
         self.requests: dict[str, Request] = {}  # live requests by id, for abort()
@@ -76,15 +86,26 @@ class Engine:
     def kv_bytes_per_token(self) -> int:
         return int(self.model_config.kv_bytes_per_token(torch.finfo(self.dtype).bits // 8))
 
+    def _prefix_hash_keys(self) -> str:
+        """Everything besides token ids that changes K/V: the root of the prefix cache's hash chain."""
+        files = [[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in model_files(self.model_path)]
+        return json.dumps({"model": files, "config": dataclasses.asdict(self.model_config), "dtype": self.config.dtype,
+                           "kv_layout": self.config.kv_cache_layout, "block_size": self.config.block_size})
+
+    @functools.cached_property
+    def model_fingerprint(self) -> str:
+        """sha256 over the model's files (for KV snapshots; computed on first use, cached on disk)."""
+        return model_fingerprint(self.model_path)
+
     def describe_cache(self) -> str:
         return describe_kv_pool(self.config, self.kv_cache, self.block_manager, self.max_model_len,
                                 self.kv_bytes_per_token)
 
     # -- requests ----------------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, reuse: Request | None = None) -> Request:
-        """Queue a prompt (text or token ids). `reuse`: a finished request whose KV blocks were kept
-        (`release_kv=False` in `step`-driven sessions); its longest common prefix is not recomputed."""
+                    request_id: str | None = None) -> Request:
+        """Queue a prompt (text or token ids). Its leading full blocks already in the prefix cache (an
+        earlier request's, a chat's previous turns, a loaded snapshot) are reused at admission."""
         params = params or SamplingParams()
         if isinstance(prompt, str):
             text, ids = prompt, self.tokenizer.encode(prompt)
@@ -120,22 +141,9 @@ class Engine:
             req.generator.manual_seed(params.seed)
         else:
             req.generator.seed()
-        if reuse is not None:
-            self._adopt_cache(req, reuse)
         self.requests[rid] = req
         self.scheduler.add(req)
         return req
-
-    def _adopt_cache(self, req: Request, old: Request) -> None:
-        """Move `old`'s kept KV blocks to `req` and skip recomputing their common prefix."""
-        n = 0
-        limit = min(old.num_computed_tokens, req.num_tokens - 1)  # the last prompt token must run
-        while n < limit and old.token_ids[n] == req.token_ids[n]:
-            n += 1
-        req.block_table, old.block_table = old.block_table, []
-        self.block_manager.truncate(req, n)
-        req.num_computed_tokens = n
-        req.metrics.num_cached_tokens = n
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its blocks; False if it is unknown or already finished."""
@@ -147,19 +155,27 @@ class Engine:
         req.metrics.finished_time = time.perf_counter()
         return True
 
-    def release(self, req: Request) -> None:
-        """Free the blocks a finished request kept for reuse."""
-        self.block_manager.free(req)
+    # -- prefix cache ------------------------------------------------------------------------------
+    def save_prefix(self, token_ids: list[int], path: str | os.PathLike) -> SnapshotInfo:
+        """Write the K/V of `token_ids`' full blocks to a safetensors snapshot (computing them if needed)."""
+        return kv_snapshot.save_prefix(self, token_ids, path)
+
+    def load_prefix(self, path: str | os.PathLike) -> SnapshotInfo:
+        """Load a snapshot into the prefix cache; `SnapshotError` (engine unchanged) if it does not fit."""
+        return kv_snapshot.load_prefix(self, path)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block nobody reads now; returns how many."""
+        return self.block_manager.reset_prefix_cache()
 
     @property
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished
 
     # -- the step ----------------------------------------------------------------------------------
-    def step(self, keep_kv: bool = False, keep_logits: bool = False) -> list[StreamDelta]:
+    def step(self, keep_logits: bool = False) -> list[StreamDelta]:
         """Schedule -> execute -> update. Returns one delta per request that produced a token.
 
-        keep_kv: finished requests keep their blocks (for `reuse`; call `release` when done).
         keep_logits: attach this step's logits to `self.last_result` (tests and benchmarks).
         """
         batch = self.scheduler.schedule()
@@ -171,16 +187,22 @@ class Engine:
         self.last_batch: ScheduledBatch = batch
         self.last_result: StepResult = result
         self.num_steps += 1
-        return self._update(batch.requests, batch.num_new_tokens, result, keep_kv)
+        return self._update(batch.requests, batch.num_new_tokens, result)
 
-    def _update(self, reqs: list[Request], num_new: list[int], result: StepResult,
-                keep_kv: bool) -> list[StreamDelta]:
+    def _update(self, reqs: list[Request], num_new: list[int], result: StepResult) -> list[StreamDelta]:
         now = time.perf_counter()
-        bpt, bs = self.kv_bytes_per_token, self.block_manager.block_size
+        bm = self.block_manager
+        bpt, bs = self.kv_bytes_per_token, bm.block_size
         for req, n in zip(reqs, num_new):
-            req.num_computed_tokens += n
             m = req.metrics
+            start = req.num_computed_tokens
+            m.num_prefilled_tokens += max(0, min(start + n, req.num_prompt_tokens) - start)
+            m.num_computed_tokens += n
+            req.num_computed_tokens += n
+            bm.cache_full_blocks(req)  # newly full blocks become reusable (no-op without prefix caching)
             m.blocks_held = len(req.block_table)
+            if bm.enable_prefix_caching:
+                m.blocks_shared = sum(1 for b in req.block_table if bm.ref_counts[b] > 1)
             m.kv_bytes_held = m.blocks_held * bs * bpt if self.config.enable_kv_cache else 0
             m.kv_bytes_used = req.num_computed_tokens * bpt if self.config.enable_kv_cache else 0
             if not self.config.enable_kv_cache:
@@ -192,7 +214,7 @@ class Engine:
             delta = self.output_processor.append_token(req, tok, lp)
             if req.finish_reason is not None:
                 req.metrics.finished_time = now
-                self.scheduler.finish(req, free_blocks=not (keep_kv and self.config.enable_kv_cache))
+                self.scheduler.finish(req)
                 self.requests.pop(req.request_id, None)
             deltas.append(delta)
         return deltas

@@ -42,3 +42,8 @@ class ParameterError(KvlmError, ValueError):
     def __init__(self, param: str, message: str) -> None:
         super().__init__(message)
         self.param = param
+
+
+class SnapshotError(KvlmError):
+    """A KV snapshot that cannot be used here: another model, dtype, block size or layout, a corrupt or
+    truncated file, or an engine without prefix caching. The engine is left unchanged."""

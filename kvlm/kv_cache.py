@@ -139,6 +139,20 @@ class PagedKVCache(_LayerStorage):
         vv = vg.view(B, nblk * self.block_size, kvh, D)[:, :L].transpose(1, 2)
         return kk, vv
 
+    # Whole-block access for KV snapshots (the only way other modules touch the pool tensors).
+    def read_blocks(self, block_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of the K and V of `block_ids`, each (layers, n, block_size, kv_heads, D)."""
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.k[0].device)
+        return (torch.stack([kc.index_select(0, idx) for kc in self.k]),
+                torch.stack([vc.index_select(0, idx) for vc in self.v]))
+
+    def write_blocks(self, block_ids: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k, v (layers, n, block_size, kv_heads, D) into `block_ids` (cast to the pool's dtype)."""
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.k[0].device)
+        for layer, (kc, vc) in enumerate(zip(self.k, self.v)):
+            kc.index_copy_(0, idx, k[layer].to(device=kc.device, dtype=kc.dtype))
+            vc.index_copy_(0, idx, v[layer].to(device=vc.device, dtype=vc.dtype))
+
 
 class ContiguousKVCache(_LayerStorage):
     """One max_len row per sequence: k[layer], v[layer] are (max_seqs, kv_heads, max_len, D).

@@ -71,7 +71,8 @@ def make_kv_cache(cfg: EngineConfig, mc: ModelConfig, max_model_len: int, kv_byt
         raise ParameterError("kv_cache_memory",
                              f"kv_cache_memory: {budget} B is smaller than one KV block ({per_block} B)")
     cache = PagedKVCache(layers, num_blocks, cfg.block_size, mc.num_key_value_heads, mc.head_dim, dtype, device)
-    return cache, BlockManager(num_blocks, cfg.block_size)
+    # Only the paged layout can share blocks between requests: prefix caching lives here.
+    return cache, BlockManager(num_blocks, cfg.block_size, enable_prefix_caching=cfg.enable_prefix_caching)
 
 
 def describe_kv_pool(cfg: EngineConfig, cache: KVCache, bm: BlockManager, max_model_len: int,

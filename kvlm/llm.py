@@ -13,6 +13,7 @@ from typing import Any, Union
 from kvlm.config import EngineConfig
 from kvlm.engine import Engine
 from kvlm.errors import ParameterError
+from kvlm.kv_snapshot import SnapshotInfo
 from kvlm.request import Request, RequestOutput, StreamDelta
 from kvlm.sampling_params import SamplingParams
 
@@ -42,7 +43,8 @@ class LLM:
     """Load a model (alias, .gguf file or HF folder) and generate from it.
 
     Keyword arguments are `EngineConfig` fields (dtype, device, enable_kv_cache, max_model_len,
-    kv_cache_layout, block_size, max_num_seqs, max_num_batched_tokens, kv_cache_memory, num_threads).
+    kv_cache_layout, block_size, max_num_seqs, max_num_batched_tokens, kv_cache_memory, num_threads,
+    enable_prefix_caching).
     """
 
     def __init__(self, model: str | os.PathLike = "smollm2-135m", quiet: bool = True, **engine_kwargs: Any) -> None:
@@ -99,21 +101,31 @@ class LLM:
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
-               reuse: Request | None = None, keep_kv: bool = False) -> Iterator[StreamDelta]:
+    def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> Iterator[StreamDelta]:
         """Yield text and token ids as they are generated (UTF-8 safe, stop strings never partial).
 
-        The finished `Request` (with metrics) is available as `self.last_request` afterwards; with
-        keep_kv=True it keeps its KV blocks so the next call can pass it as `reuse`.
+        The finished `Request` (with metrics) is available as `self.last_request` afterwards. A chat turn
+        reuses every earlier turn's K/V through the prefix cache: nothing needs to be kept by hand.
         """
         eng = self.llm_engine
-        req = eng.add_request(_prompt_input(prompt), sampling_params, reuse=reuse)
+        req = eng.add_request(_prompt_input(prompt), sampling_params)
         self.last_request = req
         try:
             while not req.is_finished:
-                for d in eng.step(keep_kv=keep_kv):
+                for d in eng.step():
                     if d.request_id == req.request_id:
                         yield d
         finally:
             if not req.is_finished:  # the consumer stopped early (or raised): free the request
                 eng.abort(req.request_id)
+
+    def save_prefix(self, prompt: PromptType, path: str | os.PathLike) -> SnapshotInfo:
+        """Save the K/V of `prompt`'s full blocks to a safetensors file (see `kvlm.kv_snapshot`)."""
+        p = _prompt_input(prompt)
+        ids = self.tokenizer.encode(p) if isinstance(p, str) else p
+        return self.llm_engine.save_prefix(ids, path)
+
+    def load_prefix(self, path: str | os.PathLike) -> SnapshotInfo:
+        """Load a saved prefix into the prefix cache: the next prompt starting with it skips its prefill.
+        Raises `SnapshotError` (and changes nothing) for another model, dtype, block size or a bad file."""
+        return self.llm_engine.load_prefix(path)

@@ -39,11 +39,15 @@ class RequestMetrics:
     finished_time: float | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens whose K/V were reused, not recomputed
+    num_prefilled_tokens: int = 0  # prompt tokens run through the model (again after a preemption)
+    num_computed_tokens: int = 0  # all tokens whose K/V this request computed (prefill, decode, recompute)
     num_generated_tokens: int = 0
     num_preemptions: int = 0
     blocks_held: int = 0  # at the last step it ran
     kv_bytes_held: int = 0  # bytes of the blocks held
     kv_bytes_used: int = 0  # bytes of those blocks actually filled (held - used = paging waste)
+    blocks_shared: int = 0  # of blocks_held, how many other requests also read (prefix cache)
+    prefix_miss: str | None = None  # why less of the prompt was reused than an earlier request shared
 
     @property
     def time_in_queue(self) -> float | None:
@@ -65,14 +69,18 @@ class RequestMetrics:
         return {
             "prompt_tokens": self.num_prompt_tokens,
             "cached_tokens": self.num_cached_tokens,
+            "prefilled_tokens": self.num_prefilled_tokens,
+            "computed_tokens": self.num_computed_tokens,
             "generated_tokens": self.num_generated_tokens,
             "time_in_queue_s": self.time_in_queue,
             "ttft_s": self.ttft,
             "decode_tokens_per_s": self.decode_tokens_per_s,
             "preemptions": self.num_preemptions,
             "kv_blocks_held": self.blocks_held,
+            "kv_blocks_shared": self.blocks_shared,
             "kv_bytes_held": self.kv_bytes_held,
             "kv_bytes_waste": self.kv_bytes_held - self.kv_bytes_used,
+            "prefix_cache_miss": self.prefix_miss,
         }
 
 
@@ -86,6 +94,8 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0  # leading tokens whose K/V are in the cache
     block_table: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)  # prefix-cache hash of each full block so far
+    num_cached_blocks: int = 0  # leading blocks of block_table registered in the prefix cache
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     logprobs: list[dict[int, float]] | None = None

@@ -29,6 +29,7 @@ run invariance  bench invariance "$MODEL" --threads "$THREADS" --plot docs/img/i
 run latency     bench latency "$MODEL" --threads "$THREADS" --plot docs/img/roofline.png
 run kv_size     kv-size "$MODEL" --compare-known --plot docs/img/kv_size.png
 run compare     bench compare "$MODEL" --threads "$THREADS"
+run prefix      bench prefix "$MODEL" --threads "$THREADS" --plot docs/img/prefix.png
 
 python scripts/make_benchmarks_md.py
 echo "wrote docs/benchmarks.md" >&2

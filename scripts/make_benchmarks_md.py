@@ -37,6 +37,10 @@ SECTIONS: list[tuple[str, str, str]] = [
     ("compare", "Side by side with other engines",
      "The same prefill and decode workload on kvlm and on the peers installed on the machine; absent peers "
      "are listed as skipped."),
+    ("prefix", "Prefix cache",
+     "(a) Requests sharing a long system prompt, submitted together, with prefix caching off and on; (b) a "
+     "multi-turn greedy chat with and without reuse, per turn; (c) a long prefix's K/V loaded from a "
+     "snapshot file against recomputing it. Each checks that the tokens are the same."),
 ]
 
 

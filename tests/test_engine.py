@@ -210,21 +210,25 @@ def test_stream_splits_cjk_and_emoji_across_tokens(smollm2_llm, prompt: str) -> 
 
 
 def test_chat_turn_reuses_cache_and_gives_same_tokens(tiny_gguf: Path) -> None:
-    llm = LLM(tiny_gguf)
+    """The second chat turn reuses the first turn's blocks through the prefix cache (no special path) and
+    gives the tokens a cache-less engine gives."""
+    from kvlm import EngineConfig
+
+    llm = LLM(tiny_gguf, block_size=4)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     msgs = [{"role": "user", "content": "hello world"}]
-    first = list(llm.stream({"prompt_token_ids": llm.render_chat(msgs)}, params, keep_kv=True))
+    first = list(llm.stream({"prompt_token_ids": llm.render_chat(msgs)}, params))
     prev = llm.last_request
     msgs += [{"role": "assistant", "content": "".join(d.text for d in first)}, {"role": "user", "content": "again"}]
     ids = llm.render_chat(msgs)
-    second = [t for d in llm.stream({"prompt_token_ids": ids}, params, reuse=prev, keep_kv=True) for t in d.token_ids]
+    second = [t for d in llm.stream({"prompt_token_ids": ids}, params) for t in d.token_ids]
     turn2 = llm.last_request
-    assert turn2.metrics.num_cached_tokens >= len(prev.prompt_token_ids)
-    fresh = llm.generate({"prompt_token_ids": ids}, params)[0].outputs[0].token_ids
-    assert second == fresh
-    llm.llm_engine.release(turn2)
+    assert turn2.metrics.num_cached_tokens >= len(prev.prompt_token_ids) // 4 * 4 > 0
+    fresh = LLM(tiny_gguf, block_size=4, enable_prefix_caching=False)
+    assert second == fresh.generate({"prompt_token_ids": ids}, params)[0].outputs[0].token_ids
     eng = llm.llm_engine
     assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+    eng.block_manager.check([])
 
 
 def test_generate_outputs_in_input_order_and_params_list(tiny_gguf: Path) -> None:

@@ -3,8 +3,8 @@
 Two experiments on the same random prompt of P tokens and the same prompt extended by E tokens:
 
 1. Causal (the real engine): run the prompt as one request and read its K/V for all P positions from
-   the engine's contiguous cache (`engine.kv_cache.k[layer][row, :, :P]`, row = the request's only
-   block, kept alive with `step(keep_kv=True)` and freed with `release`); then run prompt + extension
+   the engine's contiguous cache (`engine.kv_cache.k[layer][row, :, :P]`, row 0 = the only row of a
+   one-sequence cache, read right after the request finishes, before anything overwrites it); then run prompt + extension
    as a fresh request and read the same P positions again. Under the causal mask position p sees only
    positions <= p, so appending tokens cannot change anything at p: the max abs difference per layer
    is 0 up to float noise (the longer pass may block its matmuls differently).
@@ -75,13 +75,13 @@ def engine_kv(engine: Any, ids: list[int], n: int) -> tuple[list[torch.Tensor], 
     from kvlm.sampling_params import SamplingParams
 
     req = engine.add_request(ids, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+    assert engine.block_manager.num_blocks == 1, "a one-sequence contiguous cache: its only row holds the request"
     while not req.is_finished:
-        engine.step(keep_kv=True)  # keep the blocks after it finishes, so we can read them
-    row = req.block_table[0]  # contiguous layout: one block = one row of the cache per sequence
+        engine.step()
+    row = 0  # freed when the request finished, but nothing has overwritten it yet
     cache = engine.kv_cache
     ks = [cache.k[layer][row, :, :n].clone() for layer in range(len(cache.k))]
     vs = [cache.v[layer][row, :, :n].clone() for layer in range(len(cache.v))]
-    engine.release(req)
     return ks, vs
 
 
