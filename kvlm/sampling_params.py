@@ -41,6 +41,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit (OpenAI), in [-100, 100]
     stop_strings: tuple[str, ...] = field(init=False, default=())
 
     def __post_init__(self) -> None:
@@ -79,6 +80,9 @@ class SamplingParams:
         if any(not isinstance(s, str) or not s for s in stops):
             raise bad("stop", "must be non-empty strings")
         self.stop_strings = tuple(stops)
+        if self.logit_bias is not None and any(not isinstance(t, int) or t < 0 or not -100 <= b <= 100
+                                               for t, b in self.logit_bias.items()):
+            raise bad("logit_bias", "must map token ids to values in [-100, 100]")
         if self.top_k == -1:
             self.top_k = 0
 
