@@ -245,10 +245,17 @@ class OpenAIServing:
             s = self.token_text(t)
             tokens.append(s)
             token_lps.append(None if d is None else d[t])
-            tops.append(None if d is None else {self.token_text(k): v for k, v in d.items()})
+            tops.append(None if d is None else self._top_by_text(d))
             offsets.append(offset)
             offset += len(s)
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+    def _top_by_text(self, d: dict[int, float]) -> dict[str, float]:
+        """OpenAI keys top logprobs by token text; distinct ids with the same text keep the larger value."""
+        out: dict[str, float] = {}
+        for k, v in sorted(d.items(), key=lambda kv: kv[1]):
+            out[self.token_text(k)] = v
+        return out
 
     @staticmethod
     def _merge_echo(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
