@@ -114,8 +114,10 @@ class DetokenizeRequest(_Request):
 
 
 def validation_error(e: ValidationError) -> APIError:
-    """The first pydantic error as a 400 naming the field (`messages[0].content`)."""
-    err = e.errors(include_url=False)[0]
+    """A pydantic error as a 400 naming the field (`messages[0].content`). Of a union's errors, the deepest
+    says most (`prompt[1]` for a negative token id rather than "prompt: not a string")."""
+    errs = e.errors(include_url=False)
+    err = max(errs, key=lambda x: (len(x["loc"]), not x["type"].endswith("_type")))  # value errors beat type errors
     param = ""
     for part in err["loc"]:
         if isinstance(part, int):
