@@ -87,6 +87,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
         def handle_exit(self, sig: int, frame: Any) -> None:
             aengine.abort_all()  # in-flight requests end with "abort" at the next step; new ones get 503
             super().handle_exit(sig, frame)
+            # uvicorn re-raises a captured signal after shutting down (exit status -15); a clean drain exits 0.
+            self._captured_signals.clear()
 
     config = uvicorn.Config(app, host=a.host, port=a.port, log_level=a.log_level, access_log=False,
                             timeout_graceful_shutdown=5, root_path=a.root_path, lifespan="off")
