@@ -267,7 +267,8 @@ def create_app(serving: OpenAIServing, aengine: AsyncEngine, metrics: ServerMetr
     async def tokenizer_info() -> dict[str, Any]:
         t = serving.tokenizer
         return {"tokenizer_class": "kvlm", "eos_token": t.eos_token, "bos_token": t.bos_token, "pad_token": None,
-                "chat_template": t.chat_template, "model_max_length": serving.max_model_len}
+                "chat_template": t.chat_template, "model_max_length": serving.max_model_len,
+                "vocab_size": serving.vocab_size}
 
     @app.get("/metrics")
     async def prometheus() -> Response:
