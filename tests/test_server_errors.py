@@ -144,3 +144,21 @@ def test_api_key_required_compared_and_never_logged(tiny_gguf):
     with ServerProcess(tiny_gguf, env={"KVLM_API_KEY": key}) as s:
         check_error(httpx.get(s.url + "/v1/models"), 401)
         assert httpx.get(s.url + "/v1/models", headers={"Authorization": f"Bearer {key}"}).status_code == 200
+
+
+def test_serve_command_line_errors_are_one_line(tiny_gguf, tiny_server):
+    import subprocess
+    import sys
+
+    from server_utils import ROOT
+
+    def serve(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "kvlm", "serve", str(tiny_gguf), *args], capture_output=True,
+                              text=True, timeout=120, cwd=ROOT)
+
+    bad = serve("--max-n", "0")
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1] == "kvlm: error: --max-n must be >= 1"
+    busy = serve("--port", str(tiny_server.port))
+    assert busy.returncode == 1 and "Traceback" not in busy.stderr
+    assert busy.stderr.strip().splitlines()[-1].startswith("kvlm: error: could not start the server")
+    assert "kvlm: serving tiny at http://127.0.0.1:" in tiny_server.output()  # the ready line

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,16 @@ def served_names(model: str, given: list[str] | None) -> list[str]:
     return given or [Path(model).name if os.sep in model or model.endswith(".gguf") else model]
 
 
+def _check_bind(host: str, port: int) -> None:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise KvlmError(f"could not start the server on {host}:{port} ({e.strerror})") from None
+
+
 def cmd_serve(a: argparse.Namespace) -> int:
     import uvicorn
 
@@ -64,6 +75,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     logging.getLogger("kvlm").setLevel(logging.WARNING if a.quiet else level)
     keys = [k for k in (a.api_key or os.environ.get("KVLM_API_KEY") or "").split(",") if k]
 
+    _check_bind(a.host, a.port)  # before loading the model: a busy port should fail in a second
     engine = Engine(a.model, EngineConfig(**_engine_kwargs(a)), quiet=a.quiet)
     bm = engine.block_manager
     if engine.config.enable_kv_cache and bm.num_blocks * bm.block_size < engine.max_model_len:
@@ -96,6 +108,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
     aengine.start()
     try:
         server.run()
+    except SystemExit:  # uvicorn exits this way when it cannot bind
+        pass
     finally:
         aengine.stop()
     if not server.started:

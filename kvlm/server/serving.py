@@ -354,7 +354,8 @@ class OpenAIServing:
         self.reserve(r.n)
         try:
             ids = self.chat_prompt(r)
-            mt = self._check_prompt(ids, r.max_completion_tokens or r.max_tokens, "messages")
+            limit = r.max_completion_tokens if r.max_completion_tokens is not None else r.max_tokens
+            mt = self._check_prompt(ids, limit, "messages")
             k = (r.top_logprobs or 0) if r.logprobs else None
             specs = [(ids, self._params(r, mt, i, k, None), request_id if r.n == 1 else f"{request_id}-{i}")
                      for i in range(r.n)]
