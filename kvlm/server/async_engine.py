@@ -47,6 +47,15 @@ class _Stream:
     last_token_time: float | None = None
 
 
+def _send(s: _Stream, item: Any) -> bool:
+    """Hand `item` to the stream's queue on its event loop; False when that loop is closed."""
+    try:
+        s.loop.call_soon_threadsafe(s.queue.put_nowait, item)
+    except RuntimeError:
+        return False
+    return True
+
+
 @dataclass(slots=True)
 class _Add:
     specs: list[tuple[list[int], SamplingParams, str]]
@@ -55,7 +64,7 @@ class _Add:
 
 
 class AsyncEngine:
-    """Owns the engine loop thread. `on_step` / `on_finish` hooks (metrics) run on that thread."""
+    """Owns the engine loop thread. The `on_token` / `on_finish` hooks (metrics) run on that thread."""
 
     def __init__(self, engine: Engine, max_queued_requests: int | None = None,
                  on_token: Callable[[Request, float, float | None], None] | None = None,
@@ -99,7 +108,7 @@ class AsyncEngine:
 
     def reserve(self, count: int) -> None:
         """Count `count` requests as queued now, or raise `QueueFullError`. Called before any tokenizing,
-        so a refused request costs nothing; pair with `generate(..., reserved=count)`."""
+        so a refused request costs nothing; pair with `submit(..., reserved=count)` or `release(count)`."""
         if self.dead is not None:
             raise EngineDeadError(str(self.dead))
         with self._lock:
@@ -164,7 +173,7 @@ class AsyncEngine:
             self.dead = e
             err = EngineDeadError("the engine stopped on an internal error")
             for s in self._streams.values():
-                s.loop.call_soon_threadsafe(s.queue.put_nowait, err)
+                _send(s, err)
             self._streams.clear()
             self._fail_inbox(err)
 
@@ -177,7 +186,9 @@ class AsyncEngine:
             self.on_token(req, now, s.last_token_time if s else None)
         if s is not None:
             s.last_token_time = now
-            s.loop.call_soon_threadsafe(s.queue.put_nowait, (s.index, d))
+            if not _send(s, (s.index, d)) and not d.finished:
+                self._abort(d.request_id)  # its event loop is gone: nobody will read this request
+                return
         if d.finished:
             self._streams.pop(d.request_id, None)
             if req is not None:
@@ -234,7 +245,7 @@ class AsyncEngine:
         if self.engine.abort(rid) and req is not None:
             s = self._streams.get(rid)
             if s is not None:
-                s.loop.call_soon_threadsafe(s.queue.put_nowait, (s.index, StreamDelta(rid, "", [], True, "abort")))
+                _send(s, (s.index, StreamDelta(rid, "", [], True, "abort")))
             if self.on_finish is not None:
                 self.on_finish(req)
         self._streams.pop(rid, None)
