@@ -8,7 +8,6 @@ import httpx
 import openai
 import pytest
 import torch
-
 from tiny_models import hf_reference_model
 
 

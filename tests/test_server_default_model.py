@@ -7,7 +7,6 @@ import asyncio
 
 import openai
 import pytest
-
 from server_utils import ServerProcess
 
 PROMPTS = ["The capital of France is", "Write a haiku about caches.", "1, 2, 3, 4,", "Translate to French: cat",

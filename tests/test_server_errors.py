@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import httpx
 import pytest
-
 from server_utils import ServerProcess
 
 HELLO = [104, 101, 108, 108, 111]

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from tiny_models import hf_reference_model
 
 pytest.importorskip("lm_eval", reason="lm-eval is not installed (it is in the test extra)")

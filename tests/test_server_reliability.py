@@ -9,8 +9,6 @@ import threading
 import time
 
 import httpx
-import pytest
-
 from server_utils import ServerProcess
 
 # "hello" continues as readable text on the tiny model, so every step streams a chunk (held-back bytes

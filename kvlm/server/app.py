@@ -31,8 +31,15 @@ import kvlm
 from kvlm.errors import KvlmError
 from kvlm.server.async_engine import AsyncEngine, EngineDeadError
 from kvlm.server.metrics import ServerMetrics
-from kvlm.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                  TokenizeRequest, bad_request, validation_error)
+from kvlm.server.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    bad_request,
+    validation_error,
+)
 from kvlm.server.serving import OpenAIServing, SSEStream
 
 log = logging.getLogger("kvlm.server")

@@ -7,7 +7,13 @@ vLLM dashboards work after replacing `vllm:` with `kvlm:`. Intervals use `time.p
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 
 from kvlm.engine import Engine
 from kvlm.request import Request

@@ -7,7 +7,7 @@ support are refused by the serving layer, never ignored. Responses are plain dic
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -69,7 +69,7 @@ class _Sampling(_Request):
 
 
 class CompletionRequest(_Sampling):
-    prompt: Union[str, list[str], list[TokenId], list[list[TokenId]]]
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
@@ -129,6 +129,3 @@ def validation_error(e: ValidationError) -> APIError:
             param += f".{part}" if param else str(part)
     msg = err["msg"]
     return bad_request(f"{param}: {msg}" if param else msg, param or None)
-
-
-Role = Literal["system", "user", "assistant", "tool", "developer"]

@@ -21,7 +21,12 @@ from kvlm.errors import KvlmError, ParameterError, PromptTooLongError
 from kvlm.request import Request, StreamDelta
 from kvlm.sampling_params import SamplingParams
 from kvlm.server.async_engine import AsyncEngine, QueueFullError, Submission
-from kvlm.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, bad_request
+from kvlm.server.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    bad_request,
+)
 
 _SAMPLING_FIELDS = {f for f in SamplingParams.__dataclass_fields__ if f != "stop_strings"}
 
@@ -88,7 +93,7 @@ class OpenAIServing:
         if not 1 <= r.n <= o.max_n:
             raise bad_request(f"n must be in [1, {o.max_n}], got {r.n}", "n")
         if r.n > 1 and r.temperature == 0:
-            raise bad_request("n must be 1 when using greedy sampling, got %d" % r.n, "n")
+            raise bad_request(f"n must be 1 when using greedy sampling, got {r.n}", "n")
         if r.temperature is not None and not 0 <= r.temperature <= 2:
             raise bad_request(f"temperature must be in [0, 2], got {r.temperature}", "temperature")
         if num_prompts * r.n > o.max_prompts:
