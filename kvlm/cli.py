@@ -359,6 +359,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also show the shipped reference models (Llama-3-8B/70B, Qwen2.5-7B, Mistral-7B, SmolLM2-135M)")
     s.set_defaults(func=cmd_kv_size)
 
+    from kvlm.server.cli import add_parser as add_serve_parser
+
+    add_serve_parser(sub, _add_engine_flags)
+
     from kvlm.bench import add_bench_parser
     from kvlm.cache_cli import add_cache_parser
 

@@ -46,7 +46,9 @@ class OutputProcessor:
         else:
             new_text = self._release_safe_text(req, can_stop)
         req.text += new_text
-        return StreamDelta(req.request_id, new_text, [token], req.finish_reason is not None, req.finish_reason)
+        return StreamDelta(req.request_id, new_text, [token], req.finish_reason is not None, req.finish_reason,
+                           None if logprobs is None else [logprobs],
+                           req.prompt_logprobs if n_out == 1 else None)
 
     def _add_text(self, req: Request, piece: str, can_stop: bool) -> None:
         req.pending_text += piece

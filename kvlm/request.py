@@ -99,6 +99,8 @@ class Request:
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     logprobs: list[dict[int, float]] | None = None
+    # With params.prompt_logprobs: one entry per prompt token, the first None (nothing predicts it).
+    prompt_logprobs: list[dict[int, float] | None] | None = None
     text: str = ""  # final text emitted so far (stop strings never enter it)
     pending_text: str = ""  # decoded but held back: it may be the start of a stop string
     detokenizer: IncrementalDetokenizer | None = None
@@ -146,12 +148,14 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     @classmethod
     def from_request(cls, req: Request) -> RequestOutput:
         out = CompletionOutput(0, req.text, req.output_token_ids, req.finish_reason, req.stop_reason,
                                None if req.logprobs is None else list(req.logprobs))
-        return cls(req.request_id, req.prompt, req.prompt_token_ids, [out], req.is_finished, req.metrics)
+        return cls(req.request_id, req.prompt, req.prompt_token_ids, [out], req.is_finished, req.metrics,
+                   None if req.prompt_logprobs is None else list(req.prompt_logprobs))
 
 
 @dataclass(slots=True)
@@ -163,3 +167,5 @@ class StreamDelta:
     token_ids: list[int]
     finished: bool
     finish_reason: FinishReason | None = None
+    logprobs: list[dict[int, float]] | None = None  # one per token in token_ids, when params.logprobs is set
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # on a request's first delta only

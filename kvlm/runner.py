@@ -117,8 +117,38 @@ class ModelRunner:
         # A chunk of q tokens ending at sequence length s has contexts s-q+1 .. s.
         self.num_context_tokens += sum(q * s - q * (q - 1) // 2 for q, s in zip(meta.query_lens, meta.seq_lens))
         hidden = self.model(input_ids, meta.positions, self.kv_cache, meta)  # (T, hidden)
+        if any(r.params.prompt_logprobs is not None for r in batch.requests):
+            self._prompt_logprobs(batch, hidden)
         if not samplers:
             return StepResult([], [], [], None)
         logits = self.model.compute_logits(hidden[meta.logits_indices])  # (N, vocab) float32
         out = sample(logits, samplers, self.eos_token_ids)
         return StepResult(samplers, out.token_ids, out.logprobs, logits if keep_logits else None)
+
+    def _prompt_logprobs(self, batch: ScheduledBatch, hidden: torch.Tensor) -> None:
+        """Append to `req.prompt_logprobs` the log-probabilities of the prompt tokens this chunk predicts.
+
+        The hidden state at position p predicts token p + 1, so a chunk covering positions [start, start + n)
+        scores prompt tokens start + 1 .. min(start + n, prompt_len) - 1; the last prompt position predicts
+        the first output token (the sampler's job). Entries are kept by position, so a chunk computed again
+        (after preemption, or without a KV cache) adds nothing. Each entry holds the top-k and the actual token.
+        """
+        row = 0
+        for req, n in zip(batch.requests, batch.num_new_tokens):
+            start, k = req.num_computed_tokens, req.params.prompt_logprobs
+            if k is not None:
+                if req.prompt_logprobs is None:
+                    req.prompt_logprobs = [None]  # the first prompt token has no context to predict it
+                first = len(req.prompt_logprobs) - 1  # next position whose successor is unscored
+                end = min(start + n, req.num_prompt_tokens - 1)  # exclusive
+                if first < end and first >= start:
+                    pos = torch.arange(first, end, device=hidden.device)
+                    logp = self.model.compute_logits(hidden[row + pos - start]).log_softmax(-1)  # (m, vocab)
+                    target = torch.tensor(req.token_ids[first + 1 : end + 1], device=hidden.device)
+                    chosen = logp.gather(1, target[:, None])[:, 0].tolist()
+                    top_v, top_i = logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0].long())
+                    for t, c, vs, ids in zip(target.tolist(), chosen, top_v.tolist(), top_i.tolist()):
+                        d = dict(zip(ids, vs))
+                        d[t] = c
+                        req.prompt_logprobs.append(d)
+            row += n

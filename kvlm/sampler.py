@@ -73,6 +73,15 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
+def apply_logit_bias(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+    """Add each request's logit_bias (OpenAI: token id -> bias) to its row, in place."""
+    for i, r in enumerate(reqs):
+        for t, b in (r.params.logit_bias or {}).items():
+            if t < logits.shape[1]:
+                logits[i, t] += b
+    return logits
+
+
 def ban_stop_tokens(logits: torch.Tensor, reqs: list[Request], eos_token_ids: frozenset[int]) -> torch.Tensor:
     """Until a request has min_tokens outputs, it may not pick EOS or its stop token ids (vLLM semantics)."""
     for i, r in enumerate(reqs):
@@ -88,6 +97,8 @@ def sample(logits: torch.Tensor, reqs: list[Request], eos_token_ids: frozenset[i
     """logits: (B, V) float32, row i for reqs[i]. Returns the chosen token of each row."""
     want_logprobs = any(r.params.logprobs is not None for r in reqs)
     raw_logprobs = logits.log_softmax(-1) if want_logprobs else None
+    if any(r.params.logit_bias for r in reqs):
+        logits = apply_logit_bias(logits.clone(), reqs)
     if any(r.params.min_tokens for r in reqs):
         logits = ban_stop_tokens(logits.clone(), reqs, eos_token_ids)
     if any(r.params.repetition_penalty != 1.0 or r.params.presence_penalty or r.params.frequency_penalty

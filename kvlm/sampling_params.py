@@ -74,6 +74,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit (OpenAI), in [-100, 100]
     stop_strings: tuple[str, ...] = field(init=False, default=())
 
     def __post_init__(self) -> None:
@@ -122,6 +123,11 @@ class SamplingParams:
                                   or any(not isinstance(s, str) or not s for s in stops)):
             raise bad("stop", "must be a non-empty string or a list of non-empty strings")
         self.stop_strings = tuple(stops or ())
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict) or any(
+                    not _is_int(t) or t < 0 or not _is_number(v) or not -100 <= v <= 100
+                    for t, v in self.logit_bias.items()):
+                raise bad("logit_bias", "must map token ids to numbers in [-100, 100]")
         if self.top_k == -1:
             self.top_k = 0
         if self.seed == -1:  # vLLM: -1 is "no seed"

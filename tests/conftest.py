@@ -39,3 +39,18 @@ def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_hf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_hf_dir(tmp_path_factory.mktemp("tinyhf") / "model", tiny_config())
+
+
+@pytest.fixture(scope="session")
+def tiny_server(tmp_path_factory: pytest.TempPathFactory):
+    """`kvlm serve` on a tiny random GGUF (its weights in `.cfg`/`.state` for reference logits)."""
+    from server_utils import ServerProcess
+    from tiny_models import random_state_dict
+
+    cfg = tiny_config()
+    state = random_state_dict(cfg)
+    path = write_tiny_gguf(tmp_path_factory.mktemp("served") / "tiny.gguf", cfg, state)
+    with ServerProcess(path, "--served-model-name", "tiny", "--served-model-name", "tiny-alias",
+                       "--max-num-seqs", "8") as server:
+        server.model_path, server.cfg, server.state = path, cfg, state
+        yield server

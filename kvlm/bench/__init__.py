@@ -6,9 +6,9 @@ import argparse
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
-    from kvlm.bench import compare, decode, invariance, latency, prefix, throughput, waste
+    from kvlm.bench import compare, decode, invariance, latency, prefix, serve, throughput, waste
 
     p = sub.add_parser("bench", help="benchmarks (each ends with one JSON line)")
     bsub = p.add_subparsers(dest="bench", required=True)
-    for module in (decode, throughput, waste, invariance, latency, compare, prefix):
+    for module in (decode, throughput, waste, invariance, latency, compare, prefix, serve):
         module.add_parser(bsub)

@@ -1,0 +1,288 @@
+"""The FastAPI application: routes, the request gate (request ids, API keys), body limits, errors, disconnects.
+
+Every error leaves as OpenAI's `{"error": {"message", "type", "param", "code"}}` (400 for anything the
+client got wrong, never FastAPI's 422 `detail`). Bodies are read here, with a size limit and a JSON
+content-type check, then validated with the `protocol` schemas. A non-streaming request races its client's
+`http.disconnect` (as vLLM does: `request.is_disconnected()` is unreliable behind middleware); a streaming
+one ends when Starlette cancels its generator. Both paths close the `Submission`, which aborts the engine
+requests. Behaviour of the endpoints lives in `serving`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import json
+import logging
+import re
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+import kvlm
+from kvlm.errors import KvlmError
+from kvlm.server.async_engine import AsyncEngine, EngineDeadError
+from kvlm.server.metrics import ServerMetrics
+from kvlm.server.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    bad_request,
+    validation_error,
+)
+from kvlm.server.serving import OpenAIServing, SSEStream
+
+log = logging.getLogger("kvlm.server")
+
+PUBLIC_PATHS = frozenset({"/health", "/"})  # everything else needs the API key when one is set
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode()).digest()
+
+
+class RequestGate:
+    """Pure ASGI middleware: echo or create `X-Request-Id`; check `Authorization: Bearer <key>`."""
+
+    def __init__(self, app: Any, api_keys: list[str]) -> None:
+        self.app = app
+        self._digests = [_digest(k) for k in api_keys]  # compared as digests, in constant time
+
+    def _authorized(self, header: str | None) -> bool:
+        if not header or not header.startswith("Bearer "):
+            return False
+        got = _digest(header[len("Bearer "):].strip())
+        ok = False
+        for d in self._digests:
+            ok |= hmac.compare_digest(got, d)
+        return ok
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        rid = headers.get("x-request-id", "")
+        rid = rid if _REQUEST_ID.match(rid) else uuid.uuid4().hex
+        scope["kvlm.request_id"] = rid
+
+        async def send_with_id(msg: dict) -> None:
+            if msg["type"] == "http.response.start":
+                msg["headers"] = [*msg.get("headers", []), (b"x-request-id", rid.encode())]
+            await send(msg)
+
+        path = scope["path"]
+        root = scope.get("root_path", "")
+        if root and path.startswith(root):
+            path = path[len(root):] or "/"
+        if self._digests and path not in PUBLIC_PATHS and scope["method"] != "OPTIONS" \
+                and not self._authorized(headers.get("authorization")):
+            err = APIError(401, "Invalid or missing API key (send 'Authorization: Bearer <key>').",
+                           "authentication_error", None, "invalid_api_key")
+            return await JSONResponse(err.body(), 401)(scope, receive, send_with_id)
+        await self.app(scope, receive, send_with_id)
+
+
+class _SSEResponse(StreamingResponse):
+    """Server-sent events whose engine requests are aborted however the response ends (even when the
+    client leaves before the first chunk, when Starlette never starts the generator)."""
+
+    def __init__(self, stream: SSEStream) -> None:
+        super().__init__(stream.lines, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._submission = stream.submission
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._submission.close()
+
+
+async def read_json(request: Request, limit: int) -> Any:
+    """The body as JSON: 413 past `limit` bytes (checked while reading), 400 for another content type or bad JSON."""
+    ctype = request.headers.get("content-type", "")
+    if ctype.split(";")[0].strip().lower() != "application/json":
+        raise bad_request(f"Content-Type must be application/json, got {ctype or 'none'!r}")
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise APIError(413, f"request body is larger than {limit} bytes", "invalid_request_error", None, 413)
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise APIError(413, f"request body is larger than {limit} bytes", "invalid_request_error", None, 413)
+    try:
+        return json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise bad_request(f"invalid JSON body: {e}") from None
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        msg = await request.receive()
+        if msg["type"] == "http.disconnect":
+            return
+
+
+async def _unless_disconnected(request: Request, work: Any) -> Any:
+    """Run `work` (a coroutine) but cancel it if the client disconnects first; returns its result or None."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        watch.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()  # the handler's finally closes its Submission: the engine aborts the requests
+    try:
+        await task
+    except (asyncio.CancelledError, Exception):
+        pass
+    return None
+
+
+def create_app(serving: OpenAIServing, aengine: AsyncEngine, metrics: ServerMetrics, api_keys: list[str],
+               max_body_bytes: int = 2 << 20, root_path: str = "", log_requests: bool = False) -> FastAPI:
+    app = FastAPI(title="kvlm", version=kvlm.__version__, root_path=root_path, docs_url=None, redoc_url=None)
+    app.add_middleware(RequestGate, api_keys=api_keys)
+    seen_extra: set[str] = set()
+    page = (Path(__file__).parent / "static" / "index.html").read_text(encoding="utf-8")
+    engine = serving.engine
+
+    # ------------------------------------------------------------------------------------------ errors
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError) -> JSONResponse:
+        return JSONResponse(e.body(), e.status, headers=e.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, e: RequestValidationError) -> JSONResponse:
+        return JSONResponse(bad_request(str(e.errors()[0].get("msg", "invalid request"))).body(), 400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        kind = {404: "NotFoundError", 405: "invalid_request_error"}.get(e.status_code, "invalid_request_error")
+        return JSONResponse(APIError(e.status_code, str(e.detail), kind).body(), e.status_code)
+
+    @app.exception_handler(EngineDeadError)
+    async def _dead(request: Request, e: EngineDeadError) -> JSONResponse:
+        return JSONResponse(APIError(500, "the engine stopped on an internal error", "internal_server_error").body(), 500)
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, e: Exception) -> JSONResponse:
+        rid = request.scope.get("kvlm.request_id")
+        log.exception("kvlm: internal error in request %s", rid)
+        return JSONResponse(APIError(500, f"internal error (request {rid})", "internal_server_error").body(), 500)
+
+    # ------------------------------------------------------------------------------------------ helpers
+    def parse(model: type[BaseModel], obj: Any) -> Any:
+        if not isinstance(obj, dict):
+            raise bad_request("the request body must be a JSON object")
+        try:
+            req = model.model_validate(obj)
+        except ValidationError as e:
+            raise validation_error(e) from None
+        for name in req.model_extra or {}:
+            if name not in seen_extra:
+                seen_extra.add(name)
+                log.warning("kvlm: ignoring unknown request field %r (logged once)", name)
+        return req
+
+    def refuse_when_unavailable() -> None:
+        if aengine.dead is not None:
+            raise EngineDeadError(str(aengine.dead))
+        if aengine.draining:
+            raise APIError(503, "the server is shutting down", "service_unavailable", None, 503)
+
+    async def respond(request: Request, work: Any) -> Response:
+        if log_requests:
+            log.info("kvlm: request %s %s", request.scope["kvlm.request_id"], request.url.path)
+        result = await _unless_disconnected(request, work)
+        if result is None:  # the client is gone: nobody reads this
+            return Response(status_code=499)
+        if isinstance(result, dict):
+            return JSONResponse(result)
+        return _SSEResponse(result)
+
+    # ------------------------------------------------------------------------------------------ routes
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        refuse_when_unavailable()
+        r = parse(CompletionRequest, await read_json(request, max_body_bytes))
+        return await respond(request, serving.completions(r, request.scope["kvlm.request_id"]))
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        refuse_when_unavailable()
+        r = parse(ChatCompletionRequest, await read_json(request, max_body_bytes))
+        return await respond(request, serving.chat(r, request.scope["kvlm.request_id"]))
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        created = int(time.time())
+        return {"object": "list", "data": [
+            {"id": name, "object": "model", "created": created, "owned_by": "kvlm", "root": str(engine.model_path),
+             "max_model_len": serving.max_model_len} for name in serving.opts.served_model_names]}
+
+    @app.get("/health")
+    async def health() -> Response:
+        if aengine.dead is not None:
+            return JSONResponse(APIError(503, "the engine stopped", "service_unavailable").body(), 503)
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": kvlm.__version__}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict[str, Any]:
+        r = parse(TokenizeRequest, await read_json(request, max_body_bytes))
+        serving.check_model(r.model)
+        if (r.prompt is None) == (r.messages is None):
+            raise bad_request("give exactly one of prompt or messages", "prompt")
+        if r.messages is not None:
+            chat = ChatCompletionRequest(messages=r.messages, add_generation_prompt=r.add_generation_prompt)
+            ids = serving.chat_prompt(chat)
+        else:
+            ids = serving.tokenizer.encode(r.prompt, add_special_tokens=r.add_special_tokens)
+        return {"count": len(ids), "max_model_len": serving.max_model_len, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict[str, Any]:
+        r = parse(DetokenizeRequest, await read_json(request, max_body_bytes))
+        serving.check_model(r.model)
+        try:
+            return {"prompt": serving.tokenizer.decode(r.tokens)}
+        except KvlmError as e:
+            raise bad_request(str(e), "tokens") from None
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> dict[str, Any]:
+        t = serving.tokenizer
+        return {"tokenizer_class": "kvlm", "eos_token": t.eos_token, "bos_token": t.bos_token, "pad_token": None,
+                "chat_template": t.chat_template, "model_max_length": serving.max_model_len,
+                "vocab_size": serving.vocab_size}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/")
+    async def index() -> HTMLResponse:
+        return HTMLResponse(page)
+
+    return app

@@ -1,0 +1,89 @@
+"""Prometheus metrics of the server, under vLLM's names with the `kvlm:` prefix and a `model_name` label.
+
+Gauges (running, waiting, KV usage) are read from the engine when `/metrics` is scraped; counters and
+histograms are updated by the engine loop thread when a request produces a token or finishes. Existing
+vLLM dashboards work after replacing `vllm:` with `kvlm:`. Intervals use `time.perf_counter` of one process.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+from kvlm.engine import Engine
+from kvlm.request import Request
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                    20.0, 40.0, 80.0, 160.0)
+
+
+class ServerMetrics:
+    """One registry per server (tests run several in one process)."""
+
+    def __init__(self, engine: Engine, model_name: str) -> None:
+        self.registry = r = CollectorRegistry()
+        lbl = {"model_name": model_name}
+        self._name = model_name
+        bm, sched = engine.block_manager, engine.scheduler
+
+        def gauge(name: str, doc: str, fn) -> None:
+            Gauge(name, doc, ["model_name"], registry=r).labels(**lbl).set_function(fn)
+
+        gauge("kvlm:num_requests_running", "Requests in the running batch.", lambda: len(sched.running))
+        gauge("kvlm:num_requests_waiting", "Requests waiting to be scheduled.", lambda: len(sched.waiting))
+        gauge("kvlm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).",
+              lambda: bm.num_used_blocks / bm.num_blocks)
+        gauge("kvlm:kv_cache_used_blocks", "KV-cache blocks held by requests.", lambda: bm.num_used_blocks)
+        gauge("kvlm:kv_cache_total_blocks", "KV-cache blocks in the pool.", lambda: bm.num_blocks)
+
+        def counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
+            return Counter(name, doc, ["model_name", *labels], registry=r)
+
+        self.prompt_tokens = counter("kvlm:prompt_tokens", "Prompt tokens of finished requests.").labels(**lbl)
+        self.generation_tokens = counter("kvlm:generation_tokens", "Generated tokens.").labels(**lbl)
+        self.preemptions = counter("kvlm:num_preemptions", "Preemptions (by recompute).").labels(**lbl)
+        self.prefix_queries = counter("kvlm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.").labels(**lbl)
+        self.prefix_hits = counter("kvlm:prefix_cache_hits", "Prompt tokens found in the prefix cache.").labels(**lbl)
+        self.success = counter("kvlm:request_success", "Finished requests by finish reason.", ("finished_reason",))
+
+        def hist(name: str, doc: str) -> Histogram:
+            return Histogram(name, doc, ["model_name"], buckets=_LATENCY_BUCKETS, registry=r).labels(**lbl)
+
+        self.ttft = hist("kvlm:time_to_first_token_seconds", "Arrival to first token.")
+        self.itl = hist("kvlm:inter_token_latency_seconds", "Time between two tokens of one request.")
+        self.e2e = hist("kvlm:e2e_request_latency_seconds", "Arrival to finish.")
+        self.queue_time = hist("kvlm:request_queue_time_seconds", "Arrival to first scheduled.")
+        self.prefill_time = hist("kvlm:request_prefill_time_seconds", "First scheduled to first token.")
+        self.decode_time = hist("kvlm:request_decode_time_seconds", "First token to finish.")
+
+    # Called on the engine loop thread.
+    def on_token(self, req: Request, now: float, last: float | None) -> None:
+        self.generation_tokens.inc()
+        if last is not None:
+            self.itl.observe(now - last)
+
+    def on_finish(self, req: Request) -> None:
+        m = req.metrics
+        self.prompt_tokens.inc(m.num_prompt_tokens)
+        self.prefix_queries.inc(m.num_prompt_tokens)
+        self.prefix_hits.inc(m.num_cached_tokens)
+        self.preemptions.inc(m.num_preemptions)
+        self.success.labels(model_name=self._name, finished_reason=req.finish_reason or "abort").inc()
+        if m.first_token_time is not None:
+            self.ttft.observe(m.first_token_time - m.arrival_time)
+            if m.first_scheduled_time is not None:
+                self.prefill_time.observe(m.first_token_time - m.first_scheduled_time)
+        if m.finished_time is not None:
+            self.e2e.observe(m.finished_time - m.arrival_time)
+            if m.first_token_time is not None:
+                self.decode_time.observe(m.finished_time - m.first_token_time)
+        if m.first_scheduled_time is not None:
+            self.queue_time.observe(m.first_scheduled_time - m.arrival_time)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,82 @@
+"""A real `python -m kvlm serve` subprocess on a free loopback port, for the server tests."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """Start `kvlm serve MODEL *args`; `url` is http://127.0.0.1:PORT. Use as a context manager."""
+
+    def __init__(self, model: str | os.PathLike, *args: str, env: dict[str, str] | None = None,
+                 startup_timeout: float = 120.0) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"kvlm-serve-{self.port}.log"
+        cmd = [sys.executable, "-m", "kvlm", "serve", str(model), "--port", str(self.port), "--threads", "2",
+               "--log-level", "warning", *args]
+        full_env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                    **(env or {})}
+        self._log = open(self.log_path, "w+b")
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=full_env, cwd=ROOT)
+        deadline = time.monotonic() + startup_timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"kvlm serve exited with {self.proc.returncode}:\n{self.output()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"kvlm serve did not start in {startup_timeout} s:\n{self.output()}")
+
+    def output(self) -> str:
+        self._log.flush()
+        return self.log_path.read_bytes().decode("utf-8", "replace")
+
+    def metrics(self, headers: dict[str, str] | None = None) -> dict[str, float]:
+        """The unlabelled-by-reason samples of /metrics, by metric name (model_name label dropped)."""
+        text = httpx.get(self.url + "/metrics", headers=headers, timeout=5.0).text
+        out: dict[str, float] = {}
+        for line in text.splitlines():
+            m = re.match(r'^([a-z0-9_:]+)(\{[^}]*\})? ([0-9.e+-]+)$', line)
+            if m and "le=" not in (m.group(2) or ""):
+                labels = re.sub(r'model_name="[^"]*",?', "", m.group(2) or "").strip("{},")
+                out[m.group(1) + (f"{{{labels}}}" if labels else "")] = float(m.group(3))
+        return out
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 15.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        self._log.close()
+        return self.proc.returncode
+
+    def __enter__(self) -> ServerProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
