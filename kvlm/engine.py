@@ -119,6 +119,9 @@ class Engine:
         if any(t >= vocab for t in params.stop_token_ids or ()):
             raise ParameterError("stop_token_ids", f"stop_token_ids must be in [0, {vocab}) (the vocabulary), "
                                  f"got {max(params.stop_token_ids or ())}")
+        if any(t >= vocab for t in params.logit_bias or ()):
+            raise ParameterError("logit_bias", f"logit_bias token ids must be in [0, {vocab}) (the vocabulary), "
+                                 f"got {max(params.logit_bias or ())}")
         if len(ids) >= self.max_model_len:
             raise PromptTooLongError(
                 f"prompt has {len(ids)} tokens; the context holds {self.max_model_len} (room for at least one output token is needed)"
