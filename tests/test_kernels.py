@@ -21,11 +21,22 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as T
 
 from kvlm.kernels import native, paged_decode_attention
-from kvlm.kernels.quant import GEMV_MAX_ROWS, QuantTensor, dequantize, kernel_path, qmatmul
-from kvlm.kernels.reference import dequantize_ref, paged_decode_attention_ref, qmatmul_ref
+from kvlm.kernels.quant import (
+    GEMV_MAX_ROWS,
+    QuantTensor,
+    dequantize,
+    kernel_path,
+    qmatmul,
+)
+from kvlm.kernels.reference import (
+    dequantize_ref,
+    paged_decode_attention_ref,
+    qmatmul_ref,
+)
 
 FORMATS = [T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K, T.F16, T.BF16, T.F32]
 ROUNDED = {T.Q4_1, T.Q4_K, T.Q5_K}  # q * d + m: fused here, two roundings in the reference
@@ -193,7 +204,7 @@ def test_fallback_when_the_build_fails(tmp_path: Path) -> None:
     )
     env = {**os.environ, "KVLM_HOME": str(tmp_path), "CXX": "/bin/false", "PYTHONPATH": str(Path(__file__).parents[1])}
     env.pop(native.ENV_ISA, None)
-    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    r = subprocess.run([sys.executable, "-c", script], check=False, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "reference"
     assert r.stderr.count("native kernels unavailable") == 1, r.stderr

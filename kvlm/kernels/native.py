@@ -42,7 +42,7 @@ _CFLAGS = ("-O3", "-std=c++20", "-Wno-psabi", "-Wno-maybe-uninitialized", "-fno-
 def _compiler() -> str:
     cxx = os.environ.get("CXX", "c++")
     try:
-        version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
+        version = subprocess.run([cxx, "--version"], check=False, capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError):
         version = "unavailable"
     return f"{cxx}\n{version.splitlines()[0] if version else ''}"
