@@ -276,14 +276,24 @@ KVLM_INLINE void row_dot(const uint8_t* row, int64_t K, const float* x, int64_t 
     for (int i = 0; i < MT; i++) y[i * ldy] = hsum(acc[i]);
 }
 
+// Rows of x per decoded block: AVX-512 has 32 vector registers (8 accumulators fit), AVX2 16.
+#if defined(KVLM_AVX512)
+constexpr int64_t MT_MAX = 8;
+#else
+constexpr int64_t MT_MAX = 4;
+#endif
+
 template <class F>
 void gemv_t(const uint8_t* w, int64_t rs, int64_t K, const float* x, int64_t M, float* y, int64_t ldy,
             int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t* row = w + n * rs;
         int64_t m = 0;
-        for (; m + 4 <= M; m += 4) row_dot<F, 4>(row, K, x + m * K, K, y + m * ldy + n, ldy);
-        for (; m < M; m++) row_dot<F, 1>(row, K, x + m * K, K, y + m * ldy + n, ldy);
+        // Tiles of MT_MAX rows, then the rest as 4 + 2 + 1: the per-row arithmetic is the same in all.
+        for (; m + MT_MAX <= M; m += MT_MAX) row_dot<F, MT_MAX>(row, K, x + m * K, K, y + m * ldy + n, ldy);
+        if (MT_MAX > 4 && m + 4 <= M) row_dot<F, 4>(row, K, x + m * K, K, y + m * ldy + n, ldy), m += 4;
+        if (m + 2 <= M) row_dot<F, 2>(row, K, x + m * K, K, y + m * ldy + n, ldy), m += 2;
+        if (m < M) row_dot<F, 1>(row, K, x + m * K, K, y + m * ldy + n, ldy);
     }
 }
 
