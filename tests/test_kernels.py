@@ -137,7 +137,7 @@ def test_qmatmul_matches_reference(qtype: T, isa: str, threads: int) -> None:
     k = row_length(qtype)
     w = random_blocks(qtype, 45, k, seed=2)  # N = 45: not a multiple of any block or vector width
     gen = torch.Generator().manual_seed(3)
-    for m in (1, 3, 8, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1, 64):  # row kernel and tiled BLAS path
+    for m in (1, 2, 3, 5, 7, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1, 33, 64):  # row kernel, then tiled BLAS path
         x = torch.randn(m, k, generator=gen)
         err = (qmatmul(x, w).double() - qmatmul_ref(x, w).double()).abs()
         assert (err <= matmul_bound(x, w)).all(), f"M={m}: max error {err.max():.3g}"

@@ -59,13 +59,16 @@ KVLM_INLINE v16 tof_signed(const uint8_t* p) {
 }
 KVLM_INLINE v16 splat(float f) { return (v16){} + f; }
 
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
+typedef float v2 __attribute__((vector_size(8)));
+
 KVLM_INLINE float hsum(v16 a) {
     // Fixed tree: lanes i and i + 8, then i and i + 4, ...; the same for every call.
-    float t[16];
-    memcpy(t, &a, sizeof t);
-    for (int w = 8; w >= 1; w /= 2)
-        for (int i = 0; i < w; i++) t[i] = t[i] + t[i + w];
-    return t[0];
+    v8 b = __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
+    v4 c = __builtin_shufflevector(b, b, 0, 1, 2, 3) + __builtin_shufflevector(b, b, 4, 5, 6, 7);
+    v2 d = __builtin_shufflevector(c, c, 0, 1) + __builtin_shufflevector(c, c, 2, 3);
+    return d[0] + d[1];
 }
 
 // IEEE half -> float, exact for normals, subnormals, zeros (signed), inf and NaN.
