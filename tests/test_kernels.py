@@ -246,3 +246,18 @@ def test_paged_attention_rejects_bad_block_table(isa: str) -> None:
     tables[0, 1] = kc.shape[0]  # past the cache
     with pytest.raises(RuntimeError, match="outside the cache"):
         paged_decode_attention(q, kc, vc, tables, seq_lens, 0.125)
+
+
+@pytest.mark.parametrize("m", [1, GEMV_MAX_ROWS + 3])
+def test_out_buffers_receive_the_result(isa: str, m: int) -> None:
+    w = random_blocks(T.Q4_1, 20, 64, seed=11)
+    x = torch.randn(m, 64)
+    out = torch.full((m, 20), float("nan"))
+    assert qmatmul(x, w, out=out) is not None
+    assert torch.equal(out, qmatmul(x, w))
+    with pytest.raises(ValueError, match="out must be"):
+        qmatmul(x, w, out=torch.empty(m, 21))
+    q, kc, vc, tables, seq_lens = _paged_case(12, [5, 40], 4, 2)
+    o = torch.empty_like(q)
+    paged_decode_attention(q, kc, vc, tables, seq_lens, 0.125, out=o)
+    assert torch.equal(o, paged_decode_attention(q, kc, vc, tables, seq_lens, 0.125))
