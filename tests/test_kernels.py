@@ -211,6 +211,15 @@ def test_fallback_when_the_build_fails(tmp_path: Path) -> None:
     assert "Traceback" not in r.stderr
 
 
+@pytest.fixture
+def no_attention_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make sure the native kernel, not the reference, is what a test measures."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("paged_decode_attention fell back to the reference")
+
+    monkeypatch.setattr("kvlm.kernels.paged_attention.paged_decode_attention_ref", refuse)
+
+
 def _paged_case(seed: int, lens: list[int], heads: int, kv_heads: int, d: int = 64, block_size: int = 16):
     gen = torch.Generator().manual_seed(seed)
     b = len(lens)
@@ -224,7 +233,8 @@ def _paged_case(seed: int, lens: list[int], heads: int, kv_heads: int, d: int = 
 
 
 @pytest.mark.parametrize(("heads", "kv_heads"), [(9, 3), (4, 4), (8, 1)])
-def test_paged_attention_matches_gather_sdpa(isa: str, threads: int, heads: int, kv_heads: int) -> None:
+def test_paged_attention_matches_gather_sdpa(isa: str, threads: int, heads: int, kv_heads: int,
+                                             no_attention_fallback: None) -> None:
     lens = [1, 16, 17, 100, 0, 333]
     q, kc, vc, tables, seq_lens = _paged_case(8, lens, heads, kv_heads)
     got = paged_decode_attention(q, kc, vc, tables, seq_lens, 0.125)
@@ -233,7 +243,17 @@ def test_paged_attention_matches_gather_sdpa(isa: str, threads: int, heads: int,
     assert torch.equal(got[4], torch.zeros_like(got[4]))  # length 0: attends to nothing
 
 
-def test_paged_attention_large_scores(isa: str) -> None:
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_paged_attention_half_caches(isa: str, dtype: torch.dtype, no_attention_fallback: None) -> None:
+    """float16 / bfloat16 caches are read (and widened) in place; the arithmetic stays float32."""
+    q, kc, vc, tables, seq_lens = _paged_case(13, [3, 50, 129], 9, 3)
+    kc, vc = kc.to(dtype), vc.to(dtype)
+    got = paged_decode_attention(q, kc, vc, tables, seq_lens, 0.125)
+    ref = paged_decode_attention_ref(q, kc, vc, tables, seq_lens, 0.125)
+    torch.testing.assert_close(got, ref, rtol=2e-5, atol=2e-5)
+
+
+def test_paged_attention_large_scores(isa: str, no_attention_fallback: None) -> None:
     """Scores far apart (online softmax rescaling, exp underflow to 0) still match."""
     q, kc, vc, tables, seq_lens = _paged_case(9, [70, 40], 6, 2, d=32, block_size=8)
     got = paged_decode_attention(q * 30, kc, vc, tables, seq_lens, 1.0)

@@ -5,7 +5,9 @@ tokens, with grouped-query attention (query head h uses K/V head h // (H / kv_he
 kernel walks each sequence's blocks directly (no gather copy), keeps a running max and denominator
 (online softmax) and runs in parallel over (sequence, kv head). Its reference gathers the blocks and
 calls SDPA (`reference.paged_decode_attention_ref`); the reference also serves inputs the kernel does
-not take (non-float32, non-CPU, head_dim not a multiple of 16, or a non-contiguous cache).
+not take (non-CPU, q not float32, head_dim not a multiple of 16, or a non-contiguous cache). The cache
+may hold float32, float16 or bfloat16 (half the bytes to read per token); q and the result are float32
+and the arithmetic is float32.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import torch
 
 from kvlm.kernels import native
 from kvlm.kernels.reference import paged_decode_attention_ref
+
+KV_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # cache element types the kernel reads directly
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -27,7 +31,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         raise ValueError(f"out must be a contiguous float32 tensor of shape {tuple(q.shape)}")
     isa = native.active_isa()
     fast = (isa != "reference" and q.device.type == "cpu" and k_cache.device.type == "cpu"
-            and q.dtype == k_cache.dtype == v_cache.dtype == torch.float32
+            and q.dtype == torch.float32 and k_cache.dtype == v_cache.dtype and k_cache.dtype in KV_DTYPES
             and q.shape[-1] % 16 == 0 and k_cache.is_contiguous() and v_cache.is_contiguous())
     if not fast:
         y = paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale)

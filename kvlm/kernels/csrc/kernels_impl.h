@@ -376,14 +376,49 @@ KVLM_INLINE v16 exp_neg(v16 x) {
     return under ? splat(0.0f) : y;
 }
 
-KVLM_INLINE float dot16(const float* a, const float* b, int64_t nv) {
+// K/V cache element types: 16 consecutive elements -> 16 floats.
+struct KvF32 {
+    typedef float T;
+    KVLM_INLINE v16 load(const T* p) { return ld(p); }
+};
+struct KvF16 {
+    typedef uint16_t T;
+    KVLM_INLINE v16 load(const T* p) {
+#if defined(KVLM_AVX512)
+        return (v16)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
+#elif defined(KVLM_AVX2)
+        __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
+        __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 8)));
+        v16 r;
+        memcpy(&r, &lo, 32);
+        memcpy((char*)&r + 32, &hi, 32);
+        return r;
+#else
+        return half_to_float(__builtin_convertvector(*(const h16u*)p, u16v));
+#endif
+    }
+};
+struct KvBF16 {
+    typedef uint16_t T;
+    KVLM_INLINE v16 load(const T* p) {
+        u16v u = __builtin_convertvector(*(const h16u*)p, u16v) << 16;
+        v16 r;
+        memcpy(&r, &u, sizeof r);
+        return r;
+    }
+};
+
+template <class E>
+KVLM_INLINE float dot16(const float* a, const typename E::T* b, int64_t nv) {
     v16 acc = (v16){};
-    for (int64_t i = 0; i < nv; i++) acc += ld(a + 16 * i) * ld(b + 16 * i);
+    for (int64_t i = 0; i < nv; i++) acc += ld(a + 16 * i) * E::load(b + 16 * i);
     return hsum(acc);
 }
 
-void paged_attn(const float* q, const float* kc, const float* vc, const int32_t* bt, const int32_t* lens, float* out,
-                int64_t H, int64_t KVH, int64_t D, int64_t BS, int64_t MB, float scale, int64_t i0, int64_t i1) {
+template <class E>
+void paged_attn_t(const float* q, const typename E::T* kc, const typename E::T* vc, const int32_t* bt,
+                  const int32_t* lens, float* out, int64_t H, int64_t KVH, int64_t D, int64_t BS, int64_t MB,
+                  float scale, int64_t i0, int64_t i1) {
     // q (B, H, D), k/v cache (num_blocks, BS, KVH, D), bt (B, MB), out (B, H, D); D % 16 == 0 (checked by caller).
     const int64_t G = H / KVH, nv = D / 16, BSP = (BS + 15) / 16 * 16;
     float* acc = (float*)malloc(sizeof(float) * (G * D + G * BSP + 2 * G));
@@ -398,13 +433,13 @@ void paged_attn(const float* q, const float* kc, const float* vc, const int32_t*
         for (int64_t h = 0; h < G; h++) mx[h] = NEG_INF, den[h] = 0.0f;
         for (int64_t j = 0; j * BS < L; j++) {
             const int64_t blk = bt[b * MB + j], nt = (L - j * BS < BS) ? L - j * BS : BS;
-            const float* kb = kc + (blk * BS * KVH + g) * D;  // token t at kb + t * KVH * D
-            const float* vb = vc + (blk * BS * KVH + g) * D;
+            const typename E::T* kb = kc + (blk * BS * KVH + g) * D;  // token t at kb + t * KVH * D
+            const typename E::T* vb = vc + (blk * BS * KVH + g) * D;
             for (int64_t h = 0; h < G; h++) {
                 float* s = sc + h * BSP;
                 float bmax = NEG_INF;
                 for (int64_t t = 0; t < nt; t++) {
-                    s[t] = dot16(qg + h * D, kb + t * KVH * D, nv) * scale;
+                    s[t] = dot16<E>(qg + h * D, kb + t * KVH * D, nv) * scale;
                     bmax = s[t] > bmax ? s[t] : bmax;
                 }
                 const float mnew = bmax > mx[h] ? bmax : mx[h];
@@ -419,7 +454,7 @@ void paged_attn(const float* q, const float* kc, const float* vc, const int32_t*
                 float* a = acc + h * D;
                 for (int64_t i = 0; i < nv; i++) {
                     v16 av = ld(a + 16 * i) * corr;
-                    for (int64_t t = 0; t < nt; t++) av += s[t] * ld(vb + t * KVH * D + 16 * i);
+                    for (int64_t t = 0; t < nt; t++) av += s[t] * E::load(vb + t * KVH * D + 16 * i);
                     st(a + 16 * i, av);
                 }
             }
@@ -431,6 +466,20 @@ void paged_attn(const float* q, const float* kc, const float* vc, const int32_t*
         }
     }
     free(acc);
+}
+
+int paged_attn(int kv_dtype, const float* q, const void* kc, const void* vc, const int32_t* bt, const int32_t* lens,
+               float* out, int64_t H, int64_t KVH, int64_t D, int64_t BS, int64_t MB, float scale, int64_t i0,
+               int64_t i1) {
+#define KVLM_ATTN(E)                                                                                               \
+    paged_attn_t<E>(q, (const E::T*)kc, (const E::T*)vc, bt, lens, out, H, KVH, D, BS, MB, scale, i0, i1); \
+    return 0
+    switch (kv_dtype) {
+        case T_F32: KVLM_ATTN(KvF32);
+        case T_F16: KVLM_ATTN(KvF16);
+        case T_BF16: KVLM_ATTN(KvBF16);
+        default: return -1;
+    }
 }
 
 }  // namespace
