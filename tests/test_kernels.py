@@ -86,13 +86,25 @@ def built() -> bool:
     return native.available()
 
 
+@pytest.fixture
+def force_isa(monkeypatch: pytest.MonkeyPatch):
+    """force_isa(path): set KVLM_KERNEL_ISA for this test (read once per process, so refreshed)."""
+    def force(path: str) -> None:
+        monkeypatch.setenv(native.ENV_ISA, path)
+        native.refresh()
+
+    yield force
+    monkeypatch.undo()
+    native.refresh()
+
+
 @pytest.fixture(params=ISAS)
-def isa(request: pytest.FixtureRequest, built: bool, monkeypatch: pytest.MonkeyPatch) -> str:
+def isa(request: pytest.FixtureRequest, built: bool, force_isa) -> str:
     if not built:
         pytest.skip("native kernels not built here (test_extension_builds says why)")
     if ISAS.index(request.param) > ISAS.index(native.best_isa()):
         pytest.skip(f"this CPU lacks {request.param} (best: {native.best_isa()})")
-    monkeypatch.setenv(native.ENV_ISA, request.param)
+    force_isa(request.param)
     return request.param
 
 
@@ -168,8 +180,8 @@ def test_row_result_independent_of_batch_and_threads(qtype: T, isa: str) -> None
         torch.set_num_threads(before)
 
 
-def test_reference_path_forced(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(native.ENV_ISA, "reference")
+def test_reference_path_forced(force_isa) -> None:
+    force_isa("reference")
     w = random_blocks(T.Q4_1, 10, 64, seed=7)
     x = torch.randn(3, 64)
     assert kernel_path(T.Q4_1) == "reference"
@@ -177,8 +189,8 @@ def test_reference_path_forced(monkeypatch: pytest.MonkeyPatch) -> None:
     assert torch.equal(dequantize(w), dequantize_ref(w))
 
 
-def test_unknown_isa_is_a_readable_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(native.ENV_ISA, "avx9000")
+def test_unknown_isa_is_a_readable_error(force_isa) -> None:
+    force_isa("avx9000")
     with pytest.raises(ValueError, match="KVLM_KERNEL_ISA must be one of"):
         kernel_path(T.Q4_1)
 

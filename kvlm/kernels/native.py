@@ -8,7 +8,8 @@ shared library (milliseconds). Where the compiler, headers or build fail, one wa
 every kernel uses its pure-PyTorch reference: never a crash.
 
 The path is the best one this CPU supports (`avx512` > `avx2` > `scalar`), or the one forced by
-`KVLM_KERNEL_ISA=avx512|avx2|scalar|reference` (read at each call, so tests can switch paths).
+`KVLM_KERNEL_ISA=avx512|avx2|scalar|reference`, read once per process (reading the environment costs
+microseconds, and a decode step makes ~120 kernel calls); `refresh()` re-reads it (tests use that).
 """
 
 from __future__ import annotations
@@ -22,7 +23,10 @@ import platform
 import shutil
 import subprocess
 import sys
+import threading
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -96,6 +100,9 @@ def _compile(name: str, build_dir: Path) -> None:
     )
 
 
+_load_lock = threading.Lock()
+
+
 @functools.cache
 def available() -> bool:
     """Whether the native extension is built and loaded in this process (builds it on the first call)."""
@@ -104,12 +111,31 @@ def available() -> bool:
                        platform.machine())
         return False
     try:
-        _build_and_load()
+        with _load_lock:
+            _build_and_load()
         return True
     except Exception as e:  # noqa: BLE001 - any build or load failure means: use the reference
         first = (str(e).strip().splitlines() or [type(e).__name__])[-1][:300]
         logger.warning("kvlm: native kernels unavailable (%s); using the PyTorch reference kernels", first)
         return False
+
+
+@dataclass(frozen=True, slots=True)
+class NativeOps:
+    """Handles of the loaded ops (`torch.ops.kvlm_kernels.<op>.default`: the cheapest way to call them)."""
+
+    qmatmul: Any
+    dequantize: Any
+    paged_decode_attention: Any
+
+
+@functools.cache
+def ops() -> NativeOps | None:
+    """The native ops, or None where the extension is unavailable."""
+    if not available():
+        return None
+    ns = torch.ops.kvlm_kernels
+    return NativeOps(ns.qmatmul.default, ns.dequantize.default, ns.paged_decode_attention.default)
 
 
 @functools.cache
@@ -121,12 +147,8 @@ def best_isa() -> str:
 
 
 @functools.cache
-def _warn_unavailable(forced: str, best: str) -> None:
-    logger.warning("kvlm: %s=%s is not available here; using %s", ENV_ISA, forced, best)
-
-
 def active_isa() -> str:
-    """The path kernels take now: `KVLM_KERNEL_ISA` if set (and possible here), else the best one."""
+    """The path kernels take: `KVLM_KERNEL_ISA` if set (and possible here), else the best one."""
     forced = os.environ.get(ENV_ISA, "").strip().lower()
     if forced == "reference":
         return "reference"
@@ -136,9 +158,14 @@ def active_isa() -> str:
     if not forced or best == "reference":
         return best
     if ISAS.index(forced) > ISAS.index(best):
-        _warn_unavailable(forced, best)
+        logger.warning("kvlm: %s=%s is not available here; using %s", ENV_ISA, forced, best)
         return best
     return forced
+
+
+def refresh() -> None:
+    """Re-read KVLM_KERNEL_ISA (after changing it in this process)."""
+    active_isa.cache_clear()
 
 
 def isa_id(isa: str) -> int:

@@ -39,7 +39,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     q = q.contiguous()
     if out is None:
         out = torch.empty_like(q)
-    torch.ops.kvlm_kernels.paged_decode_attention(
+    native.ops().paged_decode_attention(
         q, k_cache, v_cache, block_tables.to(torch.int32).contiguous(), seq_lens.to(torch.int32).contiguous(),
         float(scale), native.isa_id(isa), out)
     return out

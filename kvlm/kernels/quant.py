@@ -30,6 +30,7 @@ NATIVE_TYPES = frozenset({
     GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0,
     GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K,
 })
+_TYPE_IDS = {t: int(t) for t in NATIVE_TYPES}  # ggml type id, as the C++ side takes it
 GEMV_MAX_ROWS = 8  # up to this many rows of x use the row kernel; more use dequantize-a-tile + BLAS (measured)
 TILE_BYTES = 8 << 20  # float32 bytes of one dequantized weight tile: big enough for BLAS to run at full speed
 
@@ -56,21 +57,24 @@ class QuantTensor:
         return self.data.numel()
 
 
-def _native_isa(w: QuantTensor, device: torch.device) -> str | None:
-    if device.type != "cpu" or w.data.device.type != "cpu" or w.qtype not in NATIVE_TYPES:
+def _native(w: QuantTensor, on_cpu: bool) -> tuple[native.NativeOps, int] | None:
+    """(ops, isa id) when w's type has a native kernel on the active path, else None (use the reference)."""
+    if not on_cpu or w.qtype not in NATIVE_TYPES or not w.data.is_cpu:
         return None
     isa = native.active_isa()
-    return None if isa == "reference" else isa
+    if isa == "reference":
+        return None
+    return native.ops(), native.isa_id(isa)
 
 
 def dequantize(w: QuantTensor) -> torch.Tensor:
     """(N, K) float32."""
-    isa = _native_isa(w, w.data.device)
-    if isa is None:
+    nat = _native(w, True)
+    if nat is None:
         return dequantize_ref(w)
     n, k = w.shape
     out = torch.empty(n, k, dtype=torch.float32)
-    torch.ops.kvlm_kernels.dequantize(_rows(w), int(w.qtype), k, native.isa_id(isa), out)
+    nat[0].dequantize(_rows(w), int(w.qtype), k, nat[1], out)
     return out
 
 
@@ -81,45 +85,53 @@ def qmatmul(x: torch.Tensor, w: QuantTensor, out: torch.Tensor | None = None) ->
     step can then reuse its buffers instead of allocating per layer); it is also returned.
     """
     n, k = w.shape
-    lead = x.shape[:-1]
-    if out is not None and (out.dtype != torch.float32 or not out.is_contiguous() or out.shape != (*lead, n)):
-        raise ValueError(f"out must be a contiguous float32 tensor of shape {(*lead, n)}")
-    isa = _native_isa(w, x.device)
-    if isa is None:
+    if out is not None and (out.dtype != torch.float32 or not out.is_contiguous() or out.dim() != x.dim()
+                            or out.shape[-1] != n or out.numel() * k != x.numel() * n):
+        raise ValueError(f"out must be a contiguous float32 tensor of shape {(*x.shape[:-1], n)}")
+    nat = _native(w, x.is_cpu)
+    if nat is None:
         y = qmatmul_ref(x, w)
         return y if out is None else out.copy_(y)
-    x2 = x.reshape(-1, k).to(torch.float32).contiguous()  # (M, K); no copy when already so
+    ops, isa = nat
+    # The common decode call is already (M, K) contiguous float32: skip each conversion when not needed
+    # (each costs microseconds, and a decode step makes ~120 of these calls).
+    x2 = x if x.dim() == 2 else x.reshape(-1, k)
+    if x2.dtype != torch.float32:
+        x2 = x2.float()
+    if not x2.is_contiguous():
+        x2 = x2.contiguous()
     m = x2.shape[0]
     if m <= GEMV_MAX_ROWS:
         y = torch.empty(m, n, dtype=torch.float32) if out is None else out.view(m, n)
-        torch.ops.kvlm_kernels.qmatmul(x2, _rows(w), int(w.qtype), k, native.isa_id(isa), y)
+        ops.qmatmul(x2, _rows(w), _TYPE_IDS[w.qtype], k, isa, y)
     else:
-        y = _tiled_matmul(x2, w, native.isa_id(isa))
+        y = _tiled_matmul(x2, w, ops, isa)
         if out is not None:
             y = out.view(m, n).copy_(y)
-    return y.view(*lead, n)
+    return y if x.dim() == 2 else y.view(*x.shape[:-1], n)
 
 
-def _tiled_matmul(x: torch.Tensor, w: QuantTensor, isa: int) -> torch.Tensor:
+def _tiled_matmul(x: torch.Tensor, w: QuantTensor, ops: native.NativeOps, isa: int) -> torch.Tensor:
     """x (M, K) @ W.T for many rows: dequantize a tile of weight rows, then one BLAS call per tile."""
     n, k = w.shape
     data = _rows(w)
     tile = max(16, min(n, TILE_BYTES // (4 * k)))
     buf = torch.empty(tile, k, dtype=torch.float32)  # (tile, K) dequantized rows, reused
     if tile == n:
-        torch.ops.kvlm_kernels.dequantize(data, int(w.qtype), k, isa, buf)
+        ops.dequantize(data, _TYPE_IDS[w.qtype], k, isa, buf)
         return x @ buf.T
     out = torch.empty(x.shape[0], n, dtype=torch.float32)
     for n0 in range(0, n, tile):
         rows = min(tile, n - n0)
-        torch.ops.kvlm_kernels.dequantize(data[n0:n0 + rows], int(w.qtype), k, isa, buf[:rows])
+        ops.dequantize(data[n0:n0 + rows], _TYPE_IDS[w.qtype], k, isa, buf[:rows])
         out[:, n0:n0 + rows] = x @ buf[:rows].T
     return out
 
 
 def _rows(w: QuantTensor) -> torch.Tensor:
     """w.data with contiguous bytes in each row (the kernels allow any row stride)."""
-    return w.data if w.data.stride(1) == 1 else w.data.contiguous()
+    d = w.data
+    return d if d.stride(1) == 1 else d.contiguous()
 
 
 def kernel_path(qtype: GGMLQuantizationType) -> str:
