@@ -4,7 +4,8 @@ For each weight format and the default model's linear shapes (out x in) and row 
 `qmatmul` on the quantized weight against `x @ W.T` with W pre-dequantized to float32 (what kvlm did
 before the kernels), side by side in one process. Weights are cold, as in a decode step that walks
 30 layers: each timed call uses the next of several copies, enough that they do not fit the caches.
-Prints GB/s (weight bytes read per second) and the speedup per row; the last line is one JSON document.
+Prints GB/s (weight bytes read per second) and the speedup per row, then paged decode attention
+(kernel vs gather + SDPA, float32 and float16 caches); the last line is one JSON document.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
 from kvlm.kernels import native
+from kvlm.kernels.paged_attention import paged_decode_attention
 from kvlm.kernels.quant import QuantTensor, dequantize, qmatmul
+from kvlm.kernels.reference import paged_decode_attention_ref
 
 SHAPES = ((576, 576), (192, 576), (1536, 576), (576, 1536), (49152, 576))  # SmolLM2-135M: q/o, k/v, up, down, head
 ROWS = (1, 8, 32, 512)
@@ -69,6 +72,26 @@ def bench_one(qtype: GGMLQuantizationType, n: int, k: int, m: int, min_s: float)
             "speedup": round(t_ref / t_q, 3)}
 
 
+def bench_attention(b: int, length: int, kv_dtype: torch.dtype, min_s: float) -> dict:
+    """Paged decode attention, SmolLM2-135M's heads (9 query, 3 K/V, head_dim 64), block size 16,
+    blocks scattered over the pool; kernel vs gather + SDPA."""
+    gen = torch.Generator().manual_seed(0)
+    heads, kv_heads, d, bs = 9, 3, 64, 16
+    per_seq = (length + bs - 1) // bs
+    num_blocks = b * per_seq + 1
+    kc = torch.randn(num_blocks, bs, kv_heads, d, generator=gen).to(kv_dtype)
+    vc = torch.randn(num_blocks, bs, kv_heads, d, generator=gen).to(kv_dtype)
+    tables = torch.randperm(num_blocks, generator=gen)[: b * per_seq].reshape(b, per_seq).to(torch.int32)
+    lens = torch.full((b,), length, dtype=torch.int32)
+    q = torch.randn(b, heads, d, generator=gen)
+    t = _time(lambda i: paged_decode_attention(q, kc, vc, tables, lens, 0.125), 1, min_s)
+    t_ref = _time(lambda i: paged_decode_attention_ref(q, kc, vc, tables, lens, 0.125), 1, min_s)
+    kv_bytes = 2 * b * length * kv_heads * d * kc.element_size()
+    return {"op": "paged_decode_attention", "batch": b, "context": length, "kv_dtype": str(kv_dtype).split(".")[-1],
+            "ms": round(t * 1e3, 4), "ref_ms": round(t_ref * 1e3, 4), "kv_gbps": round(kv_bytes / t / 1e9, 2),
+            "speedup": round(t_ref / t, 3)}
+
+
 def run(formats: list[str], rows: list[int], threads: int | None, min_s: float) -> dict:
     if threads:
         torch.set_num_threads(threads)
@@ -88,8 +111,17 @@ def run(formats: list[str], rows: list[int], threads: int | None, min_s: float) 
                     results.append(r)
                     print(f"{name:6} {f'{n}x{k}':>12} {m:>4} {r['ms']:>11.3f} {r['gbps']:>7.2f} "
                           f"{r['ref_ms']:>9.3f} {r['ref_gbps']:>7.2f} {r['speedup']:>7.2f}x", flush=True)
+        print(f"\n{'attention':9} {'B':>3} {'context':>7} {'kv':>9} {'kernel ms':>10} {'KV GB/s':>8} "
+              f"{'gather+SDPA ms':>15} {'speedup':>8}")
+        attention = []
+        for kv_dtype in (torch.float32, torch.float16):
+            for b, length in ((1, 512), (1, 2048), (8, 512)):
+                r = bench_attention(b, length, kv_dtype, min_s)
+                attention.append(r)
+                print(f"{'paged':9} {b:>3} {length:>7} {r['kv_dtype']:>9} {r['ms']:>10.3f} {r['kv_gbps']:>8.2f} "
+                      f"{r['ref_ms']:>15.3f} {r['speedup']:>7.2f}x", flush=True)
     return {"bench": "kernels", "cpu": cpu, "threads": torch.get_num_threads(), "path": native.active_isa(),
-            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "results": results}
+            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "results": results, "attention": attention}
 
 
 def _cpu_name() -> str:
