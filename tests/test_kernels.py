@@ -98,6 +98,36 @@ def force_isa(monkeypatch: pytest.MonkeyPatch):
     native.refresh()
 
 
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q8_0], ids=lambda t: t.name)
+def test_int8_activations_within_their_rounding(qtype: T, isa: str, force_isa, monkeypatch: pytest.MonkeyPatch) -> None:
+    """KVLM_KERNEL_ACT=int8: error bounded by the activation rounding (half a step of each 32-block's
+    int8 scale, times the weights' magnitudes) plus float32 summation; rows still independent."""
+    if isa == "scalar":
+        pytest.skip("the int8-activation kernel exists on the AVX2 and AVX-512 paths")
+    monkeypatch.setenv(native.ENV_ACT, "int8")
+    native.refresh()
+    assert kernel_path(qtype) == f"{isa}+int8"
+    k = 96
+    w = random_blocks(qtype, 45, k, seed=14)
+    x = torch.randn(GEMV_MAX_ROWS, k, generator=torch.Generator().manual_seed(15))
+    x[0, :32] = 0.0  # an all-zero activation block (scale 0)
+    got = qmatmul(x, w)
+    step = x.abs().reshape(x.shape[0], -1, 32).amax(-1, keepdim=True) / 127  # (M, K/32, 1) int8 scale
+    wabs = dequantize_ref(w).double().abs().reshape(45, -1, 32).sum(-1)  # (N, K/32)
+    bound = 0.5001 * (step.squeeze(-1).double() @ wabs.T) + matmul_bound(x, w)
+    err = (got.double() - qmatmul_ref(x, w).double()).abs()
+    assert (err <= bound).all(), f"max error {err.max():.3g}"
+    for i in (0, 3, GEMV_MAX_ROWS - 1):
+        assert torch.equal(qmatmul(x[i:i + 1], w), got[i:i + 1])
+
+
+def test_unknown_activation_mode_is_a_readable_error(monkeypatch: pytest.MonkeyPatch, force_isa) -> None:
+    monkeypatch.setenv(native.ENV_ACT, "fp8")
+    native.refresh()
+    with pytest.raises(ValueError, match="KVLM_KERNEL_ACT must be f32 or int8"):
+        native.int8_activations()
+
+
 @pytest.fixture(params=ISAS)
 def isa(request: pytest.FixtureRequest, built: bool, force_isa) -> str:
     if not built:

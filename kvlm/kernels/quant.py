@@ -30,6 +30,8 @@ NATIVE_TYPES = frozenset({
     GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0,
     GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K,
 })
+# With KVLM_KERNEL_ACT=int8 (opt-in), the row kernel quantizes x to int8 for these (AVX2 / AVX-512 paths).
+INT8_ACT_TYPES = frozenset({GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0})
 _TYPE_IDS = {t: int(t) for t in NATIVE_TYPES}  # ggml type id, as the C++ side takes it
 GEMV_MAX_ROWS = 8  # up to this many rows of x use the row kernel; more use dequantize-a-tile + BLAS (measured)
 TILE_BYTES = 8 << 20  # float32 bytes of one dequantized weight tile: big enough for BLAS to run at full speed
@@ -103,7 +105,10 @@ def qmatmul(x: torch.Tensor, w: QuantTensor, out: torch.Tensor | None = None) ->
     m = x2.shape[0]
     if m <= GEMV_MAX_ROWS:
         y = torch.empty(m, n, dtype=torch.float32) if out is None else out.view(m, n)
-        ops.qmatmul(x2, _rows(w), _TYPE_IDS[w.qtype], k, isa, y)
+        if w.qtype in INT8_ACT_TYPES and isa > 0 and native.int8_activations():
+            ops.qmatmul_i8(x2, _rows(w), _TYPE_IDS[w.qtype], k, isa, y)
+        else:
+            ops.qmatmul(x2, _rows(w), _TYPE_IDS[w.qtype], k, isa, y)
     else:
         y = _tiled_matmul(x2, w, ops, isa)
         if out is not None:
@@ -135,7 +140,11 @@ def _rows(w: QuantTensor) -> torch.Tensor:
 
 
 def kernel_path(qtype: GGMLQuantizationType) -> str:
-    """Which implementation `qmatmul` uses for this tensor type: 'avx512', 'avx2', 'scalar' or 'reference'."""
+    """Which implementation `qmatmul` uses for this tensor type: 'avx512', 'avx2', 'scalar' or 'reference'
+    ('avx512+int8' / 'avx2+int8' where KVLM_KERNEL_ACT=int8 applies)."""
     if qtype not in NATIVE_TYPES:
         return "reference"
-    return native.active_isa()
+    isa = native.active_isa()
+    if qtype in INT8_ACT_TYPES and isa in ("avx2", "avx512") and native.int8_activations():
+        return f"{isa}+int8"  # the row kernel (decode) quantizes activations; many rows stay float32
+    return isa

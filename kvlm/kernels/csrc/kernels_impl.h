@@ -484,7 +484,14 @@ int paged_attn(int kv_dtype, const float* q, const void* kc, const void* vc, con
 
 }  // namespace
 
+#if defined(KVLM_AVX2) || defined(KVLM_AVX512)
+#include "kernels_int8.h"
+#define KVLM_INT8 quantize_act, gemv_i8
+#else
+#define KVLM_INT8 nullptr, nullptr
+#endif
+
 extern "C" const KvlmKernels* KVLM_ISA_FN(void) {
-    static const KvlmKernels table = {gemv, dequant, paged_attn};
+    static const KvlmKernels table = {gemv, dequant, paged_attn, KVLM_INT8};
     return &table;
 }

@@ -5,6 +5,8 @@
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
+#include <vector>
+
 #include "kernels.h"
 
 namespace {
@@ -55,6 +57,30 @@ void qmatmul(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64_t K,
         if (t->gemv(static_cast<int>(qtype), wp, rs, K, xp, M, yp, N, n0, n1)) rc = -1;
     });
     TORCH_CHECK(rc == 0, "kvlm kernels: no kernel for ggml type ", qtype);
+}
+
+// As qmatmul, with x quantized to int8 per 32-element block first (experimental; Q4_0, Q4_1, Q8_0).
+void qmatmul_i8(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64_t K, int64_t isa, const at::Tensor& out) {
+    check_weight(w);
+    TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous() &&
+                    x.size(1) == K && K % 32 == 0, "x must be a contiguous float32 (M, K) CPU tensor, K % 32 == 0");
+    const int64_t M = x.size(0), N = w.size(0);
+    TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.size(0) == M && out.size(1) == N,
+                "out must be a contiguous float32 (M, N) tensor");
+    const KvlmKernels* t = table(isa);
+    TORCH_CHECK(t->gemv_i8 != nullptr, "kvlm kernels: no int8-activation kernel on this ISA path");
+    std::vector<int8_t> xq(M * K);
+    std::vector<float> xd(M * K / 32), xs(M * K / 32);
+    t->quantize_act(x.const_data_ptr<float>(), M, K, xq.data(), xd.data(), xs.data());
+    const uint8_t* wp = w.const_data_ptr<uint8_t>();
+    float* yp = out.mutable_data_ptr<float>();
+    const int64_t rs = w.stride(0);
+    const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, K * M));
+    int rc = 0;
+    at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+        if (t->gemv_i8(static_cast<int>(qtype), wp, rs, K, xq.data(), xd.data(), xs.data(), M, yp, N, n0, n1)) rc = -1;
+    });
+    TORCH_CHECK(rc == 0, "kvlm kernels: no int8-activation kernel for ggml type ", qtype);
 }
 
 // out (N, K) = the dequantized weight rows.
@@ -115,6 +141,7 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
 TORCH_LIBRARY(kvlm_kernels, m) {
     m.def("best_isa() -> int", &best_isa);
     m.def("qmatmul(Tensor x, Tensor w, int qtype, int K, int isa, Tensor(a!) out) -> ()", &qmatmul);
+    m.def("qmatmul_i8(Tensor x, Tensor w, int qtype, int K, int isa, Tensor(a!) out) -> ()", &qmatmul_i8);
     m.def("dequantize(Tensor w, int qtype, int K, int isa, Tensor(a!) out) -> ()", &dequantize);
     m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
           "float scale, int isa, Tensor(a!) out) -> ()", &paged_decode_attention);
