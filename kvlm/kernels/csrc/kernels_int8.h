@@ -46,40 +46,49 @@ KVLM_INLINE __m256 dot_u8s8(__m256i u, __m256i s) {  // 8 lanes of 4-element int
     return _mm256_cvtepi32_ps(_mm256_madd_epi16(p, _mm256_set1_epi16(1)));
 }
 
+// MT rows of x per pass over a weight row: each block is unpacked once and used for all of them.
+template <int QT, int MT>
+KVLM_INLINE void row_dot_i8(const uint8_t* row, int64_t nb, const int8_t* xq, const float* xd, const float* xs,
+                            float* y, int64_t ldy) {
+    __m256 acc[MT];
+    float off[MT];
+    for (int i = 0; i < MT; i++) acc[i] = _mm256_setzero_ps(), off[i] = 0.0f;
+    for (int64_t b = 0; b < nb; b++) {
+        __m256i qv;
+        float d, mn = 0.0f;
+        if constexpr (QT == T_Q8_0) {
+            qv = _mm256_loadu_si256((const __m256i*)(row + b * 34 + 2));
+            d = f16(row + b * 34);
+        } else if constexpr (QT == T_Q4_1) {
+            qv = nibbles32(row + b * 20 + 4);
+            d = f16(row + b * 20);
+            mn = f16(row + b * 20 + 2);
+        } else {  // Q4_0: (q - 8) d = q d + (-8 d)
+            qv = nibbles32(row + b * 18 + 2);
+            d = f16(row + b * 18);
+            mn = -8.0f * d;
+        }
+        const __m256i qabs = QT == T_Q8_0 ? _mm256_sign_epi8(qv, qv) : qv;
+        for (int i = 0; i < MT; i++) {
+            const int64_t r = i * nb + b;  // row i's block b in xq (32 bytes each), xd, xs
+            __m256i xv = _mm256_loadu_si256((const __m256i*)(xq + r * 32));
+            if constexpr (QT == T_Q8_0) xv = _mm256_sign_epi8(xv, qv);  // move q's sign onto x
+            acc[i] = _mm256_fmadd_ps(dot_u8s8(qabs, xv), _mm256_set1_ps(d * xd[r]), acc[i]);
+            if constexpr (QT != T_Q8_0) off[i] += mn * xs[r];
+        }
+    }
+    for (int i = 0; i < MT; i++) y[i * ldy] = hsum8(acc[i]) + off[i];
+}
+
 template <int QT>
 void gemv_i8_t(const uint8_t* w, int64_t rs, int64_t K, const int8_t* xq, const float* xd, const float* xs,
                int64_t M, float* y, int64_t ldy, int64_t n0, int64_t n1) {
     const int64_t nb = K / 32;
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t* row = w + n * rs;
-        for (int64_t m = 0; m < M; m++) {
-            const int8_t* xr = xq + m * K;
-            const float* dr = xd + m * nb;
-            const float* sr = xs + m * nb;
-            __m256 acc = _mm256_setzero_ps();
-            float off = 0.0f;
-            for (int64_t b = 0; b < nb; b++) {
-                __m256i xv = _mm256_loadu_si256((const __m256i*)(xr + 32 * b));
-                if constexpr (QT == T_Q8_0) {
-                    const uint8_t* blk = row + b * 34;
-                    __m256i qv = _mm256_loadu_si256((const __m256i*)(blk + 2));
-                    __m256 p = dot_u8s8(_mm256_sign_epi8(qv, qv), _mm256_sign_epi8(xv, qv));
-                    acc = _mm256_fmadd_ps(p, _mm256_set1_ps(f16(blk) * dr[b]), acc);
-                } else if constexpr (QT == T_Q4_1) {
-                    const uint8_t* blk = row + b * 20;
-                    __m256 p = dot_u8s8(nibbles32(blk + 4), xv);
-                    acc = _mm256_fmadd_ps(p, _mm256_set1_ps(f16(blk) * dr[b]), acc);
-                    off += f16(blk + 2) * sr[b];
-                } else {  // Q4_0: (q - 8) d = q d + (-8 d)
-                    const uint8_t* blk = row + b * 18;
-                    const float d = f16(blk);
-                    __m256 p = dot_u8s8(nibbles32(blk + 2), xv);
-                    acc = _mm256_fmadd_ps(p, _mm256_set1_ps(d * dr[b]), acc);
-                    off += -8.0f * d * sr[b];
-                }
-            }
-            y[m * ldy + n] = hsum8(acc) + off;
-        }
+        int64_t m = 0;
+        for (; m + 4 <= M; m += 4) row_dot_i8<QT, 4>(row, nb, xq + m * K, xd + m * nb, xs + m * nb, y + m * ldy + n, ldy);
+        for (; m < M; m++) row_dot_i8<QT, 1>(row, nb, xq + m * K, xd + m * nb, xs + m * nb, y + m * ldy + n, ldy);
     }
 }
 
