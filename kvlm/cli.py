@@ -22,8 +22,9 @@ DTYPE_BYTES = {"float32": 4.0, "fp32": 4.0, "float16": 2.0, "fp16": 2.0, "bfloat
 
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                   help="weights and KV cache dtype (default float32: exact against the reference)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto (default): GGUF weights computed on in their stored formats, float32 activations "
+                        "and KV cache; float32/bfloat16/float16: dense weights (float32 is the exact reference)")
     g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     g.add_argument("--threads", type=int, default=None, help="CPU threads for PyTorch")
     g.add_argument("--max-model-len", type=int, default=None, help="context length to allow (default min(model, 4096))")

@@ -111,7 +111,8 @@ class EngineConfig:
     """
 
     device: str | None = None  # None: "cuda" when available, else "cpu"
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    # "auto": float32 activations, GGUF weights kept quantized on CPU; float32 etc.: dense weights.
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     enable_kv_cache: bool = True
     kv_cache_layout: Literal["paged", "contiguous"] = "paged"
     block_size: int = 16
@@ -127,8 +128,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.kv_cache_layout not in ("paged", "contiguous"):
             raise ValueError(f"kv_cache_layout must be 'paged' or 'contiguous', got {self.kv_cache_layout!r}")
         m = self.kv_cache_memory
