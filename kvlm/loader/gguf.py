@@ -94,16 +94,16 @@ def check_header(path: Path) -> None:
 
 
 def read_gguf(path: str | os.PathLike) -> tuple[Any, dict[str, Any]]:
-    """Open a GGUF file after checking it; returns (GGUFReader, metadata as plain Python values)."""
-    from gguf import GGUFReader
+    """Open a GGUF file after checking it; returns (GGUFFile, metadata as plain Python values)."""
+    from kvlm.loader.gguf_file import GGUFFile
 
     p = Path(path)
     if not p.is_file():
         raise ModelLoadError(f"{p}: no such model file")
     check_header(p)
     try:
-        reader = GGUFReader(p)
-        fields = {k: f.contents() for k, f in reader.fields.items()}
+        reader = GGUFFile(p)  # not gguf.GGUFReader: same values, seconds faster (see gguf_file)
+        fields = reader.fields
     except Exception as e:  # the reader raises assorted errors on damaged files
         raise ModelLoadError(f"{p}: corrupt or truncated GGUF file ({type(e).__name__}: {e})") from None
     size = p.stat().st_size
