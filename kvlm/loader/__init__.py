@@ -40,8 +40,10 @@ def load_checkpoint(path: str | os.PathLike,
         if gg is not None:
             from kvlm.loader.gguf import load_gguf
 
+            from kvlm.tokenizer_cache import gguf_tokenizer
+
             config, state, fields = load_gguf(gg, quantized=quantized)
-            tokenizer = Tokenizer.from_gguf_fields(fields)
+            tokenizer = gguf_tokenizer(gg, fields)  # cached next to the model file
         else:
             from kvlm.loader.safetensors import load_hf_dir
 
