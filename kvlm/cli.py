@@ -204,12 +204,27 @@ def cmd_info(a: argparse.Namespace) -> int:
             "kv_heads": c.num_key_value_heads, "head_dim": c.head_dim, "vocab_size": c.vocab_size,
             "context_length": c.max_position_embeddings, "kv_bytes_per_token_fp32": int(c.kv_bytes_per_token(4)),
             "kv_bytes_per_token_fp16": int(c.kv_bytes_per_token(2))}
+    formats = _weight_formats(path)
+    if formats:
+        info["weight_formats"] = formats
     if a.json:
         print(json.dumps(info))
     else:
         for k, v in info.items():
-            print(f"{k:26s} {v:,}" if isinstance(v, int) else f"{k:26s} {v}")
+            if k != "weight_formats":
+                print(f"{k:26s} {v:,}" if isinstance(v, int) else f"{k:26s} {v}")
+        for name, f in formats.items():  # which kernel computes on each stored format (--dtype auto)
+            print(f"{'weights ' + name:26s} {f['tensors']} tensors, {f['bytes'] / 2**20:.1f} MiB -> {f['kernel']}")
     return 0
+
+
+def _weight_formats(path: Path) -> dict[str, Any]:
+    """GGUF only: per tensor type, the count, bytes and kernel path (loader.gguf.weight_formats)."""
+    if path.suffix != ".gguf" or not path.is_file():
+        return {}
+    from kvlm.loader.gguf import read_gguf, weight_formats
+
+    return weight_formats(read_gguf(path)[0])
 
 
 def cmd_kv_size(a: argparse.Namespace) -> int:

@@ -197,6 +197,24 @@ def quant_tensor(t: Any, mapped: torch.Tensor) -> Any:
     return QuantTensor(data, t.tensor_type, (n, k))
 
 
+def weight_formats(reader: Any) -> dict[str, dict[str, Any]]:
+    """Per stored tensor type: how many weights, their bytes, and the kernel that computes on them
+    under `--dtype auto` (`kernels.kernel_path`; 1-D tensors, norms and biases, are float32 vectors)."""
+    from kvlm.kernels import kernel_path
+
+    out: dict[str, dict[str, Any]] = {}
+    for t in reader.tensors:
+        if gguf_to_hf_name(t.name) is None:
+            continue
+        matrix = len(t.shape) == 2
+        key = t.tensor_type.name + ("" if matrix else " (1-D)")
+        row = out.setdefault(key, {"tensors": 0, "bytes": 0,
+                                   "kernel": kernel_path(t.tensor_type) if matrix else "float32 vector ops"})
+        row["tensors"] += 1
+        row["bytes"] += int(t.n_bytes)
+    return out
+
+
 def load_gguf(path: str | os.PathLike,
               quantized: bool = False) -> tuple[ModelConfig, dict[str, Any], dict[str, Any]]:
     """Load a GGUF model: (config, HF-named state dict, metadata fields for the tokenizer).
