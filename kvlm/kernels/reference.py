@@ -32,3 +32,27 @@ def dequantize_ref(w: QuantTensor) -> torch.Tensor:
 def qmatmul_ref(x: torch.Tensor, w: QuantTensor) -> torch.Tensor:
     """x (M, K) float32 @ dequantize(w).T -> (M, N) float32."""
     return x.float() @ dequantize_ref(w).to(x.device).T
+
+
+def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Gather each sequence's blocks, then SDPA with each K/V head's query heads folded together.
+
+    q (B, H, D); caches (num_blocks, block_size, kv_heads, D) -> (B, H, D); zeros for a length-0 sequence.
+    """
+    import torch.nn.functional as F
+
+    b_size, heads, d = q.shape
+    _, block_size, kv_heads, _ = k_cache.shape
+    group = heads // kv_heads
+    out = torch.zeros_like(q)
+    for b in range(b_size):
+        length = int(seq_lens[b])
+        if length == 0:
+            continue
+        blocks = block_tables[b, : (length + block_size - 1) // block_size].long()
+        k = k_cache[blocks].reshape(-1, kv_heads, d)[:length].transpose(0, 1)  # (kv_heads, L, D)
+        v = v_cache[blocks].reshape(-1, kv_heads, d)[:length].transpose(0, 1)
+        qg = q[b].reshape(kv_heads, group, d)  # query head h = g * group + i uses K/V head g
+        out[b] = F.scaled_dot_product_attention(qg, k, v, scale=scale).reshape(heads, d)
+    return out

@@ -1,0 +1,140 @@
+"""`kvlm bench kernels` (or `python -m kvlm.kernels.bench`): qmatmul against float32 torch.matmul.
+
+For each weight format and the default model's linear shapes (out x in) and row counts M, it times
+`qmatmul` on the quantized weight against `x @ W.T` with W pre-dequantized to float32 (what kvlm did
+before the kernels), side by side in one process. Weights are cold, as in a decode step that walks
+30 layers: each timed call uses the next of several copies, enough that they do not fit the caches.
+Prints GB/s (weight bytes read per second) and the speedup per row; the last line is one JSON document.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
+
+from kvlm.kernels import native
+from kvlm.kernels.quant import QuantTensor, dequantize, qmatmul
+
+SHAPES = ((576, 576), (192, 576), (1536, 576), (576, 1536), (49152, 576))  # SmolLM2-135M: q/o, k/v, up, down, head
+ROWS = (1, 8, 32, 512)
+FORMATS = ("Q4_1", "Q8_0")  # the default model's types; --formats takes any of quant.NATIVE_TYPES
+COLD_BYTES = 256 << 20  # float32 bytes across the rotated copies (well past any L3 here)
+
+
+def random_weight(qtype: GGMLQuantizationType, n: int, k: int, gen: torch.Generator) -> QuantTensor:
+    """A (n, k) weight of Gaussian values quantized by the gguf package's own quantizer."""
+    w = torch.randn(n, k, generator=gen).numpy()
+    if qtype == GGMLQuantizationType.F32:
+        raw = w.view(np.uint8)
+    elif qtype == GGMLQuantizationType.F16:
+        raw = w.astype(np.float16).view(np.uint8)
+    else:
+        raw = quants.quantize(w, qtype)
+    return QuantTensor(torch.from_numpy(np.ascontiguousarray(raw)), qtype, (n, k))
+
+
+def _time(fn, copies: int, min_s: float) -> float:
+    """Median seconds per call, cycling through `copies` weights."""
+    fn(0)
+    times: list[float] = []
+    start = time.perf_counter()
+    i = 0
+    while time.perf_counter() - start < min_s or len(times) < 3:
+        t = time.perf_counter()
+        fn(i % copies)
+        times.append(time.perf_counter() - t)
+        i += 1
+    return float(np.median(times))
+
+
+def bench_one(qtype: GGMLQuantizationType, n: int, k: int, m: int, min_s: float) -> dict:
+    gen = torch.Generator().manual_seed(0)
+    copies = max(1, min(16, COLD_BYTES // (4 * n * k)))
+    first = random_weight(qtype, n, k, gen)
+    ws = [first] + [QuantTensor(first.data.clone(), qtype, (n, k)) for _ in range(copies - 1)]
+    wf = [dequantize(w) for w in ws]
+    x = torch.randn(m, k, generator=gen)
+    t_ref = _time(lambda i: x @ wf[i].T, copies, min_s)
+    t_q = _time(lambda i: qmatmul(x, ws[i]), copies, min_s)
+    qbytes, fbytes = ws[0].nbytes, 4 * n * k
+    return {"format": qtype.name, "n": n, "k": k, "m": m, "path": native.active_isa(),
+            "ms": round(t_q * 1e3, 4), "ref_ms": round(t_ref * 1e3, 4),
+            "gbps": round(qbytes / t_q / 1e9, 2), "ref_gbps": round(fbytes / t_ref / 1e9, 2),
+            "speedup": round(t_ref / t_q, 3)}
+
+
+def run(formats: list[str], rows: list[int], threads: int | None, min_s: float) -> dict:
+    if threads:
+        torch.set_num_threads(threads)
+    cpu = _cpu_name()
+    print(f"# kvlm kernels: path {native.active_isa()}, {torch.get_num_threads()} threads, {cpu}, "
+          f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+    print(f"{'format':6} {'N x K':>12} {'M':>4} {'qmatmul ms':>11} {'GB/s':>7} {'f32 ms':>9} {'GB/s':>7} {'speedup':>8}")
+    results = []
+    with torch.inference_mode():
+        for name in formats:
+            qtype = GGMLQuantizationType[name]
+            for n, k in SHAPES:
+                if k % GGML_QUANT_SIZES[qtype][0]:
+                    continue
+                for m in rows:
+                    r = bench_one(qtype, n, k, m, min_s)
+                    results.append(r)
+                    print(f"{name:6} {f'{n}x{k}':>12} {m:>4} {r['ms']:>11.3f} {r['gbps']:>7.2f} "
+                          f"{r['ref_ms']:>9.3f} {r['ref_gbps']:>7.2f} {r['speedup']:>7.2f}x", flush=True)
+    return {"bench": "kernels", "cpu": cpu, "threads": torch.get_num_threads(), "path": native.active_isa(),
+            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "results": results}
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("kernels", help="quantized matmul kernels vs float32 torch.matmul (GB/s, speedup)")
+    _add_args(p)
+    p.set_defaults(func=_main)
+
+
+def _add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--formats", default=",".join(FORMATS), help="comma-separated GGUF types (default %(default)s)")
+    p.add_argument("--rows", default=",".join(map(str, ROWS)), help="values of M (default %(default)s)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--min-seconds", type=float, default=0.3, help="time per measurement (default %(default)s)")
+
+
+def _main(a: argparse.Namespace) -> int:
+    formats = [f.strip().upper() for f in a.formats.split(",") if f.strip()]
+    unknown = [f for f in formats if f not in GGMLQuantizationType.__members__]
+    if unknown or not formats:
+        raise ValueError(f"--formats: unknown GGUF type(s) {', '.join(unknown) or '(none given)'}")
+    try:
+        rows = [int(r) for r in a.rows.split(",")]
+    except ValueError:
+        raise ValueError(f"--rows must be comma-separated integers, got {a.rows!r}") from None
+    if any(r < 1 for r in rows):
+        raise ValueError("--rows must be positive")
+    print(json.dumps(run(formats, rows, a.threads, a.min_seconds)))
+    return 0
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="python -m kvlm.kernels.bench", description=__doc__.splitlines()[0])
+    _add_args(parser)
+    try:
+        raise SystemExit(_main(parser.parse_args()))
+    except ValueError as e:
+        parser.exit(2, f"kvlm: error: {e}\n")

@@ -1,0 +1,29 @@
+// The table of kernels one instruction set provides. Each ISA translation unit (isa_*.cpp) compiles
+// kernels_impl.h under its own `#pragma GCC target` and returns one of these; ops.cpp picks the table
+// at run time. Plain C types only: the ISA units include no torch or C++ standard headers, so no
+// inline function compiled for AVX-512 can leak into code that runs on a CPU without it.
+#pragma once
+#include <stdint.h>
+
+extern "C" {
+
+typedef struct KvlmKernels {
+    // y[m, n] = sum_k x[m, k] * W[n, k] for rows n in [n0, n1); W row n starts at w + n * row_stride.
+    // x (M, K) contiguous, y (M, ldy). Returns 0, or -1 for a type this table does not handle.
+    int (*gemv)(int qtype, const uint8_t* w, int64_t row_stride, int64_t K, const float* x, int64_t M,
+                float* y, int64_t ldy, int64_t n0, int64_t n1);
+    // out[n - n0, :] = dequantized row n for n in [n0, n1); out rows are `ldo` floats apart.
+    int (*dequant)(int qtype, const uint8_t* w, int64_t row_stride, int64_t K, float* out, int64_t ldo,
+                   int64_t n0, int64_t n1);
+    // Decode attention for work items [i0, i1) of B * kv_heads (item = b * kv_heads + g): the query heads
+    // g*G .. g*G+G-1 of sequence b attend over its seq_lens[b] cached tokens, read through block_tables.
+    void (*paged_attn)(const float* q, const float* k_cache, const float* v_cache, const int32_t* block_tables,
+                       const int32_t* seq_lens, float* out, int64_t H, int64_t kv_heads, int64_t D,
+                       int64_t block_size, int64_t max_blocks, float scale, int64_t i0, int64_t i1);
+} KvlmKernels;
+
+const KvlmKernels* kvlm_kernels_scalar(void);
+const KvlmKernels* kvlm_kernels_avx2(void);
+const KvlmKernels* kvlm_kernels_avx512(void);
+
+}

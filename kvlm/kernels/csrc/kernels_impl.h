@@ -1,0 +1,428 @@
+// Kernel bodies, compiled once per instruction set: each isa_*.cpp sets `#pragma GCC target(...)`,
+// defines KVLM_ISA_FN (the name of its table getter) and includes this file.
+//
+// Vectors are GCC vector extensions of 16 floats (`v16`): one zmm under AVX-512, two ymm under AVX2,
+// four xmm on the SSE2 baseline, so one source gives all three paths with identical lane semantics.
+//
+// Exactness contract of `gemv`: output (m, n) accumulates x[m, k] * W[n, k] into lane k % 16 of a
+// 16-lane accumulator in increasing k (one fused multiply-add per element), then sums the lanes in a
+// fixed tree. That order depends on neither M, nor which rows share a call, nor the thread split, so a
+// row's result is bit-identical alone and in a batch.
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels.h"
+
+#if defined(KVLM_AVX2) || defined(KVLM_AVX512)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v16u __attribute__((vector_size(64), aligned(4)));
+typedef int32_t i16v __attribute__((vector_size(64)));
+typedef uint32_t u16v __attribute__((vector_size(64)));
+typedef uint8_t b16 __attribute__((vector_size(16)));
+typedef uint8_t b16u __attribute__((vector_size(16), aligned(1)));
+typedef int8_t s16 __attribute__((vector_size(16)));
+typedef uint16_t h16 __attribute__((vector_size(32)));
+typedef uint16_t h16u __attribute__((vector_size(32), aligned(1)));
+
+#define KVLM_INLINE static inline __attribute__((always_inline))
+
+KVLM_INLINE v16 ld(const float* p) { return *(const v16u*)p; }
+KVLM_INLINE void st(float* p, v16 v) { *(v16u*)p = v; }
+KVLM_INLINE b16 ldb(const uint8_t* p) { return *(const b16u*)p; }
+// Bits are unpacked on int32 lanes (x86 has no byte shifts, and GCC 12 scalarizes a direct u8 -> float
+// conversion): bytes are widened to int32 first, then masked, shifted and converted to float.
+// Widening goes 8 -> 16 -> 32 bits: GCC 12 turns each 2x step into vpmovzx/vpmovsx, a 4x step into scalar code.
+typedef int16_t hs16 __attribute__((vector_size(32)));
+KVLM_INLINE i16v widen(const uint8_t* p) {
+#if defined(KVLM_AVX512)
+    return (i16v)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
+#elif defined(KVLM_AVX2)
+    __m256i lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
+    __m256i hi = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(p + 8)));
+    i16v r;
+    memcpy(&r, &lo, 32);
+    memcpy((char*)&r + 32, &hi, 32);
+    return r;
+#else
+    return __builtin_convertvector(__builtin_convertvector(ldb(p), h16), i16v);
+#endif
+}
+KVLM_INLINE v16 tof(i16v q) { return __builtin_convertvector(q, v16); }
+KVLM_INLINE v16 tof_signed(const uint8_t* p) {
+    return __builtin_convertvector(__builtin_convertvector(__builtin_convertvector((s16)ldb(p), hs16), i16v), v16);
+}
+KVLM_INLINE v16 splat(float f) { return (v16){} + f; }
+
+KVLM_INLINE float hsum(v16 a) {
+    // Fixed tree: lanes i and i + 8, then i and i + 4, ...; the same for every call.
+    float t[16];
+    memcpy(t, &a, sizeof t);
+    for (int w = 8; w >= 1; w /= 2)
+        for (int i = 0; i < w; i++) t[i] = t[i] + t[i + w];
+    return t[0];
+}
+
+// IEEE half -> float, exact for normals, subnormals, zeros (signed), inf and NaN.
+KVLM_INLINE v16 half_to_float(u16v h) {
+    u16v sign = (h & 0x8000u) << 16;
+    u16v em = h & 0x7fffu;
+    v16 mag;
+    u16v bits = em << 13;
+    memcpy(&mag, &bits, sizeof mag);
+    mag = mag * splat(0x1p112f);  // rebias the exponent (15 -> 127); subnormal halves become normal floats
+    u16v out;
+    memcpy(&out, &mag, sizeof out);
+    out = (em >= 0x7c00u) ? ((em << 13) | 0x7f800000u) : out;  // inf / NaN keep an all-ones exponent
+    out |= sign;
+    v16 r;
+    memcpy(&r, &out, sizeof r);
+    return r;
+}
+
+KVLM_INLINE float f16(const uint8_t* p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+#if defined(KVLM_AVX2) || defined(KVLM_AVX512)
+    return _cvtsh_ss(h);
+#endif
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, em = h & 0x7fffu;
+    uint32_t bits = em << 13;
+    float mag;
+    memcpy(&mag, &bits, 4);
+    mag *= 0x1p112f;
+    uint32_t out;
+    memcpy(&out, &mag, 4);
+    if (em >= 0x7c00u) out = (em << 13) | 0x7f800000u;
+    out |= sign;
+    float r;
+    memcpy(&r, &out, 4);
+    return r;
+}
+
+KVLM_INLINE float bf16(const uint8_t* p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    uint32_t u = (uint32_t)h << 16;
+    float r;
+    memcpy(&r, &u, 4);
+    return r;
+}
+
+// ---- Weight formats -----------------------------------------------------------------------------
+// Each format decodes its blocks 32 elements at a time: step(blk, s, w0, w1) writes elements
+// 32*s .. 32*s+15 to w0 and 32*s+16 .. 32*s+31 to w1. BE = elements per block, BB = bytes per block.
+// Dense formats (F32, F16, BF16) use 32-element pseudo-blocks plus a scalar tail (`elem`).
+
+struct FmtQ4_0 {  // d f16, qs[16]: element i < 16 is the low nibble of qs[i], i >= 16 the high nibble
+    static constexpr int BE = 32, BB = 18;
+    static constexpr bool DENSE = false;
+    KVLM_INLINE void step(const uint8_t* b, int, v16& w0, v16& w1) {
+        float d = f16(b);
+        i16v q = widen(b + 2);
+        w0 = (tof(q & 15) - 8.0f) * d;
+        w1 = (tof(q >> 4) - 8.0f) * d;
+    }
+};
+
+struct FmtQ4_1 {  // d f16, m f16, qs[16]: value = q * d + m
+    static constexpr int BE = 32, BB = 20;
+    static constexpr bool DENSE = false;
+    KVLM_INLINE void step(const uint8_t* b, int, v16& w0, v16& w1) {
+        float d = f16(b), m = f16(b + 2);
+        i16v q = widen(b + 4);
+        w0 = tof(q & 15) * d + m;
+        w1 = tof(q >> 4) * d + m;
+    }
+};
+
+struct FmtQ8_0 {  // d f16, qs int8[32]: value = q * d
+    static constexpr int BE = 32, BB = 34;
+    static constexpr bool DENSE = false;
+    KVLM_INLINE void step(const uint8_t* b, int, v16& w0, v16& w1) {
+        float d = f16(b);
+        w0 = tof_signed(b + 2) * d;
+        w1 = tof_signed(b + 18) * d;
+    }
+};
+
+// K-quants: 256-element super-blocks of 8 sub-blocks of 32, 6-bit scales and mins packed in 12 bytes.
+KVLM_INLINE void scale_min_k4(int j, const uint8_t* q, int& sc, int& m) {
+    if (j < 4) {
+        sc = q[j] & 63;
+        m = q[j + 4] & 63;
+    } else {
+        sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+        m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+struct FmtQ4_K {  // d f16, dmin f16, scales[12], qs[128]; sub-block s: nibble (s & 1) of qs[32*(s/2) ..]
+    static constexpr int BE = 256, BB = 144;
+    static constexpr bool DENSE = false;
+    KVLM_INLINE void step(const uint8_t* b, int s, v16& w0, v16& w1) {
+        int sc, mn;
+        scale_min_k4(s, b + 4, sc, mn);
+        float d = f16(b) * (float)sc, m = f16(b + 2) * (float)mn;
+        const uint8_t* q = b + 16 + 32 * (s / 2);
+        int sh = (s & 1) * 4;
+        w0 = tof((widen(q) >> sh) & 15) * d - m;
+        w1 = tof((widen(q + 16) >> sh) & 15) * d - m;
+    }
+};
+
+struct FmtQ5_K {  // d, dmin, scales[12], qh[32], qs[128]; the 5th bit of sub-block s is bit s of qh[l]
+    static constexpr int BE = 256, BB = 176;
+    static constexpr bool DENSE = false;
+    KVLM_INLINE void step(const uint8_t* b, int s, v16& w0, v16& w1) {
+        int sc, mn;
+        scale_min_k4(s, b + 4, sc, mn);
+        float d = f16(b) * (float)sc, m = f16(b + 2) * (float)mn;
+        const uint8_t* qh = b + 16;
+        const uint8_t* q = b + 48 + 32 * (s / 2);
+        int sh = (s & 1) * 4;
+        i16v lo0 = (widen(q) >> sh) & 15, lo1 = (widen(q + 16) >> sh) & 15;
+        i16v hi0 = ((widen(qh) >> s) & 1) << 4, hi1 = ((widen(qh + 16) >> s) & 1) << 4;
+        w0 = tof(lo0 | hi0) * d - m;
+        w1 = tof(lo1 | hi1) * d - m;
+    }
+};
+
+struct FmtQ6_K {  // ql[128], qh[64], scales int8[16], d f16; value = d * scale[i/16] * (q - 32)
+    static constexpr int BE = 256, BB = 210;
+    static constexpr bool DENSE = false;
+    KVLM_INLINE void step(const uint8_t* b, int s, v16& w0, v16& w1) {
+        int h = s / 4, c = s % 4;
+        const uint8_t* ql = b + 64 * h + (c & 1) * 32;
+        const uint8_t* qh = b + 128 + 32 * h;
+        const int8_t* scales = (const int8_t*)(b + 192);
+        float d = f16(b + 208);
+        int shl = (c >> 1) * 4, shh = 2 * c;
+        i16v q0 = ((widen(ql) >> shl) & 15) | (((widen(qh) >> shh) & 3) << 4);
+        i16v q1 = ((widen(ql + 16) >> shl) & 15) | (((widen(qh + 16) >> shh) & 3) << 4);
+        w0 = (tof(q0) - 32.0f) * (d * (float)scales[2 * s]);
+        w1 = (tof(q1) - 32.0f) * (d * (float)scales[2 * s + 1]);
+    }
+};
+
+struct FmtF32 {
+    static constexpr int BE = 32, BB = 128;
+    static constexpr bool DENSE = true;
+    KVLM_INLINE void step(const uint8_t* b, int, v16& w0, v16& w1) {
+        w0 = ld((const float*)b);
+        w1 = ld((const float*)b + 16);
+    }
+    KVLM_INLINE float elem(const uint8_t* row, int64_t k) {
+        float f;
+        memcpy(&f, row + 4 * k, 4);
+        return f;
+    }
+};
+
+struct FmtF16 {
+    static constexpr int BE = 32, BB = 64;
+    static constexpr bool DENSE = true;
+    KVLM_INLINE void step(const uint8_t* b, int, v16& w0, v16& w1) {
+        w0 = half_to_float(__builtin_convertvector(*(const h16u*)b, u16v));
+        w1 = half_to_float(__builtin_convertvector(*(const h16u*)(b + 32), u16v));
+    }
+    KVLM_INLINE float elem(const uint8_t* row, int64_t k) { return f16(row + 2 * k); }
+};
+
+struct FmtBF16 {
+    static constexpr int BE = 32, BB = 64;
+    static constexpr bool DENSE = true;
+    KVLM_INLINE void step(const uint8_t* b, int, v16& w0, v16& w1) {
+        u16v a = __builtin_convertvector(*(const h16u*)b, u16v) << 16;
+        u16v c = __builtin_convertvector(*(const h16u*)(b + 32), u16v) << 16;
+        memcpy(&w0, &a, sizeof w0);
+        memcpy(&w1, &c, sizeof w1);
+    }
+    KVLM_INLINE float elem(const uint8_t* row, int64_t k) { return bf16(row + 2 * k); }
+};
+
+// ---- Matrix-vector products ---------------------------------------------------------------------
+
+// MT rows of x against one weight row; each block is decoded once and used for all MT rows.
+template <class F, int MT>
+KVLM_INLINE void row_dot(const uint8_t* row, int64_t K, const float* x, int64_t ldx, float* y, int64_t ldy) {
+    v16 acc[MT];
+    for (int i = 0; i < MT; i++) acc[i] = (v16){};
+    const int64_t nb = K / F::BE;
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t* blk = row + b * F::BB;
+        const float* xb = x + b * F::BE;
+        for (int s = 0; s < F::BE / 32; s++) {
+            v16 w0, w1;
+            F::step(blk, s, w0, w1);
+            for (int i = 0; i < MT; i++) {
+                acc[i] += w0 * ld(xb + i * ldx + 32 * s);
+                acc[i] += w1 * ld(xb + i * ldx + 32 * s + 16);
+            }
+        }
+    }
+    if constexpr (F::DENSE) {
+        for (int64_t k = nb * F::BE; k < K; k++) {  // tail of a dense row: lane (k % 32) % 16, as above
+            float w = F::elem(row, k);
+            int lane = (int)((k - nb * F::BE) % 16);
+            for (int i = 0; i < MT; i++) acc[i][lane] += w * x[i * ldx + k];
+        }
+    }
+    for (int i = 0; i < MT; i++) y[i * ldy] = hsum(acc[i]);
+}
+
+template <class F>
+void gemv_t(const uint8_t* w, int64_t rs, int64_t K, const float* x, int64_t M, float* y, int64_t ldy,
+            int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t* row = w + n * rs;
+        int64_t m = 0;
+        for (; m + 4 <= M; m += 4) row_dot<F, 4>(row, K, x + m * K, K, y + m * ldy + n, ldy);
+        for (; m < M; m++) row_dot<F, 1>(row, K, x + m * K, K, y + m * ldy + n, ldy);
+    }
+}
+
+template <class F>
+void dequant_t(const uint8_t* w, int64_t rs, int64_t K, float* out, int64_t ldo, int64_t n0, int64_t n1) {
+    const int64_t nb = K / F::BE;
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t* row = w + n * rs;
+        float* o = out + (n - n0) * ldo;
+        for (int64_t b = 0; b < nb; b++)
+            for (int s = 0; s < F::BE / 32; s++) {
+                v16 w0, w1;
+                F::step(row + b * F::BB, s, w0, w1);
+                st(o + b * F::BE + 32 * s, w0);
+                st(o + b * F::BE + 32 * s + 16, w1);
+            }
+        if constexpr (F::DENSE)
+            for (int64_t k = nb * F::BE; k < K; k++) o[k] = F::elem(row, k);
+    }
+}
+
+// ggml type ids (gguf.GGMLQuantizationType)
+enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_BF16 = 30 };
+
+#define KVLM_DISPATCH(qtype, CALL)          \
+    switch (qtype) {                        \
+        case T_F32: CALL(FmtF32); break;    \
+        case T_F16: CALL(FmtF16); break;    \
+        case T_BF16: CALL(FmtBF16); break;  \
+        case T_Q4_0: CALL(FmtQ4_0); break;  \
+        case T_Q4_1: CALL(FmtQ4_1); break;  \
+        case T_Q8_0: CALL(FmtQ8_0); break;  \
+        case T_Q4_K: CALL(FmtQ4_K); break;  \
+        case T_Q5_K: CALL(FmtQ5_K); break;  \
+        case T_Q6_K: CALL(FmtQ6_K); break;  \
+        default: return -1;                 \
+    }
+
+int gemv(int qtype, const uint8_t* w, int64_t rs, int64_t K, const float* x, int64_t M, float* y, int64_t ldy,
+         int64_t n0, int64_t n1) {
+#define KVLM_GEMV(F) gemv_t<F>(w, rs, K, x, M, y, ldy, n0, n1)
+    KVLM_DISPATCH(qtype, KVLM_GEMV)
+    return 0;
+}
+
+int dequant(int qtype, const uint8_t* w, int64_t rs, int64_t K, float* out, int64_t ldo, int64_t n0, int64_t n1) {
+#define KVLM_DEQUANT(F) dequant_t<F>(w, rs, K, out, ldo, n0, n1)
+    KVLM_DISPATCH(qtype, KVLM_DEQUANT)
+    return 0;
+}
+
+// ---- Paged decode attention ---------------------------------------------------------------------
+
+// exp(x) for x <= 0 (scores minus their running max), Cephes-style: n = round(x / ln 2), a degree-6
+// polynomial on the remainder, times 2^n; about 2 ulp. Below -87.3 (where expf underflows) it is 0.
+KVLM_INLINE v16 exp_neg(v16 x) {
+    const v16 lo = splat(-87.33654f);
+    i16v under = x < lo;
+    x = under ? lo : x;
+    v16 fx = x * 1.44269504088896341f + 0.5f;
+    v16 nf = __builtin_convertvector(__builtin_convertvector(fx, i16v), v16);
+    nf = (nf > fx) ? nf - 1.0f : nf;  // floor
+    x = x - nf * 0.693359375f;
+    x = x - nf * -2.12194440e-4f;
+    v16 z = x * x;
+    v16 y = splat(1.9875691500E-4f);
+    y = y * x + 1.3981999507E-3f;
+    y = y * x + 8.3334519073E-3f;
+    y = y * x + 4.1665795894E-2f;
+    y = y * x + 1.6666665459E-1f;
+    y = y * x + 5.0000001201E-1f;
+    y = y * z + x + 1.0f;
+    i16v e = (__builtin_convertvector(nf, i16v) + 127) << 23;
+    v16 p;
+    memcpy(&p, &e, sizeof p);
+    y = y * p;
+    return under ? splat(0.0f) : y;
+}
+
+KVLM_INLINE float dot16(const float* a, const float* b, int64_t nv) {
+    v16 acc = (v16){};
+    for (int64_t i = 0; i < nv; i++) acc += ld(a + 16 * i) * ld(b + 16 * i);
+    return hsum(acc);
+}
+
+void paged_attn(const float* q, const float* kc, const float* vc, const int32_t* bt, const int32_t* lens, float* out,
+                int64_t H, int64_t KVH, int64_t D, int64_t BS, int64_t MB, float scale, int64_t i0, int64_t i1) {
+    // q (B, H, D), k/v cache (num_blocks, BS, KVH, D), bt (B, MB), out (B, H, D); D % 16 == 0 (checked by caller).
+    const int64_t G = H / KVH, nv = D / 16, BSP = (BS + 15) / 16 * 16;
+    float* acc = (float*)malloc(sizeof(float) * (G * D + G * BSP + 2 * G));
+    float* sc = acc + G * D;    // (G, BSP) scores of one block
+    float* mx = sc + G * BSP;   // (G,) running max
+    float* den = mx + G;        // (G,) running softmax denominator
+    const float NEG_INF = -__builtin_inff();
+    for (int64_t item = i0; item < i1; item++) {
+        const int64_t b = item / KVH, g = item % KVH, L = lens[b];
+        const float* qg = q + (b * H + g * G) * D;
+        for (int64_t i = 0; i < G * D; i++) acc[i] = 0.0f;
+        for (int64_t h = 0; h < G; h++) mx[h] = NEG_INF, den[h] = 0.0f;
+        for (int64_t j = 0; j * BS < L; j++) {
+            const int64_t blk = bt[b * MB + j], nt = (L - j * BS < BS) ? L - j * BS : BS;
+            const float* kb = kc + (blk * BS * KVH + g) * D;  // token t at kb + t * KVH * D
+            const float* vb = vc + (blk * BS * KVH + g) * D;
+            for (int64_t h = 0; h < G; h++) {
+                float* s = sc + h * BSP;
+                float bmax = NEG_INF;
+                for (int64_t t = 0; t < nt; t++) {
+                    s[t] = dot16(qg + h * D, kb + t * KVH * D, nv) * scale;
+                    bmax = s[t] > bmax ? s[t] : bmax;
+                }
+                const float mnew = bmax > mx[h] ? bmax : mx[h];
+                for (int64_t t = nt; t < BSP; t++) s[t] = NEG_INF;
+                for (int64_t t = 0; t < BSP; t += 16) st(s + t, exp_neg(ld(s + t) - mnew));
+                float corr = 0.0f;
+                if (mx[h] != NEG_INF) corr = exp_neg(splat(mx[h] - mnew))[0];
+                float psum = 0.0f;
+                for (int64_t t = 0; t < nt; t++) psum += s[t];
+                den[h] = den[h] * corr + psum;
+                mx[h] = mnew;
+                float* a = acc + h * D;
+                for (int64_t i = 0; i < nv; i++) {
+                    v16 av = ld(a + 16 * i) * corr;
+                    for (int64_t t = 0; t < nt; t++) av += s[t] * ld(vb + t * KVH * D + 16 * i);
+                    st(a + 16 * i, av);
+                }
+            }
+        }
+        for (int64_t h = 0; h < G; h++) {
+            float* o = out + (b * H + g * G + h) * D;
+            const float inv = den[h] > 0.0f ? 1.0f / den[h] : 0.0f;  // an empty sequence attends to nothing
+            for (int64_t i = 0; i < D; i++) o[i] = acc[h * D + i] * inv;
+        }
+    }
+    free(acc);
+}
+
+}  // namespace
+
+extern "C" const KvlmKernels* KVLM_ISA_FN(void) {
+    static const KvlmKernels table = {gemv, dequant, paged_attn};
+    return &table;
+}

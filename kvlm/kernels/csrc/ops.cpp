@@ -1,0 +1,118 @@
+// Torch bindings (torch.ops.kvlm_kernels.*): argument checks, the thread split (at::parallel_for over
+// output rows or attention work items), and the choice of ISA table. The kernels themselves are in
+// kernels_impl.h, compiled once per ISA. Only light torch headers here, to keep the one-time build short.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+
+#include "kernels.h"
+
+namespace {
+
+constexpr int64_t ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2;
+
+int64_t best_isa() {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
+        return ISA_AVX512;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c") &&
+        __builtin_cpu_supports("bmi2"))
+        return ISA_AVX2;
+#endif
+    return ISA_SCALAR;
+}
+
+const KvlmKernels* table(int64_t isa) {
+    TORCH_CHECK(isa >= ISA_SCALAR && isa <= best_isa(), "kvlm kernels: ISA ", isa, " is not available on this CPU");
+    if (isa == ISA_AVX512) return kvlm_kernels_avx512();
+    if (isa == ISA_AVX2) return kvlm_kernels_avx2();
+    return kvlm_kernels_scalar();
+}
+
+void check_weight(const at::Tensor& w) {
+    TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kByte && w.dim() == 2 && w.stride(1) == 1,
+                "weight data must be a CPU uint8 (N, row_bytes) tensor with contiguous rows");
+}
+
+// out (M, N) = x (M, K) @ W.T, W given by its GGUF blocks (N, row_bytes).
+void qmatmul(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64_t K, int64_t isa, const at::Tensor& out) {
+    check_weight(w);
+    TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous() &&
+                    x.size(1) == K, "x must be a contiguous float32 (M, K) CPU tensor");
+    const int64_t M = x.size(0), N = w.size(0);
+    TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.size(0) == M && out.size(1) == N,
+                "out must be a contiguous float32 (M, N) tensor");
+    const KvlmKernels* t = table(isa);
+    const uint8_t* wp = w.const_data_ptr<uint8_t>();
+    const float* xp = x.const_data_ptr<float>();
+    float* yp = out.mutable_data_ptr<float>();
+    const int64_t rs = w.stride(0);
+    const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, K * M));  // rows per task
+    int rc = 0;
+    at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+        if (t->gemv(static_cast<int>(qtype), wp, rs, K, xp, M, yp, N, n0, n1)) rc = -1;
+    });
+    TORCH_CHECK(rc == 0, "kvlm kernels: no kernel for ggml type ", qtype);
+}
+
+// out (N, K) = the dequantized weight rows.
+void dequantize(const at::Tensor& w, int64_t qtype, int64_t K, int64_t isa, const at::Tensor& out) {
+    check_weight(w);
+    const int64_t N = w.size(0);
+    TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 2 && out.stride(1) == 1 && out.size(0) == N &&
+                    out.size(1) == K, "out must be a float32 (N, K) tensor with contiguous rows");
+    const KvlmKernels* t = table(isa);
+    const uint8_t* wp = w.const_data_ptr<uint8_t>();
+    float* op = out.mutable_data_ptr<float>();
+    const int64_t rs = w.stride(0), ldo = out.stride(0);
+    int rc = 0;
+    at::parallel_for(0, N, std::max<int64_t>(1, 16384 / K), [&](int64_t n0, int64_t n1) {
+        if (t->dequant(static_cast<int>(qtype), wp, rs, K, op + n0 * ldo, ldo, n0, n1)) rc = -1;
+    });
+    TORCH_CHECK(rc == 0, "kvlm kernels: no kernel for ggml type ", qtype);
+}
+
+void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, int64_t isa,
+                            const at::Tensor& out) {
+    TORCH_CHECK(q.scalar_type() == at::kFloat && q.dim() == 3 && q.is_contiguous(), "q must be contiguous float32 (B, H, D)");
+    TORCH_CHECK(k_cache.scalar_type() == at::kFloat && k_cache.dim() == 4 && k_cache.is_contiguous() &&
+                    v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == at::kFloat && v_cache.is_contiguous(),
+                "k/v caches must be contiguous float32 (num_blocks, block_size, kv_heads, D)");
+    TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 && block_tables.is_contiguous() &&
+                    seq_lens.scalar_type() == at::kInt && seq_lens.dim() == 1 && seq_lens.is_contiguous(),
+                "block_tables (B, max_blocks) and seq_lens (B,) must be contiguous int32");
+    const int64_t B = q.size(0), H = q.size(1), D = q.size(2), BS = k_cache.size(1), KVH = k_cache.size(2);
+    TORCH_CHECK(k_cache.size(3) == D && D % 16 == 0 && H % KVH == 0 && block_tables.size(0) == B &&
+                    seq_lens.size(0) == B, "paged attention: inconsistent shapes");
+    TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.sizes() == q.sizes(), "bad out tensor");
+    const KvlmKernels* t = table(isa);
+    const float* qp = q.const_data_ptr<float>();
+    const float* kp = k_cache.const_data_ptr<float>();
+    const float* vp = v_cache.const_data_ptr<float>();
+    const int32_t* bt = block_tables.const_data_ptr<int32_t>();
+    const int32_t* lens = seq_lens.const_data_ptr<int32_t>();
+    float* op = out.mutable_data_ptr<float>();
+    const int64_t MB = block_tables.size(1), num_blocks = k_cache.size(0);
+    for (int64_t b = 0; b < B; b++) {  // the kernel trusts the tables: check them once here (B * blocks ints)
+        TORCH_CHECK(lens[b] >= 0 && lens[b] <= MB * BS, "seq_lens[", b, "] = ", lens[b], " exceeds its block table");
+        for (int64_t j = 0; j * BS < lens[b]; j++)
+            TORCH_CHECK(bt[b * MB + j] >= 0 && bt[b * MB + j] < num_blocks, "block_tables[", b, ", ", j,
+                        "] = ", bt[b * MB + j], " is outside the cache");
+    }
+    at::parallel_for(0, B * KVH, 1, [&](int64_t i0, int64_t i1) {
+        t->paged_attn(qp, kp, vp, bt, lens, op, H, KVH, D, BS, MB, static_cast<float>(scale), i0, i1);
+    });
+}
+
+}  // namespace
+
+TORCH_LIBRARY(kvlm_kernels, m) {
+    m.def("best_isa() -> int", &best_isa);
+    m.def("qmatmul(Tensor x, Tensor w, int qtype, int K, int isa, Tensor(a!) out) -> ()", &qmatmul);
+    m.def("dequantize(Tensor w, int qtype, int K, int isa, Tensor(a!) out) -> ()", &dequantize);
+    m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
+          "float scale, int isa, Tensor(a!) out) -> ()", &paged_decode_attention);
+}

@@ -1,0 +1,141 @@
+"""The native kernel extension: built once per machine at first use, loaded, and which ISA path runs.
+
+The C++ sources in `csrc/` are compiled with `torch.utils.cpp_extension` (not at `pip install`: build
+isolation would compile against another torch) into `$KVLM_HOME/ext/<key>/`, where the key hashes the
+sources, the compiler flags, the compiler and the torch and Python versions. A file lock makes
+parallel processes (pytest workers) build once and the others wait; later processes only load the
+shared library (milliseconds). Where the compiler, headers or build fail, one warning is logged and
+every kernel uses its pure-PyTorch reference: never a crash.
+
+The path is the best one this CPU supports (`avx512` > `avx2` > `scalar`), or the one forced by
+`KVLM_KERNEL_ISA=avx512|avx2|scalar|reference` (read at each call, so tests can switch paths).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger("kvlm")
+
+ISAS = ("scalar", "avx2", "avx512")  # index = the id the C++ side uses
+PATHS = (*ISAS, "reference")
+ENV_ISA = "KVLM_KERNEL_ISA"
+
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = ("ops.cpp", "isa_scalar.cpp", "isa_avx2.cpp", "isa_avx512.cpp")
+_HEADERS = ("kernels.h", "kernels_impl.h")
+# -std=c++20: torch 2.13's headers need it. The ISA units set their own `#pragma GCC target`.
+_CFLAGS = ("-O3", "-std=c++20", "-Wno-psabi", "-Wno-maybe-uninitialized", "-fno-math-errno")
+
+
+def _compiler() -> str:
+    cxx = os.environ.get("CXX", "c++")
+    try:
+        version = subprocess.run([cxx, "--version"], check=False, capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        version = "unavailable"
+    return f"{cxx}\n{version.splitlines()[0] if version else ''}"
+
+
+def _build_key() -> str:
+    h = hashlib.sha256()
+    for name in (*_SOURCES, *_HEADERS):
+        h.update(name.encode() + b"\0" + (_CSRC / name).read_bytes())
+    for part in (*_CFLAGS, _compiler(), torch.__version__, sys.version, platform.machine()):
+        h.update(part.encode() + b"\0")
+    return h.hexdigest()[:16]
+
+
+def _ext_root() -> Path:
+    return Path(os.environ.get("KVLM_HOME") or Path.home() / ".cache" / "kvlm") / "ext"
+
+
+def _build_and_load() -> None:
+    key = _build_key()
+    name = f"kvlm_kernels_{key}"
+    build_dir = _ext_root() / key
+    lib = build_dir / f"{name}.so"
+    if not lib.exists():
+        build_dir.mkdir(parents=True, exist_ok=True)
+        with open(build_dir.parent / f"{key}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # one builder per machine; the others wait, then load
+            if not lib.exists():
+                _compile(name, build_dir)
+    torch.ops.load_library(str(lib))
+
+
+def _compile(name: str, build_dir: Path) -> None:
+    from torch.utils import cpp_extension
+
+    if shutil.which("ninja") is None:
+        raise RuntimeError("ninja is not installed (pip install ninja)")
+    logger.info("kvlm: compiling the native kernels once into %s (about a minute)", build_dir)
+    cpp_extension.load(
+        name=name,
+        sources=[str(_CSRC / s) for s in _SOURCES],
+        extra_cflags=list(_CFLAGS),
+        extra_include_paths=[str(_CSRC)],
+        build_directory=str(build_dir),
+        is_python_module=False,
+        verbose=False,
+    )
+
+
+@functools.cache
+def available() -> bool:
+    """Whether the native extension is built and loaded in this process (builds it on the first call)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        logger.warning("kvlm: native kernels target x86-64; using the PyTorch reference kernels on %s",
+                       platform.machine())
+        return False
+    try:
+        _build_and_load()
+        return True
+    except Exception as e:  # noqa: BLE001 - any build or load failure means: use the reference
+        first = (str(e).strip().splitlines() or [type(e).__name__])[-1][:300]
+        logger.warning("kvlm: native kernels unavailable (%s); using the PyTorch reference kernels", first)
+        return False
+
+
+@functools.cache
+def best_isa() -> str:
+    """The fastest ISA path this CPU supports, or 'reference' without the extension."""
+    if not available():
+        return "reference"
+    return ISAS[torch.ops.kvlm_kernels.best_isa()]
+
+
+@functools.cache
+def _warn_unavailable(forced: str, best: str) -> None:
+    logger.warning("kvlm: %s=%s is not available here; using %s", ENV_ISA, forced, best)
+
+
+def active_isa() -> str:
+    """The path kernels take now: `KVLM_KERNEL_ISA` if set (and possible here), else the best one."""
+    forced = os.environ.get(ENV_ISA, "").strip().lower()
+    if forced == "reference":
+        return "reference"
+    if forced and forced not in ISAS:
+        raise ValueError(f"{ENV_ISA} must be one of {', '.join(PATHS)}, got {forced!r}")
+    best = best_isa()
+    if not forced or best == "reference":
+        return best
+    if ISAS.index(forced) > ISAS.index(best):
+        _warn_unavailable(forced, best)
+        return best
+    return forced
+
+
+def isa_id(isa: str) -> int:
+    return ISAS.index(isa)

@@ -1,0 +1,248 @@
+"""Kernel exactness: every native path against its pure-PyTorch reference.
+
+Paths are forced with KVLM_KERNEL_ISA (scalar, avx2, avx512; avx512 skipped on CPUs without it), at
+1 and 2 threads. Tolerances:
+- dequantize: bit-identical to the gguf package's decoder, except Q4_1 / Q4_K / Q5_K whose `q * d + m`
+  may be one fused multiply-add here (one rounding instead of two): within 2 ulp of the magnitude.
+- qmatmul: |kernel - reference| <= 1e-5 * (|x| @ |W|.T) + 1e-30, the bound for float32 sums of the
+  same products added in another order (K <= 1536 here).
+- paged attention: within 2e-5 (absolute and relative) of gather + SDPA.
+And bit-exact: a row's result from the row kernel does not depend on M, on which rows share the call,
+or on the thread count.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as T
+
+from kvlm.kernels import native, paged_decode_attention
+from kvlm.kernels.quant import (
+    GEMV_MAX_ROWS,
+    QuantTensor,
+    dequantize,
+    kernel_path,
+    qmatmul,
+)
+from kvlm.kernels.reference import (
+    dequantize_ref,
+    paged_decode_attention_ref,
+    qmatmul_ref,
+)
+
+FORMATS = [T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K, T.F16, T.BF16, T.F32]
+ROUNDED = {T.Q4_1, T.Q4_K, T.Q5_K}  # q * d + m: fused here, two roundings in the reference
+ISAS = ["scalar", "avx2", "avx512"]
+# Byte offsets of each format's float16 scale fields inside a block.
+SCALE_FIELDS = {T.Q4_0: [0], T.Q4_1: [0, 2], T.Q8_0: [0], T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [208]}
+
+
+def random_blocks(qtype: T, n: int, k: int, seed: int) -> QuantTensor:
+    """(n, k) weight of random blocks: random quants and scales, plus the edge rows (when n >= 3):
+    row 0 all-zero bytes, row 1 the largest float16 scales (and +-max values for dense types),
+    row 2 negative-zero scales (and -0.0 values for dense types)."""
+    rng = np.random.default_rng(seed)
+    elems, nbytes = GGML_QUANT_SIZES[qtype]
+    if qtype in (T.F32, T.F16, T.BF16):
+        vals = rng.standard_normal((n, k)).astype(np.float32)
+        if n >= 3:
+            vals[1, ::2], vals[1, 1::2] = 65504.0, -65504.0
+            vals[2] = -0.0
+        if qtype == T.F32:
+            raw = vals.view(np.uint8)
+        elif qtype == T.F16:
+            raw = vals.astype(np.float16).view(np.uint8)
+        else:
+            raw = (vals.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+    else:
+        blocks = rng.integers(0, 256, size=(n, k // elems, nbytes), dtype=np.uint8)
+        for off in SCALE_FIELDS[qtype]:
+            scales = (rng.standard_normal((n, k // elems)) * 0.05).astype(np.float16)
+            if n >= 3:
+                scales[0], scales[1], scales[2] = 0.0, np.float16(65504.0), np.float16(-0.0)
+            blocks[:, :, off:off + 2] = scales.view(np.uint8).reshape(n, k // elems, 2)
+        if n >= 1:
+            blocks[0] = 0
+        raw = blocks.reshape(n, -1)
+    return QuantTensor(torch.from_numpy(np.ascontiguousarray(raw)), qtype, (n, k))
+
+
+def row_length(qtype: T) -> int:
+    """A K that is a multiple of the block size but not of 256 where the format allows it."""
+    elems = GGML_QUANT_SIZES[qtype][0]
+    return 50 if elems == 1 else (2 * 256 if elems == 256 else 3 * 32)
+
+
+@pytest.fixture(scope="module")
+def built() -> bool:
+    return native.available()
+
+
+@pytest.fixture(params=ISAS)
+def isa(request: pytest.FixtureRequest, built: bool, monkeypatch: pytest.MonkeyPatch) -> str:
+    if not built:
+        pytest.skip("native kernels not built here (test_extension_builds says why)")
+    if ISAS.index(request.param) > ISAS.index(native.best_isa()):
+        pytest.skip(f"this CPU lacks {request.param} (best: {native.best_isa()})")
+    monkeypatch.setenv(native.ENV_ISA, request.param)
+    return request.param
+
+
+@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
+def threads(request: pytest.FixtureRequest):
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+def matmul_bound(x: torch.Tensor, w: QuantTensor) -> torch.Tensor:
+    return 1e-5 * (x.double().abs() @ dequantize_ref(w).double().abs().T) + 1e-30
+
+
+def test_extension_builds() -> None:
+    """Where a C++ compiler exists on x86-64, the native kernels must build (else CI would only test the fallback)."""
+    import platform
+    import shutil
+
+    if platform.machine() not in ("x86_64", "AMD64") or shutil.which(os.environ.get("CXX", "c++")) is None:
+        pytest.skip("no x86-64 C++ toolchain")
+    assert native.available()
+    assert native.best_isa() in ISAS
+
+
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda t: t.name)
+def test_dequantize_matches_reference(qtype: T, isa: str) -> None:
+    w = random_blocks(qtype, 37, row_length(qtype), seed=1)
+    assert kernel_path(qtype) == isa
+    got, ref = dequantize(w), dequantize_ref(w)
+    if qtype in ROUNDED:
+        torch.testing.assert_close(got, ref, rtol=2.4e-7, atol=0.0, equal_nan=False)
+    else:
+        assert torch.equal(got, ref)
+        # negative zero survives decoding where the reference keeps it
+        assert torch.equal(torch.signbit(got), torch.signbit(ref))
+
+
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda t: t.name)
+def test_qmatmul_matches_reference(qtype: T, isa: str, threads: int) -> None:
+    k = row_length(qtype)
+    w = random_blocks(qtype, 45, k, seed=2)  # N = 45: not a multiple of any block or vector width
+    gen = torch.Generator().manual_seed(3)
+    for m in (1, 3, 8, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1, 64):  # row kernel and tiled BLAS path
+        x = torch.randn(m, k, generator=gen)
+        err = (qmatmul(x, w).double() - qmatmul_ref(x, w).double()).abs()
+        assert (err <= matmul_bound(x, w)).all(), f"M={m}: max error {err.max():.3g}"
+
+
+def test_qmatmul_keeps_leading_dims(isa: str) -> None:
+    w = random_blocks(T.Q4_1, 20, 64, seed=4)
+    x = torch.randn(2, 3, 64)
+    assert qmatmul(x, w).shape == (2, 3, 20)
+    assert torch.equal(qmatmul(x, w), qmatmul(x.reshape(6, 64), w).reshape(2, 3, 20))
+
+
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda t: t.name)
+def test_row_result_independent_of_batch_and_threads(qtype: T, isa: str) -> None:
+    """Decode alone == the same decode in a batch, bit for bit, at any thread count."""
+    k = row_length(qtype)
+    w = random_blocks(qtype, 300, k, seed=5)
+    x = torch.randn(GEMV_MAX_ROWS, k, generator=torch.Generator().manual_seed(6))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        batch = qmatmul(x, w)
+        torch.set_num_threads(1)
+        for i in range(GEMV_MAX_ROWS):
+            assert torch.equal(qmatmul(x[i:i + 1], w), batch[i:i + 1]), f"row {i}"
+        assert torch.equal(qmatmul(x[5:11], w), batch[5:11])
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_reference_path_forced(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(native.ENV_ISA, "reference")
+    w = random_blocks(T.Q4_1, 10, 64, seed=7)
+    x = torch.randn(3, 64)
+    assert kernel_path(T.Q4_1) == "reference"
+    assert torch.equal(qmatmul(x, w), qmatmul_ref(x, w))
+    assert torch.equal(dequantize(w), dequantize_ref(w))
+
+
+def test_unknown_isa_is_a_readable_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(native.ENV_ISA, "avx9000")
+    with pytest.raises(ValueError, match="KVLM_KERNEL_ISA must be one of"):
+        kernel_path(T.Q4_1)
+
+
+def test_types_without_kernel_use_reference(isa: str) -> None:
+    assert kernel_path(T.Q5_0) == "reference"
+
+
+def test_fallback_when_the_build_fails(tmp_path: Path) -> None:
+    """A broken compiler: one warning, reference kernels, correct results, no crash."""
+    script = (
+        "import torch\n"
+        "from gguf import GGMLQuantizationType as T\n"
+        "from tests.test_kernels import random_blocks\n"
+        "from kvlm.kernels import kernel_path, qmatmul, paged_decode_attention\n"
+        "from kvlm.kernels.reference import qmatmul_ref\n"
+        "w = random_blocks(T.Q4_1, 10, 64, seed=0); x = torch.randn(2, 64)\n"
+        "assert torch.equal(qmatmul(x, w), qmatmul_ref(x, w))\n"
+        "q = torch.randn(1, 2, 16); kv = torch.randn(2, 4, 1, 16)\n"
+        "paged_decode_attention(q, kv, kv, torch.tensor([[0, 1]], dtype=torch.int32),"
+        " torch.tensor([5], dtype=torch.int32), 0.25)\n"
+        "print(kernel_path(T.Q4_1))\n"
+    )
+    env = {**os.environ, "KVLM_HOME": str(tmp_path), "CXX": "/bin/false", "PYTHONPATH": str(Path(__file__).parents[1])}
+    env.pop(native.ENV_ISA, None)
+    r = subprocess.run([sys.executable, "-c", script], check=False, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "reference"
+    assert r.stderr.count("native kernels unavailable") == 1, r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def _paged_case(seed: int, lens: list[int], heads: int, kv_heads: int, d: int = 64, block_size: int = 16):
+    gen = torch.Generator().manual_seed(seed)
+    b = len(lens)
+    max_blocks = max(1, max((n + block_size - 1) // block_size for n in lens))
+    num_blocks = b * max_blocks + 3
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, d, generator=gen)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, d, generator=gen)
+    tables = torch.randperm(num_blocks, generator=gen)[: b * max_blocks].reshape(b, max_blocks).to(torch.int32)
+    q = torch.randn(b, heads, d, generator=gen)
+    return q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads"), [(9, 3), (4, 4), (8, 1)])
+def test_paged_attention_matches_gather_sdpa(isa: str, threads: int, heads: int, kv_heads: int) -> None:
+    lens = [1, 16, 17, 100, 0, 333]
+    q, kc, vc, tables, seq_lens = _paged_case(8, lens, heads, kv_heads)
+    got = paged_decode_attention(q, kc, vc, tables, seq_lens, 0.125)
+    ref = paged_decode_attention_ref(q, kc, vc, tables, seq_lens, 0.125)
+    torch.testing.assert_close(got, ref, rtol=2e-5, atol=2e-5)
+    assert torch.equal(got[4], torch.zeros_like(got[4]))  # length 0: attends to nothing
+
+
+def test_paged_attention_large_scores(isa: str) -> None:
+    """Scores far apart (online softmax rescaling, exp underflow to 0) still match."""
+    q, kc, vc, tables, seq_lens = _paged_case(9, [70, 40], 6, 2, d=32, block_size=8)
+    got = paged_decode_attention(q * 30, kc, vc, tables, seq_lens, 1.0)
+    ref = paged_decode_attention_ref(q * 30, kc, vc, tables, seq_lens, 1.0)
+    torch.testing.assert_close(got, ref, rtol=2e-5, atol=2e-5)
+
+
+def test_paged_attention_rejects_bad_block_table(isa: str) -> None:
+    q, kc, vc, tables, seq_lens = _paged_case(10, [20], 4, 2)
+    tables[0, 1] = kc.shape[0]  # past the cache
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        paged_decode_attention(q, kc, vc, tables, seq_lens, 0.125)
