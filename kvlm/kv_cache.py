@@ -159,6 +159,17 @@ class PagedKVCache(_LayerStorage):
         return kk, vv
 
 
+    def decode_attention(self, layer: int, q: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """Decode attention over the blocks in place (kernels.paged_decode_attention, no gather copy):
+        q (B, n_heads, D), one token per sequence, after write() -> (B, n_heads * D). Reads only each
+        sequence's first context_lens[b] slots, all written, so the untouched pool never matters."""
+        from kvlm.kernels import paged_decode_attention
+
+        assert meta.context_lens is not None
+        out = paged_decode_attention(q, self.k[layer], self.v[layer], meta.block_tables, meta.context_lens, scale)
+        return out.reshape(q.shape[0], -1)
+
+
 class ContiguousKVCache(_LayerStorage):
     """One max_len row per sequence: k[layer], v[layer] are (max_seqs, kv_heads, max_len, D).
 

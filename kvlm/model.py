@@ -129,6 +129,9 @@ class LlamaAttention(nn.Module):
             qk = torch.cat((self.q_norm(qk[:, :nh]), self.k_norm(qk[:, nh:])), dim=1)
         qk = apply_rope(qk, cos, sin)  # queries and keys at once; cos, sin: (T, 1, D)
         q, k = qk[:, :nh], qk[:, nh:]
+        if meta.context_lens is not None:  # decode on the paged cache: attend over the blocks in place
+            kv_cache.write(self.layer_idx, k, v, meta)
+            return self.o_proj(kv_cache.decode_attention(self.layer_idx, q, meta, self.scale))  # type: ignore[attr-defined]
         if not meta.groups:
             kk, vv = kv_cache.update_and_fetch(self.layer_idx, k, v, meta)  # (B, kvh, L, D)
             return self.o_proj(attention(q, kk, vv, meta, self.scale))
