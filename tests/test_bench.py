@@ -135,9 +135,12 @@ def test_latency(tiny_gguf: Path, tmp_path: Path, capsys: pytest.CaptureFixture[
     for r in d["decode"]:
         assert r["time_per_token_s"] > 0 and r["gb_per_s"] > 0
         assert r["bytes_per_token"] == pytest.approx(d["weight_bytes_read"] + r["mean_context"] * d["kv_bytes_per_token"])
+        b = r["breakdown_s"]  # weights, attention, KV write, other ops, sampling, host: all measured, >= 0
+        assert set(b) == {"weights", "attention", "kv_write", "other_ops", "sampling", "host"}
+        assert min(b.values()) >= 0 and b["weights"] > 0 and b["attention"] > 0 and b["kv_write"] > 0
     # decode reads every weight per token: ~0.5 FLOP/byte in float32, far below prefill's intensity
     assert max(r["intensity"] for r in d["decode"]) < 1 < min(r["intensity"] for r in d["prefill"])
-    assert "prefill" in table and "decode" in table
+    assert "prefill" in table and "decode" in table and "decode step breakdown" in table
     assert_png(png)
 
 
