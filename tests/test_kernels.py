@@ -137,7 +137,7 @@ def test_qmatmul_matches_reference(qtype: T, isa: str, threads: int) -> None:
     k = row_length(qtype)
     w = random_blocks(qtype, 45, k, seed=2)  # N = 45: not a multiple of any block or vector width
     gen = torch.Generator().manual_seed(3)
-    for m in (1, 3, 8, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1, 64):  # row kernel and tiled BLAS path
+    for m in (1, 2, 3, 5, 7, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1, 33, 64):  # row kernel, then tiled BLAS path
         x = torch.randn(m, k, generator=gen)
         err = (qmatmul(x, w).double() - qmatmul_ref(x, w).double()).abs()
         assert (err <= matmul_bound(x, w)).all(), f"M={m}: max error {err.max():.3g}"
@@ -211,6 +211,15 @@ def test_fallback_when_the_build_fails(tmp_path: Path) -> None:
     assert "Traceback" not in r.stderr
 
 
+@pytest.fixture
+def no_attention_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make sure the native kernel, not the reference, is what a test measures."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("paged_decode_attention fell back to the reference")
+
+    monkeypatch.setattr("kvlm.kernels.paged_attention.paged_decode_attention_ref", refuse)
+
+
 def _paged_case(seed: int, lens: list[int], heads: int, kv_heads: int, d: int = 64, block_size: int = 16):
     gen = torch.Generator().manual_seed(seed)
     b = len(lens)
@@ -224,7 +233,8 @@ def _paged_case(seed: int, lens: list[int], heads: int, kv_heads: int, d: int = 
 
 
 @pytest.mark.parametrize(("heads", "kv_heads"), [(9, 3), (4, 4), (8, 1)])
-def test_paged_attention_matches_gather_sdpa(isa: str, threads: int, heads: int, kv_heads: int) -> None:
+def test_paged_attention_matches_gather_sdpa(isa: str, threads: int, heads: int, kv_heads: int,
+                                             no_attention_fallback: None) -> None:
     lens = [1, 16, 17, 100, 0, 333]
     q, kc, vc, tables, seq_lens = _paged_case(8, lens, heads, kv_heads)
     got = paged_decode_attention(q, kc, vc, tables, seq_lens, 0.125)
@@ -233,7 +243,17 @@ def test_paged_attention_matches_gather_sdpa(isa: str, threads: int, heads: int,
     assert torch.equal(got[4], torch.zeros_like(got[4]))  # length 0: attends to nothing
 
 
-def test_paged_attention_large_scores(isa: str) -> None:
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_paged_attention_half_caches(isa: str, dtype: torch.dtype, no_attention_fallback: None) -> None:
+    """float16 / bfloat16 caches are read (and widened) in place; the arithmetic stays float32."""
+    q, kc, vc, tables, seq_lens = _paged_case(13, [3, 50, 129], 9, 3)
+    kc, vc = kc.to(dtype), vc.to(dtype)
+    got = paged_decode_attention(q, kc, vc, tables, seq_lens, 0.125)
+    ref = paged_decode_attention_ref(q, kc, vc, tables, seq_lens, 0.125)
+    torch.testing.assert_close(got, ref, rtol=2e-5, atol=2e-5)
+
+
+def test_paged_attention_large_scores(isa: str, no_attention_fallback: None) -> None:
     """Scores far apart (online softmax rescaling, exp underflow to 0) still match."""
     q, kc, vc, tables, seq_lens = _paged_case(9, [70, 40], 6, 2, d=32, block_size=8)
     got = paged_decode_attention(q * 30, kc, vc, tables, seq_lens, 1.0)
@@ -246,3 +266,18 @@ def test_paged_attention_rejects_bad_block_table(isa: str) -> None:
     tables[0, 1] = kc.shape[0]  # past the cache
     with pytest.raises(RuntimeError, match="outside the cache"):
         paged_decode_attention(q, kc, vc, tables, seq_lens, 0.125)
+
+
+@pytest.mark.parametrize("m", [1, GEMV_MAX_ROWS + 3])
+def test_out_buffers_receive_the_result(isa: str, m: int) -> None:
+    w = random_blocks(T.Q4_1, 20, 64, seed=11)
+    x = torch.randn(m, 64)
+    out = torch.full((m, 20), float("nan"))
+    assert qmatmul(x, w, out=out) is not None
+    assert torch.equal(out, qmatmul(x, w))
+    with pytest.raises(ValueError, match="out must be"):
+        qmatmul(x, w, out=torch.empty(m, 21))
+    q, kc, vc, tables, seq_lens = _paged_case(12, [5, 40], 4, 2)
+    o = torch.empty_like(q)
+    paged_decode_attention(q, kc, vc, tables, seq_lens, 0.125, out=o)
+    assert torch.equal(o, paged_decode_attention(q, kc, vc, tables, seq_lens, 0.125))

@@ -55,7 +55,7 @@ def _time(fn, copies: int, min_s: float) -> float:
 
 def bench_one(qtype: GGMLQuantizationType, n: int, k: int, m: int, min_s: float) -> dict:
     gen = torch.Generator().manual_seed(0)
-    copies = max(1, min(16, COLD_BYTES // (4 * n * k)))
+    copies = max(1, min(512, COLD_BYTES // (4 * n * k)))
     first = random_weight(qtype, n, k, gen)
     ws = [first] + [QuantTensor(first.data.clone(), qtype, (n, k)) for _ in range(copies - 1)]
     wf = [dequantize(w) for w in ws]

@@ -35,8 +35,11 @@ ENV_ISA = "KVLM_KERNEL_ISA"
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = ("ops.cpp", "isa_scalar.cpp", "isa_avx2.cpp", "isa_avx512.cpp")
 _HEADERS = ("kernels.h", "kernels_impl.h")
-# -std=c++20: torch 2.13's headers need it. The ISA units set their own `#pragma GCC target`.
-_CFLAGS = ("-O3", "-std=c++20", "-Wno-psabi", "-Wno-maybe-uninitialized", "-fno-math-errno")
+# -std=c++20: torch 2.13's headers need it. -fopenmp: at::parallel_for is an inline `omp parallel`
+# (serial without it); the library then binds to the libgomp.so.1 torch has already loaded, so it
+# shares torch's thread pool and torch.set_num_threads. The ISA units set their own `#pragma GCC target`.
+_CFLAGS = ("-O3", "-std=c++20", "-fopenmp", "-Wno-psabi", "-Wno-maybe-uninitialized", "-fno-math-errno")
+_LDFLAGS = ("-fopenmp",)
 
 
 def _compiler() -> str:
@@ -52,7 +55,7 @@ def _build_key() -> str:
     h = hashlib.sha256()
     for name in (*_SOURCES, *_HEADERS):
         h.update(name.encode() + b"\0" + (_CSRC / name).read_bytes())
-    for part in (*_CFLAGS, _compiler(), torch.__version__, sys.version, platform.machine()):
+    for part in (*_CFLAGS, *_LDFLAGS, _compiler(), torch.__version__, sys.version, platform.machine()):
         h.update(part.encode() + b"\0")
     return h.hexdigest()[:16]
 
@@ -85,6 +88,7 @@ def _compile(name: str, build_dir: Path) -> None:
         name=name,
         sources=[str(_CSRC / s) for s in _SOURCES],
         extra_cflags=list(_CFLAGS),
+        extra_ldflags=list(_LDFLAGS),
         extra_include_paths=[str(_CSRC)],
         build_directory=str(build_dir),
         is_python_module=False,

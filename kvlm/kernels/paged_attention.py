@@ -5,7 +5,9 @@ tokens, with grouped-query attention (query head h uses K/V head h // (H / kv_he
 kernel walks each sequence's blocks directly (no gather copy), keeps a running max and denominator
 (online softmax) and runs in parallel over (sequence, kv head). Its reference gathers the blocks and
 calls SDPA (`reference.paged_decode_attention_ref`); the reference also serves inputs the kernel does
-not take (non-float32, non-CPU, head_dim not a multiple of 16, or a non-contiguous cache).
+not take (non-CPU, q not float32, head_dim not a multiple of 16, or a non-contiguous cache). The cache
+may hold float32, float16 or bfloat16 (half the bytes to read per token); q and the result are float32
+and the arithmetic is float32.
 """
 
 from __future__ import annotations
@@ -15,21 +17,28 @@ import torch
 from kvlm.kernels import native
 from kvlm.kernels.reference import paged_decode_attention_ref
 
+KV_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # cache element types the kernel reads directly
+
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                           out: torch.Tensor | None = None) -> torch.Tensor:
     """q (B, H, D); k_cache, v_cache (num_blocks, block_size, kv_heads, D); block_tables (B, max_blocks)
     int32; seq_lens (B,) int32 -> (B, H, D). Sequence b attends over its first seq_lens[b] cached tokens,
     token t living in block block_tables[b, t // block_size] at slot t % block_size. A sequence of
-    length 0 gives zeros."""
+    length 0 gives zeros. `out` (contiguous float32, q's shape), if given, receives the result."""
+    if out is not None and (out.dtype != torch.float32 or not out.is_contiguous() or out.shape != q.shape):
+        raise ValueError(f"out must be a contiguous float32 tensor of shape {tuple(q.shape)}")
     isa = native.active_isa()
     fast = (isa != "reference" and q.device.type == "cpu" and k_cache.device.type == "cpu"
-            and q.dtype == k_cache.dtype == v_cache.dtype == torch.float32
+            and q.dtype == torch.float32 and k_cache.dtype == v_cache.dtype and k_cache.dtype in KV_DTYPES
             and q.shape[-1] % 16 == 0 and k_cache.is_contiguous() and v_cache.is_contiguous())
     if not fast:
-        return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale)
+        y = paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale)
+        return y if out is None else out.copy_(y)
     q = q.contiguous()
-    out = torch.empty_like(q)
+    if out is None:
+        out = torch.empty_like(q)
     torch.ops.kvlm_kernels.paged_decode_attention(
         q, k_cache, v_cache, block_tables.to(torch.int32).contiguous(), seq_lens.to(torch.int32).contiguous(),
         float(scale), native.isa_id(isa), out)

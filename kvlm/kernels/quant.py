@@ -30,7 +30,7 @@ NATIVE_TYPES = frozenset({
     GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0,
     GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K,
 })
-GEMV_MAX_ROWS = 16  # up to this many rows of x use the row kernel; more use dequantize-a-tile + torch.mm
+GEMV_MAX_ROWS = 8  # up to this many rows of x use the row kernel; more use dequantize-a-tile + BLAS (measured)
 TILE_BYTES = 8 << 20  # float32 bytes of one dequantized weight tile: big enough for BLAS to run at full speed
 
 
@@ -74,21 +74,30 @@ def dequantize(w: QuantTensor) -> torch.Tensor:
     return out
 
 
-def qmatmul(x: torch.Tensor, w: QuantTensor) -> torch.Tensor:
-    """x (..., K) float32 -> (..., N) float32 = x @ dequantize(w).T."""
-    isa = _native_isa(w, x.device)
-    if isa is None:
-        return qmatmul_ref(x, w)
+def qmatmul(x: torch.Tensor, w: QuantTensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x (..., K) float32 -> (..., N) float32 = x @ dequantize(w).T.
+
+    `out`, if given, is a contiguous float32 tensor of the result's shape that receives it (a decode
+    step can then reuse its buffers instead of allocating per layer); it is also returned.
+    """
     n, k = w.shape
     lead = x.shape[:-1]
+    if out is not None and (out.dtype != torch.float32 or not out.is_contiguous() or out.shape != (*lead, n)):
+        raise ValueError(f"out must be a contiguous float32 tensor of shape {(*lead, n)}")
+    isa = _native_isa(w, x.device)
+    if isa is None:
+        y = qmatmul_ref(x, w)
+        return y if out is None else out.copy_(y)
     x2 = x.reshape(-1, k).to(torch.float32).contiguous()  # (M, K); no copy when already so
     m = x2.shape[0]
     if m <= GEMV_MAX_ROWS:
-        out = torch.empty(m, n, dtype=torch.float32)
-        torch.ops.kvlm_kernels.qmatmul(x2, _rows(w), int(w.qtype), k, native.isa_id(isa), out)
+        y = torch.empty(m, n, dtype=torch.float32) if out is None else out.view(m, n)
+        torch.ops.kvlm_kernels.qmatmul(x2, _rows(w), int(w.qtype), k, native.isa_id(isa), y)
     else:
-        out = _tiled_matmul(x2, w, native.isa_id(isa))
-    return out.reshape(*lead, n)
+        y = _tiled_matmul(x2, w, native.isa_id(isa))
+        if out is not None:
+            y = out.view(m, n).copy_(y)
+    return y.view(*lead, n)
 
 
 def _tiled_matmul(x: torch.Tensor, w: QuantTensor, isa: int) -> torch.Tensor:

@@ -38,21 +38,22 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                                block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """Gather each sequence's blocks, then SDPA with each K/V head's query heads folded together.
 
-    q (B, H, D); caches (num_blocks, block_size, kv_heads, D) -> (B, H, D); zeros for a length-0 sequence.
+    q (B, H, D); caches (num_blocks, block_size, kv_heads, D) of any float type -> (B, H, D) in q's dtype,
+    computed in float32; zeros for a length-0 sequence.
     """
     import torch.nn.functional as F
 
     b_size, heads, d = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     group = heads // kv_heads
-    out = torch.zeros_like(q)
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     for b in range(b_size):
         length = int(seq_lens[b])
         if length == 0:
             continue
         blocks = block_tables[b, : (length + block_size - 1) // block_size].long()
-        k = k_cache[blocks].reshape(-1, kv_heads, d)[:length].transpose(0, 1)  # (kv_heads, L, D)
-        v = v_cache[blocks].reshape(-1, kv_heads, d)[:length].transpose(0, 1)
-        qg = q[b].reshape(kv_heads, group, d)  # query head h = g * group + i uses K/V head g
+        k = k_cache[blocks].float().reshape(-1, kv_heads, d)[:length].transpose(0, 1)  # (kv_heads, L, D)
+        v = v_cache[blocks].float().reshape(-1, kv_heads, d)[:length].transpose(0, 1)
+        qg = q[b].float().reshape(kv_heads, group, d)  # query head h = g * group + i uses K/V head g
         out[b] = F.scaled_dot_product_attention(qg, k, v, scale=scale).reshape(heads, d)
-    return out
+    return out.to(q.dtype)

@@ -17,9 +17,11 @@ typedef struct KvlmKernels {
                    int64_t n0, int64_t n1);
     // Decode attention for work items [i0, i1) of B * kv_heads (item = b * kv_heads + g): the query heads
     // g*G .. g*G+G-1 of sequence b attend over its seq_lens[b] cached tokens, read through block_tables.
-    void (*paged_attn)(const float* q, const float* k_cache, const float* v_cache, const int32_t* block_tables,
-                       const int32_t* seq_lens, float* out, int64_t H, int64_t kv_heads, int64_t D,
-                       int64_t block_size, int64_t max_blocks, float scale, int64_t i0, int64_t i1);
+    // The caches hold kv_dtype elements (ggml ids: 0 float32, 1 float16, 30 bfloat16); q and out float32.
+    // Returns 0, or -1 for an unsupported kv_dtype.
+    int (*paged_attn)(int kv_dtype, const float* q, const void* k_cache, const void* v_cache,
+                      const int32_t* block_tables, const int32_t* seq_lens, float* out, int64_t H, int64_t kv_heads,
+                      int64_t D, int64_t block_size, int64_t max_blocks, float scale, int64_t i0, int64_t i1);
 } KvlmKernels;
 
 const KvlmKernels* kvlm_kernels_scalar(void);

@@ -59,13 +59,16 @@ KVLM_INLINE v16 tof_signed(const uint8_t* p) {
 }
 KVLM_INLINE v16 splat(float f) { return (v16){} + f; }
 
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
+typedef float v2 __attribute__((vector_size(8)));
+
 KVLM_INLINE float hsum(v16 a) {
     // Fixed tree: lanes i and i + 8, then i and i + 4, ...; the same for every call.
-    float t[16];
-    memcpy(t, &a, sizeof t);
-    for (int w = 8; w >= 1; w /= 2)
-        for (int i = 0; i < w; i++) t[i] = t[i] + t[i + w];
-    return t[0];
+    v8 b = __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
+    v4 c = __builtin_shufflevector(b, b, 0, 1, 2, 3) + __builtin_shufflevector(b, b, 4, 5, 6, 7);
+    v2 d = __builtin_shufflevector(c, c, 0, 1) + __builtin_shufflevector(c, c, 2, 3);
+    return d[0] + d[1];
 }
 
 // IEEE half -> float, exact for normals, subnormals, zeros (signed), inf and NaN.
@@ -276,14 +279,24 @@ KVLM_INLINE void row_dot(const uint8_t* row, int64_t K, const float* x, int64_t 
     for (int i = 0; i < MT; i++) y[i * ldy] = hsum(acc[i]);
 }
 
+// Rows of x per decoded block: AVX-512 has 32 vector registers (8 accumulators fit), AVX2 16.
+#if defined(KVLM_AVX512)
+constexpr int64_t MT_MAX = 8;
+#else
+constexpr int64_t MT_MAX = 4;
+#endif
+
 template <class F>
 void gemv_t(const uint8_t* w, int64_t rs, int64_t K, const float* x, int64_t M, float* y, int64_t ldy,
             int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t* row = w + n * rs;
         int64_t m = 0;
-        for (; m + 4 <= M; m += 4) row_dot<F, 4>(row, K, x + m * K, K, y + m * ldy + n, ldy);
-        for (; m < M; m++) row_dot<F, 1>(row, K, x + m * K, K, y + m * ldy + n, ldy);
+        // Tiles of MT_MAX rows, then the rest as 4 + 2 + 1: the per-row arithmetic is the same in all.
+        for (; m + MT_MAX <= M; m += MT_MAX) row_dot<F, MT_MAX>(row, K, x + m * K, K, y + m * ldy + n, ldy);
+        if (MT_MAX > 4 && m + 4 <= M) row_dot<F, 4>(row, K, x + m * K, K, y + m * ldy + n, ldy), m += 4;
+        if (m + 2 <= M) row_dot<F, 2>(row, K, x + m * K, K, y + m * ldy + n, ldy), m += 2;
+        if (m < M) row_dot<F, 1>(row, K, x + m * K, K, y + m * ldy + n, ldy);
     }
 }
 
@@ -363,14 +376,49 @@ KVLM_INLINE v16 exp_neg(v16 x) {
     return under ? splat(0.0f) : y;
 }
 
-KVLM_INLINE float dot16(const float* a, const float* b, int64_t nv) {
+// K/V cache element types: 16 consecutive elements -> 16 floats.
+struct KvF32 {
+    typedef float T;
+    KVLM_INLINE v16 load(const T* p) { return ld(p); }
+};
+struct KvF16 {
+    typedef uint16_t T;
+    KVLM_INLINE v16 load(const T* p) {
+#if defined(KVLM_AVX512)
+        return (v16)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
+#elif defined(KVLM_AVX2)
+        __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
+        __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 8)));
+        v16 r;
+        memcpy(&r, &lo, 32);
+        memcpy((char*)&r + 32, &hi, 32);
+        return r;
+#else
+        return half_to_float(__builtin_convertvector(*(const h16u*)p, u16v));
+#endif
+    }
+};
+struct KvBF16 {
+    typedef uint16_t T;
+    KVLM_INLINE v16 load(const T* p) {
+        u16v u = __builtin_convertvector(*(const h16u*)p, u16v) << 16;
+        v16 r;
+        memcpy(&r, &u, sizeof r);
+        return r;
+    }
+};
+
+template <class E>
+KVLM_INLINE float dot16(const float* a, const typename E::T* b, int64_t nv) {
     v16 acc = (v16){};
-    for (int64_t i = 0; i < nv; i++) acc += ld(a + 16 * i) * ld(b + 16 * i);
+    for (int64_t i = 0; i < nv; i++) acc += ld(a + 16 * i) * E::load(b + 16 * i);
     return hsum(acc);
 }
 
-void paged_attn(const float* q, const float* kc, const float* vc, const int32_t* bt, const int32_t* lens, float* out,
-                int64_t H, int64_t KVH, int64_t D, int64_t BS, int64_t MB, float scale, int64_t i0, int64_t i1) {
+template <class E>
+void paged_attn_t(const float* q, const typename E::T* kc, const typename E::T* vc, const int32_t* bt,
+                  const int32_t* lens, float* out, int64_t H, int64_t KVH, int64_t D, int64_t BS, int64_t MB,
+                  float scale, int64_t i0, int64_t i1) {
     // q (B, H, D), k/v cache (num_blocks, BS, KVH, D), bt (B, MB), out (B, H, D); D % 16 == 0 (checked by caller).
     const int64_t G = H / KVH, nv = D / 16, BSP = (BS + 15) / 16 * 16;
     float* acc = (float*)malloc(sizeof(float) * (G * D + G * BSP + 2 * G));
@@ -385,13 +433,13 @@ void paged_attn(const float* q, const float* kc, const float* vc, const int32_t*
         for (int64_t h = 0; h < G; h++) mx[h] = NEG_INF, den[h] = 0.0f;
         for (int64_t j = 0; j * BS < L; j++) {
             const int64_t blk = bt[b * MB + j], nt = (L - j * BS < BS) ? L - j * BS : BS;
-            const float* kb = kc + (blk * BS * KVH + g) * D;  // token t at kb + t * KVH * D
-            const float* vb = vc + (blk * BS * KVH + g) * D;
+            const typename E::T* kb = kc + (blk * BS * KVH + g) * D;  // token t at kb + t * KVH * D
+            const typename E::T* vb = vc + (blk * BS * KVH + g) * D;
             for (int64_t h = 0; h < G; h++) {
                 float* s = sc + h * BSP;
                 float bmax = NEG_INF;
                 for (int64_t t = 0; t < nt; t++) {
-                    s[t] = dot16(qg + h * D, kb + t * KVH * D, nv) * scale;
+                    s[t] = dot16<E>(qg + h * D, kb + t * KVH * D, nv) * scale;
                     bmax = s[t] > bmax ? s[t] : bmax;
                 }
                 const float mnew = bmax > mx[h] ? bmax : mx[h];
@@ -406,7 +454,7 @@ void paged_attn(const float* q, const float* kc, const float* vc, const int32_t*
                 float* a = acc + h * D;
                 for (int64_t i = 0; i < nv; i++) {
                     v16 av = ld(a + 16 * i) * corr;
-                    for (int64_t t = 0; t < nt; t++) av += s[t] * ld(vb + t * KVH * D + 16 * i);
+                    for (int64_t t = 0; t < nt; t++) av += s[t] * E::load(vb + t * KVH * D + 16 * i);
                     st(a + 16 * i, av);
                 }
             }
@@ -418,6 +466,20 @@ void paged_attn(const float* q, const float* kc, const float* vc, const int32_t*
         }
     }
     free(acc);
+}
+
+int paged_attn(int kv_dtype, const float* q, const void* kc, const void* vc, const int32_t* bt, const int32_t* lens,
+               float* out, int64_t H, int64_t KVH, int64_t D, int64_t BS, int64_t MB, float scale, int64_t i0,
+               int64_t i1) {
+#define KVLM_ATTN(E)                                                                                               \
+    paged_attn_t<E>(q, (const E::T*)kc, (const E::T*)vc, bt, lens, out, H, KVH, D, BS, MB, scale, i0, i1); \
+    return 0
+    switch (kv_dtype) {
+        case T_F32: KVLM_ATTN(KvF32);
+        case T_F16: KVLM_ATTN(KvF16);
+        case T_BF16: KVLM_ATTN(KvBF16);
+        default: return -1;
+    }
 }
 
 }  // namespace

@@ -78,9 +78,12 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
                             const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, int64_t isa,
                             const at::Tensor& out) {
     TORCH_CHECK(q.scalar_type() == at::kFloat && q.dim() == 3 && q.is_contiguous(), "q must be contiguous float32 (B, H, D)");
-    TORCH_CHECK(k_cache.scalar_type() == at::kFloat && k_cache.dim() == 4 && k_cache.is_contiguous() &&
-                    v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == at::kFloat && v_cache.is_contiguous(),
-                "k/v caches must be contiguous float32 (num_blocks, block_size, kv_heads, D)");
+    const auto kv_type = k_cache.scalar_type();
+    TORCH_CHECK((kv_type == at::kFloat || kv_type == at::kHalf || kv_type == at::kBFloat16) && k_cache.dim() == 4 &&
+                    k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
+                    v_cache.scalar_type() == kv_type && v_cache.is_contiguous(),
+                "k/v caches must be contiguous float32, float16 or bfloat16 (num_blocks, block_size, kv_heads, D)");
+    const int kv_dtype = kv_type == at::kFloat ? 0 : (kv_type == at::kHalf ? 1 : 30);  // ggml type ids
     TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 && block_tables.is_contiguous() &&
                     seq_lens.scalar_type() == at::kInt && seq_lens.dim() == 1 && seq_lens.is_contiguous(),
                 "block_tables (B, max_blocks) and seq_lens (B,) must be contiguous int32");
@@ -90,8 +93,8 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
     TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.sizes() == q.sizes(), "bad out tensor");
     const KvlmKernels* t = table(isa);
     const float* qp = q.const_data_ptr<float>();
-    const float* kp = k_cache.const_data_ptr<float>();
-    const float* vp = v_cache.const_data_ptr<float>();
+    const void* kp = k_cache.const_data_ptr();
+    const void* vp = v_cache.const_data_ptr();
     const int32_t* bt = block_tables.const_data_ptr<int32_t>();
     const int32_t* lens = seq_lens.const_data_ptr<int32_t>();
     float* op = out.mutable_data_ptr<float>();
@@ -103,7 +106,7 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
                         "] = ", bt[b * MB + j], " is outside the cache");
     }
     at::parallel_for(0, B * KVH, 1, [&](int64_t i0, int64_t i1) {
-        t->paged_attn(qp, kp, vp, bt, lens, op, H, KVH, D, BS, MB, static_cast<float>(scale), i0, i1);
+        t->paged_attn(kv_dtype, qp, kp, vp, bt, lens, op, H, KVH, D, BS, MB, static_cast<float>(scale), i0, i1);
     });
 }
 
