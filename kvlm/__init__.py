@@ -27,7 +27,12 @@ __all__ = list(_EXPORTS)
 if TYPE_CHECKING:
     from kvlm.config import EngineConfig, ModelConfig
     from kvlm.engine import Engine
-    from kvlm.errors import KvlmError, ModelLoadError, PromptTooLongError, UnsupportedModelError
+    from kvlm.errors import (
+        KvlmError,
+        ModelLoadError,
+        PromptTooLongError,
+        UnsupportedModelError,
+    )
     from kvlm.llm import LLM
     from kvlm.request import CompletionOutput, RequestOutput, StreamDelta
     from kvlm.sampling_params import SamplingParams

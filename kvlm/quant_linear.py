@@ -13,6 +13,7 @@ it looks up. This module knows nothing about the model's architecture or the loa
 
 from __future__ import annotations
 
+import itertools
 import logging
 
 import torch
@@ -39,7 +40,7 @@ def concat_rows(parts: list[QuantTensor]) -> QuantTensor:
     rb = first.data.shape[1]
     adjacent = all(p.data.is_contiguous() and p.data.untyped_storage().data_ptr() ==
                    first.data.untyped_storage().data_ptr() for p in parts)
-    for a, b in zip(parts, parts[1:]):
+    for a, b in itertools.pairwise(parts):
         adjacent = adjacent and a.data.data_ptr() + a.data.numel() == b.data.data_ptr()
     data = (torch.as_strided(first.data, (rows, rb), (rb, 1)) if adjacent
             else torch.cat([p.data for p in parts]))

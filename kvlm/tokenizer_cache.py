@@ -43,7 +43,7 @@ def load_cached(model: Path) -> Tokenizer | None:
         if doc.get("key") != cache_key(model):
             return None
         return Tokenizer(Backend.from_str(doc["backend"]), **doc["kwargs"])
-    except Exception:  # unreadable, malformed or stale in any way: rebuild (tokenizers raises bare Exception)
+    except Exception:  # noqa: BLE001 (unreadable, malformed or stale: rebuild; tokenizers raises bare Exception)
         return None
 
 

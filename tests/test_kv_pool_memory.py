@@ -62,7 +62,7 @@ def test_unwritten_slots_never_reach_attention() -> None:
             cache.v[0].fill_(fill)
             g.manual_seed(0)
             for b, n in enumerate(lens):  # prefill each sequence's history
-                step = lens[b]
+                step = n
                 if isinstance(cache, PagedKVCache):
                     slots = torch.tensor([(b * 8 + p // bs) * bs + p % bs for p in range(step)])
                 else:

@@ -18,6 +18,8 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
+from test_engine import random_prompts, run_engine
+from tiny_models import tiny_config, write_tiny_gguf
 
 from kvlm import LLM, EngineConfig, SamplingParams
 from kvlm.engine import Engine
@@ -25,8 +27,6 @@ from kvlm.kernels import QuantTensor, dequantize
 from kvlm.loader.gguf import load_gguf
 from kvlm.model import stack_weights
 from kvlm.quant_linear import QuantEmbedding, QuantLinear, stack_quant
-from test_engine import random_prompts, run_engine
-from tiny_models import tiny_config, write_tiny_gguf
 
 Q = GGMLQuantizationType
 

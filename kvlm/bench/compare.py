@@ -27,10 +27,8 @@ import argparse
 import gc
 import importlib.util
 import json
-import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -47,26 +45,32 @@ def default_llama_python() -> str | None:
     return sys.executable if importlib.util.find_spec("llama_cpp") is not None else None
 
 
-def run_timed(cmd: list[str], timeout: float = 900.0) -> tuple[float, int, str]:
-    """(wall seconds, peak RSS bytes, stdout) of a child process, reaped with os.wait4 for its rusage
-    (ru_maxrss of that child alone); RuntimeError with its last stderr line if it fails."""
-    t = time.perf_counter()
-    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as p:
-        assert p.stdout is not None and p.stderr is not None
-        out, err = p.stdout.read(), p.stderr.read()  # small outputs: reading to EOF cannot deadlock
-        while True:
-            pid, status, usage = os.wait4(p.pid, os.WNOHANG)
-            if pid:
-                break
-            if time.perf_counter() - t > timeout:
-                p.kill()
-                raise RuntimeError(f"timed out after {timeout:.0f} s")
-            time.sleep(0.002)
-        wall = time.perf_counter() - t
-        p.returncode = os.waitstatus_to_exitcode(status)  # reaped here: Popen must not wait again
-    if p.returncode != 0:
-        raise RuntimeError((err.strip().splitlines() or [f"exit {p.returncode}"])[-1])
-    return wall, usage.ru_maxrss * 1024, out
+# A minimal launcher process starts each timed command: ru_maxrss of a forked child starts from its
+# parent's peak (Linux copies the high-water mark at fork), so spawning from this benchmark process,
+# which holds models, would report our memory, not the child's. The launcher holds ~10 MB.
+_LAUNCHER = """
+import json, os, sys, time
+t = time.perf_counter()
+pid = os.posix_spawnp(sys.argv[1], sys.argv[1:], dict(os.environ),
+                      file_actions=[(os.POSIX_SPAWN_OPEN, 1, os.devnull, os.O_WRONLY, 0)])
+_, status, usage = os.wait4(pid, 0)
+print(json.dumps({"wall_s": time.perf_counter() - t, "rc": os.waitstatus_to_exitcode(status),
+                  "peak_rss_bytes": usage.ru_maxrss * 1024}))
+"""
+
+
+def run_timed(cmd: list[str], timeout: float = 900.0) -> tuple[float, int]:
+    """(wall seconds, peak RSS bytes) of `cmd` run to completion in a fresh process (stdout discarded);
+    RuntimeError with its last stderr line if it fails."""
+    p = subprocess.run([sys.executable, "-c", _LAUNCHER, *cmd], capture_output=True, text=True, timeout=timeout,
+                       check=False)
+    try:
+        r = json.loads(p.stdout.strip().splitlines()[-1])
+    except (IndexError, json.JSONDecodeError):
+        r = {"rc": p.returncode or 1}
+    if r["rc"] != 0:
+        raise RuntimeError((p.stderr.strip().splitlines() or [f"exit {r['rc']}"])[-1])
+    return r["wall_s"], r["peak_rss_bytes"]
 
 
 class _Kvlm:
@@ -94,14 +98,14 @@ class _LlamaCpp:
     def __init__(self, python: str, path: Path) -> None:
         self.python, self.path = python, path
         probe = subprocess.run([python, "-c", "import llama_cpp; print(llama_cpp.__version__)"],
-                               capture_output=True, text=True, timeout=120)
+                               capture_output=True, text=True, timeout=120, check=False)
         if probe.returncode != 0:
             raise ImportError(f"{python} cannot import llama_cpp")
         self.version = probe.stdout.strip()
 
     def measure(self, spec: dict[str, Any]) -> dict[str, Any]:
         p = subprocess.run([self.python, str(WORKER), "measure", str(self.path)], input=json.dumps(spec),
-                           capture_output=True, text=True, timeout=1800)
+                           capture_output=True, text=True, timeout=1800, check=False)
         if p.returncode != 0:
             raise RuntimeError((p.stderr.strip().splitlines() or [f"exit {p.returncode}"])[-1])
         return json.loads(p.stdout.strip().splitlines()[-1])
@@ -189,7 +193,7 @@ def run(model: str = "smollm2-135m", threads: int = 2, prompt_len: int = 512, de
         try:
             engines["hf"] = _HF(path, threads)
             results["hf"] = {"name": NAMES["hf"], "status": "ok"}
-        except Exception as e:  # a peer that cannot read this file is a skipped column, not a failed bench
+        except Exception as e:  # noqa: BLE001 (a peer that cannot read this file is a skipped column)
             skip("hf", f"{type(e).__name__}: {e}")
     for key in ("kvlm", "kvlm_float32"):  # warm-up: thread pools, first-call allocations
         engines[key].llm.generate([{"prompt_token_ids": spec["decode_ids"][:8]}], use_tqdm=False)
@@ -219,7 +223,7 @@ def run(model: str = "smollm2-135m", threads: int = 2, prompt_len: int = 512, de
         for r in range(repeats):
             for key in [k for k in ("kvlm", "kvlm_float32", "llama_cpp") if k in engines]:
                 try:
-                    wall, rss, _ = run_timed(_whole_cmd(key, path, threads, chat_text, gen_tokens, llama_python))
+                    wall, rss = run_timed(_whole_cmd(key, path, threads, chat_text, gen_tokens, llama_python))
                 except (RuntimeError, OSError) as e:
                     if key.startswith("kvlm"):
                         raise
@@ -264,7 +268,7 @@ def print_table(d: dict[str, Any]) -> None:
     head = (f"{'engine':34s} {'prefill':>8s} {'decode':>7s} " + " ".join(f"{'@' + str(c):>7s}" for c in ctx)
             + f" {'whole s':>8s} {'peak RSS':>9s}")
     print(head)
-    for key, r in d["engines"].items():
+    for r in d["engines"].values():
         if r["status"] != "ok":
             print(f"{r['name']:34s} skipped: {r['reason']}")
             continue
@@ -274,7 +278,7 @@ def print_table(d: dict[str, Any]) -> None:
         print(f"{r['name']:34s} {r['prefill_tokens_per_s']:8.1f} {r['decode_tokens_per_s']:7.1f} "
               + " ".join(f"{cd[c]:7.1f}" if c in cd else f"{'-':>7s}" for c in ctx) + f" {whole} {rss}")
     print("(tokens/s, higher is better; whole-process seconds and peak RSS, lower is better)")
-    for key, r in d["engines"].items():
+    for r in d["engines"].values():
         if "kvlm_over_this" in r:
             rat = r["kvlm_over_this"]
             print(f"kvlm / {r['name']}: " + ", ".join(f"{k.removesuffix('_tokens_per_s')} {v:.2f}x"
@@ -286,7 +290,7 @@ def plot(d: dict[str, Any], path: str) -> str:
     from kvlm.bench.plotting import new_figure, save_figure
 
     fig, ax = new_figure(width=6.0, height=3.6)
-    for key, r in d["engines"].items():
+    for r in d["engines"].values():
         pts = r.get("context_decode") or []
         if r["status"] == "ok" and pts:
             ax.plot([p["context"] for p in pts], [p["tokens_per_s"] for p in pts], marker="o", label=r["name"])
@@ -322,7 +326,7 @@ def _add_args(p: argparse.ArgumentParser) -> None:
 
 
 def main_args(a: argparse.Namespace) -> int:
-    log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
+    log = lambda s: print(s, file=sys.stderr, flush=True)
     if a.llama_python is not None and not Path(a.llama_python).exists():
         raise ValueError(f"--llama-python: no such file {a.llama_python}")
     d = run(a.model, a.threads, a.prompt_len, a.decode_prompt_len, a.gen_tokens, tuple(a.contexts), a.context_gen,

@@ -246,7 +246,7 @@ def _add_args(p: argparse.ArgumentParser) -> None:
 
 
 def main_args(a: argparse.Namespace) -> int:
-    log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
+    log = lambda s: print(s, file=sys.stderr, flush=True)
     d = run(a.model, a.threads, tuple(a.prompt_lens), tuple(a.contexts), a.decode_steps, a.repeats,
             a.copy_mib, a.matmul_n, a.dtype, log=log)
     if a.plot:

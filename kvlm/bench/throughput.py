@@ -15,7 +15,7 @@ import random
 import resource
 import sys
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 import torch
@@ -123,7 +123,7 @@ def run(model: str = "smollm2-135m", num_prompts: int = 32, in_range: tuple[int,
     hf = run_hf_padded(llm.llm_engine.model_path, prompts, outs, max_num_seqs) if compare_hf else None
     return {
         "bench": "throughput", "model": model, "dtype": dtype, "threads": threads,
-        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"), "cpu": cpu_name(),
+        "date": datetime.now(UTC).strftime("%Y-%m-%d"), "cpu": cpu_name(),
         "device": str(llm.llm_engine.device), "torch": torch.__version__, "num_prompts": num_prompts,
         "prompt_len_range": list(in_range), "output_len_range": list(out_range), "seed": seed,
         "prompt_tokens": sum(map(len, prompts)), "output_tokens": sum(outs),

@@ -39,7 +39,6 @@ def load_checkpoint(path: str | os.PathLike,
     try:
         if gg is not None:
             from kvlm.loader.gguf import load_gguf
-
             from kvlm.tokenizer_cache import gguf_tokenizer
 
             config, state, fields = load_gguf(gg, quantized=quantized)
