@@ -22,9 +22,12 @@ _EXPORTS = {
     "EngineConfig": "kvlm.config", "ModelConfig": "kvlm.config", "KvlmError": "kvlm.errors",
     "ModelLoadError": "kvlm.errors", "UnsupportedModelError": "kvlm.errors", "PromptTooLongError": "kvlm.errors",
 }
-__all__ = list(_EXPORTS)
+__all__ = [  # = list(_EXPORTS), spelled out for linters and type checkers
+    "LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "StreamDelta", "Engine", "EngineConfig",
+    "ModelConfig", "KvlmError", "ModelLoadError", "UnsupportedModelError", "PromptTooLongError",
+]
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # for type checkers; at run time __getattr__ imports each name on first use
     from kvlm.config import EngineConfig, ModelConfig
     from kvlm.engine import Engine
     from kvlm.errors import (
