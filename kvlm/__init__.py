@@ -23,8 +23,18 @@ _EXPORTS = {
     "ModelLoadError": "kvlm.errors", "UnsupportedModelError": "kvlm.errors", "PromptTooLongError": "kvlm.errors",
 }
 __all__ = [  # = list(_EXPORTS), spelled out for linters and type checkers
-    "LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "StreamDelta", "Engine", "EngineConfig",
-    "ModelConfig", "KvlmError", "ModelLoadError", "UnsupportedModelError", "PromptTooLongError",
+    "LLM",
+    "CompletionOutput",
+    "Engine",
+    "EngineConfig",
+    "KvlmError",
+    "ModelConfig",
+    "ModelLoadError",
+    "PromptTooLongError",
+    "RequestOutput",
+    "SamplingParams",
+    "StreamDelta",
+    "UnsupportedModelError",
 ]
 
 if TYPE_CHECKING:  # for type checkers; at run time __getattr__ imports each name on first use
