@@ -23,7 +23,7 @@ class AttentionMetadata:
 
     positions: torch.Tensor  # (T,) int64: position of each token in its sequence
     slot_mapping: torch.Tensor  # (T,) int64: flat cache slot (block * block_size + offset) of each token
-    block_tables: torch.Tensor  # (B, max_blocks) int64, padded with 0
+    block_tables: torch.Tensor  # (B, max_blocks) int64 (int32 with context_lens), padded with 0
     query_lens: tuple[int, ...]  # new tokens per sequence (host ints: they shape tensors)
     seq_lens: tuple[int, ...]  # context length per sequence after this step (cached + new)
     q_pad_index: torch.Tensor | None  # (T,) int64: row of each token in the (B * max_query_len) padded layout
@@ -34,6 +34,9 @@ class AttentionMetadata:
     # group is a metadata of its own whose `rows` are its tokens' rows in this batch.
     groups: tuple[AttentionMetadata, ...] = ()
     rows: torch.Tensor | None = None  # (T_group,) int64, only in a group
+    # Decode-only steps on the paged cache with the native kernels: (B,) int32 context lengths, and
+    # attention reads the blocks in place (PagedKVCache.decode_attention) instead of gather + SDPA.
+    context_lens: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -34,8 +34,9 @@ DTYPE_BYTES = {"float32": 4.0, "fp32": 4.0, "float16": 2.0, "fp16": 2.0, "bfloat
 
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                   help="weights and KV cache dtype (default float32: exact against the reference)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto (default): GGUF weights computed on in their stored formats, float32 activations "
+                        "and KV cache; float32/bfloat16/float16: dense weights (float32 is the exact reference)")
     g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     g.add_argument("--threads", type=int, default=None, help="CPU threads for PyTorch")
     g.add_argument("--max-model-len", type=int, default=None, help="context length to allow (default min(model, 4096))")
@@ -244,12 +245,27 @@ def cmd_info(a: argparse.Namespace) -> int:
             "kv_heads": c.num_key_value_heads, "head_dim": c.head_dim, "vocab_size": c.vocab_size,
             "context_length": c.max_position_embeddings, "kv_bytes_per_token_fp32": int(c.kv_bytes_per_token(4)),
             "kv_bytes_per_token_fp16": int(c.kv_bytes_per_token(2))}
+    formats = _weight_formats(path)
+    if formats:
+        info["weight_formats"] = formats
     if a.json:
         print(json.dumps(info))
     else:
         for k, v in info.items():
-            print(f"{k:26s} {v:,}" if isinstance(v, int) else f"{k:26s} {v}")
+            if k != "weight_formats":
+                print(f"{k:26s} {v:,}" if isinstance(v, int) else f"{k:26s} {v}")
+        for name, f in formats.items():  # which kernel computes on each stored format (--dtype auto)
+            print(f"{'weights ' + name:26s} {f['tensors']} tensors, {f['bytes'] / 2**20:.1f} MiB -> {f['kernel']}")
     return 0
+
+
+def _weight_formats(path: Path) -> dict[str, Any]:
+    """GGUF only: per tensor type, the count, bytes and kernel path (loader.gguf.weight_formats)."""
+    if path.suffix != ".gguf" or not path.is_file():
+        return {}
+    from kvlm.loader.gguf import read_gguf, weight_formats
+
+    return weight_formats(read_gguf(path)[0])
 
 
 def cmd_kv_size(a: argparse.Namespace) -> int:

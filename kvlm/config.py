@@ -117,7 +117,8 @@ class EngineConfig:
     """
 
     device: str | None = None  # None: "cuda" when available, else "cpu"
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    # "auto": float32 activations, GGUF weights kept quantized on CPU; float32 etc.: dense weights.
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     enable_kv_cache: bool = True
     kv_cache_layout: Literal["paged", "contiguous"] = "paged"
     block_size: int = 16
@@ -144,8 +145,8 @@ class EngineConfig:
                 continue
             if not is_int(v) or not 1 <= v <= hi:
                 raise bad(name, f"must be an integer in [1, {hi}]")
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise bad("dtype", "must be float32, bfloat16 or float16")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise bad("dtype", "must be auto, float32, bfloat16 or float16")
         if self.kv_cache_layout not in ("paged", "contiguous"):
             raise bad("kv_cache_layout", "must be 'paged' or 'contiguous'")
         if not isinstance(self.enable_kv_cache, bool):

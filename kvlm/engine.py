@@ -35,7 +35,9 @@ from kvlm.scheduler import ScheduledBatch, Scheduler
 
 log = logging.getLogger("kvlm")
 
-_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# "auto": float32 activations and KV cache; GGUF weights stay quantized where the device is a CPU.
+_TORCH_DTYPES = {"auto": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16,
+                 "float16": torch.float16}
 
 
 class Engine:
@@ -47,7 +49,10 @@ class Engine:
         self.device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = _TORCH_DTYPES[cfg.dtype]
         self.model_path: Path = resolve_model(str(model), quiet=quiet)
-        model_config, state, self.tokenizer = load_checkpoint(self.model_path)
+        # --dtype auto on CPU: weights computed on in their stored block formats (kvlm.kernels);
+        # an explicit dtype (and any GPU) dequantizes them at load: the dense reference path.
+        self.quantized = cfg.dtype == "auto" and self.device.type == "cpu"
+        model_config, state, self.tokenizer = load_checkpoint(self.model_path, quantized=self.quantized)
         self.model_config: ModelConfig = model_config
         if cfg.max_model_len is not None and cfg.max_model_len > model_config.max_position_embeddings:
             raise ParameterError("max_model_len", f"max_model_len {cfg.max_model_len} is greater than the model's "
@@ -57,7 +62,8 @@ class Engine:
             # The attention here is full, which equals sliding-window attention only within the window.
             log.warning("kvlm: context capped at the model's sliding window of %d tokens", model_config.sliding_window)
             self.max_model_len = model_config.sliding_window
-        net = LlamaForCausalLM(model_config, self.max_model_len)
+        with torch.device("meta"):  # no random init of weights that load_weights replaces
+            net = LlamaForCausalLM(model_config, self.max_model_len)
         net.load_weights(state)
         del state
         self.model = net.to(device=self.device, dtype=self.dtype).eval()

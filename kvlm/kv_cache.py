@@ -78,13 +78,31 @@ class NoKVCache:
         return self.fetch(layer, meta)
 
 
+def _zero_padding(kk: torch.Tensor, vv: torch.Tensor, seq_lens: tuple[int, ...]) -> None:
+    """Zero the slots past each sequence's length in gathered (B, kvh, L, D) keys/values.
+
+    The pools are never zero-filled, so those slots may hold anything, NaN included; the attention mask
+    gives them weight 0, but 0 * NaN = NaN in the weighted sum over V (and in Q.K for K)."""
+    L = kk.shape[2]
+    if min(seq_lens) >= L:
+        return  # nothing padded (one sequence, or all of one length)
+    pad = torch.arange(L, device=kk.device) >= torch.tensor(seq_lens, device=kk.device)[:, None]  # (B, L)
+    pad = pad[:, None, :, None]  # (B, 1, L, 1)
+    kk.masked_fill_(pad, 0)
+    vv.masked_fill_(pad, 0)
+
+
 class _LayerStorage:
-    """K and V tensors of one shape per layer, zero-filled (padding slots are read, then masked, and
-    must not hold NaN garbage), and update_and_fetch as write then fetch."""
+    """K and V tensors of one shape per layer, and update_and_fetch as write then fetch.
+
+    The tensors are allocated, not filled: a large torch.empty is an untouched anonymous mapping, so
+    memory becomes resident page by page as tokens are written and the pool size is a limit, not an
+    up-front cost. Slots are read only after being written, except the padding of a gathered batch,
+    which `fetch` zeroes (`_zero_padding`)."""
 
     def __init__(self, num_layers: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
     @property
     def nbytes(self) -> int:
@@ -137,6 +155,7 @@ class PagedKVCache(_LayerStorage):
         vg = torch.index_select(vc, 0, flat, out=self._vbuf[: flat.numel()])
         kk = kg.view(B, nblk * self.block_size, kvh, D)[:, :L].transpose(1, 2)
         vv = vg.view(B, nblk * self.block_size, kvh, D)[:, :L].transpose(1, 2)
+        _zero_padding(kk, vv, meta.seq_lens)
         return kk, vv
 
     # Whole-block access for KV snapshots (the only way other modules touch the pool tensors).
@@ -152,6 +171,17 @@ class PagedKVCache(_LayerStorage):
         for layer, (kc, vc) in enumerate(zip(self.k, self.v)):
             kc.index_copy_(0, idx, k[layer].to(device=kc.device, dtype=kc.dtype))
             vc.index_copy_(0, idx, v[layer].to(device=vc.device, dtype=vc.dtype))
+
+
+    def decode_attention(self, layer: int, q: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """Decode attention over the blocks in place (kernels.paged_decode_attention, no gather copy):
+        q (B, n_heads, D), one token per sequence, after write() -> (B, n_heads * D). Reads only each
+        sequence's first context_lens[b] slots, all written, so the untouched pool never matters."""
+        from kvlm.kernels import paged_decode_attention
+
+        assert meta.context_lens is not None
+        out = paged_decode_attention(q, self.k[layer], self.v[layer], meta.block_tables, meta.context_lens, scale)
+        return out.reshape(q.shape[0], -1)
 
 
 class ContiguousKVCache(_LayerStorage):
@@ -179,4 +209,6 @@ class ContiguousKVCache(_LayerStorage):
             r = int(meta.block_tables[0, 0])  # the runner builds block tables on the host
             return kc[r : r + 1, :, :L], vc[r : r + 1, :, :L]  # views: no copy
         rows = meta.block_tables[:, 0]
-        return kc[rows, :, :L], vc[rows, :, :L]
+        kk, vv = kc[rows, :, :L], vc[rows, :, :L]  # advanced indexing: copies we may zero
+        _zero_padding(kk, vv, meta.seq_lens)
+        return kk, vv

@@ -38,7 +38,8 @@ def kv_pool_budget(cfg: EngineConfig, max_model_len: int, kv_bytes_per_token: in
     mem = cfg.kv_cache_memory
     if mem is None:
         # Enough for max_num_seqs sequences at full context, but at most a quarter of free memory
-        # and, on CPU, 1 GiB: the pool is zero-filled up front, so it is resident memory.
+        # and, on CPU, 1 GiB. The pool is allocated untouched (kv_cache._LayerStorage): memory becomes
+        # resident as tokens are written, and this budget is the limit.
         budget = min(cfg.max_num_seqs * max_model_len * kv_bytes_per_token, available_memory_bytes(device) // 4)
         if device.type == "cpu":
             budget = min(budget, 1 << 30)

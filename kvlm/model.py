@@ -10,6 +10,7 @@ The model owns no cache state: each attention layer asks the cache for its conte
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -18,7 +19,9 @@ from torch import nn
 from kvlm.attention import AttentionMetadata, attention
 from kvlm.config import ModelConfig
 from kvlm.errors import ModelLoadError
+from kvlm.kernels import QuantTensor
 from kvlm.kv_cache import KVCache
+from kvlm.quant_linear import QuantEmbedding, QuantLinear, stack_quant
 
 
 class RMSNorm(nn.Module):
@@ -61,16 +64,37 @@ def rope_inv_freq(config: ModelConfig, rope_freqs: torch.Tensor | None = None) -
 _STACKS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
-def stack_weights(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def stack_weights(state: dict[str, Any]) -> dict[str, Any]:
     """Replace `...q_proj.weight`, `...k_proj.weight`, `...v_proj.weight` by `...qkv_proj.weight`
-    (rows concatenated in that order), likewise biases and gate/up -> gate_up_proj."""
+    (rows concatenated in that order), likewise biases and gate/up -> gate_up_proj. Quantized parts
+    become a list of QuantTensors (one per run of parts sharing a block format)."""
     for key in [k for k in state if ".q_proj." in k or ".gate_proj." in k]:
         for stacked, parts in _STACKS.items():
             if f".{parts[0]}." in key:
                 names = [key.replace(f".{parts[0]}.", f".{p}.") for p in parts]
                 if all(n in state for n in names):
-                    state[key.replace(f".{parts[0]}.", f".{stacked}.")] = torch.cat([state.pop(n) for n in names])
+                    ts = [state.pop(n) for n in names]
+                    if all(isinstance(t, QuantTensor) for t in ts):
+                        state[key.replace(f".{parts[0]}.", f".{stacked}.")] = stack_quant(ts)
+                    else:
+                        state[key.replace(f".{parts[0]}.", f".{stacked}.")] = torch.cat(
+                            [_dense(t) for t in ts])
     return state
+
+
+def _dense(t: Any) -> torch.Tensor:
+    """Float32 values of a dense tensor or a QuantTensor (mixed dense/quantized stacks are rare)."""
+    if isinstance(t, QuantTensor):
+        from kvlm.kernels import dequantize
+
+        return dequantize(t)
+    return t.float()
+
+
+def _shape(t: Any) -> tuple[int, ...]:
+    if isinstance(t, list):  # stacked QuantTensor parts
+        return (sum(p.shape[0] for p in t), t[0].shape[1])
+    return tuple(t.shape)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
@@ -105,6 +129,9 @@ class LlamaAttention(nn.Module):
             qk = torch.cat((self.q_norm(qk[:, :nh]), self.k_norm(qk[:, nh:])), dim=1)
         qk = apply_rope(qk, cos, sin)  # queries and keys at once; cos, sin: (T, 1, D)
         q, k = qk[:, :nh], qk[:, nh:]
+        if meta.context_lens is not None:  # decode on the paged cache: attend over the blocks in place
+            kv_cache.write(self.layer_idx, k, v, meta)
+            return self.o_proj(kv_cache.decode_attention(self.layer_idx, q, meta, self.scale))  # type: ignore[attr-defined]
         if not meta.groups:
             kk, vv = kv_cache.update_and_fetch(self.layer_idx, k, v, meta)  # (B, kvh, L, D)
             return self.o_proj(attention(q, kk, vv, meta, self.scale))
@@ -169,7 +196,7 @@ class LlamaForCausalLM(nn.Module):
         t = torch.arange(self.max_positions, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
-        dev = self.model.embed_tokens.weight.device
+        dev = self.model.norm.weight.device
         self.register_buffer("rope_cos", emb.cos().to(dev), persistent=False)
         sin = emb.sin()
         half = sin.shape[-1] // 2
@@ -196,19 +223,22 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(m, nn.Linear):
                 m.weight.data = m.weight.data.t().contiguous().t()
 
-    def load_weights(self, state: dict[str, torch.Tensor]) -> None:
-        """Copy an HF-named state dict in; shape and name mismatches become one readable error.
+    def load_weights(self, state: dict[str, Any]) -> None:
+        """Take an HF-named state dict in (the model may be built on the meta device: tensors are
+        assigned, not copied); shape and name mismatches become one readable error.
 
         The checkpoint's separate q/k/v and gate/up tensors are concatenated into the stacked modules.
+        A weight given as a QuantTensor (or a list of them) replaces its nn.Linear / nn.Embedding with
+        a QuantLinear / QuantEmbedding that computes on the stored blocks. Dense tensors become float32
+        parameters (cast to the engine's dtype afterwards with `.to()`).
         """
         state = stack_weights(dict(state))
         rope_freqs = state.pop("rope_freqs", None)
-        if rope_freqs is not None:
-            self.set_rope(rope_inv_freq(self.config, rope_freqs))
-        if self.config.tie_word_embeddings:
+        tied = self.config.tie_word_embeddings
+        if tied:
             state.pop("lm_head.weight", None)
-        own = self.state_dict()
-        if self.config.tie_word_embeddings:
+        own = {k: tuple(v.shape) for k, v in self.state_dict().items()}
+        if tied:
             own.pop("lm_head.weight", None)
         missing = sorted(set(own) - set(state))
         if missing:
@@ -216,9 +246,29 @@ class LlamaForCausalLM(nn.Module):
         for name, t in state.items():
             if name not in own:
                 continue  # e.g. rotary inv_freq buffers in old checkpoints
-            if tuple(t.shape) != tuple(own[name].shape):
-                raise ModelLoadError(
-                    f"tensor {name} has shape {tuple(t.shape)}, config implies {tuple(own[name].shape)}"
-                )
-            with torch.no_grad():
-                own[name].copy_(t)
+            if _shape(t) != own[name]:
+                raise ModelLoadError(f"tensor {name} has shape {_shape(t)}, config implies {own[name]}")
+            self._assign(name, t)
+        if tied:
+            emb = self.model.embed_tokens
+            self.lm_head = QuantLinear(emb.qweight) if isinstance(emb, QuantEmbedding) else self.lm_head
+            if isinstance(self.lm_head, nn.Linear):
+                self.lm_head.weight = emb.weight
+        self.set_rope(rope_inv_freq(self.config, None if rope_freqs is None else _dense(rope_freqs)))
+
+    def _assign(self, name: str, t: Any) -> None:
+        path, attr = name.rsplit(".", 1)
+        parent_path, _, child = path.rpartition(".")
+        mod = self.get_submodule(path)
+        if isinstance(t, (QuantTensor, list)):
+            assert attr == "weight", name
+            if isinstance(mod, nn.Embedding):
+                new: nn.Module = QuantEmbedding(t if isinstance(t, QuantTensor) else t[0])
+            else:
+                bias = mod.bias if mod.bias is not None and not mod.bias.is_meta else None
+                new = QuantLinear(t, bias)
+                if mod.bias is not None and bias is None:
+                    new.bias = mod.bias  # still meta: its tensor is assigned when its name comes
+            setattr(self.get_submodule(parent_path) if parent_path else self, child, new)
+            return
+        setattr(mod, attr, nn.Parameter(_dense(t), requires_grad=False))

@@ -21,6 +21,12 @@ from kvlm.sampler import sample
 from kvlm.scheduler import ScheduledBatch
 
 
+def _native_kernels() -> bool:
+    from kvlm.kernels.native import active_isa
+
+    return active_isa() != "reference"
+
+
 @dataclass(frozen=True, slots=True)
 class StepResult:
     """Requests that produced a token this step, with their tokens, logprobs and float32 logits (N, V)."""
@@ -43,6 +49,9 @@ class ModelRunner:
         # Work done, counted as it happens (benchmarks check their closed forms against these):
         self.num_tokens_processed = 0  # tokens fed through the model
         self.num_context_tokens = 0  # sum over those tokens of their context length (attention work)
+        # Decode steps read the paged blocks in place when the native kernels are built (no gather, no
+        # padding, so no length groups either); else gather + SDPA, the reference.
+        self.paged_decode = isinstance(kv_cache, PagedKVCache) and device.type == "cpu" and _native_kernels()
 
     def build_metadata(self, batch: ScheduledBatch) -> tuple[torch.Tensor, AttentionMetadata, list[Request]]:
         """Flat input ids (T,) and the step's metadata; also the requests that sample this step."""
@@ -79,20 +88,24 @@ class ModelRunner:
             mask = build_attn_mask(query_lens, seq_lens, self.device)
         dev = self.device
         groups: tuple[AttentionMetadata, ...] = ()
-        if B >= self.min_group_batch and max(query_lens) == 1:
+        context_lens = None
+        if self.paged_decode and max(query_lens) == 1:
+            context_lens = torch.tensor(seq_lens, dtype=torch.int32, device=dev)
+        elif B >= self.min_group_batch and max(query_lens) == 1:
             plan = plan_length_groups(seq_lens, group_cost=self.group_cost)
             if len(plan) > 1:
                 groups = tuple(self._group_metadata(idx, tables, seq_lens) for idx in plan)
         meta = AttentionMetadata(
             positions=torch.tensor(positions, device=dev),
             slot_mapping=torch.tensor(slots, device=dev),
-            block_tables=torch.tensor(tables, device=dev),
+            block_tables=torch.tensor(tables, dtype=torch.int64 if context_lens is None else torch.int32, device=dev),
             query_lens=tuple(query_lens),
             seq_lens=tuple(seq_lens),
             q_pad_index=q_pad_index,
             attn_mask=mask,
             logits_indices=torch.tensor(logits_rows, device=dev),
             groups=groups,
+            context_lens=context_lens,
         )
         return torch.tensor(ids, device=dev), meta, samplers
 

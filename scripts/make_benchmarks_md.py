@@ -20,7 +20,9 @@ SECTIONS: list[tuple[str, str, str]] = [
     ("decode", "Decode and prefill speed",
      "Prefill and decode tokens per second with and without the KV cache, next to Hugging Face transformers."),
     ("throughput", "Offline throughput",
-     "Continuous batching against one request at a time and against padded batches in transformers."),
+     "Continuous batching against one request at a time and against padded batches in transformers; "
+     "with `--baseline-dtype`, the same batched run on another weight path (the float32 reference) in "
+     "the same process, for a ratio."),
     ("waste", "What decoding without a cache wastes",
      "Tokens processed, estimated FLOPs and measured seconds per output length, with and without the KV "
      "cache; whether both produce the same tokens; where the cache does not pay (a single output token) "
@@ -34,9 +36,16 @@ SECTIONS: list[tuple[str, str, str]] = [
     ("kv_size", "KV cache memory against context length",
      "Bytes of K/V for MHA, GQA and MQA and for each storage dtype, and the context at which the cache "
      "outgrows the model's weights; the shipped reference models for comparison."),
-    ("compare", "Side by side with other engines",
-     "The same prefill and decode workload on kvlm and on the peers installed on the machine; absent peers "
-     "are listed as skipped."),
+    ("compare", "Side by side with llama.cpp",
+     "kvlm with `--dtype auto` (weights computed on in their GGUF block formats) against llama.cpp on the "
+     "same GGUF file and thread count, and against kvlm's own float32 reference path (`--dtype float32`, "
+     "every weight dequantized at load), in one run: prefill, decode at batch 1, decode against context "
+     "length, and whole processes (load, a chat prompt, greedy tokens, exit) with their peak RSS. "
+     "llama.cpp runs in its own process with flash attention on, through llama-cpp-python, which "
+     "`pip install llama-cpp-python` builds from source (it compiles llama.cpp: expect a quarter of an "
+     "hour); install it in the same environment, or in another one and pass that interpreter with "
+     "`--llama-python`. An absent peer is listed as skipped. The machine is shared with other "
+     "developers' jobs: read the ratios of one run, not absolute speeds."),
     ("prefix", "Prefix cache",
      "(a) Requests sharing a long system prompt, submitted together, with prefix caching off and on; (b) a "
      "multi-turn greedy chat with and without reuse, per turn; (c) a long prefix's K/V loaded from a "

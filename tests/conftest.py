@@ -27,7 +27,7 @@ def smollm2_gguf() -> Path:
 def smollm2_llm(smollm2_gguf: Path):
     from kvlm import LLM
 
-    return LLM(str(smollm2_gguf), num_threads=2)
+    return LLM(str(smollm2_gguf), num_threads=2, dtype="float32")  # the reference path: exact vs transformers
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import sys
-import types
 from pathlib import Path
 from typing import Any
 
@@ -153,9 +152,12 @@ def test_latency(tiny_gguf: Path, tmp_path: Path, capsys: pytest.CaptureFixture[
     for r in d["decode"]:
         assert r["time_per_token_s"] > 0 and r["gb_per_s"] > 0
         assert r["bytes_per_token"] == pytest.approx(d["weight_bytes_read"] + r["mean_context"] * d["kv_bytes_per_token"])
+        b = r["breakdown_s"]  # weights, attention, KV write, other ops, sampling, host: all measured, >= 0
+        assert set(b) == {"weights", "attention", "kv_write", "other_ops", "sampling", "host"}
+        assert min(b.values()) >= 0 and b["weights"] > 0 and b["attention"] > 0 and b["kv_write"] > 0
     # decode reads every weight per token: ~0.5 FLOP/byte in float32, far below prefill's intensity
     assert max(r["intensity"] for r in d["decode"]) < 1 < min(r["intensity"] for r in d["prefill"])
-    assert "prefill" in table and "decode" in table
+    assert "prefill" in table and "decode" in table and "decode step breakdown" in table
     assert_png(png)
 
 
@@ -204,57 +206,84 @@ def test_kv_size_plot_and_crossover(tmp_path: Path, capsys: pytest.CaptureFixtur
 # ----------------------------------------------------------------------------------------- compare
 
 
-class FakeLlama:
-    """Stands in for llama_cpp.Llama: records how the bench drives it."""
+FAKE_LLAMA_CPP = """
+import json, os
+__version__ = "fake"
 
-    instances: list[FakeLlama] = []
 
-    def __init__(self, model_path: str, **kw: Any) -> None:
-        self.model_path, self.kw, self.n_tokens, self.evals = model_path, kw, 0, []
-        FakeLlama.instances.append(self)
+class Llama:
+    # Stands in for llama_cpp.Llama in the worker process: logs how the bench drives it.
+    def __init__(self, model_path, **kw):
+        self.log = open(os.environ["FAKE_LLAMA_LOG"], "a")
+        self.n_tokens = 0
+        self._write({"init": model_path, "kw": kw})
 
-    def reset(self) -> None:
+    def _write(self, d):
+        self.log.write(json.dumps(d) + "\\n")
+        self.log.flush()
+
+    def reset(self):
         self.n_tokens = 0
 
-    def eval(self, tokens: list[int]) -> None:
-        self.evals.append((self.n_tokens, len(tokens)))
+    def eval(self, tokens):
+        self._write({"eval": [self.n_tokens, len(tokens)]})
         self.n_tokens += len(tokens)
 
-    def sample(self, **kw: Any) -> int:
-        assert kw.get("top_k") == 1 and kw.get("temp") == 0.0  # greedy, like the other engines
+    def sample(self, **kw):
+        assert kw.get("top_k") == 1 and kw.get("temp") == 0.0  # greedy, like kvlm
         return 7
 
+    def tokenize(self, text, add_bos=True, special=False):
+        assert special and not add_bos  # a rendered chat prompt: special tokens parsed, no extra BOS
+        return list(text[:5])
 
-def test_compare_llama_cpp_path_and_skips(tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch,
-                                          capsys: pytest.CaptureFixture[str]) -> None:
+    def detokenize(self, ids):
+        return b"x" * len(ids)
+"""
+
+
+def test_compare_runs_llama_cpp_in_its_own_process(tiny_gguf: Path, tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """The llama.cpp side runs as a child process of --llama-python (here with a stand-in llama_cpp
+    package on its path), same threads, flash attention on; whole-process runs report time and RSS."""
     from kvlm.bench import compare
 
-    monkeypatch.setitem(sys.modules, "llama_cpp", types.SimpleNamespace(Llama=FakeLlama))
-    FakeLlama.instances.clear()
-    d = compare.run(str(tiny_gguf), threads=2, prompt_len=16, decode_prompt_len=8, gen_tokens=4, repeats=1,
-                    peers=("llama_cpp",), log=quiet)
+    (tmp_path / "fake" / "llama_cpp").mkdir(parents=True)
+    (tmp_path / "fake" / "llama_cpp" / "__init__.py").write_text(FAKE_LLAMA_CPP)
+    log = tmp_path / "llama.log"
+    monkeypatch.setenv("FAKE_LLAMA_LOG", str(log))
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path / 'fake'}:{Path(__file__).parent.parent}")
+    d = compare.run(str(tiny_gguf), threads=2, prompt_len=16, decode_prompt_len=8, gen_tokens=4, contexts=(12, 24),
+                    context_gen=3, repeats=1, llama_python=sys.executable, log=quiet)
     assert_header(d, "compare")
     e = d["engines"]
-    assert e["kvlm"]["status"] == "ok" and e["kvlm"]["decode_tokens_per_s"] > 0 and e["kvlm"]["prefill_tokens_per_s"] > 0
-    assert e["hf"]["status"] == "skipped"
-    lc = e["llama_cpp"]
-    assert lc["status"] == "ok" and lc["prefill_tokens_per_s"] > 0 and lc["kvlm_over_peer_decode"] > 0
-    (fake,) = FakeLlama.instances
-    assert fake.model_path == str(tiny_gguf)
-    assert fake.kw["n_threads"] == 2 and fake.kw["n_threads_batch"] == 2
-    assert (0, 16) in fake.evals  # prefill: the whole prompt on a fresh context
-    assert (8, 1) in fake.evals  # decode: one token at a time after the prompt
+    for key in ("kvlm", "kvlm_float32", "llama_cpp"):
+        r = e[key]
+        assert r["status"] == "ok", r
+        assert r["prefill_tokens_per_s"] > 0 and r["decode_tokens_per_s"] > 0
+        assert [c["context"] for c in r["context_decode"]] == [12, 24]
+        assert r["whole_process_s"] > 0 and r["peak_rss_bytes"] > 1 << 20
+    assert e["llama_cpp"]["version"] == "fake" and e["hf"]["status"] == "skipped" if "hf" in e else True
+    assert e["llama_cpp"]["kvlm_over_this"]["decode_at_24"] > 0
+    calls = [json.loads(x) for x in log.read_text().splitlines()]
+    inits = [c for c in calls if "init" in c]
+    assert len(inits) == 2  # one measuring process, one whole-process run
+    assert all(c["init"] == str(tiny_gguf) and c["kw"]["n_threads"] == 2 and c["kw"]["n_threads_batch"] == 2
+               and c["kw"]["flash_attn"] for c in inits)
+    evals = [tuple(c["eval"]) for c in calls if "eval" in c]
+    assert (0, 16) in evals and (0, 24) in evals  # prefill and a context: the whole prompt on a fresh context
+    assert (8, 1) in evals and (24, 1) in evals  # decode: one token at a time after the prompt
+    png = tmp_path / "ctx.png"
+    compare.plot(d, str(png))
+    assert_png(png)
 
     # llama-cpp-python absent: a skipped column, not an error; same through the CLI
-    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # `import llama_cpp` now raises ImportError
     d, table = cli_json(capsys, ["-q", "bench", "compare", str(tiny_gguf), "--prompt-len", "16",
-                                 "--decode-prompt-len", "8", "--gen-tokens", "4", "--repeats", "1"])
-    assert d["engines"]["llama_cpp"]["status"] == "skipped" and "not installed" in d["engines"]["llama_cpp"]["reason"]
-    assert "skipped" in table
-    hf = d["engines"]["hf"]
-    assert hf["status"] in ("ok", "skipped")
-    if hf["status"] == "ok":
-        assert hf["decode_tokens_per_s"] > 0 and hf["kvlm_over_peer_prefill"] > 0
+                                 "--decode-prompt-len", "8", "--gen-tokens", "4", "--repeats", "1", "--contexts", "12",
+                                 "--context-gen", "3", "--no-whole-process", "--llama-python", "/bin/false"])
+    assert d["engines"]["llama_cpp"]["status"] == "skipped" and "llama_cpp" in d["engines"]["llama_cpp"]["reason"]
+    assert "skipped" in table and "kvlm / kvlm (--dtype float32" in table
 
 
 # ------------------------------------------------------------------------------ docs/benchmarks.md

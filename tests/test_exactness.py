@@ -76,7 +76,7 @@ def test_cache_equals_no_cache_on_real_model(smollm2_gguf: Path, smollm2_llm: LL
     ids = smollm2_llm.render_chat(CHAT)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     cached = smollm2_llm.llm_engine
-    nocache = Engine(smollm2_gguf, EngineConfig(enable_kv_cache=False, num_threads=2), quiet=True)
+    nocache = Engine(smollm2_gguf, EngineConfig(enable_kv_cache=False, num_threads=2, dtype="float32"), quiet=True)
     ra, rb = cached.add_request(ids, params), nocache.add_request(ids, params)
     steps = 0
     while not (ra.is_finished and rb.is_finished):

@@ -1,66 +1,118 @@
-"""`kvlm bench compare`: one prefill and one decode workload, side by side in one invocation, on kvlm
-and on whichever peers are installed:
+"""`kvlm bench compare`: kvlm against llama.cpp on the same GGUF and thread count, in one run.
 
-* Hugging Face transformers: the same GGUF dequantized to float32 (`decode._load_hf`), same threads,
-  greedy `generate` (`decode._hf_times`).
-* llama.cpp through llama-cpp-python (`llama_cpp.Llama`): the same GGUF file run on its stored
-  (quantized) weights, n_threads and n_threads_batch = the same threads. Prefill: `eval(prompt)` on a
-  fresh context (`reset()`: llama.cpp drops the KV entries past n_tokens on the next eval) plus
-  sampling the first token; decode: `eval([token])` + greedy `sample(top_k=1, temp=0)` per token.
+Engines: kvlm with `--dtype auto` (weights computed on in their stored formats), kvlm with
+`--dtype float32` (the dense reference path: every weight dequantized at load), llama.cpp through
+llama-cpp-python, and optionally Hugging Face transformers (float32, `--hf`).
 
-Workload: a random prompt of `--prompt-len` tokens for prefill (tokens/s = prompt / time to first
-token) and a `--decode-prompt-len` prompt followed by `--gen-tokens` greedy tokens for decode
-(tokens/s = (gen - 1) / time after the first token, kvlm's own definition). Each figure is the best of
-`--repeats`, measured round-robin so every engine sees the same machine load. An absent or failing
-peer is reported as skipped with its reason, never as an error.
+llama.cpp runs in a separate process with its own interpreter (`--llama-python`, default: this one if
+it can import llama_cpp), by `llama_cpp_worker.py`, which needs only the standard library and
+llama_cpp: the peer usually lives in its own virtual environment (docs/benchmarks.md says how to
+build it). Flash attention is on, n_threads = n_threads_batch = `--threads`.
+
+Measured, round-robin over `--repeats` rounds so every engine sees the same machine load, best kept:
+* prefill: a random `--prompt-len` (512) token prompt on a fresh context, tokens / time to first token;
+* decode, batch 1: `--gen-tokens` (128) greedy tokens after a `--decode-prompt-len` prompt, tokens/s
+  over the steps after the first;
+* decode vs context: `--context-gen` tokens after prompts of each `--contexts` length (up to 2048);
+* whole process (separate processes, started cold): load + a chat prompt + `--gen-tokens` greedy
+  tokens + exit, wall time and peak RSS (the child's ru_maxrss from wait4), min time / max RSS.
+Ratios are kvlm over each peer (higher is better for speeds, lower for time and memory). The run ends
+with one JSON line; `--plot` draws decode tokens/s against context for kvlm and llama.cpp. An absent
+or failing peer is a skipped column with its reason, never an error.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import json
+import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 from kvlm.bench.plotting import run_header
 
-
-class _LlamaCppPeer:
-    """llama.cpp through llama-cpp-python on the same GGUF file."""
-
-    def __init__(self, path: Path, threads: int, n_ctx: int) -> None:
-        from llama_cpp import Llama  # ImportError -> reported as skipped by the caller
-
-        # n_threads_batch defaults to every core; prefill would then not run on the same threads.
-        self.llm = Llama(model_path=str(path), n_threads=threads, n_threads_batch=threads, n_ctx=n_ctx,
-                         n_batch=n_ctx, verbose=False)
-
-    def _next(self) -> int:
-        return int(self.llm.sample(top_k=1, temp=0.0))  # greedy
-
-    def prefill_s(self, ids: list[int]) -> float:
-        self.llm.reset()  # fresh context: eval() first drops cached entries past n_tokens = 0
-        t = time.perf_counter()
-        self.llm.eval(ids)
-        self._next()
-        return time.perf_counter() - t
-
-    def decode_tps(self, ids: list[int], gen: int) -> float:
-        self.llm.reset()
-        self.llm.eval(ids)
-        tok = self._next()
-        t = time.perf_counter()
-        for _ in range(gen - 1):
-            self.llm.eval([tok])
-            tok = self._next()
-        return (gen - 1) / (time.perf_counter() - t)
+WORKER = Path(__file__).with_name("llama_cpp_worker.py")
+CHAT = [{"role": "user", "content": "Write a short story about a robot who learns to paint."}]
+NAMES = {"kvlm": "kvlm (--dtype auto)", "kvlm_float32": "kvlm (--dtype float32, reference)",
+         "llama_cpp": "llama.cpp (llama-cpp-python)", "hf": "HF transformers (float32)"}
 
 
-class _HFPeer:
-    """Hugging Face transformers, float32, on the same GGUF (dequantized by transformers)."""
+def default_llama_python() -> str | None:
+    """This interpreter when it can import llama_cpp, else None."""
+    return sys.executable if importlib.util.find_spec("llama_cpp") is not None else None
+
+
+# A minimal launcher process starts each timed command: ru_maxrss of a forked child starts from its
+# parent's peak (Linux copies the high-water mark at fork), so spawning from this benchmark process,
+# which holds models, would report our memory, not the child's. The launcher holds ~10 MB.
+_LAUNCHER = """
+import json, os, sys, time
+t = time.perf_counter()
+pid = os.posix_spawnp(sys.argv[1], sys.argv[1:], dict(os.environ),
+                      file_actions=[(os.POSIX_SPAWN_OPEN, 1, os.devnull, os.O_WRONLY, 0)])
+_, status, usage = os.wait4(pid, 0)
+print(json.dumps({"wall_s": time.perf_counter() - t, "rc": os.waitstatus_to_exitcode(status),
+                  "peak_rss_bytes": usage.ru_maxrss * 1024}))
+"""
+
+
+def run_timed(cmd: list[str], timeout: float = 900.0) -> tuple[float, int]:
+    """(wall seconds, peak RSS bytes) of `cmd` run to completion in a fresh process (stdout discarded);
+    RuntimeError with its last stderr line if it fails."""
+    p = subprocess.run([sys.executable, "-c", _LAUNCHER, *cmd], capture_output=True, text=True, timeout=timeout,
+                       check=False)
+    try:
+        r = json.loads(p.stdout.strip().splitlines()[-1])
+    except (IndexError, json.JSONDecodeError):
+        r = {"rc": p.returncode or 1}
+    if r["rc"] != 0:
+        raise RuntimeError((p.stderr.strip().splitlines() or [f"exit {r['rc']}"])[-1])
+    return r["wall_s"], r["peak_rss_bytes"]
+
+
+class _Kvlm:
+    """kvlm in this process, batch 1 (contiguous cache: a lone sequence's context is a view)."""
+
+    def __init__(self, model: str, threads: int, max_len: int, dtype: str) -> None:
+        from kvlm.llm import LLM
+
+        self.llm = LLM(model, num_threads=threads, max_num_seqs=1, kv_cache_layout="contiguous",
+                       max_model_len=max_len, dtype=dtype)
+
+    def measure(self, spec: dict[str, Any]) -> dict[str, Any]:
+        from kvlm.bench.decode import _kvlm_run
+
+        prefill_s = _kvlm_run(self.llm, spec["prefill_ids"], 1)[0]
+        return {"prefill_tokens_per_s": len(spec["prefill_ids"]) / prefill_s,
+                "decode_tokens_per_s": _kvlm_run(self.llm, spec["decode_ids"], spec["gen_tokens"])[1] or 0.0,
+                "context_decode": [{"context": len(ids), "tokens_per_s": _kvlm_run(self.llm, ids, gen)[1] or 0.0}
+                                   for ids, gen in spec["contexts"]]}
+
+
+class _LlamaCpp:
+    """llama.cpp in a child process per round (llama_cpp_worker.py under `python`)."""
+
+    def __init__(self, python: str, path: Path) -> None:
+        self.python, self.path = python, path
+        probe = subprocess.run([python, "-c", "import llama_cpp; print(llama_cpp.__version__)"],
+                               capture_output=True, text=True, timeout=120, check=False)
+        if probe.returncode != 0:
+            raise ImportError(f"{python} cannot import llama_cpp")
+        self.version = probe.stdout.strip()
+
+    def measure(self, spec: dict[str, Any]) -> dict[str, Any]:
+        p = subprocess.run([self.python, str(WORKER), "measure", str(self.path)], input=json.dumps(spec),
+                           capture_output=True, text=True, timeout=1800, check=False)
+        if p.returncode != 0:
+            raise RuntimeError((p.stderr.strip().splitlines() or [f"exit {p.returncode}"])[-1])
+        return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+class _HF:
+    """Hugging Face transformers, float32, on the same GGUF (prefill and batch-1 decode only)."""
 
     def __init__(self, path: Path, threads: int) -> None:
         from kvlm.bench.decode import _load_hf
@@ -69,121 +121,189 @@ class _HFPeer:
         if self.model is None:
             raise ImportError("transformers is not installed")
 
-    def prefill_s(self, ids: list[int]) -> float:
-        import torch
-
-        with torch.inference_mode():
-            t = time.perf_counter()
-            self.model.generate(torch.tensor([ids]), max_new_tokens=1, min_new_tokens=1, do_sample=False,
-                                pad_token_id=0)
-            return time.perf_counter() - t
-
-    def decode_tps(self, ids: list[int], gen: int) -> float:
+    def measure(self, spec: dict[str, Any]) -> dict[str, Any]:
         from kvlm.bench.decode import _hf_times
 
-        return _hf_times(self.model, ids, gen)[1]
+        t1 = _hf_times(self.model, spec["prefill_ids"], 1)[0]
+        return {"prefill_tokens_per_s": len(spec["prefill_ids"]) / t1,
+                "decode_tokens_per_s": _hf_times(self.model, spec["decode_ids"], spec["gen_tokens"])[1],
+                "context_decode": []}
 
 
-class _KvlmEngine:
-    def __init__(self, model: str, threads: int, max_len: int) -> None:
-        from kvlm.llm import LLM
-
-        self.llm = LLM(model, num_threads=threads, max_num_seqs=1, kv_cache_layout="contiguous", max_model_len=max_len)
-
-    def prefill_s(self, ids: list[int]) -> float:
-        from kvlm.bench.decode import _kvlm_run
-
-        return _kvlm_run(self.llm, ids, 1)[0]
-
-    def decode_tps(self, ids: list[int], gen: int) -> float:
-        from kvlm.bench.decode import _kvlm_run
-
-        return _kvlm_run(self.llm, ids, gen)[1] or 0.0
+def _whole_cmd(key: str, path: Path, threads: int, text: str, gen: int, llama_python: str | None) -> list[str]:
+    if key == "llama_cpp":
+        assert llama_python is not None
+        return [llama_python, str(WORKER), "whole", str(path), str(threads), text, str(gen)]
+    dtype = "auto" if key == "kvlm" else "float32"
+    return [sys.executable, "-m", "kvlm", "-q", "generate", str(path), text, "--max-tokens", str(gen),
+            "--ignore-eos", "--threads", str(threads), "--dtype", dtype]
 
 
-PEERS = {"hf": "HF transformers (float32)", "llama_cpp": "llama.cpp (GGUF weights as stored)"}
+def _best(a: dict[str, Any] | None, b: dict[str, Any]) -> dict[str, Any]:
+    if a is None:
+        return b
+    out = {k: max(a[k], b[k]) for k in ("prefill_tokens_per_s", "decode_tokens_per_s")}
+    out["context_decode"] = [{"context": x["context"], "tokens_per_s": max(x["tokens_per_s"], y["tokens_per_s"])}
+                             for x, y in zip(a["context_decode"], b["context_decode"])]
+    return out
 
 
-def run(model: str = "smollm2-135m", threads: int = 2, prompt_len: int = 256, decode_prompt_len: int = 32,
-        gen_tokens: int = 64, repeats: int = 2, peers: tuple[str, ...] = ("hf", "llama_cpp"),
-        log: Any = print) -> dict[str, Any]:
+def run(model: str = "smollm2-135m", threads: int = 2, prompt_len: int = 512, decode_prompt_len: int = 32,
+        gen_tokens: int = 128, contexts: tuple[int, ...] = (128, 512, 1024, 2048), context_gen: int = 32,
+        repeats: int = 2, llama_python: str | None = None, llama_cpp: bool = True, hf: bool = False,
+        whole: bool = True, log: Any = print) -> dict[str, Any]:
     import torch
 
     from kvlm.bench.decode import _prompt_ids
+    from kvlm.loader import resolve_model
 
     torch.set_num_threads(threads)
-    max_len = max(prompt_len, decode_prompt_len + gen_tokens) + 8
-    engines: dict[str, Any] = {"kvlm": _KvlmEngine(model, threads, max_len)}
-    path = engines["kvlm"].llm.llm_engine.model_path
+    path = resolve_model(model, quiet=True)
+    max_len = max(prompt_len + 1, decode_prompt_len + gen_tokens, max(contexts, default=0) + context_gen) + 8
+    engines: dict[str, Any] = {"kvlm": _Kvlm(model, threads, max_len, "auto"),
+                               "kvlm_float32": _Kvlm(model, threads, max_len, "float32")}
+    tok = engines["kvlm"].llm.tokenizer
     vocab = engines["kvlm"].llm.llm_engine.model_config.vocab_size
-    long_ids, short_ids = _prompt_ids(vocab, prompt_len), _prompt_ids(vocab, decode_prompt_len, seed=1)
+    spec = {"threads": threads, "n_ctx": max_len, "gen_tokens": gen_tokens,
+            "prefill_ids": _prompt_ids(vocab, prompt_len), "decode_ids": _prompt_ids(vocab, decode_prompt_len, seed=1),
+            "contexts": [[_prompt_ids(vocab, c, seed=c), context_gen] for c in contexts]}
+    chat_text = tok.apply_chat_template(CHAT)
+    results: dict[str, dict[str, Any]] = {k: {"name": NAMES[k], "status": "ok"} for k in engines}
 
-    results: dict[str, dict[str, Any]] = {"kvlm": {"name": "kvlm (float32)", "status": "ok"}}
-    for key in PEERS:
-        if key not in peers:
-            results[key] = {"name": PEERS[key], "status": "skipped", "reason": "disabled by flag"}
-            continue
-        try:
-            if key == "llama_cpp":
-                if path.suffix != ".gguf":
-                    raise ValueError(f"{path.name} is not a GGUF file")
-                engines[key] = _LlamaCppPeer(path, threads, max_len + 8)
-            else:
-                engines[key] = _HFPeer(path, threads)
-            results[key] = {"name": PEERS[key], "status": "ok"}
-        except ImportError as e:
-            results[key] = {"name": PEERS[key], "status": "skipped", "reason": f"not installed ({e})"}
-        except Exception as e:  # a peer that cannot read this file is a skipped column, not a failed bench
-            results[key] = {"name": PEERS[key], "status": "skipped", "reason": f"{type(e).__name__}: {e}"}
-        if results[key]["status"] == "skipped":
-            log(f"  {PEERS[key]}: skipped: {results[key]['reason']}")
+    def skip(key: str, reason: str) -> None:
+        engines.pop(key, None)
+        results[key] = {"name": NAMES[key], "status": "skipped", "reason": reason}
+        log(f"  {NAMES[key]}: skipped: {reason}")
 
-    for key in list(engines):  # warm-up (first-call allocations, thread pools); a peer failing here is skipped
+    llama_python = llama_python or default_llama_python()
+    if not llama_cpp:
+        skip("llama_cpp", "disabled by flag")
+    elif llama_python is None:
+        skip("llama_cpp", "not installed (pip install llama-cpp-python, or pass --llama-python)")
+    elif path.suffix != ".gguf":
+        skip("llama_cpp", f"{path.name} is not a GGUF file")
+    else:
         try:
-            engines[key].decode_tps(short_ids[:8], 3)
-        except Exception as e:
-            if key == "kvlm":
-                raise
-            del engines[key]
-            results[key] = {"name": PEERS[key], "status": "skipped", "reason": f"{type(e).__name__}: {e}"}
-            log(f"  {PEERS[key]}: skipped: {results[key]['reason']}")
-    best: dict[str, dict[str, float]] = {k: {"prefill": 0.0, "decode": 0.0} for k in engines}
+            engines["llama_cpp"] = _LlamaCpp(llama_python, path)
+            results["llama_cpp"] = {"name": NAMES["llama_cpp"], "status": "ok",
+                                    "version": engines["llama_cpp"].version}
+        except (ImportError, OSError, subprocess.SubprocessError) as e:
+            skip("llama_cpp", f"{type(e).__name__}: {e}")
+    if hf:
+        try:
+            engines["hf"] = _HF(path, threads)
+            results["hf"] = {"name": NAMES["hf"], "status": "ok"}
+        except Exception as e:  # noqa: BLE001 (a peer that cannot read this file is a skipped column)
+            skip("hf", f"{type(e).__name__}: {e}")
+    for key in ("kvlm", "kvlm_float32"):  # warm-up: thread pools, first-call allocations
+        engines[key].llm.generate([{"prompt_token_ids": spec["decode_ids"][:8]}], use_tqdm=False)
+
+    best: dict[str, dict[str, Any] | None] = {k: None for k in engines}
     for r in range(repeats):
-        for key, eng in engines.items():
+        for key in list(engines):
             torch.set_num_threads(threads)  # a peer may have changed the process-wide setting
-            best[key]["prefill"] = max(best[key]["prefill"], prompt_len / eng.prefill_s(long_ids))
-            best[key]["decode"] = max(best[key]["decode"], eng.decode_tps(short_ids, gen_tokens))
-        log(f"  round {r + 1}/{repeats}: " + ", ".join(f"{k} decode {v['decode']:.1f} tok/s" for k, v in best.items()))
-
-    k = best["kvlm"]
-    for key, b in best.items():
-        results[key].update({"prefill_tokens_per_s": b["prefill"], "decode_tokens_per_s": b["decode"]})
-        if key != "kvlm":
-            results[key].update({"kvlm_over_peer_prefill": k["prefill"] / b["prefill"],
-                                 "kvlm_over_peer_decode": k["decode"] / b["decode"]})
-    engines.clear()
+            try:
+                best[key] = _best(best[key], engines[key].measure(spec))
+            except Exception as e:
+                if key.startswith("kvlm"):
+                    raise
+                skip(key, f"{type(e).__name__}: {e}")
+        log(f"  round {r + 1}/{repeats}: " + ", ".join(
+            f"{k} prefill {v['prefill_tokens_per_s']:.0f}, decode {v['decode_tokens_per_s']:.1f} tok/s"
+            for k, v in best.items() if v is not None and k in engines))
+    for key in engines:
+        results[key].update(best[key] or {})
+    hf_engine = engines.pop("hf", None)
+    del hf_engine
+    for key in ("kvlm", "kvlm_float32"):
+        engines[key] = None  # free the in-process models before timing whole processes
     gc.collect()
+
+    if whole:
+        for r in range(repeats):
+            for key in [k for k in ("kvlm", "kvlm_float32", "llama_cpp") if k in engines]:
+                try:
+                    wall, rss = run_timed(_whole_cmd(key, path, threads, chat_text, gen_tokens, llama_python))
+                except (RuntimeError, OSError) as e:
+                    if key.startswith("kvlm"):
+                        raise
+                    skip(key, f"whole process: {e}")
+                    continue
+                res = results[key]
+                res["whole_process_s"] = min(res.get("whole_process_s", wall), wall)
+                res["peak_rss_bytes"] = max(res.get("peak_rss_bytes", 0), rss)
+            log(f"  whole process {r + 1}/{repeats}: " + ", ".join(
+                f"{k} {results[k]['whole_process_s']:.2f} s {results[k]['peak_rss_bytes'] / 2**20:.0f} MiB"
+                for k in ("kvlm", "kvlm_float32", "llama_cpp") if "whole_process_s" in results.get(k, {})))
+
+    _ratios(results)
     doc = run_header("compare", model, threads)
     doc.update({"model_file": path.name, "prompt_len": prompt_len, "decode_prompt_len": decode_prompt_len,
-                "gen_tokens": gen_tokens, "repeats": repeats, "engines": results})
+                "gen_tokens": gen_tokens, "contexts": list(contexts), "context_gen": context_gen,
+                "repeats": repeats, "engines": results})
     return doc
 
 
-def print_table(d: dict[str, Any]) -> None:
-    print(f"{d['model']}, {d['threads']} threads: prefill of {d['prompt_len']} tokens; decode of "
-          f"{d['gen_tokens']} tokens after {d['decode_prompt_len']}; best of {d['repeats']}")
-    print(f"{'engine':36s} {'prefill tok/s':>13s} {'decode tok/s':>12s} {'kvlm/peer prefill':>17s} {'decode':>7s}")
-    for key, r in d["engines"].items():
-        if r["status"] != "ok":
-            print(f"{r['name']:36s} skipped: {r['reason']}")
+def _ratios(results: dict[str, dict[str, Any]]) -> None:
+    """kvlm over each other engine: speeds (>1 = kvlm faster), time and RSS (<1 = kvlm lighter)."""
+    k = results["kvlm"]
+    for key, r in results.items():
+        if key == "kvlm" or r.get("status") != "ok":
             continue
-        ratios = ("", "") if key == "kvlm" else (f"{r['kvlm_over_peer_prefill']:.2f}x", f"{r['kvlm_over_peer_decode']:.2f}x")
-        print(f"{r['name']:36s} {r['prefill_tokens_per_s']:13.1f} {r['decode_tokens_per_s']:12.1f} "
-              f"{ratios[0]:>17s} {ratios[1]:>7s}")
+        ratios: dict[str, float] = {}
+        for f in ("prefill_tokens_per_s", "decode_tokens_per_s", "whole_process_s", "peak_rss_bytes"):
+            if r.get(f) and k.get(f):
+                ratios[f] = k[f] / r[f]
+        for x, y in zip(k.get("context_decode", []), r.get("context_decode", [])):
+            ratios[f"decode_at_{x['context']}"] = x["tokens_per_s"] / y["tokens_per_s"]
+        r["kvlm_over_this"] = ratios
+
+
+def print_table(d: dict[str, Any]) -> None:
+    print(f"{d['model']} ({d['model_file']}), {d['threads']} threads, CPU {d['cpu']}, best of {d['repeats']}: "
+          f"prefill {d['prompt_len']} tokens; decode {d['gen_tokens']} tokens after {d['decode_prompt_len']}; "
+          f"decode {d['context_gen']} tokens after each context; whole process = load + chat prompt + "
+          f"{d['gen_tokens']} tokens")
+    ctx = d["contexts"]
+    head = (f"{'engine':34s} {'prefill':>8s} {'decode':>7s} " + " ".join(f"{'@' + str(c):>7s}" for c in ctx)
+            + f" {'whole s':>8s} {'peak RSS':>9s}")
+    print(head)
+    for r in d["engines"].values():
+        if r["status"] != "ok":
+            print(f"{r['name']:34s} skipped: {r['reason']}")
+            continue
+        cd = {x["context"]: x["tokens_per_s"] for x in r.get("context_decode", [])}
+        whole = f"{r['whole_process_s']:8.2f}" if "whole_process_s" in r else f"{'-':>8s}"
+        rss = f"{r['peak_rss_bytes'] / 2**20:6.0f} MiB" if "peak_rss_bytes" in r else f"{'-':>9s}"
+        print(f"{r['name']:34s} {r['prefill_tokens_per_s']:8.1f} {r['decode_tokens_per_s']:7.1f} "
+              + " ".join(f"{cd[c]:7.1f}" if c in cd else f"{'-':>7s}" for c in ctx) + f" {whole} {rss}")
+    print("(tokens/s, higher is better; whole-process seconds and peak RSS, lower is better)")
+    for r in d["engines"].values():
+        if "kvlm_over_this" in r:
+            rat = r["kvlm_over_this"]
+            print(f"kvlm / {r['name']}: " + ", ".join(f"{k.removesuffix('_tokens_per_s')} {v:.2f}x"
+                                                     for k, v in rat.items()))
+
+
+def plot(d: dict[str, Any], path: str) -> str:
+    """Decode tokens/s against context length, one line per engine that measured it."""
+    from kvlm.bench.plotting import new_figure, save_figure
+
+    fig, ax = new_figure(width=6.0, height=3.6)
+    for r in d["engines"].values():
+        pts = r.get("context_decode") or []
+        if r["status"] == "ok" and pts:
+            ax.plot([p["context"] for p in pts], [p["tokens_per_s"] for p in pts], marker="o", label=r["name"])
+    ax.set(xlabel="context (tokens)", ylabel="decode tokens/s (batch 1)",
+           title=f"{d['model_file']}, {d['threads']} threads")
+    ax.set_ylim(bottom=0)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
+    return save_figure(fig, path)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("compare", help="the same prefill/decode workload on kvlm, HF transformers and llama.cpp")
+    p = sub.add_parser("compare", help="kvlm vs llama.cpp (and the float32 reference path) on the same GGUF")
     _add_args(p)
     p.set_defaults(func=main_args)
 
@@ -191,18 +311,28 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default="smollm2-135m")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--decode-prompt-len", type=int, default=32)
-    p.add_argument("--gen-tokens", type=int, default=64)
+    p.add_argument("--gen-tokens", type=int, default=128)
+    p.add_argument("--contexts", type=int, nargs="*", default=[128, 512, 1024, 2048])
+    p.add_argument("--context-gen", type=int, default=32, help="decode tokens timed after each context")
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--no-hf", action="store_true", help="skip Hugging Face transformers")
+    p.add_argument("--llama-python", default=None,
+                   help="interpreter with llama-cpp-python installed (default: this one, if it has it)")
     p.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp")
+    p.add_argument("--hf", action="store_true", help="also run Hugging Face transformers (float32)")
+    p.add_argument("--no-whole-process", action="store_true", help="skip the whole-process runs")
+    p.add_argument("--plot", metavar="FILE", help="PNG of decode tokens/s vs context")
 
 
 def main_args(a: argparse.Namespace) -> int:
-    log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
-    peers = tuple(p for p, off in (("hf", a.no_hf), ("llama_cpp", a.no_llama_cpp)) if not off)
-    d = run(a.model, a.threads, a.prompt_len, a.decode_prompt_len, a.gen_tokens, a.repeats, peers, log=log)
+    log = lambda s: print(s, file=sys.stderr, flush=True)
+    if a.llama_python is not None and not Path(a.llama_python).exists():
+        raise ValueError(f"--llama-python: no such file {a.llama_python}")
+    d = run(a.model, a.threads, a.prompt_len, a.decode_prompt_len, a.gen_tokens, tuple(a.contexts), a.context_gen,
+            a.repeats, a.llama_python, not a.no_llama_cpp, a.hf, not a.no_whole_process, log=log)
+    if a.plot:
+        d["plot"] = plot(d, a.plot)
     print_table(d)
     print(json.dumps(d))
     return 0

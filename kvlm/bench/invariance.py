@@ -51,7 +51,7 @@ def forward_kv(model: Any, ids: list[int], causal: bool) -> CapturingCache:
     K/V it computed."""
     from kvlm.attention import AttentionMetadata
 
-    dev = model.model.embed_tokens.weight.device
+    dev = model.model.norm.weight.device  # (embed_tokens may be a QuantEmbedding, without .weight)
     T = len(ids)
     meta = AttentionMetadata(
         positions=torch.arange(T, device=dev),

@@ -14,8 +14,12 @@ placed against this machine's own ceilings (a roofline).
   bytes / time per token. Its intensity is ~0.5 FLOP/byte in float32 (2 FLOPs per 4-byte weight), far
   left on the roofline: decode is memory-bound, and the KV read grows with the context.
 
-Weight bytes read per forward pass: parameters x 4 (float32), less the input embedding table when it
-is not tied to lm_head (a lookup reads one row, not the table); a tied table is read whole by lm_head.
+Weight bytes read per decode step: what the engine's linear layers hold (quantized blocks under
+`--dtype auto`, parameters x 4 in float32), lm_head included; the input embedding is not counted (a
+lookup reads one row, not the table).
+
+Each decode row also carries the step's breakdown (`step_breakdown.py`): weights, attention, KV
+write, other ops in the forward, sampling and host time, seconds per step.
 """
 
 from __future__ import annotations
@@ -71,12 +75,6 @@ def peak_flops(n: int = 2048, repeats: int = 3, device: Any = "cpu") -> float:
     return 2 * n**3 / best
 
 
-def weight_bytes_read(cfg: Any, elem: int = 4) -> int:
-    """Bytes of weights one forward pass reads (see the module docstring)."""
-    emb = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size
-    return (cfg.num_parameters - emb) * elem
-
-
 def _decode_step_times(llm: Any, ids: list[int], steps: int) -> list[float]:
     """Seconds of each decode step (after the first token) of one greedy request."""
     from kvlm.sampling_params import SamplingParams
@@ -90,18 +88,34 @@ def _decode_step_times(llm: Any, ids: list[int], steps: int) -> list[float]:
     return [b - a for a, b in zip(stamps, stamps[1:])]
 
 
+def engine_weight_bytes(model: Any) -> int:
+    """Bytes of weights one decode step reads: every linear layer's stored weight (blocks or dense)."""
+    from torch import nn
+
+    from kvlm.quant_linear import QuantLinear
+
+    total = 0
+    for m in model.modules():
+        if isinstance(m, QuantLinear):
+            total += m.nbytes
+        elif isinstance(m, nn.Linear):
+            total += m.weight.numel() * m.weight.element_size()
+    return total
+
+
 def run(model: str = "smollm2-135m", threads: int = 2, prompt_lens: tuple[int, ...] = (32, 64, 128, 256, 512),
         contexts: tuple[int, ...] = (64, 256, 512, 1024), decode_steps: int = 24, repeats: int = 2,
-        copy_mib: int = 256, matmul_n: int = 2048, log: Any = print) -> dict[str, Any]:
+        copy_mib: int = 256, matmul_n: int = 2048, dtype: str = "auto", log: Any = print) -> dict[str, Any]:
     import torch
 
     from kvlm.bench.decode import _kvlm_run, _prompt_ids
+    from kvlm.bench.step_breakdown import decode_breakdown
     from kvlm.bench.waste import forward_flops
     from kvlm.llm import LLM
 
     torch.set_num_threads(threads)
-    max_len = max(max(prompt_lens) + 2, max(contexts) + decode_steps + 2)
-    llm = LLM(model, num_threads=threads, max_num_seqs=1, kv_cache_layout="contiguous", max_model_len=max_len)
+    max_len = max(max(prompt_lens) + 2, max(contexts) + decode_steps + 2) + 16  # + a block: the pool rounds down
+    llm = LLM(model, num_threads=threads, max_num_seqs=1, max_model_len=max_len, dtype=dtype)
     eng = llm.llm_engine
     # The ceilings of the device the engine runs on (the CPU here; a GPU when the engine picked CUDA).
     bw = memory_bandwidth(copy_mib, device=eng.device)
@@ -109,7 +123,7 @@ def run(model: str = "smollm2-135m", threads: int = 2, prompt_lens: tuple[int, .
     log(f"  {eng.device}: copy {bw / 1e9:.1f} GB/s, matmul {peak / 1e9:.1f} GFLOP/s ({threads} threads)")
     cfg = eng.model_config
     kv_tok = eng.kv_bytes_per_token
-    wbytes = weight_bytes_read(cfg, torch.finfo(eng.dtype).bits // 8)
+    wbytes = engine_weight_bytes(eng.model)
     _kvlm_run(llm, _prompt_ids(cfg.vocab_size, 16), 4)  # warm-up
 
     prefill = []
@@ -127,13 +141,15 @@ def run(model: str = "smollm2-135m", threads: int = 2, prompt_lens: tuple[int, .
     for C in contexts:
         ids = _prompt_ids(cfg.vocab_size, C, seed=C)
         tpt = statistics.median(_decode_step_times(llm, ids, decode_steps))  # robust to the odd slow step
+        split = decode_breakdown(llm, ids, decode_steps)["parts_s"]
         ctx = C + (decode_steps + 1) / 2  # mean context of the timed steps: C+1 .. C+decode_steps
         flops = forward_flops(cfg, 1, round(ctx))
         nbytes = wbytes + ctx * kv_tok
         decode.append({"context": C, "mean_context": ctx, "time_per_token_s": tpt, "tokens_per_s": 1 / tpt,
                        "bytes_per_token": nbytes, "kv_bytes_per_token_read": ctx * kv_tok,
                        "gb_per_s": nbytes / tpt / 1e9, "fraction_of_bandwidth": nbytes / tpt / bw,
-                       "flops": flops, "gflops_per_s": flops / tpt / 1e9, "intensity": flops / nbytes})
+                       "flops": flops, "gflops_per_s": flops / tpt / 1e9, "intensity": flops / nbytes,
+                       "breakdown_s": split})
         log(f"  decode at {C}: {tpt * 1e3:.1f} ms/token")
 
     doc = run_header("latency", model, threads)
@@ -169,6 +185,14 @@ def print_table(d: dict[str, Any]) -> None:
         print(f"{r['context']:7d} {r['time_per_token_s'] * 1e3:9.2f} {r['tokens_per_s']:8.1f} "
               f"{fmt_bytes(r['kv_bytes_per_token_read']):>10s} {r['bytes_per_token'] / 1e6:8.1f} "
               f"{r['gb_per_s']:6.1f} {100 * r['fraction_of_bandwidth']:6.0f}% {r['intensity']:7.2f}")
+    from kvlm.bench.step_breakdown import PARTS
+
+    print()
+    print("decode step breakdown (ms per step; host = scheduling, metadata, detokenizing, timing hooks)")
+    print(f"{'context':>7s} " + " ".join(f"{p:>9s}" for p in PARTS))
+    for r in d["decode"]:
+        b = r["breakdown_s"]
+        print(f"{r['context']:7d} " + " ".join(f"{b[p] * 1e3:9.2f}" for p in PARTS))
 
 
 def plot(d: dict[str, Any], path: str) -> str:
@@ -217,13 +241,14 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=2, help="prefill runs per prompt length (best kept)")
     p.add_argument("--copy-mib", type=int, default=256, help="tensor size of the bandwidth test")
     p.add_argument("--matmul-n", type=int, default=2048, help="matrix size of the compute test")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--plot", metavar="FILE", help="write a roofline PNG")
 
 
 def main_args(a: argparse.Namespace) -> int:
-    log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
+    log = lambda s: print(s, file=sys.stderr, flush=True)
     d = run(a.model, a.threads, tuple(a.prompt_lens), tuple(a.contexts), a.decode_steps, a.repeats,
-            a.copy_mib, a.matmul_n, log=log)
+            a.copy_mib, a.matmul_n, a.dtype, log=log)
     if a.plot:
         d["plot"] = plot(d, a.plot)
     print_table(d)

@@ -9,12 +9,13 @@ Reports output tokens/s, total tokens/s, peak KV blocks and paging waste; the la
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import resource
 import sys
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 import torch
@@ -99,7 +100,7 @@ def run_hf_padded(model_path: Any, prompts: list[list[int]], outs: list[int], ba
 def run(model: str = "smollm2-135m", num_prompts: int = 32, in_range: tuple[int, int] = (64, 512),
         out_range: tuple[int, int] = (64, 256), seed: int = 0, threads: int = 2, max_num_seqs: int = 32,
         max_num_batched_tokens: int = 2048, sequential: bool = True, compare_hf: bool = True,
-        dtype: str = "float32") -> dict[str, Any]:
+        dtype: str = "auto", baseline_dtype: str | None = None) -> dict[str, Any]:
     from kvlm.llm import LLM
 
     torch.set_num_threads(threads)
@@ -109,18 +110,29 @@ def run(model: str = "smollm2-135m", num_prompts: int = 32, in_range: tuple[int,
     llm.generate({"prompt_token_ids": prompts[0][:16]}, use_tqdm=False)  # warm-up
     batched = run_kvlm_batched(llm, prompts, outs)
     seq = run_kvlm_sequential(llm, prompts, outs) if sequential else None
+    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # before any second model loads
+    base = None
+    if baseline_dtype:  # the same continuous-batching run on another dtype (e.g. the float32 path), same process
+        del llm
+        gc.collect()
+        llm = LLM(model, dtype=baseline_dtype, num_threads=threads, max_num_seqs=max_num_seqs,
+                  max_num_batched_tokens=max_num_batched_tokens, max_model_len=in_range[1] + out_range[1])
+        llm.generate({"prompt_token_ids": prompts[0][:16]}, use_tqdm=False)
+        base = run_kvlm_batched(llm, prompts, outs)
+        base["dtype"] = baseline_dtype
     hf = run_hf_padded(llm.llm_engine.model_path, prompts, outs, max_num_seqs) if compare_hf else None
     return {
         "bench": "throughput", "model": model, "dtype": dtype, "threads": threads,
-        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"), "cpu": cpu_name(),
+        "date": datetime.now(UTC).strftime("%Y-%m-%d"), "cpu": cpu_name(),
         "device": str(llm.llm_engine.device), "torch": torch.__version__, "num_prompts": num_prompts,
         "prompt_len_range": list(in_range), "output_len_range": list(out_range), "seed": seed,
         "prompt_tokens": sum(map(len, prompts)), "output_tokens": sum(outs),
         "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
-        "kvlm_batched": batched, "kvlm_sequential": seq, "hf_padded_batched": hf,
+        "kvlm_batched": batched, "kvlm_sequential": seq, "hf_padded_batched": hf, "kvlm_batched_baseline": base,
+        "vs_baseline": batched["output_tokens_per_s"] / base["output_tokens_per_s"] if base else None,
         "batching_speedup": batched["output_tokens_per_s"] / seq["output_tokens_per_s"] if seq else None,
         "vs_hf": batched["output_tokens_per_s"] / hf["output_tokens_per_s"] if hf else None,
-        "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        "peak_rss_mib": round(peak_rss, 1),  # of the main run (before the baseline or HF load)
     }
 
 
@@ -128,9 +140,12 @@ def print_table(d: dict[str, Any]) -> None:
     print(f"{d['num_prompts']} prompts, {d['prompt_tokens']} prompt + {d['output_tokens']} output tokens, "
           f"{d['threads']} threads, {d['device']}")
     print(f"{'':34s} {'output tok/s':>12s} {'total tok/s':>12s} {'seconds':>9s}")
-    for name, key in (("kvlm continuous batching", "kvlm_batched"), ("kvlm one request at a time", "kvlm_sequential"),
+    base = d.get("kvlm_batched_baseline")
+    for name, key in ((f"kvlm continuous batching ({d['dtype']})", "kvlm_batched"),
+                      ("kvlm one request at a time", "kvlm_sequential"),
+                      (f"kvlm continuous batching ({base['dtype'] if base else ''})", "kvlm_batched_baseline"),
                       ("HF transformers padded batches", "hf_padded_batched")):
-        r = d[key]
+        r = d.get(key)
         if r:
             print(f"{name:34s} {r['output_tokens_per_s']:12.1f} {r['total_tokens_per_s']:12.1f} {r['seconds']:9.1f}")
     b = d["kvlm_batched"]
@@ -138,6 +153,9 @@ def print_table(d: dict[str, Any]) -> None:
           f"max paging waste {b['max_waste_blocks_per_request']:.2f} block/request, preemptions {b['preemptions']}")
     if d["batching_speedup"]:
         print(f"continuous batching vs one at a time: {d['batching_speedup']:.2f}x")
+    if d.get("vs_baseline"):
+        print(f"continuous batching, {d['dtype']} vs {base['dtype']}: {d['vs_baseline']:.2f}x output tok/s")
+    print(f"peak RSS of the {d['dtype']} run: {d['peak_rss_mib']:.0f} MiB")
     if d["vs_hf"]:
         print(f"continuous batching vs HF padded batching: {d['vs_hf']:.2f}x")
 
@@ -151,7 +169,9 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--max-num-seqs", type=int, default=32, help="also the HF batch size")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    p.add_argument("--baseline-dtype", default=None, choices=["auto", "float32", "bfloat16"],
+                   help="also run continuous batching with this dtype (e.g. float32) and report the ratio")
     p.add_argument("--no-sequential", action="store_true", help="skip the one-request-at-a-time run")
     p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face comparison")
 
@@ -164,7 +184,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def main_args(a: argparse.Namespace) -> int:
     d = run(a.model, a.num_prompts, tuple(a.input_len), tuple(a.output_len), a.seed, a.threads, a.max_num_seqs,
-            a.max_num_batched_tokens, not a.no_sequential, not a.no_hf, a.dtype)
+            a.max_num_batched_tokens, not a.no_sequential, not a.no_hf, a.dtype, a.baseline_dtype)
     print_table(d)
     print(json.dumps(d))
     return 0

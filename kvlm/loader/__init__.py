@@ -28,8 +28,10 @@ def _gguf_file(path: Path) -> Path | None:
     return None
 
 
-def load_checkpoint(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
-    """Read a .gguf file or an HF folder (already resolved to a local path)."""
+def load_checkpoint(path: str | os.PathLike,
+                    quantized: bool = False) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
+    """Read a .gguf file or an HF folder (already resolved to a local path). quantized: GGUF weights
+    stay in their block formats as `kernels.QuantTensor` views of the mapped file (see loader.gguf)."""
     p = Path(path)
     if not p.exists():
         raise ModelLoadError(f"{p}: no such model file or folder")
@@ -37,9 +39,10 @@ def load_checkpoint(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, tor
     try:
         if gg is not None:
             from kvlm.loader.gguf import load_gguf
+            from kvlm.tokenizer_cache import gguf_tokenizer
 
-            config, state, fields = load_gguf(gg)
-            tokenizer = Tokenizer.from_gguf_fields(fields)
+            config, state, fields = load_gguf(gg, quantized=quantized)
+            tokenizer = gguf_tokenizer(gg, fields)  # cached next to the model file
         else:
             from kvlm.loader.safetensors import load_hf_dir
 

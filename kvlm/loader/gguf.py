@@ -187,16 +187,16 @@ def check_header(path: Path) -> None:
 
 
 def read_gguf(path: str | os.PathLike) -> tuple[Any, dict[str, Any]]:
-    """Open a GGUF file after checking it; returns (GGUFReader, metadata as plain Python values)."""
-    from gguf import GGUFReader
+    """Open a GGUF file after checking it; returns (GGUFFile, metadata as plain Python values)."""
+    from kvlm.loader.gguf_file import GGUFFile
 
     p = Path(path)
     if not p.is_file():
         raise ModelLoadError(f"{p}: no such model file")
     check_header(p)
     try:
-        reader = GGUFReader(p)
-        fields = {k: f.contents() for k, f in reader.fields.items()}
+        reader = GGUFFile(p)  # not gguf.GGUFReader: same values, seconds faster (see gguf_file)
+        fields = reader.fields
     except Exception:  # the header walk passed, so this is damage it does not model (bad UTF-8, ...)
         raise ModelLoadError(f"{p}: corrupt GGUF file (its metadata cannot be decoded)") from None
     size = p.stat().st_size
@@ -272,24 +272,87 @@ def dequantize_tensor(t: Any) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(arr).reshape(shape))
 
 
-def load_gguf(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str, Any]]:
-    """Load a GGUF model: (config, HF-named float32 state dict, metadata fields for the tokenizer)."""
+def file_bytes(reader: Any) -> torch.Tensor:
+    """The whole memory-mapped file as a read-only uint8 tensor, sharing the reader's mapping (no copy).
+
+    torch warns that the array is not writable; nothing writes to it (weights are only read)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(reader.data)
+
+
+def quant_tensor(t: Any, mapped: torch.Tensor) -> Any:
+    """A 2-D GGUF tensor as a `kernels.QuantTensor` over the mapped file: nothing is read or converted."""
+    from gguf import GGML_QUANT_SIZES
+
+    from kvlm.kernels import QuantTensor
+
+    if t.tensor_type.name not in SUPPORTED_TENSOR_TYPES:
+        raise UnsupportedModelError(f"tensor {t.name} has unsupported type {t.tensor_type.name}")
+    n, k = (int(d) for d in reversed(t.shape.tolist()))  # GGUF lists dims fastest-first
+    elems, nbytes = GGML_QUANT_SIZES[t.tensor_type]
+    row_bytes = k // elems * nbytes
+    data = mapped[t.data_offset : t.data_offset + n * row_bytes].view(n, row_bytes)
+    return QuantTensor(data, t.tensor_type, (n, k))
+
+
+def weight_formats(reader: Any) -> dict[str, dict[str, Any]]:
+    """Per stored tensor type: how many weights, their bytes, and the kernel that computes on them
+    under `--dtype auto` (`kernels.kernel_path`; 1-D tensors, norms and biases, are float32 vectors)."""
+    from kvlm.kernels import kernel_path
+
+    out: dict[str, dict[str, Any]] = {}
+    for t in reader.tensors:
+        if gguf_to_hf_name(t.name) is None:
+            continue
+        matrix = len(t.shape) == 2
+        key = t.tensor_type.name + ("" if matrix else " (1-D)")
+        row = out.setdefault(key, {"tensors": 0, "bytes": 0,
+                                   "kernel": kernel_path(t.tensor_type) if matrix else "float32 vector ops"})
+        row["tensors"] += 1
+        row["bytes"] += int(t.n_bytes)
+    return out
+
+
+def load_gguf(path: str | os.PathLike,
+              quantized: bool = False) -> tuple[ModelConfig, dict[str, Any], dict[str, Any]]:
+    """Load a GGUF model: (config, HF-named state dict, metadata fields for the tokenizer).
+
+    quantized=False: every tensor dequantized to float32 (the reference path). quantized=True: every
+    2-D weight is a `QuantTensor` viewing the memory-mapped file in its stored format (Q/K rows
+    un-permuted as byte rows, a copy of those two small matrices); 1-D tensors (norms, biases) float32.
+    """
     reader, fields = read_gguf(path)
     names = {t.name for t in reader.tensors}
     config = config_from_gguf(fields, names)
-    state: dict[str, torch.Tensor] = {}
+    mapped = file_bytes(reader) if quantized else None
+    state: dict[str, Any] = {}
     for t in reader.tensors:
         hf = gguf_to_hf_name(t.name)
         if hf is None:
             continue
         try:
-            w = dequantize_tensor(t)
+            if mapped is not None and len(t.shape) == 2:
+                w = quant_tensor(t, mapped)
+            else:
+                w = dequantize_tensor(t)
         except (ValueError, AssertionError) as e:
             raise ModelLoadError(f"{path}: cannot read tensor {t.name} ({str(e)[:120]})") from None
         if fields.get("general.architecture") == "llama":
-            if hf.endswith("q_proj.weight") or hf.endswith("q_proj.bias"):
-                w = unpermute_rope(w, config.num_attention_heads)
-            elif hf.endswith("k_proj.weight") or hf.endswith("k_proj.bias"):
-                w = unpermute_rope(w, config.num_key_value_heads)
+            heads = (config.num_attention_heads if ".q_proj." in hf
+                     else config.num_key_value_heads if ".k_proj." in hf else 0)
+            if heads:
+                w = _unpermute_any(w, heads)
         state[hf] = w
     return config, state, fields
+
+
+def _unpermute_any(w: Any, n_heads: int) -> Any:
+    """unpermute_rope on a float tensor, or on a QuantTensor's byte rows (blocks run along K)."""
+    if isinstance(w, torch.Tensor):
+        return unpermute_rope(w, n_heads)
+    from kvlm.kernels import QuantTensor
+
+    return QuantTensor(unpermute_rope(w.data, n_heads).contiguous(), w.qtype, w.shape)

@@ -1,0 +1,140 @@
+"""Where the time of one decode step goes, for `kvlm bench latency`.
+
+A step of one greedy request at a given context is split into:
+* weights: every linear layer's forward (QuantLinear / nn.Linear, lm_head included), timed by forward
+  hooks around each module;
+* attention: the cache's fetch and decode attention (the paged kernel, or gather + the reference
+  SDPA: with the gather path the SDPA call itself runs in the model and lands in "other ops");
+* kv_write: storing the new token's K/V in every layer;
+* other_ops: the rest of the model's forward: embedding, norms, RoPE, SiLU x up, residual adds and the
+  Python that drives 30 layers;
+* sampling: `sampler.sample` on the step's logits, timed alone on the same request;
+* host: everything outside the forward and the sampler: scheduling, building the step's metadata,
+  appending the token and detokenizing (engine.step's wall time minus the above).
+
+The instrumented steps (hooks, a timing proxy for the cache) are only used for the split; the step
+time reported is the median of un-instrumented steps, and `host` absorbs the hooks' own cost, so it is
+an upper bound. Timing is wall clock on the host (`perf_counter`): CPU kernels are synchronous.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from kvlm.attention import AttentionMetadata
+
+PARTS = ("weights", "attention", "kv_write", "other_ops", "sampling", "host")
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.total: dict[str, float] = {}
+
+    def add(self, part: str, seconds: float) -> None:
+        self.total[part] = self.total.get(part, 0.0) + seconds
+
+
+class TimedKVCache:
+    """The KVCache protocol around another cache, adding each call's time to a clock."""
+
+    def __init__(self, inner: Any, clock: _Clock) -> None:
+        self.inner, self.clock = inner, clock
+        self.block_size, self.num_blocks = inner.block_size, inner.num_blocks
+
+    @property
+    def nbytes(self) -> int:
+        return self.inner.nbytes
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
+        t = time.perf_counter()
+        self.inner.write(layer, k, v, meta)
+        self.clock.add("kv_write", time.perf_counter() - t)
+
+    def fetch(self, layer: int, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        t = time.perf_counter()
+        out = self.inner.fetch(layer, meta)
+        self.clock.add("attention", time.perf_counter() - t)
+        return out
+
+    def update_and_fetch(self, layer: int, k: torch.Tensor, v: torch.Tensor,
+                         meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        self.write(layer, k, v, meta)
+        return self.fetch(layer, meta)
+
+    def decode_attention(self, layer: int, q: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        t = time.perf_counter()
+        out = self.inner.decode_attention(layer, q, meta, scale)
+        self.clock.add("attention", time.perf_counter() - t)
+        return out
+
+
+def _time_module(module: nn.Module, clock: _Clock, parts: tuple[str, ...], starts: list[float]) -> list[Any]:
+    """Forward hooks adding the module's forward time to each of `parts` on the clock."""
+    def pre(_m: nn.Module, _a: Any) -> None:
+        starts.append(time.perf_counter())
+
+    def post(_m: nn.Module, _a: Any, _o: Any) -> None:
+        dt = time.perf_counter() - starts.pop()
+        for part in parts:
+            clock.add(part, dt)
+
+    return [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
+
+
+def decode_breakdown(llm: Any, ids: list[int], steps: int) -> dict[str, Any]:
+    """Median step time and the per-part split (seconds per step) of `steps` decode steps after `ids`."""
+    from kvlm.quant_linear import QuantLinear
+    from kvlm.sampler import sample
+    from kvlm.sampling_params import SamplingParams
+
+    eng = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True)
+
+    plain = []  # un-instrumented step times
+    req = eng.add_request(ids, params)
+    eng.step()  # prefill
+    while not req.is_finished:
+        t = time.perf_counter()
+        eng.step()
+        plain.append(time.perf_counter() - t)
+
+    clock, starts = _Clock(), []
+    runner, model = eng.runner, eng.model
+    handles = []
+    for m in model.modules():
+        if isinstance(m, (QuantLinear, nn.Linear)):  # lm_head runs after the forward: counted apart too
+            handles += _time_module(m, clock, ("weights", "_lm_head") if m is model.lm_head else ("weights",), starts)
+    handles += _time_module(model, clock, ("_forward",), starts)
+    inner = runner.kv_cache
+    runner.kv_cache = TimedKVCache(inner, clock)
+    try:
+        req = eng.add_request(ids, params)
+        eng.step()
+        clock.total = {}  # count decode steps only
+        wall = 0.0
+        n = 0
+        while not req.is_finished:
+            t = time.perf_counter()
+            eng.step(keep_logits=True)
+            wall += time.perf_counter() - t
+            n += 1
+            logits = eng.last_result.logits
+            t = time.perf_counter()
+            sample(logits, [req], eng.tokenizer.eos_token_ids)  # greedy: reads the request, changes nothing
+            clock.add("sampling", time.perf_counter() - t)
+    finally:
+        runner.kv_cache = inner
+        for h in handles:
+            h.remove()
+    per = {k: clock.total.get(k, 0.0) / n for k in (*PARTS, "_forward", "_lm_head")}
+    # other_ops: the forward minus what the hooks and the cache proxy saw inside it.
+    inside = per["weights"] - per["_lm_head"] + per["attention"] + per["kv_write"]
+    per["other_ops"] = max(0.0, per["_forward"] - inside)
+    step = statistics.median(plain)
+    per["host"] = max(0.0, step - sum(per[p] for p in PARTS if p != "host"))
+    return {"step_s": step, "instrumented_step_s": wall / n, "parts_s": {p: per[p] for p in PARTS}}
