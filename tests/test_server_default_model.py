@@ -27,7 +27,7 @@ def test_concurrent_greedy_http_equals_offline(server, smollm2_llm):
     from kvlm import SamplingParams
 
     prompts = PROMPTS
-    max_tokens = [4 + (i * 3) % 5 for i in range(len(prompts))]
+    max_tokens = [3 + (i * 3) % 4 for i in range(len(prompts))]
 
     async def run_all() -> list:
         client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=300)

@@ -110,6 +110,7 @@ def test_sigterm_during_streaming_ends_every_stream_and_exits_0(tiny_gguf):
     elapsed = time.monotonic() - t0
     for t in threads:
         t.join(10)
-    assert code == 0 and elapsed < 5.0, s.log_path.read_text()
+    # About 1 s on an idle 2-core machine; the bound leaves room for a machine shared with other jobs.
+    assert code == 0 and elapsed < 10.0, s.log_path.read_text()
     assert len(endings) == 4 and all(done and finish in ("abort", "length", "error") for finish, done in endings)
     assert "Traceback" not in s.log_path.read_text()
