@@ -49,7 +49,9 @@ SECTIONS: list[tuple[str, str, str]] = [
     ("prefix", "Prefix cache",
      "(a) Requests sharing a long system prompt, submitted together, with prefix caching off and on; (b) a "
      "multi-turn greedy chat with and without reuse, per turn; (c) a long prefix's K/V loaded from a "
-     "snapshot file against recomputing it. Each checks that the tokens are the same."),
+     "snapshot file against recomputing it. Each checks that the tokens are the same. The recorded run "
+     "shared the machine with other heavy jobs whose load changed while it ran: absolute seconds are "
+     "inflated and noisy, token counts are exact, ratios are measured side by side."),
 ]
 
 
