@@ -15,9 +15,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kvlm.cache_cli import add_prefix_snapshot_flag, load_prefix_snapshot
 from kvlm.errors import KvlmError
 
 log = logging.getLogger("kvlm.server")
+
 
 
 def add_parser(sub: argparse._SubParsersAction, add_engine_flags: Any) -> None:
@@ -38,6 +40,7 @@ def add_parser(sub: argparse._SubParsersAction, add_engine_flags: Any) -> None:
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     g.add_argument("--log-requests", action="store_true", help="log each request's id and route (never its text)")
     add_engine_flags(s)
+    add_prefix_snapshot_flag(s)
     s.set_defaults(func=cmd_serve)
 
 
@@ -82,6 +85,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
         fits = bm.num_blocks * bm.block_size
         raise KvlmError(f"the KV pool holds {fits} tokens, less than one full context ({engine.max_model_len}); "
                         f"raise --kv-cache-memory or use --max-model-len {fits}")
+    load_prefix_snapshot(engine, a.prefix_snapshot, a.quiet)
     names = served_names(a.model, a.served_model_name)
     metrics = ServerMetrics(engine, names[0])
     aengine = AsyncEngine(engine, a.max_queued_requests, on_token=metrics.on_token, on_finish=metrics.on_finish)
