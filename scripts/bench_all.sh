@@ -23,12 +23,14 @@ run() {  # run NAME ARGS...: record the command line, then its output
 }
 
 run decode      bench decode "$MODEL" --threads "$THREADS"
-run throughput  bench throughput "$MODEL" --threads "$THREADS"
+run throughput  bench throughput "$MODEL" --threads "$THREADS" --baseline-dtype float32
 run waste       bench waste "$MODEL" --threads "$THREADS" --plot docs/img/waste.png
 run invariance  bench invariance "$MODEL" --threads "$THREADS" --plot docs/img/invariance.png
 run latency     bench latency "$MODEL" --threads "$THREADS" --plot docs/img/roofline.png
 run kv_size     kv-size "$MODEL" --compare-known --plot docs/img/kv_size.png
-run compare     bench compare "$MODEL" --threads "$THREADS"
+# LLAMA_PYTHON: an interpreter with llama-cpp-python, when it lives in another environment.
+run compare     bench compare "$MODEL" --threads "$THREADS" --plot docs/img/compare_context.png \
+    ${LLAMA_PYTHON:+--llama-python "$LLAMA_PYTHON"}
 run prefix      bench prefix "$MODEL" --threads "$THREADS" --plot docs/img/prefix.png
 
 python scripts/make_benchmarks_md.py

@@ -156,9 +156,11 @@ def test_default_model_quantized_agrees_with_float32_reference(smollm2_gguf: Pat
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     inputs = [quant.tokenizer.encode(p) for p in README_PROMPTS + EXACTNESS_PROMPTS]
     inputs += [quant.render_chat([{"role": "user", "content": "What is a KV cache?"}])]
-    for ids in inputs:
-        a = quant.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0].outputs[0].token_ids
-        b = smollm2_llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0].outputs[0].token_ids
+    # One batched call per path (the engine equivalences make a batch equal each prompt alone).
+    batch = [{"prompt_token_ids": ids} for ids in inputs]
+    outs_q = [o.outputs[0].token_ids for o in quant.generate(batch, params, use_tqdm=False)]
+    outs_r = [o.outputs[0].token_ids for o in smollm2_llm.generate(batch, params, use_tqdm=False)]
+    for ids, a, b in zip(inputs, outs_q, outs_r):
         if a == b:
             continue
         k = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
