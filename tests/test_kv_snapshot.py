@@ -153,3 +153,24 @@ def test_cli_cache_save_and_prefix_snapshot(tiny_gguf: Path, tmp_path: Path, cap
     assert main(args[:-1] + ["--prefix-snapshot", str(path), "--block-size", "8"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"kvlm: error: {path}: snapshot is for another block size (4; this engine: 8)"]
+
+
+def test_serve_prefix_snapshot_counts_as_cached_tokens(tiny_gguf: Path, tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """`kvlm serve --prefix-snapshot FILE`: the first request with that prefix reports it as cached."""
+    import httpx
+    from server_utils import ServerProcess
+
+    from kvlm.cli import main
+
+    path = tmp_path / "p.safetensors"
+    text = "hello world, a prefix long enough for a few blocks"
+    assert main(["-q", "cache", "save", str(tiny_gguf), text, str(path), "--block-size", "4"]) == 0
+    saved = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["tokens"]
+    with ServerProcess(tiny_gguf, "--block-size", "4", "--prefix-snapshot", str(path)) as server:
+        r = httpx.post(server.url + "/v1/completions", timeout=60,
+                       json={"prompt": text + " and more", "max_tokens": 2, "temperature": 0})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == saved
+    with pytest.raises(RuntimeError, match="another block size"):
+        ServerProcess(tiny_gguf, "--block-size", "8", "--prefix-snapshot", str(path))
