@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import time
 
 import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
+from kvlm.bench.plotting import cpu_name
 from kvlm.kernels import native
 from kvlm.kernels.paged_attention import paged_decode_attention
 from kvlm.kernels.quant import QuantTensor, dequantize, qmatmul
@@ -95,7 +95,7 @@ def bench_attention(b: int, length: int, kv_dtype: torch.dtype, min_s: float) ->
 def run(formats: list[str], rows: list[int], threads: int | None, min_s: float) -> dict:
     if threads:
         torch.set_num_threads(threads)
-    cpu = _cpu_name()
+    cpu = cpu_name()
     print(f"# kvlm kernels: path {native.active_isa()}, {torch.get_num_threads()} threads, {cpu}, "
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     print(f"{'format':6} {'N x K':>12} {'M':>4} {'qmatmul ms':>11} {'GB/s':>7} {'f32 ms':>9} {'GB/s':>7} {'speedup':>8}")
@@ -122,17 +122,6 @@ def run(formats: list[str], rows: list[int], threads: int | None, min_s: float) 
                       f"{r['ref_ms']:>15.3f} {r['speedup']:>7.2f}x", flush=True)
     return {"bench": "kernels", "cpu": cpu, "threads": torch.get_num_threads(), "path": native.active_isa(),
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "results": results, "attention": attention}
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
