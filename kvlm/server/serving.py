@@ -224,7 +224,7 @@ class OpenAIServing:
         sub = await self._submit(specs, count)
         ctx = _Call(request_id, "cmpl", r.n, prompt_ids, sub)
         if r.stream:
-            return SSEStream(self._stream_completion(r, ctx), sub)
+            return SSEStream(self._sse(ctx, "text_completion", r, self._stream_completion(r, ctx)), sub)
         try:
             choices = await ctx.collect()
         finally:
@@ -266,39 +266,16 @@ class OpenAIServing:
     def _merge_echo(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
         return {k: a[k] + b[k] for k in a}
 
-    async def _stream_completion(self, r: CompletionRequest, ctx: _Call) -> AsyncIterator[str]:
-        state = [_Choice() for _ in range(len(ctx.prompt_ids) * r.n)]
+    async def _sse(self, ctx: _Call, obj: str, r: CompletionRequest | ChatCompletionRequest,
+                   chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+        """How every SSE stream ends: the usage chunk when asked, an error event if the stream failed, then
+        `[DONE]`; the submission is closed (its requests aborted if unfinished) whatever happens."""
         try:
-            async for idx, d in ctx.deltas():
-                c = state[idx]
-                text = d.text
-                lp = None
-                if r.echo and not c.started:
-                    ids = ctx.prompt_ids[idx // r.n]
-                    prefix = self.tokenizer.decode(ids, skip_special_tokens=False)
-                    text = prefix + text
-                    if r.logprobs is not None:
-                        plp = d.prompt_logprobs or [None] * len(ids)
-                        lp = self._completion_logprobs(ids, plp, 0)
-                    c.offset = len(prefix)
-                c.started = True
-                if r.logprobs is not None and d.logprobs:
-                    c.token_ids += d.token_ids
-                    c.logprobs += d.logprobs
-                if not text and not d.finished:
-                    continue  # never an empty text chunk; the token's logprobs go with the next one
-                if r.logprobs is not None and c.token_ids:
-                    new = self._completion_logprobs(c.token_ids, c.logprobs, c.offset)
-                    c.offset += sum(len(s) for s in new["tokens"])
-                    lp = new if lp is None else self._merge_echo(lp, new)
-                    c.token_ids, c.logprobs = [], []
-                choice = {"index": idx, "text": text, "logprobs": lp, "finish_reason": d.finish_reason,
-                          "stop_reason": ctx.stop_reason(d)}
-                yield sse({"id": ctx.id, "object": "text_completion", "created": ctx.created,
-                           "model": self.model_name, "choices": [choice]})
+            async for chunk in chunks:
+                yield chunk
             if r.stream_options and r.stream_options.include_usage:
-                yield sse({"id": ctx.id, "object": "text_completion", "created": ctx.created,
-                           "model": self.model_name, "choices": [], "usage": ctx.usage()})
+                yield sse({"id": ctx.id, "object": obj, "created": ctx.created, "model": self.model_name,
+                           "choices": [], "usage": ctx.usage()})
         except APIError as e:
             yield sse(e.body())
         except Exception:
@@ -306,6 +283,36 @@ class OpenAIServing:
         finally:
             ctx.sub.close()
         yield "data: [DONE]\n\n"
+
+    async def _stream_completion(self, r: CompletionRequest, ctx: _Call) -> AsyncIterator[str]:
+        state = [_Choice() for _ in range(len(ctx.prompt_ids) * r.n)]
+        async for idx, d in ctx.deltas():
+            c = state[idx]
+            text = d.text
+            lp = None
+            if r.echo and not c.started:
+                ids = ctx.prompt_ids[idx // r.n]
+                prefix = self.tokenizer.decode(ids, skip_special_tokens=False)
+                text = prefix + text
+                if r.logprobs is not None:
+                    plp = d.prompt_logprobs or [None] * len(ids)
+                    lp = self._completion_logprobs(ids, plp, 0)
+                c.offset = len(prefix)
+            c.started = True
+            if r.logprobs is not None and d.logprobs:
+                c.token_ids += d.token_ids
+                c.logprobs += d.logprobs
+            if not text and not d.finished:
+                continue  # never an empty text chunk; the token's logprobs go with the next one
+            if r.logprobs is not None and c.token_ids:
+                new = self._completion_logprobs(c.token_ids, c.logprobs, c.offset)
+                c.offset += sum(len(s) for s in new["tokens"])
+                lp = new if lp is None else self._merge_echo(lp, new)
+                c.token_ids, c.logprobs = [], []
+            choice = {"index": idx, "text": text, "logprobs": lp, "finish_reason": d.finish_reason,
+                      "stop_reason": ctx.stop_reason(d)}
+            yield sse({"id": ctx.id, "object": "text_completion", "created": ctx.created,
+                       "model": self.model_name, "choices": [choice]})
 
     # -------------------------------------------------------------------------------------------- chat
     def chat_prompt(self, r: ChatCompletionRequest) -> list[int]:
@@ -370,7 +377,7 @@ class OpenAIServing:
         sub = await self._submit(specs, r.n)
         ctx = _Call(request_id, "chatcmpl", r.n, [ids], sub)
         if r.stream:
-            return SSEStream(self._stream_chat(r, ctx), sub)
+            return SSEStream(self._sse(ctx, "chat.completion.chunk", r, self._stream_chat(r, ctx)), sub)
         try:
             choices = await ctx.collect()
         finally:
@@ -399,33 +406,22 @@ class OpenAIServing:
             return sse({"id": ctx.id, "object": "chat.completion.chunk", "created": ctx.created,
                         "model": self.model_name, "choices": [choice]})
 
-        try:
-            for i in range(r.n):
-                yield chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                             "finish_reason": None})
-            async for idx, d in ctx.deltas():
-                c = state[idx]
-                if r.logprobs and d.logprobs:
-                    c.token_ids += d.token_ids
-                    c.logprobs += d.logprobs
-                if not d.text and not d.finished:
-                    continue
-                lp = None
-                if r.logprobs and c.token_ids:
-                    lp = self._chat_logprobs(c.token_ids, c.logprobs)
-                    c.token_ids, c.logprobs = [], []
-                yield chunk({"index": idx, "delta": {"content": d.text} if d.text else {}, "logprobs": lp,
-                             "finish_reason": d.finish_reason, "stop_reason": ctx.stop_reason(d)})
-            if r.stream_options and r.stream_options.include_usage:
-                yield sse({"id": ctx.id, "object": "chat.completion.chunk", "created": ctx.created,
-                           "model": self.model_name, "choices": [], "usage": ctx.usage()})
-        except APIError as e:
-            yield sse(e.body())
-        except Exception:
-            yield sse(APIError(500, f"internal error (request {ctx.id})", "internal_server_error").body())
-        finally:
-            ctx.sub.close()
-        yield "data: [DONE]\n\n"
+        for i in range(r.n):
+            yield chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                         "finish_reason": None})
+        async for idx, d in ctx.deltas():
+            c = state[idx]
+            if r.logprobs and d.logprobs:
+                c.token_ids += d.token_ids
+                c.logprobs += d.logprobs
+            if not d.text and not d.finished:
+                continue
+            lp = None
+            if r.logprobs and c.token_ids:
+                lp = self._chat_logprobs(c.token_ids, c.logprobs)
+                c.token_ids, c.logprobs = [], []
+            yield chunk({"index": idx, "delta": {"content": d.text} if d.text else {}, "logprobs": lp,
+                         "finish_reason": d.finish_reason, "stop_reason": ctx.stop_reason(d)})
 
 
 @dataclass(slots=True)
