@@ -17,7 +17,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -196,12 +196,16 @@ class AsyncEngine:
                 if self.on_finish is not None:
                     self.on_finish(req)
 
-    def _drain_inbox(self) -> None:
+    def _take_inbox(self) -> Iterator[Any]:
+        """Every message in the inbox now, without waiting."""
         while True:
             try:
-                msg = self._inbox.get_nowait()
+                yield self._inbox.get_nowait()
             except queue.Empty:
                 return
+
+    def _drain_inbox(self) -> None:
+        for msg in self._take_inbox():
             if isinstance(msg, _Add):
                 self._add(msg)
             elif msg[0] == "abort":
@@ -251,11 +255,7 @@ class AsyncEngine:
         self._streams.pop(rid, None)
 
     def _fail_inbox(self, err: BaseException) -> None:
-        while True:
-            try:
-                msg = self._inbox.get_nowait()
-            except queue.Empty:
-                return
+        for msg in self._take_inbox():
             if isinstance(msg, _Add):
                 self._set_future(msg.future, err)
 
