@@ -7,6 +7,9 @@
 
 extern "C" {
 
+// ggml type ids of the formats the kernels read (weights; F32/F16/BF16 also as KV cache element types).
+enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_BF16 = 30 };
+
 typedef struct KvlmKernels {
     // y[m, n] = sum_k x[m, k] * W[n, k] for rows n in [n0, n1); W row n starts at w + n * row_stride.
     // x (M, K) contiguous, y (M, ldy). Returns 0, or -1 for a type this table does not handle.

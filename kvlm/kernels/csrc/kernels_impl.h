@@ -319,7 +319,6 @@ void dequant_t(const uint8_t* w, int64_t rs, int64_t K, float* out, int64_t ldo,
 }
 
 // ggml type ids (gguf.GGMLQuantizationType)
-enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_BF16 = 30 };
 
 #define KVLM_DISPATCH(qtype, CALL)          \
     switch (qtype) {                        \

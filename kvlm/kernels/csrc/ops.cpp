@@ -5,13 +5,13 @@
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <atomic>
 #include <vector>
 
-#include "kernels.h"
+#include "drivers.h"
 
-namespace {
-
-constexpr int64_t ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2;
+namespace kvlm {
 
 int64_t best_isa() {
 #if defined(__x86_64__) || defined(__i386__)
@@ -33,54 +33,84 @@ const KvlmKernels* table(int64_t isa) {
     return kvlm_kernels_scalar();
 }
 
+bool has_int8(const KvlmKernels* t, int qtype) {
+    return t->gemv_i8 != nullptr && (qtype == T_Q4_0 || qtype == T_Q4_1 || qtype == T_Q8_0);
+}
+
+bool matmul(const KvlmKernels* t, int qtype, const uint8_t* w, int64_t rs, int64_t K, int64_t N, const float* x,
+            int64_t M, float* y, int64_t ldy, int act) {
+    const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, K * M));  // rows per task
+    std::atomic<bool> ok{true};
+    if (act == ACT_INT8 && has_int8(t, qtype) && K % 32 == 0) {
+        // x quantized once (M * K / 32 blocks), then shared read-only by every thread.
+        thread_local std::vector<int8_t> xq;
+        thread_local std::vector<float> xd, xs;
+        xq.resize(M * K);
+        xd.resize(M * K / 32);
+        xs.resize(M * K / 32);
+        t->quantize_act(x, M, K, xq.data(), xd.data(), xs.data());
+        const int8_t* q = xq.data();
+        const float *d = xd.data(), *s = xs.data();
+        at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+            if (t->gemv_i8(qtype, w, rs, K, q, d, s, M, y, ldy, n0, n1)) ok = false;
+        });
+        return ok;
+    }
+    at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+        if (t->gemv(qtype, w, rs, K, x, M, y, ldy, n0, n1)) ok = false;
+    });
+    return ok;
+}
+
+bool paged_attention(const KvlmKernels* t, int kv_dtype, const float* q, const void* k_cache, const void* v_cache,
+                     const int32_t* block_tables, const int32_t* seq_lens, float* out, int64_t B, int64_t H,
+                     int64_t KVH, int64_t D, int64_t BS, int64_t MB, float scale) {
+    std::atomic<bool> ok{true};
+    at::parallel_for(0, B * KVH, 1, [&](int64_t i0, int64_t i1) {
+        if (t->paged_attn(kv_dtype, q, k_cache, v_cache, block_tables, seq_lens, out, H, KVH, D, BS, MB, scale, i0, i1))
+            ok = false;
+    });
+    return ok;
+}
+
+}  // namespace kvlm
+
+namespace {
+
+using kvlm::table;
+
 void check_weight(const at::Tensor& w) {
     TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kByte && w.dim() == 2 && w.stride(1) == 1,
                 "weight data must be a CPU uint8 (N, row_bytes) tensor with contiguous rows");
 }
 
-// out (M, N) = x (M, K) @ W.T, W given by its GGUF blocks (N, row_bytes).
-void qmatmul(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64_t K, int64_t isa, const at::Tensor& out) {
+void check_matmul(const at::Tensor& x, const at::Tensor& w, int64_t K, const at::Tensor& out) {
     check_weight(w);
     TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous() &&
                     x.size(1) == K, "x must be a contiguous float32 (M, K) CPU tensor");
-    const int64_t M = x.size(0), N = w.size(0);
-    TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.size(0) == M && out.size(1) == N,
-                "out must be a contiguous float32 (M, N) tensor");
-    const KvlmKernels* t = table(isa);
-    const uint8_t* wp = w.const_data_ptr<uint8_t>();
-    const float* xp = x.const_data_ptr<float>();
-    float* yp = out.mutable_data_ptr<float>();
-    const int64_t rs = w.stride(0);
-    const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, K * M));  // rows per task
-    int rc = 0;
-    at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-        if (t->gemv(static_cast<int>(qtype), wp, rs, K, xp, M, yp, N, n0, n1)) rc = -1;
-    });
-    TORCH_CHECK(rc == 0, "kvlm kernels: no kernel for ggml type ", qtype);
+    TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.size(0) == x.size(0) &&
+                    out.size(1) == w.size(0), "out must be a contiguous float32 (M, N) tensor");
 }
 
-// As qmatmul, with x quantized to int8 per 32-element block first (experimental; Q4_0, Q4_1, Q8_0).
+// out (M, N) = x (M, K) @ W.T, W given by its GGUF blocks (N, row_bytes); float32 activations.
+void qmatmul(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64_t K, int64_t isa, const at::Tensor& out) {
+    check_matmul(x, w, K, out);
+    const bool ok = kvlm::matmul(table(isa), static_cast<int>(qtype), w.const_data_ptr<uint8_t>(), w.stride(0), K,
+                                 w.size(0), x.const_data_ptr<float>(), x.size(0), out.mutable_data_ptr<float>(),
+                                 w.size(0), kvlm::ACT_F32);
+    TORCH_CHECK(ok, "kvlm kernels: no kernel for ggml type ", qtype);
+}
+
+// As qmatmul, with x quantized to int8 per 32-element block first (Q4_0, Q4_1, Q8_0 on AVX2 / AVX-512).
 void qmatmul_i8(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64_t K, int64_t isa, const at::Tensor& out) {
-    check_weight(w);
-    TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous() &&
-                    x.size(1) == K && K % 32 == 0, "x must be a contiguous float32 (M, K) CPU tensor, K % 32 == 0");
-    const int64_t M = x.size(0), N = w.size(0);
-    TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.size(0) == M && out.size(1) == N,
-                "out must be a contiguous float32 (M, N) tensor");
+    check_matmul(x, w, K, out);
     const KvlmKernels* t = table(isa);
-    TORCH_CHECK(t->gemv_i8 != nullptr, "kvlm kernels: no int8-activation kernel on this ISA path");
-    std::vector<int8_t> xq(M * K);
-    std::vector<float> xd(M * K / 32), xs(M * K / 32);
-    t->quantize_act(x.const_data_ptr<float>(), M, K, xq.data(), xd.data(), xs.data());
-    const uint8_t* wp = w.const_data_ptr<uint8_t>();
-    float* yp = out.mutable_data_ptr<float>();
-    const int64_t rs = w.stride(0);
-    const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, K * M));
-    int rc = 0;
-    at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-        if (t->gemv_i8(static_cast<int>(qtype), wp, rs, K, xq.data(), xd.data(), xs.data(), M, yp, N, n0, n1)) rc = -1;
-    });
-    TORCH_CHECK(rc == 0, "kvlm kernels: no int8-activation kernel for ggml type ", qtype);
+    TORCH_CHECK(K % 32 == 0 && kvlm::has_int8(t, static_cast<int>(qtype)),
+                "kvlm kernels: no int8-activation kernel for ggml type ", qtype, " on this ISA path");
+    const bool ok = kvlm::matmul(t, static_cast<int>(qtype), w.const_data_ptr<uint8_t>(), w.stride(0), K, w.size(0),
+                                 x.const_data_ptr<float>(), x.size(0), out.mutable_data_ptr<float>(), w.size(0),
+                                 kvlm::ACT_INT8);
+    TORCH_CHECK(ok, "kvlm kernels: no int8-activation kernel for ggml type ", qtype);
 }
 
 // out (N, K) = the dequantized weight rows.
@@ -131,15 +161,15 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
             TORCH_CHECK(bt[b * MB + j] >= 0 && bt[b * MB + j] < num_blocks, "block_tables[", b, ", ", j,
                         "] = ", bt[b * MB + j], " is outside the cache");
     }
-    at::parallel_for(0, B * KVH, 1, [&](int64_t i0, int64_t i1) {
-        t->paged_attn(kv_dtype, qp, kp, vp, bt, lens, op, H, KVH, D, BS, MB, static_cast<float>(scale), i0, i1);
-    });
+    const bool ok = kvlm::paged_attention(t, kv_dtype, qp, kp, vp, bt, lens, op, B, H, KVH, D, BS, MB,
+                                          static_cast<float>(scale));
+    TORCH_CHECK(ok, "kvlm kernels: unsupported KV cache dtype");
 }
 
 }  // namespace
 
 TORCH_LIBRARY(kvlm_kernels, m) {
-    m.def("best_isa() -> int", &best_isa);
+    m.def("best_isa() -> int", &kvlm::best_isa);
     m.def("qmatmul(Tensor x, Tensor w, int qtype, int K, int isa, Tensor(a!) out) -> ()", &qmatmul);
     m.def("qmatmul_i8(Tensor x, Tensor w, int qtype, int K, int isa, Tensor(a!) out) -> ()", &qmatmul_i8);
     m.def("dequantize(Tensor w, int qtype, int K, int isa, Tensor(a!) out) -> ()", &dequantize);

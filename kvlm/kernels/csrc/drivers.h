@@ -1,0 +1,35 @@
+// Thread-parallel drivers over one ISA table: the C++ entry points shared by the torch bindings
+// (ops.cpp) and the fused decode step (decode.cpp). Raw pointers and sizes only; the callers check
+// shapes. Each driver splits its work with at::parallel_for (torch's OpenMP pool) so that a row's or
+// a sequence's result never depends on the thread split, the batch size or which rows share the call.
+#pragma once
+#include <stdint.h>
+
+#include "kernels.h"
+
+namespace kvlm {
+
+constexpr int64_t ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2;
+constexpr int ACT_F32 = 0, ACT_INT8 = 1;  // activation mode of a matmul
+
+int64_t best_isa();
+// The table of `isa` (throws a c10::Error if this CPU lacks it).
+const KvlmKernels* table(int64_t isa);
+
+// y (M, ldy)[:, 0:N] = x (M, K) @ W.T, W given by N rows of GGUF blocks (row n at w + n * rs).
+// act == ACT_INT8 quantizes x per 32-element block first (types with an int8 kernel on this table;
+// others fall back to float32 activations). Returns false for a type this table cannot handle.
+bool matmul(const KvlmKernels* t, int qtype, const uint8_t* w, int64_t rs, int64_t K, int64_t N, const float* x,
+            int64_t M, float* y, int64_t ldy, int act);
+
+// Whether `matmul` with ACT_INT8 runs the int8 kernel for this type here (else it uses float32 activations).
+bool has_int8(const KvlmKernels* t, int qtype);
+
+// out (B, H, D) = decode attention of q (B, H, D) over each sequence's seq_lens[b] cached tokens,
+// read through block_tables (B, MB) from caches (num_blocks, BS, KVH, D) of kv_dtype (ggml id).
+// The caller has checked the tables. Returns false for an unsupported kv_dtype.
+bool paged_attention(const KvlmKernels* t, int kv_dtype, const float* q, const void* k_cache, const void* v_cache,
+                     const int32_t* block_tables, const int32_t* seq_lens, float* out, int64_t B, int64_t H,
+                     int64_t KVH, int64_t D, int64_t BS, int64_t MB, float scale);
+
+}  // namespace kvlm
