@@ -49,6 +49,8 @@ def _eligible(model: torch.nn.Module) -> str | None:
         return "no native kernels"
     if model.model.norm.weight.dtype != torch.float32 or model.model.norm.weight.device.type != "cpu":
         return "not float32 on CPU"
+    if model.config.head_dim % 16:
+        return "head_dim is not a multiple of 16 (the paged attention kernel's vector width)"
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
@@ -75,7 +77,8 @@ class FusedDecoder:
     @classmethod
     def create(cls, model: torch.nn.Module, kv_cache: object) -> FusedDecoder | None:
         """The fused decoder for this model and cache, or None where the module path must run."""
-        if not isinstance(kv_cache, PagedKVCache) or kv_cache.k[0].dtype != torch.float32:
+        if not isinstance(kv_cache, PagedKVCache) or kv_cache.k[0].dtype != torch.float32 \
+                or not all(t.is_contiguous() for t in kv_cache.k + kv_cache.v):
             return None
         if _eligible(model) is not None:
             return None
