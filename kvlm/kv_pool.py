@@ -40,7 +40,9 @@ def kv_pool_budget(cfg: EngineConfig, max_model_len: int, kv_bytes_per_token: in
         # Enough for max_num_seqs sequences at full context, but at most a quarter of free memory
         # and, on CPU, 1 GiB. The pool is allocated untouched (kv_cache._LayerStorage): memory becomes
         # resident as tokens are written, and this budget is the limit.
-        budget = min(cfg.max_num_seqs * max_model_len * kv_bytes_per_token, available_memory_bytes(device) // 4)
+        blocks_per_seq = -(-max_model_len // cfg.block_size)  # a full-length sequence's last block is whole too
+        budget = min(cfg.max_num_seqs * blocks_per_seq * cfg.block_size * kv_bytes_per_token,
+                     available_memory_bytes(device) // 4)
         if device.type == "cpu":
             budget = min(budget, 1 << 30)
         return budget

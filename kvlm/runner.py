@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from kvlm.attention import AttentionMetadata, build_attn_mask, plan_length_groups
+from kvlm.fused_decode import FusedDecoder
 from kvlm.kv_cache import KVCache, PagedKVCache
 from kvlm.model import LlamaForCausalLM
 from kvlm.request import Request
@@ -52,6 +53,8 @@ class ModelRunner:
         # Decode steps read the paged blocks in place when the native kernels are built (no gather, no
         # padding, so no length groups either); else gather + SDPA, the reference.
         self.paged_decode = isinstance(kv_cache, PagedKVCache) and device.type == "cpu" and _native_kernels()
+        # Decode-only steps run every layer in one native call where the model allows (fused_decode.py).
+        self.fused = FusedDecoder.create(model, kv_cache) if self.paged_decode else None
 
     def build_metadata(self, batch: ScheduledBatch) -> tuple[torch.Tensor, AttentionMetadata, list[Request]]:
         """Flat input ids (T,) and the step's metadata; also the requests that sample this step."""
@@ -129,7 +132,10 @@ class ModelRunner:
         self.num_tokens_processed += len(input_ids)
         # A chunk of q tokens ending at sequence length s has contexts s-q+1 .. s.
         self.num_context_tokens += sum(q * s - q * (q - 1) // 2 for q, s in zip(meta.query_lens, meta.seq_lens))
-        hidden = self.model(input_ids, meta.positions, self.kv_cache, meta)  # (T, hidden)
+        if self.fused is not None and meta.context_lens is not None:
+            hidden = self.fused(input_ids, meta, self.kv_cache)  # (B, hidden), all layers in one native call
+        else:
+            hidden = self.model(input_ids, meta.positions, self.kv_cache, meta)  # (T, hidden)
         if any(r.params.prompt_logprobs is not None for r in batch.requests):
             self._prompt_logprobs(batch, hidden)
         if not samplers:

@@ -74,13 +74,13 @@ def run_timed(cmd: list[str], timeout: float = 900.0) -> tuple[float, int]:
 
 
 class _Kvlm:
-    """kvlm in this process, batch 1 (contiguous cache: a lone sequence's context is a view)."""
+    """kvlm in this process, batch 1, with the default paged cache (what `kvlm generate` runs: decode
+    steps take the fused native step where the model allows, fused_decode.py)."""
 
     def __init__(self, model: str, threads: int, max_len: int, dtype: str) -> None:
         from kvlm.llm import LLM
 
-        self.llm = LLM(model, num_threads=threads, max_num_seqs=1, kv_cache_layout="contiguous",
-                       max_model_len=max_len, dtype=dtype)
+        self.llm = LLM(model, num_threads=threads, max_num_seqs=1, max_model_len=max_len, dtype=dtype)
 
     def measure(self, spec: dict[str, Any]) -> dict[str, Any]:
         from kvlm.bench.decode import _kvlm_run

@@ -8,6 +8,9 @@ A step of one greedy request at a given context is split into:
 * kv_write: storing the new token's K/V in every layer;
 * other_ops: the rest of the model's forward: embedding, norms, RoPE, SiLU x up, residual adds and the
   Python that drives 30 layers;
+With the fused native decode step (fused_decode.py) the layers run in one C++ call that times its own
+matrix products, KV writes and attention (decode.cpp's profile); other_ops is then the call's remaining
+time (embedding, norms, RoPE, SiLU, the call itself).
 * sampling: `sampler.sample` on the step's logits, timed alone on the same request;
 * host: everything outside the forward and the sampler: scheduling, building the step's metadata,
   appending the token and detokenizing (engine.step's wall time minus the above).
@@ -27,6 +30,7 @@ import torch
 from torch import nn
 
 from kvlm.attention import AttentionMetadata
+from kvlm.fused_decode import PROFILE_PARTS
 
 PARTS = ("weights", "attention", "kv_write", "other_ops", "sampling", "host")
 
@@ -86,6 +90,19 @@ def _time_module(module: nn.Module, clock: _Clock, parts: tuple[str, ...], start
     return [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
 
 
+class _TimedFused:
+    """A FusedDecoder stand-in adding each call's wall time to the clock's forward total."""
+
+    def __init__(self, inner: Any, clock: _Clock) -> None:
+        self.inner, self.clock = inner, clock
+
+    def __call__(self, *args: Any) -> torch.Tensor:
+        t = time.perf_counter()
+        out = self.inner(*args)
+        self.clock.add("_forward", time.perf_counter() - t)
+        return out
+
+
 def decode_breakdown(llm: Any, ids: list[int], steps: int) -> dict[str, Any]:
     """Median step time and the per-part split (seconds per step) of `steps` decode steps after `ids`."""
     from kvlm.quant_linear import QuantLinear
@@ -105,17 +122,24 @@ def decode_breakdown(llm: Any, ids: list[int], steps: int) -> dict[str, Any]:
 
     clock, starts = _Clock(), []
     runner, model = eng.runner, eng.model
+    fused = runner.fused  # the fused native decode step (fused_decode.py), or None: the module path
     handles = []
     for m in model.modules():
         if isinstance(m, (QuantLinear, nn.Linear)):  # lm_head runs after the forward: counted apart too
             handles += _time_module(m, clock, ("weights", "_lm_head") if m is model.lm_head else ("weights",), starts)
     handles += _time_module(model, clock, ("_forward",), starts)
     inner = runner.kv_cache
-    runner.kv_cache = TimedKVCache(inner, clock)
+    if fused is None:
+        runner.kv_cache = TimedKVCache(inner, clock)
+    else:  # the native step times its own parts (decode.cpp); time the whole call here
+        fused.profile = torch.zeros(len(PROFILE_PARTS), dtype=torch.float64)
+        runner.fused = _TimedFused(fused, clock)
     try:
         req = eng.add_request(ids, params)
         eng.step()
         clock.total = {}  # count decode steps only
+        if fused is not None:
+            fused.profile.zero_()
         wall = 0.0
         n = 0
         while not req.is_finished:
@@ -129,10 +153,18 @@ def decode_breakdown(llm: Any, ids: list[int], steps: int) -> dict[str, Any]:
             clock.add("sampling", time.perf_counter() - t)
     finally:
         runner.kv_cache = inner
+        if fused is not None:
+            native_parts = dict(zip(PROFILE_PARTS, fused.profile.tolist()))
+            fused.profile = None
+            runner.fused = fused
         for h in handles:
             h.remove()
+    if fused is not None:
+        clock.add("weights", native_parts["matmul"])
+        clock.add("attention", native_parts["attention"])
+        clock.add("kv_write", native_parts["kv_write"])
     per = {k: clock.total.get(k, 0.0) / n for k in (*PARTS, "_forward", "_lm_head")}
-    # other_ops: the forward minus what the hooks and the cache proxy saw inside it.
+    # other_ops: the forward minus what the hooks, the cache proxy or the native profile saw inside it.
     inside = per["weights"] - per["_lm_head"] + per["attention"] + per["kv_write"]
     per["other_ops"] = max(0.0, per["_forward"] - inside)
     step = statistics.median(plain)

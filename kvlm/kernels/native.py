@@ -38,7 +38,7 @@ PATHS = (*ISAS, "reference")
 ENV_ISA = "KVLM_KERNEL_ISA"
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = ("ops.cpp", "isa_scalar.cpp", "isa_avx2.cpp", "isa_avx512.cpp")
+_SOURCES = ("ops.cpp", "decode.cpp", "isa_scalar.cpp", "isa_avx2.cpp", "isa_avx512.cpp")
 _HEADERS = ("kernels.h", "kernels_impl.h", "kernels_int8.h", "drivers.h")
 # -std=c++20: torch 2.13's headers need it. -fopenmp: at::parallel_for is an inline `omp parallel`
 # (serial without it); the library then binds to the libgomp.so.1 torch has already loaded, so it
@@ -129,6 +129,9 @@ class NativeOps:
     qmatmul_i8: Any
     dequantize: Any
     paged_decode_attention: Any
+    decode_plan_create: Any
+    decode_plan_free: Any
+    decode_step: Any
 
 
 @functools.cache
@@ -138,7 +141,8 @@ def ops() -> NativeOps | None:
         return None
     ns = torch.ops.kvlm_kernels
     return NativeOps(ns.qmatmul.default, ns.qmatmul_i8.default, ns.dequantize.default,
-                     ns.paged_decode_attention.default)
+                     ns.paged_decode_attention.default, ns.decode_plan_create.default,
+                     ns.decode_plan_free.default, ns.decode_step.default)
 
 
 @functools.cache

@@ -1,0 +1,312 @@
+// The fused decode step: every layer of a Llama-family model for B sequences, one new token each, in
+// one native call (torch.ops.kvlm_kernels.decode_step). Python builds a plan once (decode_plan_create:
+// pointers to the weights, stored in the GGUF block formats, plus the shapes) and calls the step with
+// the step's token embeddings, positions, cache slots and block tables. Per layer:
+//
+//   h = rmsnorm(x) -> qkv = h @ Wqkv.T (+ bias) -> [q/k rmsnorm] -> RoPE(q, k) -> write k, v to the
+//   paged cache -> attn = paged attention(q) -> x += attn @ Wo.T -> h = rmsnorm(x)
+//   -> gu = h @ Wgate_up.T -> a = silu(gate) * up -> x += a @ Wdown.T
+//
+// then the final rmsnorm. The matrix products and attention are the same drivers the torch bindings
+// use (drivers.h: kvlm::matmul, kvlm::paged_attention); the element-wise work is plain loops over at
+// most B x intermediate floats. What this saves is the Python and dispatch around ~15 small tensor ops
+// per layer and their allocations: all intermediates live in one scratch buffer reused every step.
+//
+// Exactness: every operation works row by row in a fixed order, so a sequence's result does not depend
+// on B or on its neighbours (alone == in a batch, bit for bit). Against the module path (model.py,
+// used by prefill) results agree to float rounding (rmsnorm / RoPE / SiLU summation and exp order).
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <unordered_map>
+#include <vector>
+
+#include "drivers.h"
+
+namespace {
+
+struct Part {  // rows [n0, n0 + n) of a stacked projection, in one block format
+    const uint8_t* w;
+    int64_t rs;
+    int qtype;
+    int64_t n;
+};
+
+struct Linear {
+    std::vector<Part> parts;
+    const float* bias = nullptr;
+    int64_t n = 0, k = 0;
+};
+
+struct Layer {
+    const float *in_norm = nullptr, *post_norm = nullptr, *q_norm = nullptr, *k_norm = nullptr;
+    Linear qkv, o, gate_up, down;
+};
+
+struct Plan {
+    std::vector<at::Tensor> keep;  // the tensors the pointers below point into
+    std::vector<Layer> layers;
+    const float *final_norm = nullptr, *cos = nullptr, *sin = nullptr;  // cos/sin (max_pos, D); sin signed
+    int64_t hidden = 0, nh = 0, kvh = 0, D = 0, inter = 0, max_pos = 0;
+    float eps = 0.0f;
+    int act = kvlm::ACT_F32;
+    std::vector<float> scratch;  // per-step intermediates, grown to the largest B seen
+};
+
+std::mutex plans_mu;
+std::unordered_map<int64_t, std::unique_ptr<Plan>> plans;
+int64_t next_plan = 1;
+
+Plan& get_plan(int64_t id) {
+    std::lock_guard<std::mutex> g(plans_mu);
+    auto it = plans.find(id);
+    TORCH_CHECK(it != plans.end(), "kvlm decode: no plan ", id);
+    return *it->second;
+}
+
+const float* f32_ptr(const at::Tensor& t, int64_t numel, const char* what) {
+    TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous() && t.numel() == numel,
+                "kvlm decode: ", what, " must be a contiguous float32 CPU tensor of ", numel, " elements");
+    return t.const_data_ptr<float>();
+}
+
+// tensors/spec layout: see kvlm/fused_decode.py (`_plan_args`), which builds both.
+int64_t decode_plan_create(at::TensorList tensors, at::IntArrayRef spec, double eps) {
+    auto p = std::make_unique<Plan>();
+    size_t ti = 0, si = 0;
+    auto next_t = [&]() -> const at::Tensor& {
+        TORCH_CHECK(ti < tensors.size(), "kvlm decode: plan lacks tensors");
+        p->keep.push_back(tensors[ti]);
+        return tensors[ti++];
+    };
+    auto next_i = [&]() -> int64_t {
+        TORCH_CHECK(si < spec.size(), "kvlm decode: plan spec too short");
+        return spec[si++];
+    };
+    const int64_t L = next_i();
+    p->hidden = next_i(), p->nh = next_i(), p->kvh = next_i(), p->D = next_i(), p->inter = next_i();
+    p->max_pos = next_i();
+    p->act = static_cast<int>(next_i());
+    p->eps = static_cast<float>(eps);
+    const int64_t H = p->hidden, D = p->D;
+    auto linear = [&](Linear& lin, int64_t n, int64_t k) {
+        const int64_t nparts = next_i();
+        lin.n = n, lin.k = k;
+        int64_t rows = 0;
+        for (int64_t i = 0; i < nparts; i++) {
+            const int qtype = static_cast<int>(next_i());
+            const int64_t pn = next_i();
+            const at::Tensor& w = next_t();
+            TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kByte && w.dim() == 2 && w.size(0) == pn &&
+                            w.stride(1) == 1, "kvlm decode: weight part must be uint8 (n, row_bytes) rows");
+            lin.parts.push_back({w.const_data_ptr<uint8_t>(), w.stride(0), qtype, pn});
+            rows += pn;
+        }
+        TORCH_CHECK(rows == n, "kvlm decode: parts give ", rows, " rows, expected ", n);
+    };
+    for (int64_t l = 0; l < L; l++) {
+        Layer ly;
+        const int64_t flags = next_i();
+        ly.in_norm = f32_ptr(next_t(), H, "input norm");
+        ly.post_norm = f32_ptr(next_t(), H, "post-attention norm");
+        if (flags & 2) {
+            ly.q_norm = f32_ptr(next_t(), D, "q norm");
+            ly.k_norm = f32_ptr(next_t(), D, "k norm");
+        }
+        const int64_t nqkv = (p->nh + 2 * p->kvh) * D;
+        linear(ly.qkv, nqkv, H);
+        if (flags & 1) ly.qkv.bias = f32_ptr(next_t(), nqkv, "qkv bias");
+        linear(ly.o, H, p->nh * D);
+        linear(ly.gate_up, 2 * p->inter, H);
+        linear(ly.down, H, p->inter);
+        p->layers.push_back(std::move(ly));
+    }
+    p->final_norm = f32_ptr(next_t(), H, "final norm");
+    p->cos = f32_ptr(next_t(), p->max_pos * D, "rope cos");
+    p->sin = f32_ptr(next_t(), p->max_pos * D, "rope sin");
+    TORCH_CHECK(ti == tensors.size() && si == spec.size(), "kvlm decode: plan has unused entries");
+    std::lock_guard<std::mutex> g(plans_mu);
+    plans[next_plan] = std::move(p);
+    return next_plan++;
+}
+
+void decode_plan_free(int64_t id) {
+    std::lock_guard<std::mutex> g(plans_mu);
+    plans.erase(id);
+}
+
+// y[i] = x[i] / sqrt(mean(x^2) + eps) * w[i] over n floats (the sum of squares in increasing i).
+inline void rmsnorm(const float* x, const float* w, float* y, int64_t n, float eps) {
+    float ss = 0.0f;
+    for (int64_t i = 0; i < n; i++) ss += x[i] * x[i];
+    const float r = 1.0f / std::sqrt(ss / static_cast<float>(n) + eps);
+    for (int64_t i = 0; i < n; i++) y[i] = x[i] * r * w[i];
+}
+
+// HF rotate-half RoPE of one head in place: x * cos + roll(x, D/2) * sin_signed (sin_signed = [-sin, sin]).
+inline void rope(float* x, const float* cos, const float* sin, int64_t D) {
+    const int64_t h = D / 2;
+    for (int64_t i = 0; i < h; i++) {
+        const float a = x[i], b = x[i + h];
+        x[i] = a * cos[i] + b * sin[i];
+        x[i + h] = b * cos[i + h] + a * sin[i + h];
+    }
+}
+
+enum { T_NORM = 0, T_MATMUL, T_KV_WRITE, T_ATTENTION, T_OTHER, T_PARTS };
+
+struct Timer {
+    double* acc;  // (T_PARTS,) seconds, or null when not profiling
+    std::chrono::steady_clock::time_point t0;
+    explicit Timer(double* a) : acc(a) {
+        if (acc) t0 = std::chrono::steady_clock::now();
+    }
+    void lap(int part) {
+        if (!acc) return;
+        auto t = std::chrono::steady_clock::now();
+        acc[part] += std::chrono::duration<double>(t - t0).count();
+        t0 = t;
+    }
+};
+
+void run_linear(const KvlmKernels* t, const Linear& lin, const float* x, int64_t B, float* y, int act) {
+    int64_t off = 0;
+    for (const Part& p : lin.parts) {
+        TORCH_CHECK(kvlm::matmul(t, p.qtype, p.w, p.rs, lin.k, p.n, x, B, y + off, lin.n, act),
+                    "kvlm decode: no kernel for ggml type ", p.qtype);
+        off += p.n;
+    }
+    if (lin.bias)
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t i = 0; i < lin.n; i++) y[b * lin.n + i] += lin.bias[i];
+}
+
+// x (B, hidden) float32: the step's token embeddings. out (B, hidden): final-normed hidden states.
+// positions, slots (B,) int64; block_tables (B, MB) int32; context_lens (B,) int32 (after this token);
+// k_caches/v_caches: per layer (num_blocks, block_size, kv_heads, D) float32. profile: empty, or a
+// float64 (5,) tensor that accumulates seconds in norm/elementwise, matmul, kv write, attention, other.
+void decode_step(int64_t plan_id, const at::Tensor& x, const at::Tensor& positions, const at::Tensor& slots,
+                 const at::Tensor& block_tables, const at::Tensor& context_lens, at::TensorList k_caches,
+                 at::TensorList v_caches, int64_t isa, const at::Tensor& out, const at::Tensor& profile) {
+    Plan& p = get_plan(plan_id);
+    const KvlmKernels* t = kvlm::table(isa);
+    const int64_t H = p.hidden, nh = p.nh, kvh = p.kvh, D = p.D, I = p.inter, L = p.layers.size();
+    TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(1) == H && x.is_contiguous(),
+                "kvlm decode: x must be contiguous float32 (B, hidden)");
+    const int64_t B = x.size(0);
+    TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.sizes() == x.sizes(), "bad out tensor");
+    TORCH_CHECK(positions.scalar_type() == at::kLong && positions.numel() == B && positions.is_contiguous() &&
+                    slots.scalar_type() == at::kLong && slots.numel() == B && slots.is_contiguous(),
+                "kvlm decode: positions and slots must be contiguous int64 (B,)");
+    TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 && block_tables.size(0) == B &&
+                    block_tables.is_contiguous() && context_lens.scalar_type() == at::kInt &&
+                    context_lens.numel() == B && context_lens.is_contiguous(),
+                "kvlm decode: block_tables (B, max_blocks) and context_lens (B,) must be contiguous int32");
+    TORCH_CHECK(static_cast<int64_t>(k_caches.size()) == L && static_cast<int64_t>(v_caches.size()) == L,
+                "kvlm decode: one K and one V cache per layer");
+    const at::Tensor& kc0 = k_caches[0];
+    TORCH_CHECK(kc0.scalar_type() == at::kFloat && kc0.dim() == 4 && kc0.size(2) == kvh && kc0.size(3) == D,
+                "kvlm decode: caches must be float32 (num_blocks, block_size, kv_heads, D)");
+    const int64_t NB = kc0.size(0), BS = kc0.size(1), MB = block_tables.size(1);
+    for (int64_t l = 0; l < L; l++)
+        TORCH_CHECK(k_caches[l].is_contiguous() && v_caches[l].is_contiguous() && k_caches[l].sizes() == kc0.sizes() &&
+                        v_caches[l].sizes() == kc0.sizes() && k_caches[l].scalar_type() == at::kFloat &&
+                        v_caches[l].scalar_type() == at::kFloat, "kvlm decode: layer ", l, " cache differs");
+    const int64_t* pos = positions.const_data_ptr<int64_t>();
+    const int64_t* slot = slots.const_data_ptr<int64_t>();
+    const int32_t* bt = block_tables.const_data_ptr<int32_t>();
+    const int32_t* lens = context_lens.const_data_ptr<int32_t>();
+    for (int64_t b = 0; b < B; b++) {  // the kernels trust these: check them once per step
+        TORCH_CHECK(pos[b] >= 0 && pos[b] < p.max_pos, "kvlm decode: position ", pos[b], " beyond the RoPE table");
+        TORCH_CHECK(slot[b] >= 0 && slot[b] < NB * BS, "kvlm decode: slot ", slot[b], " outside the cache");
+        TORCH_CHECK(lens[b] >= 1 && lens[b] <= MB * BS, "kvlm decode: context length ", lens[b], " exceeds its table");
+        for (int64_t j = 0; j * BS < lens[b]; j++)
+            TORCH_CHECK(bt[b * MB + j] >= 0 && bt[b * MB + j] < NB, "kvlm decode: block id outside the cache");
+    }
+    double* prof = nullptr;
+    if (profile.numel()) {
+        TORCH_CHECK(profile.scalar_type() == at::kDouble && profile.numel() == T_PARTS && profile.is_contiguous(),
+                    "kvlm decode: profile must be float64 (5,)");
+        prof = profile.mutable_data_ptr<double>();
+    }
+    Timer tm(prof);
+
+    const int64_t nqkv = (nh + 2 * kvh) * D;
+    // Scratch: residual (B, H) | h (B, H) | qkv (B, nqkv) | q (B, nh, D) | attn (B, nh * D) | gu (B, 2I) | a (B, I)
+    const size_t need = static_cast<size_t>(B * (2 * H + nqkv + 2 * nh * D + 3 * I));
+    if (p.scratch.size() < need) p.scratch.resize(need);
+    float* xr = p.scratch.data();
+    float* h = xr + B * H;
+    float* qkv = h + B * H;
+    float* q = qkv + B * nqkv;
+    float* attn = q + B * nh * D;
+    float* gu = attn + B * nh * D;
+    float* a = gu + B * 2 * I;
+    std::memcpy(xr, x.const_data_ptr<float>(), sizeof(float) * B * H);
+    const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+    tm.lap(T_OTHER);
+
+    for (int64_t l = 0; l < L; l++) {
+        const Layer& ly = p.layers[l];
+        for (int64_t b = 0; b < B; b++) rmsnorm(xr + b * H, ly.in_norm, h + b * H, H, p.eps);
+        tm.lap(T_NORM);
+        run_linear(t, ly.qkv, h, B, qkv, p.act);
+        tm.lap(T_MATMUL);
+        for (int64_t b = 0; b < B; b++) {
+            float* row = qkv + b * nqkv;  // [q (nh, D) | k (kvh, D) | v (kvh, D)]
+            if (ly.q_norm)
+                for (int64_t i = 0; i < nh + kvh; i++) rmsnorm(row + i * D, i < nh ? ly.q_norm : ly.k_norm, row + i * D, D, p.eps);
+            const float* c = p.cos + pos[b] * D;
+            const float* s = p.sin + pos[b] * D;
+            for (int64_t i = 0; i < nh + kvh; i++) rope(row + i * D, c, s, D);
+            std::memcpy(q + b * nh * D, row, sizeof(float) * nh * D);
+        }
+        tm.lap(T_NORM);
+        float* kc = k_caches[l].mutable_data_ptr<float>();
+        float* vc = v_caches[l].mutable_data_ptr<float>();
+        for (int64_t b = 0; b < B; b++) {
+            const float* row = qkv + b * nqkv;
+            std::memcpy(kc + slot[b] * kvh * D, row + nh * D, sizeof(float) * kvh * D);
+            std::memcpy(vc + slot[b] * kvh * D, row + (nh + kvh) * D, sizeof(float) * kvh * D);
+        }
+        tm.lap(T_KV_WRITE);
+        TORCH_CHECK(kvlm::paged_attention(t, T_F32, q, kc, vc, bt, lens, attn, B, nh, kvh, D, BS, MB, scale),
+                    "kvlm decode: attention failed");
+        tm.lap(T_ATTENTION);
+        run_linear(t, ly.o, attn, B, h, p.act);
+        tm.lap(T_MATMUL);
+        for (int64_t i = 0; i < B * H; i++) xr[i] += h[i];
+        for (int64_t b = 0; b < B; b++) rmsnorm(xr + b * H, ly.post_norm, h + b * H, H, p.eps);
+        tm.lap(T_NORM);
+        run_linear(t, ly.gate_up, h, B, gu, p.act);
+        tm.lap(T_MATMUL);
+        for (int64_t b = 0; b < B; b++) {
+            const float* g = gu + b * 2 * I;
+            const float* u = g + I;
+            float* ab = a + b * I;
+            for (int64_t i = 0; i < I; i++) ab[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+        }
+        tm.lap(T_NORM);
+        run_linear(t, ly.down, a, B, h, p.act);
+        tm.lap(T_MATMUL);
+        for (int64_t i = 0; i < B * H; i++) xr[i] += h[i];
+        tm.lap(T_NORM);
+    }
+    float* o = out.mutable_data_ptr<float>();
+    for (int64_t b = 0; b < B; b++) rmsnorm(xr + b * H, p.final_norm, o + b * H, H, p.eps);
+    tm.lap(T_NORM);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kvlm_kernels, m) {
+    m.def("decode_plan_create(Tensor[] tensors, int[] spec, float eps) -> int", &decode_plan_create);
+    m.def("decode_plan_free(int plan) -> ()", &decode_plan_free);
+    m.def("decode_step(int plan, Tensor x, Tensor positions, Tensor slots, Tensor block_tables, Tensor context_lens, "
+          "Tensor[] k_caches, Tensor[] v_caches, int isa, Tensor(a!) out, Tensor(b!) profile) -> ()", &decode_step);
+}

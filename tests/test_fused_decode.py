@@ -1,0 +1,99 @@
+"""The fused decode step (kvlm/fused_decode.py, csrc/decode.cpp) against the module path it replaces.
+
+* On random cache contents and a ragged batch: the fused step's final hidden states equal the module
+  path's (model.forward on the same paged cache) within float32 rounding, and it writes the same K/V;
+  a sequence's result is bit-identical alone and inside the batch.
+* Through the engine, on tiny quantized GGUFs of the llama, qwen2 (q/k/v bias) and qwen3 (q/k norm)
+  families: the same greedy tokens with and without fusion, logits within float32 rounding.
+* Where it must not run (float32 reference path, contiguous cache, KVLM_FUSED_DECODE=0) the runner
+  keeps the module path.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from test_engine import random_prompts, run_engine
+from tiny_models import tiny_config, write_tiny_gguf
+
+from kvlm import EngineConfig
+from kvlm.attention import AttentionMetadata
+from kvlm.engine import Engine
+from kvlm.fused_decode import FusedDecoder
+from kvlm.kernels import native
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="native kernels not built here")
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+def family_gguf(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    kw = {"attention_bias": True} if request.param == "qwen2" else {}
+    cfg = tiny_config(request.param, tie_word_embeddings=False, **kw)
+    return write_tiny_gguf(tmp_path_factory.mktemp("fused") / f"tiny-{request.param}.gguf", cfg, tensor_type="Q8_0")
+
+
+def _decode_meta(lens: list[int], tables: list[list[int]], block_size: int) -> AttentionMetadata:
+    """Metadata of a decode-only step: sequence b's new token sits at position lens[b] - 1."""
+    pos = [n - 1 for n in lens]
+    slots = [t[p // block_size] * block_size + p % block_size for t, p in zip(tables, pos)]
+    width = max(len(t) for t in tables)
+    return AttentionMetadata(
+        positions=torch.tensor(pos), slot_mapping=torch.tensor(slots),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+        query_lens=(1,) * len(lens), seq_lens=tuple(lens), q_pad_index=None, attn_mask=None,
+        logits_indices=torch.arange(len(lens)), context_lens=torch.tensor(lens, dtype=torch.int32))
+
+
+def _fill(engine: Engine, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for t in engine.kv_cache.k + engine.kv_cache.v:
+        t.copy_(torch.randn(t.shape, generator=g))
+
+
+@torch.inference_mode()
+def test_fused_step_equals_module_path_and_is_batch_invariant(family_gguf: Path) -> None:
+    engine = Engine(family_gguf, EngineConfig(dtype="auto", block_size=4), quiet=True)
+    fused = engine.runner.fused
+    assert isinstance(fused, FusedDecoder)
+    bs = engine.kv_cache.block_size
+    lens = [1, 7, 30, 12]
+    tables = [[0], [1, 2], [3, 4, 5, 6, 7, 8, 9, 10], [11, 12, 13]]
+    ids = torch.tensor([5, 17, 200, 3])
+    meta = _decode_meta(lens, tables, bs)
+
+    _fill(engine, 0)
+    ref = engine.model(ids, meta.positions, engine.kv_cache, meta).clone()  # module path
+    k_ref = [t.clone() for t in engine.kv_cache.k]
+    _fill(engine, 0)
+    out = fused(ids, meta, engine.kv_cache).clone()
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
+    for a, b in zip(engine.kv_cache.k, k_ref):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)  # the new tokens' K, after RoPE
+
+    for b in range(len(lens)):  # alone == in the batch, bit for bit
+        _fill(engine, 0)
+        alone = fused(ids[b : b + 1], _decode_meta([lens[b]], [tables[b]], bs), engine.kv_cache)
+        assert torch.equal(alone[0], out[b]), f"sequence {b} differs alone"
+
+
+def test_engine_tokens_with_and_without_fusion(family_gguf: Path) -> None:
+    prompts = random_prompts(5, 11, lo=2, hi=40)
+    cfg = EngineConfig(dtype="auto", block_size=4, max_num_batched_tokens=32)
+    fused_engine = Engine(family_gguf, cfg, quiet=True)
+    assert fused_engine.runner.fused is not None
+    out, lout = run_engine(fused_engine, prompts)
+    module_engine = Engine(family_gguf, cfg, quiet=True)
+    module_engine.runner.fused = None
+    ref, lref = run_engine(module_engine, prompts)
+    assert out == ref
+    for i in ref:
+        torch.testing.assert_close(torch.stack(lout[i]), torch.stack(lref[i]), atol=1e-4, rtol=0)
+
+
+def test_module_path_where_fusion_does_not_apply(family_gguf: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert Engine(family_gguf, EngineConfig(dtype="float32"), quiet=True).runner.fused is None
+    assert Engine(family_gguf, EngineConfig(dtype="auto", kv_cache_layout="contiguous"), quiet=True).runner.fused is None
+    monkeypatch.setenv("KVLM_FUSED_DECODE", "0")
+    assert Engine(family_gguf, EngineConfig(dtype="auto"), quiet=True).runner.fused is None
