@@ -43,9 +43,10 @@ class Tokenizer:
         self._template: ChatTemplate | None = None
         self.special_ids = frozenset(i for i, t in backend.get_added_tokens_decoder().items() if t.special)
         # Byte-fallback pieces (<0xE4>...) decode as one group, so a later byte can change earlier text.
+        # Without byte fallback there are none: skip get_vocab(), a dict of the whole vocabulary (~20 ms).
         fallback = isinstance(backend.model, models.BPE) and backend.model.byte_fallback
-        self.byte_ids = frozenset(i for tok, i in backend.get_vocab().items()
-                                   if fallback and len(tok) == 6 and tok.startswith("<0x") and tok[-1] == ">")
+        self.byte_ids = frozenset(i for tok, i in (backend.get_vocab().items() if fallback else ())
+                                   if len(tok) == 6 and tok.startswith("<0x") and tok[-1] == ">")
 
     # ----------------------------------------------------------------------------------------- build
     @classmethod
