@@ -21,6 +21,7 @@ import torch
 from kvlm import kv_snapshot
 from kvlm.config import EngineConfig, ModelConfig
 from kvlm.errors import ParameterError, PromptTooLongError
+from kvlm.heap import trim_heap
 from kvlm.kv_cache import KVCache
 from kvlm.kv_pool import describe_kv_pool, make_kv_cache
 from kvlm.kv_snapshot import SnapshotInfo, model_files, model_fingerprint
@@ -85,6 +86,7 @@ class Engine:
         self.requests: dict[str, Request] = {}  # live requests by id, for abort()
         self._ids = itertools.count()
         self.num_steps = 0
+        trim_heap()  # the load's freed temporaries (tokenizer parse, GGUF walk) off the resident set
         log.info(self.describe_cache())  # shown when the "kvlm" logger is at INFO (the CLI without -q)
 
     # -- setup -------------------------------------------------------------------------------------
