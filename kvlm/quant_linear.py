@@ -122,3 +122,12 @@ class QuantEmbedding(nn.Module):
         out = dequantize(QuantTensor(rows, self.qweight.qtype, (flat.numel(), self.embedding_dim)))
         return out.to(ids.device).view(*ids.shape, self.embedding_dim)
 
+
+
+def weight_ranges(model: nn.Module) -> list[tuple[int, int]]:
+    """[start, end) addresses of every QuantTensor's bytes in `model` (views of a mapped file, or copies):
+    what `loader.mapped_pages.release_unused` must keep resident."""
+    tensors = [t for m in model.modules() for t in (
+        m.parts if isinstance(m, QuantLinear) else [m.qweight] if isinstance(m, QuantEmbedding) else [])]
+    return [(t.data.data_ptr(), t.data.data_ptr() + (t.data.shape[0] - 1) * t.data.stride(0) + t.data.shape[1])
+            for t in tensors if t.data.numel()]

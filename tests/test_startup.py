@@ -129,3 +129,43 @@ def test_trim_heap_runs_here() -> None:
     from kvlm.heap import trim_heap
 
     assert trim_heap() is sys.platform.startswith("linux")
+
+
+def _mapped_rss(path: Path) -> int:
+    """Resident bytes of this process's mappings of `path` (from /proc/self/smaps)."""
+    target, rss, inside = os.path.realpath(path), 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            parts = line.split()
+            if "-" in parts[0] and not parts[0].endswith(":"):
+                inside = len(parts) > 5 and parts[5] == target
+            elif inside and parts[0] == "Rss:":
+                rss += int(parts[1]) * 1024
+    return rss
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise and /proc are Linux's")
+def test_release_unused_drops_only_unused_pages_of_the_file(tmp_path: Path) -> None:
+    import numpy as np
+
+    from kvlm.loader.mapped_pages import release_unused
+
+    path = tmp_path / "weights.bin"
+    data = np.random.default_rng(0).integers(0, 256, 32 << 20, dtype=np.uint8)
+    data.tofile(path)
+    other = np.ones(1 << 20, dtype=np.uint8)  # anonymous memory: must never be touched
+    mapped = np.memmap(path, dtype=np.uint8, mode="r")
+    assert int(mapped.sum(dtype=np.int64)) == int(data.sum(dtype=np.int64))  # every page read: resident
+    assert _mapped_rss(path) >= 32 << 20
+    base = mapped.ctypes.data
+    keep = (base + (1 << 20) + 100, base + (3 << 20))  # an unaligned start: its page is kept whole
+    released = release_unused(path, [keep])
+    assert released >= (29 << 20)
+    # A released page that shared a huge-page mapping with kept ones may drop them too: they fault
+    # back in when read. After the kept range is read again, only its 2 MiB (rounded out to the 2 MiB
+    # huge pages that file mappings may use) are resident, of 32.
+    assert int(mapped[1 << 20 : 3 << 20].sum(dtype=np.int64)) == int(data[1 << 20 : 3 << 20].sum(dtype=np.int64))
+    assert _mapped_rss(path) <= (6 << 20)
+    assert np.array_equal(mapped, data)  # released pages read back from the file
+    assert int(other.sum()) == 1 << 20
+    assert release_unused(tmp_path / "not-mapped.bin", [keep]) == 0
