@@ -41,16 +41,17 @@ def file_mappings(path: Path) -> list[tuple[int, int]]:
 
 
 def release_unused(path: Path, used: Iterable[tuple[int, int]]) -> int:
-    """Drop the resident pages of `path`'s mappings outside the `used` [start, end) address ranges
-    (widened to whole pages); returns the bytes of address range released (resident or not)."""
+    """Drop the resident pages of `path`'s mappings (those holding some of `used`) outside the `used`
+    [start, end) address ranges, widened to whole pages; returns the bytes of address range released."""
     if not sys.platform.startswith("linux"):
         return 0
-    maps = file_mappings(path)
+    keep = sorted((lo // _PAGE * _PAGE, -(-hi // _PAGE) * _PAGE) for lo, hi in used)
+    # Only mappings holding some of `used`: another engine in this process may map the same file.
+    maps = [(a, b) for a, b in file_mappings(path) if any(a <= lo < b for lo, _ in keep)]
     if not maps:
         return 0
     madvise = ctypes.CDLL(None, use_errno=True).madvise
     madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    keep = sorted((lo // _PAGE * _PAGE, -(-hi // _PAGE) * _PAGE) for lo, hi in used)
     released = 0
     for start, end in maps:
         pos = start
