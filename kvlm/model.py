@@ -199,10 +199,15 @@ class LlamaForCausalLM(nn.Module):
 
     def set_rope(self, inv_freq: torch.Tensor) -> None:
         # cos/sin tables for every position we may see: (max_positions, D), computed in float32.
+        dev = self.model.norm.weight.device
+        if dev.type == "meta":  # built on the meta device: load_weights computes the real tables
+            shape = (self.max_positions, 2 * inv_freq.shape[0])
+            self.register_buffer("rope_cos", torch.empty(shape, device=dev), persistent=False)
+            self.register_buffer("rope_sin", torch.empty(shape, device=dev), persistent=False)
+            return
         t = torch.arange(self.max_positions, dtype=torch.float32, device=inv_freq.device)  # CPU: see rope_inv_freq
         freqs = torch.outer(t, inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
-        dev = self.model.norm.weight.device
         self.register_buffer("rope_cos", emb.cos().to(dev), persistent=False)
         sin = emb.sin()
         half = sin.shape[-1] // 2
