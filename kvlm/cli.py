@@ -325,7 +325,10 @@ def cmd_kv_size(a: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The whole parser. `argv` (default: the command line) only decides whether the `bench` subcommands
+    are built: several import torch at module level, which `kvlm --help` or `kvlm generate` need not pay
+    for while parsing (generate imports torch later, with the engine)."""
     p = _Parser(prog="kvlm", description="A small, exact LLM inference engine built around the KV cache.")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress or cache log on stderr")
     sub = p.add_subparsers(dest="command", required=True)
@@ -379,16 +382,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_serve_parser(sub, _add_engine_flags)
 
-    from kvlm.bench import add_bench_parser
+    from kvlm.bench import BENCH_HELP, add_bench_parser
     from kvlm.cache_cli import add_cache_parser
 
     add_cache_parser(sub)
-    add_bench_parser(sub)
+    words = [w for w in (sys.argv[1:] if argv is None else argv) if not w.startswith("-")]
+    if words[:1] == ["bench"]:
+        add_bench_parser(sub)
+    else:  # listed in `kvlm --help`; its subcommands are built when the command line asks for them
+        sub.add_parser("bench", help=BENCH_HELP)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    parser = build_parser(argv)
     args, extra = parser.parse_known_args(argv)
     # argparse takes a command's positional words in one run, so `generate MODEL --max-tokens 3 PROMPT`
     # leaves PROMPT over: words after options belong to the same positional list.

@@ -21,13 +21,16 @@ import torch
 from kvlm import kv_snapshot
 from kvlm.config import EngineConfig, ModelConfig
 from kvlm.errors import ParameterError, PromptTooLongError
+from kvlm.heap import trim_heap
 from kvlm.kv_cache import KVCache
 from kvlm.kv_pool import describe_kv_pool, make_kv_cache
 from kvlm.kv_snapshot import SnapshotInfo, model_files, model_fingerprint
 from kvlm.loader import load_checkpoint, resolve_model
+from kvlm.loader.mapped_pages import release_unused
 from kvlm.model import LlamaForCausalLM
 from kvlm.output_processor import OutputProcessor
 from kvlm.prefix_miss import PrefixHistory
+from kvlm.quant_linear import weight_ranges
 from kvlm.request import Request, StreamDelta
 from kvlm.runner import ModelRunner, StepResult
 from kvlm.sampling_params import SamplingParams
@@ -70,6 +73,8 @@ class Engine:
         self.model.rope_cos, self.model.rope_sin = self.model.rope_cos.float(), self.model.rope_sin.float()
         if self.device.type == "cpu":
             self.model.to_input_major()
+        if self.quantized:  # pages of the mapped file read at load but never by the model: out of RSS
+            release_unused(self.model_path, weight_ranges(self.model))
 
         self.kv_cache: KVCache
         self.kv_cache, self.block_manager = make_kv_cache(cfg, model_config, self.max_model_len,
@@ -85,6 +90,7 @@ class Engine:
         self.requests: dict[str, Request] = {}  # live requests by id, for abort()
         self._ids = itertools.count()
         self.num_steps = 0
+        trim_heap()  # the load's freed temporaries (tokenizer parse, GGUF walk) off the resident set
         log.info(self.describe_cache())  # shown when the "kvlm" logger is at INFO (the CLI without -q)
 
     # -- setup -------------------------------------------------------------------------------------

@@ -42,7 +42,9 @@ class RMSNorm(nn.Module):
 def rope_inv_freq(config: ModelConfig, rope_freqs: torch.Tensor | None = None) -> torch.Tensor:
     """(head_dim/2,) inverse frequencies, with llama3 / linear scaling or GGUF per-frequency factors."""
     D = config.head_dim
-    inv = 1.0 / (config.rope_theta ** (torch.arange(0, D, 2, dtype=torch.int64).float() / D))
+    # On the CPU even inside the engine's `torch.device("meta")` block: arithmetic on meta tensors runs
+    # torch's Python reference ops, whose first use imports torch._dynamo (~1 s, ~45 MB per start).
+    inv = 1.0 / (config.rope_theta ** (torch.arange(0, D, 2, dtype=torch.int64, device="cpu").float() / D))
     rs = config.rope_scaling or {}
     kind = rs.get("rope_type", rs.get("type", "default"))
     if kind == "linear":
@@ -173,7 +175,11 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # An explicit (uninitialized) weight skips nn.Embedding's normal_() init: on the meta device the
+        # engine builds on, that init imports torch._dynamo (~1 s and ~45 MB at every start), and
+        # load_weights replaces the weight anyway.
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
+                                         _weight=torch.empty(config.vocab_size, config.hidden_size))
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -193,10 +199,15 @@ class LlamaForCausalLM(nn.Module):
 
     def set_rope(self, inv_freq: torch.Tensor) -> None:
         # cos/sin tables for every position we may see: (max_positions, D), computed in float32.
-        t = torch.arange(self.max_positions, dtype=torch.float32)
+        dev = self.model.norm.weight.device
+        if dev.type == "meta":  # built on the meta device: load_weights computes the real tables
+            shape = (self.max_positions, 2 * inv_freq.shape[0])
+            self.register_buffer("rope_cos", torch.empty(shape, device=dev), persistent=False)
+            self.register_buffer("rope_sin", torch.empty(shape, device=dev), persistent=False)
+            return
+        t = torch.arange(self.max_positions, dtype=torch.float32, device=inv_freq.device)  # CPU: see rope_inv_freq
         freqs = torch.outer(t, inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
-        dev = self.model.norm.weight.device
         self.register_buffer("rope_cos", emb.cos().to(dev), persistent=False)
         sin = emb.sin()
         half = sin.shape[-1] // 2

@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 import logging
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -42,8 +43,9 @@ def concat_rows(parts: list[QuantTensor]) -> QuantTensor:
                    first.data.untyped_storage().data_ptr() for p in parts)
     for a, b in itertools.pairwise(parts):
         adjacent = adjacent and a.data.data_ptr() + a.data.numel() == b.data.data_ptr()
+    # The copy in numpy: single-threaded, where torch.cat of uint8 rows wakes the thread pool (ms each).
     data = (torch.as_strided(first.data, (rows, rb), (rb, 1)) if adjacent
-            else torch.cat([p.data for p in parts]))
+            else torch.from_numpy(np.concatenate([p.data.numpy() for p in parts])))
     return QuantTensor(data, first.qtype, (rows, first.shape[1]))
 
 
@@ -120,3 +122,12 @@ class QuantEmbedding(nn.Module):
         out = dequantize(QuantTensor(rows, self.qweight.qtype, (flat.numel(), self.embedding_dim)))
         return out.to(ids.device).view(*ids.shape, self.embedding_dim)
 
+
+
+def weight_ranges(model: nn.Module) -> list[tuple[int, int]]:
+    """[start, end) addresses of every QuantTensor's bytes in `model` (views of a mapped file, or copies):
+    what `loader.mapped_pages.release_unused` must keep resident."""
+    tensors = [t for m in model.modules() for t in (
+        m.parts if isinstance(m, QuantLinear) else [m.qweight] if isinstance(m, QuantEmbedding) else [])]
+    return [(t.data.data_ptr(), t.data.data_ptr() + (t.data.shape[0] - 1) * t.data.stride(0) + t.data.shape[1])
+            for t in tensors if t.data.numel()]

@@ -12,15 +12,17 @@ import json
 import operator
 import os
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from tokenizers import models
 from tokenizers import Tokenizer as _Backend
 
-from kvlm.chat_template import ChatTemplate
 from kvlm.detokenizer import IncrementalDetokenizer
 from kvlm.errors import TokenizerError
 from kvlm.gguf_vocab import tokenizer_args_from_gguf
+
+if TYPE_CHECKING:  # jinja2 is imported by the first chat, not at start
+    from kvlm.chat_template import ChatTemplate
 
 __all__ = ["IncrementalDetokenizer", "Tokenizer", "TokenizerError"]
 
@@ -40,12 +42,13 @@ class Tokenizer:
         self.add_bos_token = add_bos_token and bos_token_id is not None
         self.add_eos_token = add_eos_token and eos_token_id is not None
         self.chat_template = chat_template
-        self._template: ChatTemplate | None = None
+        self._template: ChatTemplate | None = None  # compiled on first use
         self.special_ids = frozenset(i for i, t in backend.get_added_tokens_decoder().items() if t.special)
         # Byte-fallback pieces (<0xE4>...) decode as one group, so a later byte can change earlier text.
+        # Without byte fallback there are none: skip get_vocab(), a dict of the whole vocabulary (~20 ms).
         fallback = isinstance(backend.model, models.BPE) and backend.model.byte_fallback
-        self.byte_ids = frozenset(i for tok, i in backend.get_vocab().items()
-                                   if fallback and len(tok) == 6 and tok.startswith("<0x") and tok[-1] == ">")
+        self.byte_ids = frozenset(i for tok, i in (backend.get_vocab().items() if fallback else ())
+                                   if len(tok) == 6 and tok.startswith("<0x") and tok[-1] == ">")
 
     # ----------------------------------------------------------------------------------------- build
     @classmethod
@@ -119,6 +122,8 @@ class Tokenizer:
         if self.chat_template is None:
             raise TokenizerError("model has no chat template")
         if self._template is None:
+            from kvlm.chat_template import ChatTemplate
+
             self._template = ChatTemplate(self.chat_template, self.bos_token, self.eos_token)
         return self._template.render(messages, add_generation_prompt, **kwargs)
 

@@ -4,7 +4,9 @@ The C++ sources in `csrc/` are compiled with `torch.utils.cpp_extension` (not at
 isolation would compile against another torch) into `$KVLM_HOME/ext/<key>/`, where the key hashes the
 sources, the compiler flags, the compiler and the torch and Python versions. A file lock makes
 parallel processes (pytest workers) build once and the others wait; later processes only load the
-shared library (milliseconds). Where the compiler, headers or build fail, one warning is logged and
+shared library (milliseconds). Computing that key runs `c++ --version` and reads every source, so a
+stamp (`ext/stamps/<sources' sizes and mtimes>`) remembers it: a start with unchanged sources only
+stats them. Where the compiler, headers or build fail, one warning is logged and
 every kernel uses its pure-PyTorch reference: never a crash.
 
 The path is the best one this CPU supports (`avx512` > `avx2` > `scalar`), or the one forced by
@@ -65,11 +67,53 @@ def _build_key() -> str:
     return h.hexdigest()[:16]
 
 
+def _stat_key() -> str:
+    """A cheap stand-in for `_build_key` (no compiler run, no source read): the sources' sizes and
+    modification times with everything else the build key hashes except the compiler's version."""
+    h = hashlib.sha256()
+    for name in (*_SOURCES, *_HEADERS):
+        st = (_CSRC / name).stat()
+        h.update(f"{_CSRC / name}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
+    for part in (*_CFLAGS, *_LDFLAGS, os.environ.get("CXX", "c++"), torch.__version__, sys.version, platform.machine()):
+        h.update(part.encode() + b"\0")
+    return h.hexdigest()[:16]
+
+
 def _ext_root() -> Path:
     return Path(os.environ.get("KVLM_HOME") or Path.home() / ".cache" / "kvlm") / "ext"
 
 
+def _library(key: str) -> Path:
+    return _ext_root() / key / f"kvlm_kernels_{key}.so"
+
+
+def _cached_key() -> str | None:
+    """The build key recorded for these exact source files (`stamps/<stat key>`) when its library
+    exists: a start then only stats the sources. Editing a source changes its size or mtime, so the
+    stamp misses and `_build_key` (which reads them) decides whether to rebuild."""
+    try:
+        key = (_ext_root() / "stamps" / _stat_key()).read_text().strip()
+    except OSError:
+        return None
+    return key if len(key) == 16 and _library(key).exists() else None
+
+
+def _write_stamp(key: str) -> None:
+    stamp = _ext_root() / "stamps" / _stat_key()
+    tmp = stamp.with_name(f".{stamp.name}.{os.getpid()}.tmp")
+    try:  # write then rename: a reader never sees half a key
+        stamp.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(key)
+        os.replace(tmp, stamp)
+    except OSError:  # a read-only home only costs the full key at the next start
+        tmp.unlink(missing_ok=True)
+
+
 def _build_and_load() -> None:
+    key = _cached_key()
+    if key is not None:
+        torch.ops.load_library(str(_library(key)))
+        return
     key = _build_key()
     name = f"kvlm_kernels_{key}"
     build_dir = _ext_root() / key
@@ -81,6 +125,7 @@ def _build_and_load() -> None:
             if not lib.exists():
                 _compile(name, build_dir)
     torch.ops.load_library(str(lib))
+    _write_stamp(key)
 
 
 def _compile(name: str, build_dir: Path) -> None:

@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from kvlm.config import ModelConfig
-from kvlm.errors import ModelLoadError
+from kvlm.errors import ModelLoadError, TokenizerError
 from kvlm.loader.registry import DEFAULT_MODEL, resolve_model
-from kvlm.tokenizer import Tokenizer, TokenizerError
+
+if TYPE_CHECKING:  # torch and tokenizers load with the model, not with `kvlm kv-size` or `kvlm info`
+    import torch
+
+    from kvlm.tokenizer import Tokenizer
 
 __all__ = ["DEFAULT_MODEL", "load_checkpoint", "load_config", "resolve_model"]
 
@@ -45,6 +48,7 @@ def load_checkpoint(path: str | os.PathLike,
             tokenizer = gguf_tokenizer(gg, fields)  # cached next to the model file
         else:
             from kvlm.loader.safetensors import load_hf_dir
+            from kvlm.tokenizer import Tokenizer
 
             config, state = load_hf_dir(p)
             tokenizer = Tokenizer.from_hf_dir(p)

@@ -14,10 +14,12 @@ import os
 import re
 import struct
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:  # imported where tensors are made: reading a config (`kvlm kv-size`) needs no torch
+    import torch
 
 from kvlm.config import ModelConfig
 from kvlm.errors import ModelLoadError, UnsupportedModelError
@@ -127,6 +129,14 @@ class _HeaderWalker:
                 raise self.fail(f"{what} claims {count} elements, more than the file holds")
             if etype in _SCALAR_SIZES:
                 self.take(count * least, what)
+            elif etype == 8:  # a vocabulary: lengths only, in a tight loop (no bytes objects, no calls)
+                buf, pos, size = self.buf, self.pos, self.size
+                unpack = struct.Struct("<Q").unpack_from
+                for _ in range(count):
+                    if pos + 8 > size or pos + 8 + unpack(buf, pos)[0] > size:
+                        raise self.fail(f"{what} runs past the end of the {size}-byte file")
+                    pos += 8 + unpack(buf, pos)[0]
+                self.pos = pos
             else:
                 for _ in range(count):
                     self.value(etype, what, depth + 1)
@@ -269,6 +279,8 @@ def dequantize_tensor(t: Any) -> torch.Tensor:
         arr = np.asarray(t.data, dtype=np.float16).astype(np.float32)
     else:
         arr = quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+    import torch
+
     return torch.from_numpy(np.ascontiguousarray(arr).reshape(shape))
 
 
@@ -277,6 +289,8 @@ def file_bytes(reader: Any) -> torch.Tensor:
 
     torch warns that the array is not writable; nothing writes to it (weights are only read)."""
     import warnings
+
+    import torch
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
@@ -351,8 +365,15 @@ def load_gguf(path: str | os.PathLike,
 
 def _unpermute_any(w: Any, n_heads: int) -> Any:
     """unpermute_rope on a float tensor, or on a QuantTensor's byte rows (blocks run along K)."""
-    if isinstance(w, torch.Tensor):
-        return unpermute_rope(w, n_heads)
+    import torch
+
     from kvlm.kernels import QuantTensor
 
-    return QuantTensor(unpermute_rope(w.data, n_heads).contiguous(), w.qtype, w.shape)
+    if isinstance(w, torch.Tensor):
+        return unpermute_rope(w, n_heads)
+    # The same row permutation in numpy: a plain single-threaded copy of ~200 KB, where torch's strided
+    # uint8 copy wakes its thread pool and took ~7 ms per matrix on a busy 2-core machine.
+    rows = w.data.numpy()  # (N, row_bytes) view of the mapped file
+    n, rb = rows.shape
+    out = np.ascontiguousarray(rows.reshape(n_heads, n // n_heads // 2, 2, rb).transpose(0, 2, 1, 3)).reshape(n, rb)
+    return QuantTensor(torch.from_numpy(out), w.qtype, w.shape)

@@ -1,5 +1,6 @@
 """A GGUF file opened for reading: metadata as plain Python values, tensor descriptions, and the file's
-bytes memory-mapped (nothing read until a tensor is used).
+bytes memory-mapped (nothing read until a tensor is used). Long arrays (the tokenizer's vocabulary and
+merges) are `LazyArray`s: length-checked here, decoded only when a tokenizer is built from them.
 
 The `gguf` package's `GGUFReader` builds a numpy view for every metadata array element, which takes
 seconds on a model with a 49k-token vocabulary; this parser reads the same layout in one pass with
@@ -15,9 +16,10 @@ type u32, offset u64); padding to `general.alignment` (default 32); tensor data.
 from __future__ import annotations
 
 import struct
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -27,6 +29,52 @@ _SCALARS = {0: ("<B", np.uint8), 1: ("<b", np.int8), 2: ("<H", np.uint16), 3: ("
             4: ("<I", np.uint32), 5: ("<i", np.int32), 6: ("<f", np.float32), 7: ("<?", np.bool_),
             10: ("<Q", np.uint64), 11: ("<q", np.int64), 12: ("<d", np.float64)}
 _STRING, _ARRAY = 8, 9
+# Arrays at least this long (a tokenizer's tokens, merges, types, scores) are decoded on first use:
+# ~100k Python strings, ~10 MB and ~50 ms, that a start with a cached tokenizer never needs.
+LAZY_ARRAY_MIN = 1024
+
+
+class LazyArray(Sequence):
+    """A metadata array whose elements are decoded from the mapped file on first access (then kept).
+    Its length is known up front; its bytes were bounds-checked when the header was parsed."""
+
+    def __init__(self, buf: memoryview, pos: int, count: int, etype: int) -> None:
+        self._buf, self._pos, self._count, self._etype = buf, pos, count, etype
+        self._values: list[Any] | None = None
+
+    def _decode(self) -> list[Any]:
+        if self._values is None:
+            if self._etype in _SCALARS:
+                dt = np.dtype(_SCALARS[self._etype][1]).newbyteorder("<")
+                self._values = np.frombuffer(self._buf, dtype=dt, count=self._count, offset=self._pos).tolist()
+            else:
+                buf, pos, out = self._buf, self._pos, []
+                unpack = struct.Struct("<Q").unpack_from
+                for _ in range(self._count):
+                    (n,) = unpack(buf, pos)
+                    out.append(str(buf[pos + 8 : pos + 8 + n], "utf-8", "replace"))
+                    pos += 8 + n
+                self._values = out
+        return self._values
+
+    def __len__(self) -> int:
+        return self._count
+
+    @overload
+    def __getitem__(self, i: int) -> Any: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[Any]: ...
+    def __getitem__(self, i: int | slice) -> Any:
+        return self._decode()[i]
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._decode())
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Sequence) and list(self) == list(other)
+
+    def __repr__(self) -> str:
+        return f"LazyArray(len={self._count})"
 
 
 @dataclass(slots=True)
@@ -121,10 +169,15 @@ class GGUFFile:
         etype, count = self._unpack("<IQ", 12)
         if count > self._size:  # every element takes at least one byte
             raise ValueError(f"array of {count} elements in a {self._size}-byte file")
+        start = self._pos
         if etype in _SCALARS:
             dt = np.dtype(_SCALARS[etype][1]).newbyteorder("<")
-            return np.frombuffer(self._take(count * dt.itemsize), dtype=dt).tolist()
+            raw = self._take(count * dt.itemsize)
+            if count >= LAZY_ARRAY_MIN:
+                return LazyArray(self._buf, start, count, etype)
+            return np.frombuffer(raw, dtype=dt).tolist()
         if etype == _STRING:
+            lazy = count >= LAZY_ARRAY_MIN
             buf, pos, size, out = self._buf, self._pos, self._size, []
             unpack = struct.Struct("<Q").unpack_from
             for _ in range(count):  # the hot loop of a vocabulary: no method calls per element
@@ -134,8 +187,9 @@ class GGUFFile:
                 pos += 8
                 if pos + n > size:
                     raise ValueError("truncated string array")
-                out.append(str(buf[pos : pos + n], "utf-8", "replace"))
+                if not lazy:
+                    out.append(str(buf[pos : pos + n], "utf-8", "replace"))
                 pos += n
             self._pos = pos
-            return out
+            return LazyArray(buf, start, count, etype) if lazy else out
         return [self._value(etype) for _ in range(count)]  # arrays of arrays (rare)
