@@ -43,7 +43,7 @@ typedef struct KvlmKernels {
     int (*dequant)(int qtype, const uint8_t* w, int64_t row_stride, int64_t K, float* out, int64_t ldo,
                    int64_t n0, int64_t n1);
     // Decode attention for work items [i0, i1) of a->items (see KvlmPagedAttn); `scores` is this thread's
-    // scratch of a->H * a->chunk floats. Returns 0, or -1 for an unsupported kv_dtype.
+    // scratch of a->H * (a->chunk + 2 + 256) floats. Returns 0, or -1 for an unsupported kv_dtype.
     int (*paged_attn)(const struct KvlmPagedAttn* a, float* scores, int64_t i0, int64_t i1);
     // Experimental int8-activation row kernel (Q4_0, Q4_1, Q8_0; NULL where the ISA lacks it): x is first
     // quantized per 32-element block by quantize_act (xq (M, K) int8, xd and xs (M, K/32) scale and sum).

@@ -409,7 +409,7 @@ struct KvBF16 {
 
 // Sums of 16 vectors at once: lane t of the result is the sum of the lanes of x[t]. A fixed tree of
 // 15 adds and 30 shuffles (halves, quarters, ...) instead of 16 horizontal sums of ~8 steps each.
-KVLM_INLINE v16 sum16(const v16* x) {
+KVLM_INLINE v16 sum16(const v16u* x) {
     v16 u[8], w[4], z[2];
     for (int i = 0; i < 8; i++)  // lanes 0-7: x[2i]'s halves added, 8-15: x[2i + 1]'s
         u[i] = __builtin_shufflevector(x[2 * i], x[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
@@ -447,8 +447,8 @@ KVLM_INLINE void token_rows(const int32_t* tab, int64_t BS, int64_t row, int64_t
 // sc (H, chunk), softmax of the chunk, then acc (H, D) += p * V. Each K/V row is fetched from memory once
 // and reused from L1 by the G query heads of its kv head. NV = D / 16 if fixed at compile time, else 0.
 template <class E, int NV>
-void attn_chunk(const KvlmPagedAttn* a, int64_t b, int64_t t0, int64_t t1, float* sc, float* acc, float* mx,
-                float* den) {
+void attn_chunk(const KvlmPagedAttn* a, int64_t b, int64_t t0, int64_t t1, float* sc, v16u* dots, float* acc,
+                float* mx, float* den) {
     typedef typename E::T T;
     const int64_t H = a->H, KVH = a->kv_heads, D = a->D, BS = a->block_size, CH = a->chunk, G = H / KVH;
     const int64_t nv = NV ? NV : D / 16, row = KVH * D, n = t1 - t0, ngrp = (n + 15) / 16;
@@ -458,20 +458,33 @@ void attn_chunk(const KvlmPagedAttn* a, int64_t b, int64_t t0, int64_t t1, float
     const float* qb = a->q + b * H * D;
     const v16 NEG_INF = splat(-__builtin_inff());
     int64_t off[16];
-    // K pass: sc[h, 16 * grp + i] = scale * q[h] . K[token t0 + 16 * grp + i, h / G]
+    // K pass: sc[h, 16 * grp + i] = scale * q[h] . K[token t0 + 16 * grp + i, h / G]. Token-major, so each
+    // block is read front to back once (what the hardware prefetchers follow); dots (H, 16) in scratch.
     for (int64_t grp = 0; grp < ngrp; grp++) {
         const int64_t nt = n - 16 * grp < 16 ? n - 16 * grp : 16;
         token_rows(tab, BS, row, t0 + 16 * grp, t1, off);
-        for (int64_t h = 0; h < H; h++) {
-            const float* qh = qb + h * D;
-            const T* kg = kc + (h / G) * D;
-            v16 dots[16];
-            for (int i = 0; i < 16; i++) {
-                v16 s = (v16){};
-                for (int64_t k = 0; k < nv; k++) s += ld(qh + 16 * k) * E::load(kg + off[i] + 16 * k);
-                dots[i] = s;
+        for (int i = 0; i < 16; i++) {
+            const T* kr = kc + off[i];
+            for (int64_t g = 0; g < KVH; g++) {
+                if (NV) {
+                    v16 kv[NV ? NV : 1];
+                    for (int k = 0; k < NV; k++) kv[k] = E::load(kr + g * D + 16 * k);
+                    for (int64_t h = g * G; h < g * G + G; h++) {
+                        v16 s = (v16){};
+                        for (int k = 0; k < NV; k++) s += ld(qb + h * D + 16 * k) * kv[k];
+                        dots[h * 16 + i] = s;
+                    }
+                } else {
+                    for (int64_t h = g * G; h < g * G + G; h++) {
+                        v16 s = (v16){};
+                        for (int64_t k = 0; k < nv; k++) s += ld(qb + h * D + 16 * k) * E::load(kr + g * D + 16 * k);
+                        dots[h * 16 + i] = s;
+                    }
+                }
             }
-            v16 s = sum16(dots) * a->scale;
+        }
+        for (int64_t h = 0; h < H; h++) {
+            v16 s = sum16(dots + h * 16) * a->scale;
             for (int64_t i = nt; i < 16; i++) s[i] = -__builtin_inff();
             st(sc + h * CH + 16 * grp, s);
         }
@@ -491,26 +504,27 @@ void attn_chunk(const KvlmPagedAttn* a, int64_t b, int64_t t0, int64_t t1, float
         mx[h] = mh;
         den[h] = hsum(l);
     }
-    // V pass: acc[h] = sum_t p[h, t] * V[t, h / G], 16 tokens (a block's worth of rows) at a time.
+    // V pass: acc[h] = sum_t p[h, t] * V[t, h / G], token-major like the K pass; acc (H, D) stays in L1.
     for (int64_t i = 0; i < H * D; i++) acc[i] = 0.0f;
     for (int64_t grp = 0; grp < ngrp; grp++) {
         const int64_t nt = n - 16 * grp < 16 ? n - 16 * grp : 16;
         token_rows(tab, BS, row, t0 + 16 * grp, t1, off);
-        for (int64_t h = 0; h < H; h++) {
-            const float* p = sc + h * CH + 16 * grp;
-            const T* vg = vc + (h / G) * D;
-            float* ah = acc + h * D;
-            if (NV) {
-                v16 r[NV ? NV : 1];
-                for (int k = 0; k < NV; k++) r[k] = ld(ah + 16 * k);
-                for (int64_t i = 0; i < nt; i++)
-                    for (int k = 0; k < NV; k++) r[k] += p[i] * E::load(vg + off[i] + 16 * k);
-                for (int k = 0; k < NV; k++) st(ah + 16 * k, r[k]);
-            } else {
-                for (int64_t k = 0; k < nv; k++) {
-                    v16 r = ld(ah + 16 * k);
-                    for (int64_t i = 0; i < nt; i++) r += p[i] * E::load(vg + off[i] + 16 * k);
-                    st(ah + 16 * k, r);
+        for (int64_t i = 0; i < nt; i++) {
+            const T* vr = vc + off[i];
+            for (int64_t g = 0; g < KVH; g++) {
+                if (NV) {
+                    v16 vv[NV ? NV : 1];
+                    for (int k = 0; k < NV; k++) vv[k] = E::load(vr + g * D + 16 * k);
+                    for (int64_t h = g * G; h < g * G + G; h++) {
+                        const float p = sc[h * CH + 16 * grp + i];
+                        for (int k = 0; k < NV; k++) st(acc + h * D + 16 * k, ld(acc + h * D + 16 * k) + p * vv[k]);
+                    }
+                } else {
+                    for (int64_t h = g * G; h < g * G + G; h++) {
+                        const float p = sc[h * CH + 16 * grp + i];
+                        for (int64_t k = 0; k < nv; k++)
+                            st(acc + h * D + 16 * k, ld(acc + h * D + 16 * k) + p * E::load(vr + g * D + 16 * k));
+                    }
                 }
             }
         }
@@ -544,13 +558,14 @@ KVLM_INLINE void attn_combine(const KvlmPagedAttn* a, int64_t b, int64_t nc) {
 template <class E, int NV>
 void paged_attn_t(const KvlmPagedAttn* a, float* sc, int64_t i0, int64_t i1) {
     const int64_t H = a->H, D = a->D, CH = a->chunk, stride = H * (D + 2);
+    v16u* dots = (v16u*)(sc + H * (CH + 2));  // (H, 16) vectors of per-token dot products
     for (int64_t it = i0; it < i1; it++) {
         const int64_t b = a->items[2 * it], c = a->items[2 * it + 1], L = a->seq_lens[b];
         const int64_t t0 = c * CH, t1 = t0 + CH < L ? t0 + CH : L;
         if (L <= CH) {  // one chunk: normalize straight into out
             float* o = a->out + b * H * D;
             float* mx = sc + H * CH;  // scratch past the scores
-            attn_chunk<E, NV>(a, b, t0, t1, sc, o, mx, mx + H);
+            attn_chunk<E, NV>(a, b, t0, t1, sc, dots, o, mx, mx + H);
             for (int64_t h = 0; h < H; h++) {
                 const v16 inv = splat(mx[H + h] > 0.0f ? 1.0f / mx[H + h] : 0.0f);  // L = 0: zeros
                 for (int64_t k = 0; k < D; k += 16) st(o + h * D + k, ld(o + h * D + k) * inv);
@@ -558,7 +573,7 @@ void paged_attn_t(const KvlmPagedAttn* a, float* sc, int64_t i0, int64_t i1) {
             continue;
         }
         float* p = a->part + it * stride;
-        attn_chunk<E, NV>(a, b, t0, t1, sc, p, p + H * D, p + H * D + H);
+        attn_chunk<E, NV>(a, b, t0, t1, sc, dots, p, p + H * D, p + H * D + H);
         // Release our partial; the last chunk of the sequence to finish acquires all of them and combines.
         if (__atomic_sub_fetch(&a->pending[b], 1, __ATOMIC_ACQ_REL) == 0) attn_combine(a, b, (L + CH - 1) / CH);
     }

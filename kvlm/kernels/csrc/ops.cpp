@@ -88,8 +88,8 @@ bool paged_attention(const KvlmKernels* t, int kv_dtype, const float* q, const v
                           scale, items.data(), first.data(), part.data(), pending.data()};
     std::atomic<bool> ok{true};
     at::parallel_for(0, n, 1, [&](int64_t i0, int64_t i1) {
-        thread_local std::vector<float> scores;  // (H, ATTN_CHUNK) scores, then 2 H floats
-        if (scores.size() < static_cast<size_t>(H * (ATTN_CHUNK + 2))) scores.resize(H * (ATTN_CHUNK + 2));
+        thread_local std::vector<float> scores;  // (H, ATTN_CHUNK) scores, 2 H floats, (H, 16, 16) dot products
+        if (scores.size() < static_cast<size_t>(H * (ATTN_CHUNK + 2 + 256))) scores.resize(H * (ATTN_CHUNK + 2 + 256));
         if (t->paged_attn(&a, scores.data(), i0, i1)) ok = false;
     });
     return ok;
