@@ -57,7 +57,9 @@ KVLM_INLINE v16 tof(i16v q) { return __builtin_convertvector(q, v16); }
 KVLM_INLINE v16 tof_signed(const uint8_t* p) {
     return __builtin_convertvector(__builtin_convertvector(__builtin_convertvector((s16)ldb(p), hs16), i16v), v16);
 }
-KVLM_INLINE v16 splat(float f) { return (v16){} + f; }
+// A 16-element initializer, not `(v16){} + f`: GCC turns it into one broadcast, where on AVX2 the
+// scalar-vector form of a 2-register vector is built in memory (16 scalar stores, then a reload).
+KVLM_INLINE v16 splat(float f) { return (v16){f, f, f, f, f, f, f, f, f, f, f, f, f, f, f, f}; }
 
 typedef float v8 __attribute__((vector_size(32)));
 typedef float v4 __attribute__((vector_size(16)));
@@ -407,9 +409,12 @@ struct KvBF16 {
     }
 };
 
-// Sums of 16 vectors at once: lane t of the result is the sum of the lanes of x[t]. A fixed tree of
-// 15 adds and 30 shuffles (halves, quarters, ...) instead of 16 horizontal sums of ~8 steps each.
+// Sums of 16 vectors at once: lane t of the result is the sum of the lanes of x[t]. AVX-512: a fixed
+// tree of 15 adds and 30 shuffles (halves, quarters, ...) instead of 16 horizontal sums of ~8 steps each.
+// AVX2 (where GCC would split those 512-bit shuffles into scalar inserts): halves added, then the
+// classic hadd tree on 8-lane registers. Baseline: 16 horizontal sums. Each is a fixed order.
 KVLM_INLINE v16 sum16(const v16u* x) {
+#if defined(KVLM_AVX512)
     v16 u[8], w[4], z[2];
     for (int i = 0; i < 8; i++)  // lanes 0-7: x[2i]'s halves added, 8-15: x[2i + 1]'s
         u[i] = __builtin_shufflevector(x[2 * i], x[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
@@ -422,6 +427,26 @@ KVLM_INLINE v16 sum16(const v16u* x) {
                __builtin_shufflevector(w[2 * i], w[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
     return __builtin_shufflevector(z[0], z[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
            __builtin_shufflevector(z[0], z[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+#elif defined(KVLM_AVX2)
+    __m256 r[2];
+    for (int half = 0; half < 2; half++) {  // tokens 8 * half .. 8 * half + 7
+        __m256 h[8];
+        for (int i = 0; i < 8; i++) {
+            const float* p = (const float*)&x[8 * half + i];
+            h[i] = _mm256_add_ps(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8));
+        }
+        __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(h[0], h[1]), _mm256_hadd_ps(h[2], h[3]));
+        __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(h[4], h[5]), _mm256_hadd_ps(h[6], h[7]));
+        r[half] = _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+    }
+    v16 out;
+    memcpy(&out, r, sizeof out);
+    return out;
+#else
+    v16 out;
+    for (int t = 0; t < 16; t++) out[t] = hsum(x[t]);
+    return out;
+#endif
 }
 
 KVLM_INLINE v16 vmax(v16 a, v16 b) { return a > b ? a : b; }
@@ -484,7 +509,7 @@ void attn_chunk(const KvlmPagedAttn* a, int64_t b, int64_t t0, int64_t t1, float
             }
         }
         for (int64_t h = 0; h < H; h++) {
-            v16 s = sum16(dots + h * 16) * a->scale;
+            v16 s = sum16(dots + h * 16) * splat(a->scale);
             for (int64_t i = nt; i < 16; i++) s[i] = -__builtin_inff();
             st(sc + h * CH + 16 * grp, s);
         }
@@ -517,13 +542,13 @@ void attn_chunk(const KvlmPagedAttn* a, int64_t b, int64_t t0, int64_t t1, float
                     for (int k = 0; k < NV; k++) vv[k] = E::load(vr + g * D + 16 * k);
                     for (int64_t h = g * G; h < g * G + G; h++) {
                         const float p = sc[h * CH + 16 * grp + i];
-                        for (int k = 0; k < NV; k++) st(acc + h * D + 16 * k, ld(acc + h * D + 16 * k) + p * vv[k]);
+                        for (int k = 0; k < NV; k++) st(acc + h * D + 16 * k, ld(acc + h * D + 16 * k) + splat(p) * vv[k]);
                     }
                 } else {
                     for (int64_t h = g * G; h < g * G + G; h++) {
                         const float p = sc[h * CH + 16 * grp + i];
                         for (int64_t k = 0; k < nv; k++)
-                            st(acc + h * D + 16 * k, ld(acc + h * D + 16 * k) + p * E::load(vr + g * D + 16 * k));
+                            st(acc + h * D + 16 * k, ld(acc + h * D + 16 * k) + splat(p) * E::load(vr + g * D + 16 * k));
                     }
                 }
             }
