@@ -529,27 +529,29 @@ void attn_chunk(const KvlmPagedAttn* a, int64_t b, int64_t t0, int64_t t1, float
         mx[h] = mh;
         den[h] = hsum(l);
     }
-    // V pass: acc[h] = sum_t p[h, t] * V[t, h / G], token-major like the K pass; acc (H, D) stays in L1.
+    // V pass: acc[h] = sum_t p[h, t] * V[t, h / G], 16 tokens at a time: acc[h] stays in registers over
+    // the group, whose V rows (one block for block size 16) the first head brings into L1 for the others.
     for (int64_t i = 0; i < H * D; i++) acc[i] = 0.0f;
     for (int64_t grp = 0; grp < ngrp; grp++) {
         const int64_t nt = n - 16 * grp < 16 ? n - 16 * grp : 16;
         token_rows(tab, BS, row, t0 + 16 * grp, t1, off);
-        for (int64_t i = 0; i < nt; i++) {
-            const T* vr = vc + off[i];
-            for (int64_t g = 0; g < KVH; g++) {
-                if (NV) {
-                    v16 vv[NV ? NV : 1];
-                    for (int k = 0; k < NV; k++) vv[k] = E::load(vr + g * D + 16 * k);
-                    for (int64_t h = g * G; h < g * G + G; h++) {
-                        const float p = sc[h * CH + 16 * grp + i];
-                        for (int k = 0; k < NV; k++) st(acc + h * D + 16 * k, ld(acc + h * D + 16 * k) + splat(p) * vv[k]);
-                    }
-                } else {
-                    for (int64_t h = g * G; h < g * G + G; h++) {
-                        const float p = sc[h * CH + 16 * grp + i];
-                        for (int64_t k = 0; k < nv; k++)
-                            st(acc + h * D + 16 * k, ld(acc + h * D + 16 * k) + splat(p) * E::load(vr + g * D + 16 * k));
-                    }
+        for (int64_t h = 0; h < H; h++) {
+            const float* p = sc + h * CH + 16 * grp;
+            const T* vg = vc + (h / G) * D;
+            float* ah = acc + h * D;
+            if (NV) {
+                v16 r[NV ? NV : 1];
+                for (int k = 0; k < NV; k++) r[k] = ld(ah + 16 * k);
+                for (int64_t i = 0; i < nt; i++) {
+                    const v16 pi = splat(p[i]);
+                    for (int k = 0; k < NV; k++) r[k] += pi * E::load(vg + off[i] + 16 * k);
+                }
+                for (int k = 0; k < NV; k++) st(ah + 16 * k, r[k]);
+            } else {
+                for (int64_t k = 0; k < nv; k++) {
+                    v16 r = ld(ah + 16 * k);
+                    for (int64_t i = 0; i < nt; i++) r += splat(p[i]) * E::load(vg + off[i] + 16 * k);
+                    st(ah + 16 * k, r);
                 }
             }
         }
