@@ -6,9 +6,12 @@ Paths are forced with KVLM_KERNEL_ISA (scalar, avx2, avx512; avx512 skipped on C
   may be one fused multiply-add here (one rounding instead of two): within 2 ulp of the magnitude.
 - qmatmul: |kernel - reference| <= 1e-5 * (|x| @ |W|.T) + 1e-30, the bound for float32 sums of the
   same products added in another order (K <= 1536 here).
-- paged attention: within 2e-5 (absolute and relative) of gather + SDPA.
+- paged attention: within 2e-5 (absolute and relative) of gather + SDPA on the same cache values (float16
+  / bfloat16 caches are widened exactly, so the tolerance is the float32 one): the kernel sums in chunks
+  of 128 tokens, 16-lane trees and an online softmax, SDPA in its own order.
 And bit-exact: a row's result from the row kernel does not depend on M, on which rows share the call,
-or on the thread count.
+or on the thread count; a sequence's attention output does not depend on the batch around it or on
+the thread count.
 """
 
 from __future__ import annotations
@@ -272,6 +275,62 @@ def _paged_case(seed: int, lens: list[int], heads: int, kv_heads: int, d: int = 
     tables = torch.randperm(num_blocks, generator=gen)[: b * max_blocks].reshape(b, max_blocks).to(torch.int32)
     q = torch.randn(b, heads, d, generator=gen)
     return q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32)
+
+
+def _paged_lens(b: int) -> list[int]:
+    """b ragged lengths: empty, one token, block-size multiples and neighbours, and long ones (several
+    128-token chunks, a partial last chunk)."""
+    return [0, 1, 700, 16, 17, 128, 129, 1000][:b]
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize(("heads", "kv_heads"), [(3, 3), (9, 3), (8, 2)], ids=["G1", "G3", "G4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_paged_attention_ragged_batches(isa: str, threads: int, dtype: torch.dtype, heads: int, kv_heads: int,
+                                        d: int, no_attention_fallback: None) -> None:
+    """B 1..8 of ragged lengths (0, 1, block-size multiples, > several chunks), GQA groups 1 / 3 / 4."""
+    q, kc, vc, tables, seq_lens = _paged_case(21, _paged_lens(8), heads, kv_heads, d=d)
+    kc, vc = kc.to(dtype), vc.to(dtype)
+    for b in (1, 2, 5, 8):
+        got = paged_decode_attention(q[:b], kc, vc, tables[:b], seq_lens[:b], d ** -0.5)
+        ref = paged_decode_attention_ref(q[:b], kc, vc, tables[:b], seq_lens[:b], d ** -0.5)
+        torch.testing.assert_close(got, ref, rtol=2e-5, atol=2e-5)
+        assert torch.equal(got[0], torch.zeros_like(got[0]))  # length 0: attends to nothing
+
+
+@pytest.mark.parametrize("block_size", [1, 8, 32])
+def test_paged_attention_other_block_sizes(isa: str, block_size: int, no_attention_fallback: None) -> None:
+    """16-token groups and 128-token chunks cross block boundaries anywhere."""
+    q, kc, vc, tables, seq_lens = _paged_case(22, [5, 300, 33], 6, 2, block_size=block_size)
+    got = paged_decode_attention(q, kc, vc, tables, seq_lens, 0.125)
+    ref = paged_decode_attention_ref(q, kc, vc, tables, seq_lens, 0.125)
+    torch.testing.assert_close(got, ref, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_paged_attention_sequence_independent_of_batch_and_threads(isa: str, dtype: torch.dtype,
+                                                                   no_attention_fallback: None) -> None:
+    """Bit for bit: a sequence alone == the same sequence in any batch, at 1 and at 2 threads (its chunks
+    and their combine order depend on its length only)."""
+    lens = _paged_lens(8)
+    q, kc, vc, tables, seq_lens = _paged_case(23, lens, 9, 3)
+    kc, vc = kc.to(dtype), vc.to(dtype)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = [paged_decode_attention(q[i:i + 1], kc, vc, tables[i:i + 1], seq_lens[i:i + 1], 0.125)
+                 for i in range(len(lens))]
+        torch.set_num_threads(2)
+        batch = paged_decode_attention(q, kc, vc, tables, seq_lens, 0.125)
+        flip = paged_decode_attention(q.flip(0), kc, vc, tables.flip(0), seq_lens.flip(0), 0.125).flip(0)
+        alone2 = [paged_decode_attention(q[i:i + 1], kc, vc, tables[i:i + 1], seq_lens[i:i + 1], 0.125)
+                  for i in range(len(lens))]
+    finally:
+        torch.set_num_threads(before)
+    for i in range(len(lens)):
+        assert torch.equal(batch[i:i + 1], alone[i]), f"sequence {i} (length {lens[i]}) differs in the batch"
+        assert torch.equal(flip[i:i + 1], alone[i])
+        assert torch.equal(alone2[i], alone[i]), f"sequence {i} differs at 2 threads"
 
 
 @pytest.mark.parametrize(("heads", "kv_heads"), [(9, 3), (4, 4), (8, 1)])

@@ -5,7 +5,10 @@ For each weight format and the default model's linear shapes (out x in) and row 
 before the kernels), side by side in one process. Weights are cold, as in a decode step that walks
 30 layers: each timed call uses the next of several copies, enough that they do not fit the caches.
 Prints GB/s (weight bytes read per second) and the speedup per row, then paged decode attention
-(kernel vs gather + SDPA, float32 and float16 caches); the last line is one JSON document.
+(kernel vs gather + SDPA, float32 and float16 caches, B 1 and 8, contexts 512 to 4096, 1 and N
+threads), cold by default: each call reads the next of up to 30 layers' caches, as a decode step does,
+so K/V stream from memory (`--hot` re-reads one cache). KV GB/s = K and V bytes of the context per
+second. The last line is one JSON document.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -72,27 +76,84 @@ def bench_one(qtype: GGMLQuantizationType, n: int, k: int, m: int, min_s: float)
             "speedup": round(t_ref / t_q, 3)}
 
 
-def bench_attention(b: int, length: int, kv_dtype: torch.dtype, min_s: float) -> dict:
-    """Paged decode attention, SmolLM2-135M's heads (9 query, 3 K/V, head_dim 64), block size 16,
-    blocks scattered over the pool; kernel vs gather + SDPA."""
-    gen = torch.Generator().manual_seed(0)
-    heads, kv_heads, d, bs = 9, 3, 64, 16
-    per_seq = (length + bs - 1) // bs
-    num_blocks = b * per_seq + 1
-    kc = torch.randn(num_blocks, bs, kv_heads, d, generator=gen).to(kv_dtype)
-    vc = torch.randn(num_blocks, bs, kv_heads, d, generator=gen).to(kv_dtype)
-    tables = torch.randperm(num_blocks, generator=gen)[: b * per_seq].reshape(b, per_seq).to(torch.int32)
-    lens = torch.full((b,), length, dtype=torch.int32)
-    q = torch.randn(b, heads, d, generator=gen)
-    t = _time(lambda i: paged_decode_attention(q, kc, vc, tables, lens, 0.125), 1, min_s)
-    t_ref = _time(lambda i: paged_decode_attention_ref(q, kc, vc, tables, lens, 0.125), 1, min_s)
-    kv_bytes = 2 * b * length * kv_heads * d * kc.element_size()
-    return {"op": "paged_decode_attention", "batch": b, "context": length, "kv_dtype": str(kv_dtype).split(".")[-1],
-            "ms": round(t * 1e3, 4), "ref_ms": round(t_ref * 1e3, 4), "kv_gbps": round(kv_bytes / t / 1e9, 2),
-            "speedup": round(t_ref / t, 3)}
+LAYERS = 30  # SmolLM2-135M: a decode step attends over 30 layers' caches in turn
+ATTN_CASES = ((1, 512), (1, 2048), (1, 4096), (8, 512), (8, 2048), (8, 4096))  # (batch, context)
+ATTN_MAX_BYTES = 1 << 30  # at most this much K/V across the layers' caches (B=8 at 4096 is 50 MB a layer)
 
 
-def run(formats: list[str], rows: list[int], threads: int | None, min_s: float) -> dict:
+@dataclass(frozen=True, slots=True)
+class AttentionCase:
+    """Inputs of paged decode attention with SmolLM2-135M's heads (9 query, 3 K/V, head_dim 64), block
+    size 16, blocks scattered over the pool. `caches` holds one (k, v) pool per layer, sharing the block
+    table as layers do: cold, each call reads K/V that the previous calls evicted from the CPU caches."""
+
+    q: torch.Tensor  # (B, 9, 64)
+    caches: list[tuple[torch.Tensor, torch.Tensor]]  # (num_blocks, 16, 3, 64) each
+    tables: torch.Tensor  # (B, blocks per sequence) int32
+    lens: torch.Tensor  # (B,) int32
+    kv_bytes: int  # K and V bytes one call reads
+
+    @staticmethod
+    def make(b: int, length: int, kv_dtype: torch.dtype, cold: bool) -> AttentionCase:
+        gen = torch.Generator().manual_seed(0)
+        heads, kv_heads, d, bs = 9, 3, 64, 16
+        per_seq = (length + bs - 1) // bs
+        num_blocks = b * per_seq + 1
+        kc = torch.randn(num_blocks, bs, kv_heads, d, generator=gen).to(kv_dtype)
+        vc = torch.randn(num_blocks, bs, kv_heads, d, generator=gen).to(kv_dtype)
+        layers = max(2, min(LAYERS, ATTN_MAX_BYTES // (2 * kc.nbytes))) if cold else 1
+        caches = [(kc, vc)] + [(kc.clone(), vc.clone()) for _ in range(layers - 1)]
+        tables = torch.randperm(num_blocks, generator=gen)[: b * per_seq].reshape(b, per_seq).to(torch.int32)
+        return AttentionCase(torch.randn(b, heads, d, generator=gen), caches, tables,
+                             torch.full((b,), length, dtype=torch.int32),
+                             2 * b * length * kv_heads * d * kc.element_size())
+
+    def time(self, attend, min_s: float) -> float:
+        """Median seconds per call of attend(q, k, v, tables, lens), the layers' caches taken in turn."""
+        return _time(lambda i: attend(self.q, *self.caches[i], self.tables, self.lens), len(self.caches), min_s)
+
+
+def _attend_kernel(q, k, v, tables, lens):
+    return paged_decode_attention(q, k, v, tables, lens, 0.125)
+
+
+def _attend_ref(q, k, v, tables, lens):
+    return paged_decode_attention_ref(q, k, v, tables, lens, 0.125)
+
+
+def bench_attention(b: int, length: int, kv_dtype: torch.dtype, threads: int, min_s: float, cold: bool) -> dict:
+    """Paged decode attention, native kernel vs gather + SDPA, on `threads` threads."""
+    case = AttentionCase.make(b, length, kv_dtype, cold)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        t = case.time(_attend_kernel, min_s)
+        t_ref = case.time(_attend_ref, min_s)
+    finally:
+        torch.set_num_threads(before)
+    return {"op": "paged_decode_attention", "batch": b, "context": length,
+            "kv_dtype": str(kv_dtype).split(".")[-1], "threads": threads, "cold": cold, "layers": len(case.caches),
+            "ms": round(t * 1e3, 4), "ref_ms": round(t_ref * 1e3, 4), "kv_gbps": round(case.kv_bytes / t / 1e9, 2),
+            "ref_kv_gbps": round(case.kv_bytes / t_ref / 1e9, 2), "speedup": round(t_ref / t, 3)}
+
+
+def run_attention(threads: list[int], min_s: float, cold: bool) -> list[dict]:
+    print(f"\n{'attention':9} {'B':>3} {'context':>7} {'kv':>8} {'thr':>3} {'kernel ms':>10} {'KV GB/s':>8} "
+          f"{'gather+SDPA ms':>15} {'KV GB/s':>8} {'speedup':>8}   ({'cold: ' if cold else 'hot: '}"
+          f"{'a cache per layer, taken in turn' if cold else 'one cache, re-read'})")
+    rows = []
+    for kv_dtype in (torch.float32, torch.float16):
+        for b, length in ATTN_CASES:
+            for n in threads:
+                r = bench_attention(b, length, kv_dtype, n, min_s, cold)
+                rows.append(r)
+                print(f"{'paged':9} {b:>3} {length:>7} {r['kv_dtype']:>8} {n:>3} {r['ms']:>10.3f} {r['kv_gbps']:>8.2f} "
+                      f"{r['ref_ms']:>15.3f} {r['ref_kv_gbps']:>8.2f} {r['speedup']:>7.2f}x", flush=True)
+    return rows
+
+
+def run(formats: list[str], rows: list[int], threads: int | None, min_s: float,
+        attn_threads: list[int] | None = None, cold: bool = True) -> dict:
     if threads:
         torch.set_num_threads(threads)
     cpu = cpu_name()
@@ -111,15 +172,7 @@ def run(formats: list[str], rows: list[int], threads: int | None, min_s: float) 
                     results.append(r)
                     print(f"{name:6} {f'{n}x{k}':>12} {m:>4} {r['ms']:>11.3f} {r['gbps']:>7.2f} "
                           f"{r['ref_ms']:>9.3f} {r['ref_gbps']:>7.2f} {r['speedup']:>7.2f}x", flush=True)
-        print(f"\n{'attention':9} {'B':>3} {'context':>7} {'kv':>9} {'kernel ms':>10} {'KV GB/s':>8} "
-              f"{'gather+SDPA ms':>15} {'speedup':>8}")
-        attention = []
-        for kv_dtype in (torch.float32, torch.float16):
-            for b, length in ((1, 512), (1, 2048), (8, 512)):
-                r = bench_attention(b, length, kv_dtype, min_s)
-                attention.append(r)
-                print(f"{'paged':9} {b:>3} {length:>7} {r['kv_dtype']:>9} {r['ms']:>10.3f} {r['kv_gbps']:>8.2f} "
-                      f"{r['ref_ms']:>15.3f} {r['speedup']:>7.2f}x", flush=True)
+        attention = run_attention(attn_threads, min_s, cold) if attn_threads else []
     return {"bench": "kernels", "cpu": cpu, "threads": torch.get_num_threads(), "path": native.active_isa(),
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "results": results, "attention": attention}
 
@@ -135,6 +188,11 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rows", default=",".join(map(str, ROWS)), help="values of M (default %(default)s)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--min-seconds", type=float, default=0.3, help="time per measurement (default %(default)s)")
+    p.add_argument("--attention-threads", default=None,
+                   help="comma-separated thread counts for the attention rows (default: 1 and --threads)")
+    p.add_argument("--attention-only", action="store_true", help="skip the matmul rows")
+    p.add_argument("--hot", action="store_true",
+                   help="attention re-reads one cache (CPU-cache hot) instead of one per layer in turn")
 
 
 def _main(a: argparse.Namespace) -> int:
@@ -148,7 +206,16 @@ def _main(a: argparse.Namespace) -> int:
         raise ValueError(f"--rows must be comma-separated integers, got {a.rows!r}") from None
     if any(r < 1 for r in rows):
         raise ValueError("--rows must be positive")
-    print(json.dumps(run(formats, rows, a.threads, a.min_seconds)))
+    try:
+        attn_threads = ([int(n) for n in a.attention_threads.split(",")] if a.attention_threads
+                        else sorted({1, a.threads or torch.get_num_threads()}))
+    except ValueError:
+        raise ValueError(f"--attention-threads must be comma-separated integers, got {a.attention_threads!r}") from None
+    if any(n < 1 for n in attn_threads):
+        raise ValueError("--attention-threads must be positive")
+    if a.attention_only:
+        formats = []
+    print(json.dumps(run(formats, rows, a.threads, a.min_seconds, attn_threads, cold=not a.hot)))
     return 0
 
 

@@ -3,7 +3,9 @@
 `paged_decode_attention` is one query token per sequence (decode) against that sequence's cached
 tokens, with grouped-query attention (query head h uses K/V head h // (H / kv_heads)). The native
 kernel walks each sequence's blocks directly (no gather copy), keeps a running max and denominator
-(online softmax) and runs in parallel over (sequence, kv head). Its reference gathers the blocks and
+(online softmax) and runs in parallel over (sequence, 128-token chunk) work items that each read whole
+blocks (all kv heads); the chunks' softmax states are combined in chunk order, so a sequence's result
+is bit-identical alone, in any batch and at any thread count. Its reference gathers the blocks and
 calls SDPA (`reference.paged_decode_attention_ref`); the reference also serves inputs the kernel does
 not take (non-CPU, q not float32, head_dim not a multiple of 16, or a non-contiguous cache). The cache
 may hold float32, float16 or bfloat16 (half the bytes to read per token); q and the result are float32

@@ -10,6 +10,30 @@ extern "C" {
 // ggml type ids of the formats the kernels read (weights; F32/F16/BF16 also as KV cache element types).
 enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_BF16 = 30 };
 
+// One paged decode attention call, split into work items of `chunk` tokens (a multiple of 16): item i
+// is chunk items[2i + 1] (tokens chunk*c .. chunk*c + chunk - 1) of sequence items[2i], all of its kv
+// heads. q (B, H, D) and out float32; caches (num_blocks, block_size, kv_heads, D) of kv_dtype (ggml
+// ids: 0 float32, 1 float16, 30 bfloat16); block_tables (B, max_blocks); D % 16 == 0.
+// A sequence of one chunk writes out directly. A longer one writes its partial softmax state to
+// part + i * H * (D + 2) (acc (H, D), then max (H), then denominator (H)) and decrements pending[b]
+// (set to its chunk count by the caller); the item that brings it to 0 combines the chunks in chunk
+// order, so the result depends on the sequence alone, not on threads or batch.
+typedef struct KvlmPagedAttn {
+    int kv_dtype;
+    const float* q;
+    const void* k_cache;
+    const void* v_cache;
+    const int32_t* block_tables;
+    const int32_t* seq_lens;
+    float* out;
+    int64_t H, kv_heads, D, block_size, max_blocks, chunk;
+    float scale;
+    const int32_t* items;  // (n_items, 2): sequence, chunk index
+    const int32_t* first;  // (B,): the item index of each sequence's chunk 0
+    float* part;           // (n_items, H, D + 2)
+    int32_t* pending;      // (B,)
+} KvlmPagedAttn;
+
 typedef struct KvlmKernels {
     // y[m, n] = sum_k x[m, k] * W[n, k] for rows n in [n0, n1); W row n starts at w + n * row_stride.
     // x (M, K) contiguous, y (M, ldy). Returns 0, or -1 for a type this table does not handle.
@@ -18,13 +42,9 @@ typedef struct KvlmKernels {
     // out[n - n0, :] = dequantized row n for n in [n0, n1); out rows are `ldo` floats apart.
     int (*dequant)(int qtype, const uint8_t* w, int64_t row_stride, int64_t K, float* out, int64_t ldo,
                    int64_t n0, int64_t n1);
-    // Decode attention for work items [i0, i1) of B * kv_heads (item = b * kv_heads + g): the query heads
-    // g*G .. g*G+G-1 of sequence b attend over its seq_lens[b] cached tokens, read through block_tables.
-    // The caches hold kv_dtype elements (ggml ids: 0 float32, 1 float16, 30 bfloat16); q and out float32.
-    // Returns 0, or -1 for an unsupported kv_dtype.
-    int (*paged_attn)(int kv_dtype, const float* q, const void* k_cache, const void* v_cache,
-                      const int32_t* block_tables, const int32_t* seq_lens, float* out, int64_t H, int64_t kv_heads,
-                      int64_t D, int64_t block_size, int64_t max_blocks, float scale, int64_t i0, int64_t i1);
+    // Decode attention for work items [i0, i1) of a->items (see KvlmPagedAttn); `scores` is this thread's
+    // scratch of a->H * (a->chunk + 2 + 256) floats. Returns 0, or -1 for an unsupported kv_dtype.
+    int (*paged_attn)(const struct KvlmPagedAttn* a, float* scores, int64_t i0, int64_t i1);
     // Experimental int8-activation row kernel (Q4_0, Q4_1, Q8_0; NULL where the ISA lacks it): x is first
     // quantized per 32-element block by quantize_act (xq (M, K) int8, xd and xs (M, K/32) scale and sum).
     void (*quantize_act)(const float* x, int64_t M, int64_t K, int8_t* xq, float* xd, float* xs);

@@ -57,7 +57,9 @@ KVLM_INLINE v16 tof(i16v q) { return __builtin_convertvector(q, v16); }
 KVLM_INLINE v16 tof_signed(const uint8_t* p) {
     return __builtin_convertvector(__builtin_convertvector(__builtin_convertvector((s16)ldb(p), hs16), i16v), v16);
 }
-KVLM_INLINE v16 splat(float f) { return (v16){} + f; }
+// A 16-element initializer, not `(v16){} + f`: GCC turns it into one broadcast, where on AVX2 the
+// scalar-vector form of a 2-register vector is built in memory (16 scalar stores, then a reload).
+KVLM_INLINE v16 splat(float f) { return (v16){f, f, f, f, f, f, f, f, f, f, f, f, f, f, f, f}; }
 
 typedef float v8 __attribute__((vector_size(32)));
 typedef float v4 __attribute__((vector_size(16)));
@@ -407,76 +409,215 @@ struct KvBF16 {
     }
 };
 
-template <class E>
-KVLM_INLINE float dot16(const float* a, const typename E::T* b, int64_t nv) {
-    v16 acc = (v16){};
-    for (int64_t i = 0; i < nv; i++) acc += ld(a + 16 * i) * E::load(b + 16 * i);
-    return hsum(acc);
+// Sums of 16 vectors at once: lane t of the result is the sum of the lanes of x[t]. AVX-512: a fixed
+// tree of 15 adds and 30 shuffles (halves, quarters, ...) instead of 16 horizontal sums of ~8 steps each.
+// AVX2 (where GCC would split those 512-bit shuffles into scalar inserts): halves added, then the
+// classic hadd tree on 8-lane registers. Baseline: 16 horizontal sums. Each is a fixed order.
+KVLM_INLINE v16 sum16(const v16u* x) {
+#if defined(KVLM_AVX512)
+    v16 u[8], w[4], z[2];
+    for (int i = 0; i < 8; i++)  // lanes 0-7: x[2i]'s halves added, 8-15: x[2i + 1]'s
+        u[i] = __builtin_shufflevector(x[2 * i], x[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+               __builtin_shufflevector(x[2 * i], x[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    for (int i = 0; i < 4; i++)  // 4 lanes per vector
+        w[i] = __builtin_shufflevector(u[2 * i], u[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+               __builtin_shufflevector(u[2 * i], u[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    for (int i = 0; i < 2; i++)  // 2 lanes per vector
+        z[i] = __builtin_shufflevector(w[2 * i], w[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+               __builtin_shufflevector(w[2 * i], w[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+    return __builtin_shufflevector(z[0], z[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+           __builtin_shufflevector(z[0], z[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+#elif defined(KVLM_AVX2)
+    __m256 r[2];
+    for (int half = 0; half < 2; half++) {  // tokens 8 * half .. 8 * half + 7
+        __m256 h[8];
+        for (int i = 0; i < 8; i++) {
+            const float* p = (const float*)&x[8 * half + i];
+            h[i] = _mm256_add_ps(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8));
+        }
+        __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(h[0], h[1]), _mm256_hadd_ps(h[2], h[3]));
+        __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(h[4], h[5]), _mm256_hadd_ps(h[6], h[7]));
+        r[half] = _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+    }
+    v16 out;
+    memcpy(&out, r, sizeof out);
+    return out;
+#else
+    v16 out;
+    for (int t = 0; t < 16; t++) out[t] = hsum(x[t]);
+    return out;
+#endif
 }
 
-template <class E>
-void paged_attn_t(const float* q, const typename E::T* kc, const typename E::T* vc, const int32_t* bt,
-                  const int32_t* lens, float* out, int64_t H, int64_t KVH, int64_t D, int64_t BS, int64_t MB,
-                  float scale, int64_t i0, int64_t i1) {
-    // q (B, H, D), k/v cache (num_blocks, BS, KVH, D), bt (B, MB), out (B, H, D); D % 16 == 0 (checked by caller).
-    const int64_t G = H / KVH, nv = D / 16, BSP = (BS + 15) / 16 * 16;
-    float* acc = (float*)malloc(sizeof(float) * (G * D + G * BSP + 2 * G));
-    float* sc = acc + G * D;    // (G, BSP) scores of one block
-    float* mx = sc + G * BSP;   // (G,) running max
-    float* den = mx + G;        // (G,) running softmax denominator
-    const float NEG_INF = -__builtin_inff();
-    for (int64_t item = i0; item < i1; item++) {
-        const int64_t b = item / KVH, g = item % KVH, L = lens[b];
-        const float* qg = q + (b * H + g * G) * D;
-        for (int64_t i = 0; i < G * D; i++) acc[i] = 0.0f;
-        for (int64_t h = 0; h < G; h++) mx[h] = NEG_INF, den[h] = 0.0f;
-        for (int64_t j = 0; j * BS < L; j++) {
-            const int64_t blk = bt[b * MB + j], nt = (L - j * BS < BS) ? L - j * BS : BS;
-            const typename E::T* kb = kc + (blk * BS * KVH + g) * D;  // token t at kb + t * KVH * D
-            const typename E::T* vb = vc + (blk * BS * KVH + g) * D;
-            for (int64_t h = 0; h < G; h++) {
-                float* s = sc + h * BSP;
-                float bmax = NEG_INF;
-                for (int64_t t = 0; t < nt; t++) {
-                    s[t] = dot16<E>(qg + h * D, kb + t * KVH * D, nv) * scale;
-                    bmax = s[t] > bmax ? s[t] : bmax;
-                }
-                const float mnew = bmax > mx[h] ? bmax : mx[h];
-                for (int64_t t = nt; t < BSP; t++) s[t] = NEG_INF;
-                for (int64_t t = 0; t < BSP; t += 16) st(s + t, exp_neg(ld(s + t) - mnew));
-                float corr = 0.0f;
-                if (mx[h] != NEG_INF) corr = exp_neg(splat(mx[h] - mnew))[0];
-                float psum = 0.0f;
-                for (int64_t t = 0; t < nt; t++) psum += s[t];
-                den[h] = den[h] * corr + psum;
-                mx[h] = mnew;
-                float* a = acc + h * D;
-                for (int64_t i = 0; i < nv; i++) {
-                    v16 av = ld(a + 16 * i) * corr;
-                    for (int64_t t = 0; t < nt; t++) av += s[t] * E::load(vb + t * KVH * D + 16 * i);
-                    st(a + 16 * i, av);
+KVLM_INLINE v16 vmax(v16 a, v16 b) { return a > b ? a : b; }
+
+KVLM_INLINE float hmax(v16 a) {
+    float m = a[0];
+    for (int i = 1; i < 16; i++) m = a[i] > m ? a[i] : m;
+    return m;
+}
+
+// Element offsets of tokens t0 .. t0 + 15 of a sequence (its block table `tab`) in a cache of
+// (num_blocks, BS, KVH * D) rows; tokens at or past t1 repeat t0's row (read, then masked or skipped).
+KVLM_INLINE void token_rows(const int32_t* tab, int64_t BS, int64_t row, int64_t t0, int64_t t1, int64_t* off) {
+    int64_t j = t0 / BS, s = t0 % BS;
+    for (int i = 0; i < 16; i++) {
+        off[i] = t0 + i < t1 ? ((int64_t)tab[j] * BS + s) * row : off[0];
+        if (++s == BS) s = 0, j++;
+    }
+}
+
+// One work item: tokens [t0, t1) of sequence b, every head. Two passes over the chunk, K then V, each
+// streaming whole blocks (all kv heads of a token are one contiguous row): scores of all H heads into
+// sc (H, chunk), softmax of the chunk, then acc (H, D) += p * V. Each K/V row is fetched from memory once
+// and reused from L1 by the G query heads of its kv head. NV = D / 16 if fixed at compile time, else 0.
+template <class E, int NV>
+void attn_chunk(const KvlmPagedAttn* a, int64_t b, int64_t t0, int64_t t1, float* sc, v16u* dots, float* acc,
+                float* mx, float* den) {
+    typedef typename E::T T;
+    const int64_t H = a->H, KVH = a->kv_heads, D = a->D, BS = a->block_size, CH = a->chunk, G = H / KVH;
+    const int64_t nv = NV ? NV : D / 16, row = KVH * D, n = t1 - t0, ngrp = (n + 15) / 16;
+    const T* kc = (const T*)a->k_cache;
+    const T* vc = (const T*)a->v_cache;
+    const int32_t* tab = a->block_tables + b * a->max_blocks;
+    const float* qb = a->q + b * H * D;
+    const v16 NEG_INF = splat(-__builtin_inff());
+    int64_t off[16];
+    // K pass: sc[h, 16 * grp + i] = scale * q[h] . K[token t0 + 16 * grp + i, h / G]. Token-major, so each
+    // block is read front to back once (what the hardware prefetchers follow); dots (H, 16) in scratch.
+    for (int64_t grp = 0; grp < ngrp; grp++) {
+        const int64_t nt = n - 16 * grp < 16 ? n - 16 * grp : 16;
+        token_rows(tab, BS, row, t0 + 16 * grp, t1, off);
+        for (int i = 0; i < 16; i++) {
+            const T* kr = kc + off[i];
+            for (int64_t g = 0; g < KVH; g++) {
+                if (NV) {
+                    v16 kv[NV ? NV : 1];
+                    for (int k = 0; k < NV; k++) kv[k] = E::load(kr + g * D + 16 * k);
+                    for (int64_t h = g * G; h < g * G + G; h++) {
+                        v16 s = (v16){};
+                        for (int k = 0; k < NV; k++) s += ld(qb + h * D + 16 * k) * kv[k];
+                        dots[h * 16 + i] = s;
+                    }
+                } else {
+                    for (int64_t h = g * G; h < g * G + G; h++) {
+                        v16 s = (v16){};
+                        for (int64_t k = 0; k < nv; k++) s += ld(qb + h * D + 16 * k) * E::load(kr + g * D + 16 * k);
+                        dots[h * 16 + i] = s;
+                    }
                 }
             }
         }
-        for (int64_t h = 0; h < G; h++) {
-            float* o = out + (b * H + g * G + h) * D;
-            const float inv = den[h] > 0.0f ? 1.0f / den[h] : 0.0f;  // an empty sequence attends to nothing
-            for (int64_t i = 0; i < D; i++) o[i] = acc[h * D + i] * inv;
+        for (int64_t h = 0; h < H; h++) {
+            v16 s = sum16(dots + h * 16) * splat(a->scale);
+            for (int64_t i = nt; i < 16; i++) s[i] = -__builtin_inff();
+            st(sc + h * CH + 16 * grp, s);
         }
     }
-    free(acc);
+    // Softmax of the chunk: p = exp(s - max) in place, den = sum p (lanes, then one fixed-order sum).
+    for (int64_t h = 0; h < H; h++) {
+        float* s = sc + h * CH;
+        v16 m = NEG_INF;
+        for (int64_t grp = 0; grp < ngrp; grp++) m = vmax(m, ld(s + 16 * grp));
+        const float mh = hmax(m);
+        v16 l = (v16){};
+        for (int64_t grp = 0; grp < ngrp; grp++) {
+            v16 p = exp_neg(ld(s + 16 * grp) - mh);
+            st(s + 16 * grp, p);
+            l += p;
+        }
+        mx[h] = mh;
+        den[h] = hsum(l);
+    }
+    // V pass: acc[h] = sum_t p[h, t] * V[t, h / G], 16 tokens at a time: acc[h] stays in registers over
+    // the group, whose V rows (one block for block size 16) the first head brings into L1 for the others.
+    for (int64_t i = 0; i < H * D; i++) acc[i] = 0.0f;
+    for (int64_t grp = 0; grp < ngrp; grp++) {
+        const int64_t nt = n - 16 * grp < 16 ? n - 16 * grp : 16;
+        token_rows(tab, BS, row, t0 + 16 * grp, t1, off);
+        for (int64_t h = 0; h < H; h++) {
+            const float* p = sc + h * CH + 16 * grp;
+            const T* vg = vc + (h / G) * D;
+            float* ah = acc + h * D;
+            if (NV) {
+                v16 r[NV ? NV : 1];
+                for (int k = 0; k < NV; k++) r[k] = ld(ah + 16 * k);
+                for (int64_t i = 0; i < nt; i++) {
+                    const v16 pi = splat(p[i]);
+                    for (int k = 0; k < NV; k++) r[k] += pi * E::load(vg + off[i] + 16 * k);
+                }
+                for (int k = 0; k < NV; k++) st(ah + 16 * k, r[k]);
+            } else {
+                for (int64_t k = 0; k < nv; k++) {
+                    v16 r = ld(ah + 16 * k);
+                    for (int64_t i = 0; i < nt; i++) r += splat(p[i]) * E::load(vg + off[i] + 16 * k);
+                    st(ah + 16 * k, r);
+                }
+            }
+        }
+    }
 }
 
-int paged_attn(int kv_dtype, const float* q, const void* kc, const void* vc, const int32_t* bt, const int32_t* lens,
-               float* out, int64_t H, int64_t KVH, int64_t D, int64_t BS, int64_t MB, float scale, int64_t i0,
-               int64_t i1) {
-#define KVLM_ATTN(E)                                                                                               \
-    paged_attn_t<E>(q, (const E::T*)kc, (const E::T*)vc, bt, lens, out, H, KVH, D, BS, MB, scale, i0, i1); \
-    return 0
-    switch (kv_dtype) {
-        case T_F32: KVLM_ATTN(KvF32);
-        case T_F16: KVLM_ATTN(KvF16);
-        case T_BF16: KVLM_ATTN(KvBF16);
+// out[b] from the partial states of its nc chunks (part rows of H * (D + 2)), in chunk order.
+KVLM_INLINE void attn_combine(const KvlmPagedAttn* a, int64_t b, int64_t nc) {
+    const int64_t H = a->H, D = a->D, stride = H * (D + 2);
+    const float* p0 = a->part + a->first[b] * stride;
+    for (int64_t h = 0; h < H; h++) {
+        float m = -__builtin_inff();
+        for (int64_t c = 0; c < nc; c++) {
+            const float mc = p0[c * stride + H * D + h];
+            m = mc > m ? mc : m;
+        }
+        float l = 0.0f;
+        float* o = a->out + (b * a->H + h) * D;
+        for (int64_t i = 0; i < D; i++) o[i] = 0.0f;
+        for (int64_t c = 0; c < nc; c++) {
+            const float* pc = p0 + c * stride;
+            const float w = exp_neg(splat(pc[H * D + h] - m))[0];
+            l += pc[H * D + H + h] * w;
+            for (int64_t k = 0; k < D; k += 16) st(o + k, ld(o + k) + ld(pc + h * D + k) * w);
+        }
+        const float inv = 1.0f / l;
+        for (int64_t k = 0; k < D; k += 16) st(o + k, ld(o + k) * inv);
+    }
+}
+
+template <class E, int NV>
+void paged_attn_t(const KvlmPagedAttn* a, float* sc, int64_t i0, int64_t i1) {
+    const int64_t H = a->H, D = a->D, CH = a->chunk, stride = H * (D + 2);
+    v16u* dots = (v16u*)(sc + H * (CH + 2));  // (H, 16) vectors of per-token dot products
+    for (int64_t it = i0; it < i1; it++) {
+        const int64_t b = a->items[2 * it], c = a->items[2 * it + 1], L = a->seq_lens[b];
+        const int64_t t0 = c * CH, t1 = t0 + CH < L ? t0 + CH : L;
+        if (L <= CH) {  // one chunk: normalize straight into out
+            float* o = a->out + b * H * D;
+            float* mx = sc + H * CH;  // scratch past the scores
+            attn_chunk<E, NV>(a, b, t0, t1, sc, dots, o, mx, mx + H);
+            for (int64_t h = 0; h < H; h++) {
+                const v16 inv = splat(mx[H + h] > 0.0f ? 1.0f / mx[H + h] : 0.0f);  // L = 0: zeros
+                for (int64_t k = 0; k < D; k += 16) st(o + h * D + k, ld(o + h * D + k) * inv);
+            }
+            continue;
+        }
+        float* p = a->part + it * stride;
+        attn_chunk<E, NV>(a, b, t0, t1, sc, dots, p, p + H * D, p + H * D + H);
+        // Release our partial; the last chunk of the sequence to finish acquires all of them and combines.
+        if (__atomic_sub_fetch(&a->pending[b], 1, __ATOMIC_ACQ_REL) == 0) attn_combine(a, b, (L + CH - 1) / CH);
+    }
+}
+
+template <class E>
+KVLM_INLINE void paged_attn_d(const KvlmPagedAttn* a, float* sc, int64_t i0, int64_t i1) {
+    if (a->D == 64) paged_attn_t<E, 4>(a, sc, i0, i1);
+    else if (a->D == 128) paged_attn_t<E, 8>(a, sc, i0, i1);
+    else paged_attn_t<E, 0>(a, sc, i0, i1);
+}
+
+int paged_attn(const KvlmPagedAttn* a, float* scores, int64_t i0, int64_t i1) {
+    switch (a->kv_dtype) {
+        case T_F32: paged_attn_d<KvF32>(a, scores, i0, i1); return 0;
+        case T_F16: paged_attn_d<KvF16>(a, scores, i0, i1); return 0;
+        case T_BF16: paged_attn_d<KvBF16>(a, scores, i0, i1); return 0;
         default: return -1;
     }
 }

@@ -62,13 +62,35 @@ bool matmul(const KvlmKernels* t, int qtype, const uint8_t* w, int64_t rs, int64
     return ok;
 }
 
+// Work items of ATTN_CHUNK tokens per sequence (a constant: chunk boundaries, hence every sum's order,
+// depend on the sequence's length only), all in one parallel loop; see KvlmPagedAttn for the combine.
+// The item list and partial states live in this thread's buffers, which only grow.
+constexpr int64_t ATTN_CHUNK = 128;
+
 bool paged_attention(const KvlmKernels* t, int kv_dtype, const float* q, const void* k_cache, const void* v_cache,
                      const int32_t* block_tables, const int32_t* seq_lens, float* out, int64_t B, int64_t H,
                      int64_t KVH, int64_t D, int64_t BS, int64_t MB, float scale) {
+    if (kv_dtype != T_F32 && kv_dtype != T_F16 && kv_dtype != T_BF16) return false;
+    thread_local std::vector<int32_t> items, first, pending;
+    thread_local std::vector<float> part;
+    items.clear();
+    first.resize(B);
+    pending.resize(B);
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t nc = std::max<int64_t>(1, (seq_lens[b] + ATTN_CHUNK - 1) / ATTN_CHUNK);  // L = 0: one, empty
+        first[b] = static_cast<int32_t>(items.size() / 2);
+        pending[b] = static_cast<int32_t>(nc);
+        for (int64_t c = 0; c < nc; c++) items.push_back(static_cast<int32_t>(b)), items.push_back(static_cast<int32_t>(c));
+    }
+    const int64_t n = static_cast<int64_t>(items.size() / 2);
+    if (part.size() < static_cast<size_t>(n * H * (D + 2))) part.resize(n * H * (D + 2));
+    const KvlmPagedAttn a{kv_dtype, q, k_cache, v_cache, block_tables, seq_lens, out, H, KVH, D, BS, MB, ATTN_CHUNK,
+                          scale, items.data(), first.data(), part.data(), pending.data()};
     std::atomic<bool> ok{true};
-    at::parallel_for(0, B * KVH, 1, [&](int64_t i0, int64_t i1) {
-        if (t->paged_attn(kv_dtype, q, k_cache, v_cache, block_tables, seq_lens, out, H, KVH, D, BS, MB, scale, i0, i1))
-            ok = false;
+    at::parallel_for(0, n, 1, [&](int64_t i0, int64_t i1) {
+        thread_local std::vector<float> scores;  // (H, ATTN_CHUNK) scores, 2 H floats, (H, 16, 16) dot products
+        if (scores.size() < static_cast<size_t>(H * (ATTN_CHUNK + 2 + 256))) scores.resize(H * (ATTN_CHUNK + 2 + 256));
+        if (t->paged_attn(&a, scores.data(), i0, i1)) ok = false;
     });
     return ok;
 }
