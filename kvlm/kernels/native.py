@@ -33,12 +33,12 @@ import torch
 
 logger = logging.getLogger("kvlm")
 
-ISAS = ("scalar", "avx2", "avx512")  # index = the id the C++ side uses
+ISAS = ("scalar", "avx2", "avx512", "avx512-vnni")  # index = the id the C++ side uses (drivers.h)
 PATHS = (*ISAS, "reference")
 ENV_ISA = "KVLM_KERNEL_ISA"
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = ("ops.cpp", "isa_scalar.cpp", "isa_avx2.cpp", "isa_avx512.cpp")
+_SOURCES = ("ops.cpp", "isa_scalar.cpp", "isa_avx2.cpp", "isa_avx512.cpp", "isa_avx512_vnni.cpp")
 _HEADERS = ("kernels.h", "kernels_impl.h", "kernels_int8.h", "drivers.h")
 # -std=c++20: torch 2.13's headers need it. -fopenmp: at::parallel_for is an inline `omp parallel`
 # (serial without it); the library then binds to the libgomp.so.1 torch has already loaded, so it

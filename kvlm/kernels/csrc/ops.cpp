@@ -18,7 +18,7 @@ int64_t best_isa() {
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
-        return ISA_AVX512;
+        return __builtin_cpu_supports("avx512vnni") ? ISA_AVX512_VNNI : ISA_AVX512;
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c") &&
         __builtin_cpu_supports("bmi2"))
         return ISA_AVX2;
@@ -28,6 +28,7 @@ int64_t best_isa() {
 
 const KvlmKernels* table(int64_t isa) {
     TORCH_CHECK(isa >= ISA_SCALAR && isa <= best_isa(), "kvlm kernels: ISA ", isa, " is not available on this CPU");
+    if (isa == ISA_AVX512_VNNI) return kvlm_kernels_avx512_vnni();
     if (isa == ISA_AVX512) return kvlm_kernels_avx512();
     if (isa == ISA_AVX2) return kvlm_kernels_avx2();
     return kvlm_kernels_scalar();
@@ -42,15 +43,18 @@ bool matmul(const KvlmKernels* t, int qtype, const uint8_t* w, int64_t rs, int64
     const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, K * M));  // rows per task
     std::atomic<bool> ok{true};
     if (act == ACT_INT8 && has_int8(t, qtype) && K % 32 == 0) {
-        // x quantized once (M * K / 32 blocks), then shared read-only by every thread.
+        // x quantized once (M * K / 32 blocks, rows in parallel), then shared read-only by every thread.
+        // The buffers grow to the largest call and stay: no allocation per call in steady state.
         thread_local std::vector<int8_t> xq;
         thread_local std::vector<float> xd, xs;
-        xq.resize(M * K);
-        xd.resize(M * K / 32);
-        xs.resize(M * K / 32);
-        t->quantize_act(x, M, K, xq.data(), xd.data(), xs.data());
-        const int8_t* q = xq.data();
-        const float *d = xd.data(), *s = xs.data();
+        const int64_t nb = K / 32;
+        if ((int64_t)xq.size() < M * K) xq.resize(M * K);
+        if ((int64_t)xs.size() < M * nb) xd.resize(8 * M * nb), xs.resize(M * nb);
+        int8_t* q = xq.data();
+        float *d = xd.data(), *s = xs.data();
+        at::parallel_for(0, M, std::max<int64_t>(1, 65536 / K), [&](int64_t m0, int64_t m1) {
+            t->quantize_act(x + m0 * K, m1 - m0, K, q + m0 * K, d + 8 * m0 * nb, s + m0 * nb);
+        });
         at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
             if (t->gemv_i8(qtype, w, rs, K, q, d, s, M, y, ldy, n0, n1)) ok = false;
         });
