@@ -207,7 +207,7 @@ KVLM_INLINE void row_dot_i8(const uint8_t* row, int64_t nb, const int8_t* xq, in
     }
 }
 
-constexpr int I8_MT = 4;  // rows per decoded weight block: 3 accumulators each, 32 zmm registers
+constexpr int I8_MT = 8;  // rows per decoded weight block: 3 accumulators each (24 of the 32 zmm registers)
 
 #else  // AVX2
 
@@ -253,13 +253,20 @@ constexpr int I8_MT = 2;  // rows per decoded weight block: 4 accumulators each,
 template <int QT>
 void gemv_i8_t(const uint8_t* w, int64_t rs, int64_t K, const int8_t* xq, const float* xd, const float* xs,
                int64_t M, float* y, int64_t ldy, int64_t n0, int64_t n1) {
+    // Cache blocking for many rows (prefill): a panel of NP weight rows (L2) against a tile of I8_MT rows
+    // of x (L1), tile after tile. The order of the work changes with M; each output's arithmetic does not.
+    constexpr int64_t NP = 32;
     const int64_t nb = K / 32;
-    for (int64_t n = n0; n < n1; n++) {
-        const uint8_t* row = w + n * rs;
+    for (int64_t p0 = n0; p0 < n1; p0 += NP) {
+        const int64_t p1 = p0 + NP < n1 ? p0 + NP : n1;
         int64_t m = 0;
         for (; m + I8_MT <= M; m += I8_MT)
-            row_dot_i8<QT, I8_MT>(row, nb, xq + m * K, K, xd + 8 * m * nb, xs + m * nb, nb, y + m * ldy + n, ldy);
-        for (; m < M; m++) row_dot_i8<QT, 1>(row, nb, xq + m * K, K, xd + 8 * m * nb, xs + m * nb, nb, y + m * ldy + n, ldy);
+            for (int64_t n = p0; n < p1; n++)
+                row_dot_i8<QT, I8_MT>(w + n * rs, nb, xq + m * K, K, xd + 8 * m * nb, xs + m * nb, nb,
+                                      y + m * ldy + n, ldy);
+        for (; m < M; m++)
+            for (int64_t n = p0; n < p1; n++)
+                row_dot_i8<QT, 1>(w + n * rs, nb, xq + m * K, K, xd + 8 * m * nb, xs + m * nb, nb, y + m * ldy + n, ldy);
     }
 }
 
