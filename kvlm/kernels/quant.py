@@ -48,7 +48,7 @@ _INT8_ISAS = frozenset({native.ISAS.index("avx2"), native.ISAS.index("avx512"), 
 _TYPE_IDS = {t: int(t) for t in NATIVE_TYPES}  # ggml type id, as the C++ side takes it
 GEMV_MAX_ROWS = 8  # float32 activations: up to this many rows use the row kernel, more dequantize + BLAS
 # Int8 activations: up to this many rows use the int8 row kernel, more "fake-quantize x, dequantize a
-# tile, BLAS". Measured here (AMD EPYC, AVX-512 VNNI, 2026-12-01, docs/benchmarks.md) the row kernel
+# tile, BLAS". Measured here (AMD EPYC, AVX-512 VNNI, 2026-12-01, docs/int8_activations.md) the row kernel
 # matches BLAS at M = 512 and beats it below, so it takes every M (bit-identical rows in any chunk);
 # lower it on a CPU where BLAS wins.
 INT8_ROW_MAX_ROWS = 1 << 20
