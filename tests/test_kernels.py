@@ -1,11 +1,13 @@
 """Kernel exactness: every native path against its pure-PyTorch reference.
 
-Paths are forced with KVLM_KERNEL_ISA (scalar, avx2, avx512; avx512 skipped on CPUs without it), at
-1 and 2 threads. Tolerances:
+Paths are forced with KVLM_KERNEL_ISA (scalar, avx2, avx512, avx512-vnni; those this CPU lacks are
+skipped), at 1 and 2 threads. Tolerances:
 - dequantize: bit-identical to the gguf package's decoder, except Q4_1 / Q4_K / Q5_K whose `q * d + m`
   may be one fused multiply-add here (one rounding instead of two): within 2 ulp of the magnitude.
 - qmatmul: |kernel - reference| <= 1e-5 * (|x| @ |W|.T) + 1e-30, the bound for float32 sums of the
-  same products added in another order (K <= 1536 here).
+  same products added in another order (K <= 1536 here). The reference is `qmatmul_ref` for float32
+  activations, `qmatmul_int8_ref` (fake-quantized x, same bound with |x_fq|) where the path quantizes
+  activations to int8 (Q4_0 / Q4_1 / Q8_0 on the AVX2 / AVX-512 paths, the default).
 - paged attention: within 2e-5 (absolute and relative) of gather + SDPA on the same cache values (float16
   / bfloat16 caches are widened exactly, so the tolerance is the float32 one): the kernel sums in chunks
   of 128 tokens, 16-lane trees and an online softmax, SDPA in its own order.
@@ -30,6 +32,7 @@ from gguf import GGMLQuantizationType as T
 from kvlm.kernels import native, paged_decode_attention
 from kvlm.kernels.quant import (
     GEMV_MAX_ROWS,
+    INT8_ACT_TYPES,
     QuantTensor,
     dequantize,
     kernel_path,
@@ -37,13 +40,31 @@ from kvlm.kernels.quant import (
 )
 from kvlm.kernels.reference import (
     dequantize_ref,
+    fake_quantize_act,
     paged_decode_attention_ref,
+    qmatmul_int8_ref,
     qmatmul_ref,
 )
 
 FORMATS = [T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K, T.F16, T.BF16, T.F32]
 ROUNDED = {T.Q4_1, T.Q4_K, T.Q5_K}  # q * d + m: fused here, two roundings in the reference
-ISAS = ["scalar", "avx2", "avx512"]
+ISAS = list(native.ISAS)
+INT8_ISAS = {"avx2", "avx512", "avx512-vnni"}  # paths with the int8-activation kernel
+
+
+def int8_path(qtype: T, isa: str) -> bool:
+    """Whether qmatmul quantizes activations to int8 for this type on this path (the default)."""
+    return qtype in INT8_ACT_TYPES and isa in INT8_ISAS and native.int8_activations()
+
+
+def expected_path(qtype: T, isa: str) -> str:
+    return f"{isa}+int8" if int8_path(qtype, isa) else isa
+
+
+def reference(x: torch.Tensor, w: QuantTensor, isa: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(reference result, error bound) for qmatmul(x, w) on this path."""
+    xr = fake_quantize_act(x) if int8_path(w.qtype, isa) else x
+    return qmatmul_ref(xr, w), matmul_bound(xr, w)
 # Byte offsets of each format's float16 scale fields inside a block.
 SCALE_FIELDS = {T.Q4_0: [0], T.Q4_1: [0, 2], T.Q8_0: [0], T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [208]}
 
@@ -102,13 +123,12 @@ def force_isa(monkeypatch: pytest.MonkeyPatch):
 
 
 @pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q8_0], ids=lambda t: t.name)
-def test_int8_activations_within_their_rounding(qtype: T, isa: str, force_isa, monkeypatch: pytest.MonkeyPatch) -> None:
-    """KVLM_KERNEL_ACT=int8: error bounded by the activation rounding (half a step of each 32-block's
-    int8 scale, times the weights' magnitudes) plus float32 summation; rows still independent."""
-    if isa == "scalar":
+def test_int8_activations_within_their_rounding(qtype: T, isa: str) -> None:
+    """Int8 activations (the default here) against float32 activations: error bounded by the
+    activation rounding (half a step of each 32-block's int8 scale, times the weights' magnitudes)
+    plus float32 summation; rows still independent."""
+    if isa not in INT8_ISAS:
         pytest.skip("the int8-activation kernel exists on the AVX2 and AVX-512 paths")
-    monkeypatch.setenv(native.ENV_ACT, "int8")
-    native.refresh()
     assert kernel_path(qtype) == f"{isa}+int8"
     k = 96
     w = random_blocks(qtype, 45, k, seed=14)
@@ -167,7 +187,7 @@ def test_extension_builds() -> None:
 @pytest.mark.parametrize("qtype", FORMATS, ids=lambda t: t.name)
 def test_dequantize_matches_reference(qtype: T, isa: str) -> None:
     w = random_blocks(qtype, 37, row_length(qtype), seed=1)
-    assert kernel_path(qtype) == isa
+    assert kernel_path(qtype) == expected_path(qtype, isa)
     got, ref = dequantize(w), dequantize_ref(w)
     if qtype in ROUNDED:
         torch.testing.assert_close(got, ref, rtol=2.4e-7, atol=0.0, equal_nan=False)
@@ -184,8 +204,9 @@ def test_qmatmul_matches_reference(qtype: T, isa: str, threads: int) -> None:
     gen = torch.Generator().manual_seed(3)
     for m in (1, 2, 3, 5, 7, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1, 33, 64):  # row kernel, then tiled BLAS path
         x = torch.randn(m, k, generator=gen)
-        err = (qmatmul(x, w).double() - qmatmul_ref(x, w).double()).abs()
-        assert (err <= matmul_bound(x, w)).all(), f"M={m}: max error {err.max():.3g}"
+        ref, bound = reference(x, w, isa)
+        err = (qmatmul(x, w).double() - ref.double()).abs()
+        assert (err <= bound).all(), f"M={m}: max error {err.max():.3g}"
 
 
 def test_qmatmul_keeps_leading_dims(isa: str) -> None:
@@ -382,3 +403,100 @@ def test_out_buffers_receive_the_result(isa: str, m: int) -> None:
     o = torch.empty_like(q)
     paged_decode_attention(q, kc, vc, tables, seq_lens, 0.125, out=o)
     assert torch.equal(o, paged_decode_attention(q, kc, vc, tables, seq_lens, 0.125))
+
+
+# ---- int8 activations (Q4_0 / Q4_1 / Q8_0 on the AVX2 / AVX-512 paths, the default) --------------
+
+def int8_activation_cases(k: int, m: int = 64, seed: int = 20) -> torch.Tensor:
+    """(m, k) activations with the quantizer's edge blocks in the first rows: an all-zero block,
+    a negative-zero block, a block at rounding ties (d = 1: 0.5 -> 0, 1.5 -> 2, 2.5 -> 2, -0.5 -> -0),
+    a block of huge and one of tiny magnitudes."""
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed))
+    x[0, :32] = 0.0
+    x[1, :32] = -0.0
+    ties = torch.tensor([127.0] + [(j % 8) - 3.5 for j in range(31)])  # amax 127 -> d = 1
+    x[2, :32] = ties
+    x[3, -32:] = x[3, -32:] * 1e30
+    x[4, :32] = x[4, :32] * 1e-30
+    return x
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q8_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("k", [32, 96, 288, 544, 576])  # 1, 3, 9, 17, 18 blocks: groups of 8 plus tails
+def test_int8_kernel_matches_fake_quant_reference(qtype: T, k: int, isa: str, threads: int) -> None:
+    """The int8 kernel against `qmatmul_int8_ref` (fake-quantize x, float32 matmul) within the float32
+    summation bound, for every M = 1..64 (row tiles of 8 and their remainders), N = 45 (not a multiple
+    of any tile) with the all-zero, max-scale and negative-zero weight rows; and each row's bits do not
+    depend on M."""
+    if isa not in INT8_ISAS:
+        pytest.skip("the int8-activation kernel exists on the AVX2 and AVX-512 paths")
+    assert kernel_path(qtype) == f"{isa}+int8"
+    w = random_blocks(qtype, 45, k, seed=21)
+    x = int8_activation_cases(k)
+    full = qmatmul(x, w)
+    ref, bound = qmatmul_int8_ref(x, w).double(), matmul_bound(fake_quantize_act(x), w)
+    err = (full.double() - ref).abs()
+    assert (err <= bound).all(), f"max error / bound {(err / bound).max():.3g}"
+    assert torch.isfinite(full).all()
+    for m in range(1, 65):
+        assert torch.equal(qmatmul(x[:m], w), full[:m]), f"M={m}"
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q8_0], ids=lambda t: t.name)
+def test_int8_row_alone_equals_row_in_any_batch(qtype: T, isa: str) -> None:
+    """A row computed alone (1 thread) has the same bits as inside M = 37 or M = 64 at 2 threads."""
+    if isa not in INT8_ISAS:
+        pytest.skip("the int8-activation kernel exists on the AVX2 and AVX-512 paths")
+    w = random_blocks(qtype, 300, 576, seed=22)
+    x = torch.randn(64, 576, generator=torch.Generator().manual_seed(23))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        b37, b64 = qmatmul(x[:37], w), qmatmul(x, w)
+        torch.set_num_threads(1)
+        for i in (0, 7, 8, 20, 36):
+            alone = qmatmul(x[i:i + 1], w)
+            assert torch.equal(alone, b37[i:i + 1]) and torch.equal(alone, b64[i:i + 1]), f"row {i}"
+        assert torch.equal(qmatmul(x[20:57], w), b64[20:57])
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_fake_quantize_op_matches_reference(isa: str) -> None:
+    """The native activation quantizer (all ISA paths with int8 kernels) gives the reference's bits."""
+    if isa not in INT8_ISAS:
+        pytest.skip("the int8-activation kernel exists on the AVX2 and AVX-512 paths")
+    x = int8_activation_cases(576, m=9)
+    out = torch.empty_like(x)
+    native.ops().fake_quantize_act(x, native.isa_id(isa), out)
+    ref = fake_quantize_act(x)
+    assert torch.equal(out, ref)
+    assert torch.equal(ref[2, :8], torch.tensor([127.0, -4.0, -2.0, -2.0, -0.0, 0.0, 2.0, 2.0]))  # ties to even
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_1, T.Q8_0], ids=lambda t: t.name)
+def test_int8_blas_route_for_many_rows(qtype: T, isa: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Above INT8_ROW_MAX_ROWS: fake-quantized x, dequantized tile, BLAS: the same numerics."""
+    if isa not in INT8_ISAS:
+        pytest.skip("the int8-activation kernel exists on the AVX2 and AVX-512 paths")
+    monkeypatch.setattr("kvlm.kernels.quant.INT8_ROW_MAX_ROWS", 8)
+    w = random_blocks(qtype, 45, 288, seed=24)
+    x = int8_activation_cases(288, m=33)
+    err = (qmatmul(x, w).double() - qmatmul_int8_ref(x, w).double()).abs()
+    assert (err <= matmul_bound(fake_quantize_act(x), w)).all()
+
+
+def test_f32_activations_opt_out(isa: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """KVLM_KERNEL_ACT=f32: Q4_1 keeps float32 activations (the row kernel, then tile + BLAS)."""
+    monkeypatch.setenv(native.ENV_ACT, "f32")
+    native.refresh()
+    try:
+        assert kernel_path(T.Q4_1) == isa
+        w = random_blocks(T.Q4_1, 45, 96, seed=25)
+        for m in (1, GEMV_MAX_ROWS + 1):
+            x = torch.randn(m, 96)
+            err = (qmatmul(x, w).double() - qmatmul_ref(x, w).double()).abs()
+            assert (err <= matmul_bound(x, w)).all()
+    finally:
+        monkeypatch.delenv(native.ENV_ACT)
+        native.refresh()

@@ -23,7 +23,8 @@ from tiny_models import tiny_config, write_tiny_gguf
 
 from kvlm import LLM, EngineConfig, SamplingParams
 from kvlm.engine import Engine
-from kvlm.kernels import QuantTensor, dequantize
+from kvlm.kernels import QuantTensor, dequantize, kernel_path, native
+from kvlm.kernels.reference import fake_quantize_act
 from kvlm.loader.gguf import load_gguf
 from kvlm.model import stack_weights
 from kvlm.quant_linear import QuantEmbedding, QuantLinear, stack_quant
@@ -80,7 +81,9 @@ def test_mixed_format_stack_and_embedding_rows() -> None:
     layer = QuantLinear(stacked, bias)
     x = torch.randn(5, 64, generator=g)
     dense = torch.cat([dequantize(p) for p in parts])
-    torch.testing.assert_close(layer(x), x @ dense.T + bias, rtol=1e-5, atol=1e-4)
+    int8 = all(kernel_path(p.qtype).endswith("+int8") for p in parts)  # the default on AVX2 / AVX-512
+    xr = fake_quantize_act(x) if int8 else x  # what the kernels multiply with
+    torch.testing.assert_close(layer(x), xr @ dense.T + bias, rtol=1e-5, atol=1e-4)
     emb_w = _quant(torch.randn(50, 64, generator=g), Q.Q8_0)
     emb = QuantEmbedding(emb_w)
     ids = torch.tensor([3, 49, 3, 0])
@@ -132,12 +135,38 @@ def test_paged_decode_kernel_equals_gather_path(tiny_gguf: Path) -> None:
         torch.testing.assert_close(torch.stack(lout[i]), torch.stack(lref[i]), atol=1e-4, rtol=0)
 
 
-def test_quantized_path_matches_float32_path_on_tiny(quant_gguf: Path) -> None:
-    """Same weights as the float32 path (the dequantized blocks): greedy tokens agree."""
+@pytest.fixture
+def f32_activations(monkeypatch: pytest.MonkeyPatch):
+    """KVLM_KERNEL_ACT=f32 for one test: quantized weights, float32 activations."""
+    monkeypatch.setenv(native.ENV_ACT, "f32")
+    native.refresh()
+    yield
+    monkeypatch.undo()
+    native.refresh()
+
+
+def test_quantized_path_matches_float32_path_on_tiny(quant_gguf: Path, f32_activations: None) -> None:
+    """Same weights as the float32 path (the dequantized blocks) and float32 activations: greedy tokens agree."""
     prompts = random_prompts(3, 5)
     q, _ = run_engine(Engine(quant_gguf, EngineConfig(dtype="auto"), quiet=True), prompts)
     f, _ = run_engine(Engine(quant_gguf, EngineConfig(dtype="float32"), quiet=True), prompts)
     assert q == f
+
+
+def test_int8_activations_part_from_float32_only_at_near_ties(quant_gguf: Path) -> None:
+    """The default (int8 activations where the kernels have them) against the float32 path on the tiny
+    model: logits within 2% of their range; greedy tokens agree, or part only at a step where the
+    reference's top-2 margin is below twice the largest logit deviation seen before it."""
+    prompts = random_prompts(3, 5)
+    q, lq = run_engine(Engine(quant_gguf, EngineConfig(dtype="auto"), quiet=True), prompts)
+    f, lf = run_engine(Engine(quant_gguf, EngineConfig(dtype="float32"), quiet=True), prompts)
+    for i in f:
+        k = next((j for j, (a, b) in enumerate(zip(q[i], f[i])) if a != b), len(f[i]))
+        dev = max(float((a - b).abs().max()) for a, b in zip(lq[i][:k + 1], lf[i][:k + 1]))
+        assert dev <= 0.02 * float(lf[i][0].max() - lf[i][0].min()), f"prompt {i}: logits deviation {dev:.4g}"
+        if k < len(f[i]):
+            top = lf[i][k].topk(2).values
+            assert float(top[0] - top[1]) < 2 * dev, f"prompt {i} parts at token {k} without a near-tie"
 
 
 # README's and the tests' prompts (tests/test_exactness.py), plus a chat turn.
@@ -146,28 +175,52 @@ EXACTNESS_PROMPTS = ["def quicksort(arr):\n    if len(arr) <= 1:\n", "日本の�
                      "Once upon a time, in a land far away, there lived a dragon who loved 🐉 and"]
 
 
+# Where greedy paths part, the reference's top-2 margin at that step must be below this ("a near-tie"):
+# quantized weights with float32 activations differ from the reference by float32 rounding only; int8
+# activations (the default for Q4_0 / Q4_1 / Q8_0) move the default model's logits by up to 1.14
+# (2.9% of their range, teacher-forced on these prompts, 2026-12-01), so ties within 0.5 can flip.
+NEAR_TIE = {"f32": 0.05, "int8": 0.5}
+INT8_MAX_LOGIT_DEVIATION = 1.5  # measured max 1.14 (rms <= 0.51) on these prompts
+
+
 @pytest.mark.slow
-def test_default_model_quantized_agrees_with_float32_reference(smollm2_gguf: Path, smollm2_llm: LLM) -> None:
+@pytest.mark.parametrize("act", ["int8"])  # the default; "f32" (NEAR_TIE 0.05) passes too, but costs a minute
+def test_default_model_quantized_agrees_with_float32_reference(smollm2_gguf: Path, smollm2_llm: LLM, act: str,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """32 greedy tokens per prompt; where the paths part, the reference's top-2 margin at that step must
-    be a near-tie (< 0.05 in logits), which is reported."""
-    quant = LLM(str(smollm2_gguf), num_threads=2, dtype="auto")
-    assert isinstance(quant.llm_engine.model.model.layers[0].mlp.down_proj, QuantLinear)
-    ref_eng = smollm2_llm.llm_engine
-    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
-    inputs = [quant.tokenizer.encode(p) for p in README_PROMPTS + EXACTNESS_PROMPTS]
-    inputs += [quant.render_chat([{"role": "user", "content": "What is a KV cache?"}])]
-    # One batched call per path (the engine equivalences make a batch equal each prompt alone).
-    batch = [{"prompt_token_ids": ids} for ids in inputs]
-    outs_q = [o.outputs[0].token_ids for o in quant.generate(batch, params, use_tqdm=False)]
-    outs_r = [o.outputs[0].token_ids for o in smollm2_llm.generate(batch, params, use_tqdm=False)]
-    for ids, a, b in zip(inputs, outs_q, outs_r):
-        if a == b:
-            continue
-        k = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
-        r = ref_eng.add_request(ids + b[:k], SamplingParams(temperature=0, max_tokens=1))
-        ref_eng.step(keep_logits=True)
-        assert r.is_finished
-        top = ref_eng.last_result.logits[0].topk(2).values
-        margin = float(top[0] - top[1])
-        print(f"paths part at token {k} of {quant.tokenizer.decode(ids)[:30]!r}: reference margin {margin:.4f}")
-        assert margin < 0.05, f"parted at token {k} with a reference margin of {margin:.3f} (not a near-tie)"
+    be a near-tie (NEAR_TIE[act]), which is reported, and the logits there within the stated deviation."""
+    monkeypatch.setenv(native.ENV_ACT, act)
+    native.refresh()
+    try:
+        quant = LLM(str(smollm2_gguf), num_threads=2, dtype="auto")
+        assert isinstance(quant.llm_engine.model.model.layers[0].mlp.down_proj, QuantLinear)
+        ref_eng, q_eng = smollm2_llm.llm_engine, quant.llm_engine
+        params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+        inputs = [quant.tokenizer.encode(p) for p in README_PROMPTS + EXACTNESS_PROMPTS]
+        inputs += [quant.render_chat([{"role": "user", "content": "What is a KV cache?"}])]
+        # One batched call per path (the engine equivalences make a batch equal each prompt alone).
+        batch = [{"prompt_token_ids": ids} for ids in inputs]
+        outs_q = [o.outputs[0].token_ids for o in quant.generate(batch, params, use_tqdm=False)]
+        outs_r = [o.outputs[0].token_ids for o in smollm2_llm.generate(batch, params, use_tqdm=False)]
+
+        def last_logits(eng: Engine, ids: list[int]) -> torch.Tensor:
+            r = eng.add_request(ids, SamplingParams(temperature=0, max_tokens=1))
+            eng.step(keep_logits=True)
+            assert r.is_finished
+            return eng.last_result.logits[0]
+
+        for ids, a, b in zip(inputs, outs_q, outs_r):
+            if a == b:
+                continue
+            k = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+            lr, lq = last_logits(ref_eng, ids + b[:k]), last_logits(q_eng, ids + b[:k])
+            top = lr.topk(2).values
+            margin, dev = float(top[0] - top[1]), float((lq - lr).abs().max())
+            print(f"{act}: paths part at token {k} of {quant.tokenizer.decode(ids)[:30]!r}: reference margin "
+                  f"{margin:.4f}, max |logit deviation| there {dev:.3f}")
+            assert margin < NEAR_TIE[act], f"parted at token {k} with a reference margin of {margin:.3f} (not a near-tie)"
+            if act == "int8":
+                assert dev < INT8_MAX_LOGIT_DEVIATION
+    finally:
+        monkeypatch.undo()
+        native.refresh()

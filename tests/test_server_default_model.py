@@ -21,10 +21,11 @@ def server(smollm2_gguf):
         yield s
 
 
-def test_concurrent_greedy_http_equals_offline(server, smollm2_llm):
+def test_concurrent_greedy_http_equals_offline(server):
     """8 concurrent requests here (the 32-request version runs on the tiny model in test_server_api: the
-    shared 2-core CI machine makes 32 real-model requests twice too slow for the suite)."""
-    from kvlm import SamplingParams
+    shared 2-core CI machine makes 32 real-model requests twice too slow for the suite). Both sides on
+    the default path (quantized weights, int8 activations)."""
+    from kvlm import LLM, SamplingParams
 
     prompts = PROMPTS
     max_tokens = [3 + (i * 3) % 4 for i in range(len(prompts))]
@@ -35,7 +36,8 @@ def test_concurrent_greedy_http_equals_offline(server, smollm2_llm):
                                                                 temperature=0) for p, n in zip(prompts, max_tokens)))
 
     got = asyncio.run(run_all())
-    want = smollm2_llm.generate(prompts, [SamplingParams(temperature=0, max_tokens=n) for n in max_tokens],
+    offline = LLM(str(server.model_path), num_threads=2)
+    want = offline.generate(prompts, [SamplingParams(temperature=0, max_tokens=n) for n in max_tokens],
                                 use_tqdm=False)
     for g, w in zip(got, want):
         assert g.choices[0].text == w.outputs[0].text

@@ -9,10 +9,11 @@ stamp (`ext/stamps/<sources' sizes and mtimes>`) remembers it: a start with unch
 stats them. Where the compiler, headers or build fail, one warning is logged and
 every kernel uses its pure-PyTorch reference: never a crash.
 
-The path is the best one this CPU supports (`avx512` > `avx2` > `scalar`), or the one forced by
-`KVLM_KERNEL_ISA=avx512|avx2|scalar|reference`, read once per process (reading the environment costs
+The path is the best one this CPU supports (`avx512-vnni` > `avx512` > `avx2` > `scalar`; `avx512-vnni` is
+`avx512` plus vpdpbusd in the int8 kernels), or the one forced by
+`KVLM_KERNEL_ISA=avx512-vnni|avx512|avx2|scalar|reference`, read once per process (reading the environment costs
 microseconds, and a decode step makes ~120 kernel calls); `refresh()` re-reads it (tests use that).
-`KVLM_KERNEL_ACT=int8` opts in to int8 activations in the row kernel (`int8_activations`).
+`KVLM_KERNEL_ACT=f32` opts out of int8 activations for Q4_0 / Q4_1 / Q8_0 (`int8_activations`).
 """
 
 from __future__ import annotations
@@ -35,12 +36,12 @@ import torch
 
 logger = logging.getLogger("kvlm")
 
-ISAS = ("scalar", "avx2", "avx512")  # index = the id the C++ side uses
+ISAS = ("scalar", "avx2", "avx512", "avx512-vnni")  # index = the id the C++ side uses (drivers.h)
 PATHS = (*ISAS, "reference")
 ENV_ISA = "KVLM_KERNEL_ISA"
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = ("ops.cpp", "decode.cpp", "isa_scalar.cpp", "isa_avx2.cpp", "isa_avx512.cpp")
+_SOURCES = ("ops.cpp", "decode.cpp", "isa_scalar.cpp", "isa_avx2.cpp", "isa_avx512.cpp", "isa_avx512_vnni.cpp")
 _HEADERS = ("kernels.h", "kernels_impl.h", "kernels_int8.h", "drivers.h")
 # -std=c++20: torch 2.13's headers need it. -fopenmp: at::parallel_for is an inline `omp parallel`
 # (serial without it); the library then binds to the libgomp.so.1 torch has already loaded, so it
@@ -172,6 +173,7 @@ class NativeOps:
 
     qmatmul: Any
     qmatmul_i8: Any
+    fake_quantize_act: Any
     dequantize: Any
     paged_decode_attention: Any
     decode_plan_create: Any
@@ -185,7 +187,7 @@ def ops() -> NativeOps | None:
     if not available():
         return None
     ns = torch.ops.kvlm_kernels
-    return NativeOps(ns.qmatmul.default, ns.qmatmul_i8.default, ns.dequantize.default,
+    return NativeOps(ns.qmatmul.default, ns.qmatmul_i8.default, ns.fake_quantize_act.default, ns.dequantize.default,
                      ns.paged_decode_attention.default, ns.decode_plan_create.default,
                      ns.decode_plan_free.default, ns.decode_step.default)
 
@@ -220,10 +222,11 @@ ENV_ACT = "KVLM_KERNEL_ACT"
 
 @functools.cache
 def int8_activations() -> bool:
-    """`KVLM_KERNEL_ACT=int8`: the row kernel quantizes activations to int8 per 32-element block for
-    Q4_0 / Q4_1 / Q8_0 weights (llama.cpp style; faster, about 0.5% error per product). Default
-    `f32`: activations stay float32 (exact up to summation order)."""
-    mode = os.environ.get(ENV_ACT, "f32").strip().lower()
+    """Whether Q4_0 / Q4_1 / Q8_0 matmuls quantize activations to int8 per 32-element block (llama.cpp
+    style; `reference.qmatmul_int8_ref` defines the numerics) on the AVX2 / AVX-512 paths: the default
+    (`KVLM_KERNEL_ACT=int8`). `KVLM_KERNEL_ACT=f32` opts out: activations stay float32 (exact up to
+    summation order). The scalar and reference paths always use float32 activations."""
+    mode = os.environ.get(ENV_ACT, "int8").strip().lower()
     if mode not in ("f32", "int8"):
         raise ValueError(f"{ENV_ACT} must be f32 or int8, got {mode!r}")
     return mode == "int8"

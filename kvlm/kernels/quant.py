@@ -6,12 +6,24 @@ GGUF stores it: each of the N rows is K / block_elems blocks of `block_bytes` by
 un-permute, stacking q/k/v) are byte-row operations on `data`; nothing is dequantized at load.
 
 `qmatmul(x, w)` computes `x @ dequantize(w).T` on the blocks in place with the native kernels
-(`native.py`, `csrc/`) where they are built, else with the reference (`reference.py`):
-- few rows (decode, M <= GEMV_MAX_ROWS): the row kernel. Each output row is computed in a fixed order
-  that does not depend on M, so a row's result is bit-identical alone and in a batch.
-- many rows (prefill chunks, large batches): dequantize a tile of weight rows (TILE_BYTES of float32)
-  and multiply with BLAS (`x @ tile.T`): compute-bound there, and BLAS is faster than our row kernel.
-  Results then differ from the row kernel's in the last bits (summation order), not in meaning.
+(`native.py`, `csrc/`) where they are built, else with the reference (`reference.py`).
+
+Numerics. Q4_0, Q4_1 and Q8_0 on the AVX2 / AVX-512 paths use int8 activations by default (as
+llama.cpp does): x is quantized per 32-element block (d = amax / 127, round half to even) and the
+block products run on integers; `reference.qmatmul_int8_ref` (fake-quantize x, then float32 matmul) is
+their definition. `KVLM_KERNEL_ACT=f32` opts out. Every other type, the scalar path and the reference
+fallback (no extension) keep float32 activations (`qmatmul_ref`).
+
+Paths by row count M:
+- int8 types: the int8 row kernel for M <= INT8_ROW_MAX_ROWS (every M by default: decode, batched
+  decode, prefill chunks), tiled over rows (8 rows per decoded weight block on AVX-512) and
+  cache-blocked; each output's arithmetic is fixed, so a row's result is bit-identical alone, in a
+  batch or in a prefill chunk. Above the limit: fake-quantize x (the same int8 values), dequantize a
+  weight tile, BLAS: the same numerics up to the float32 summation order.
+- float32 activations: the row kernel for M <= GEMV_MAX_ROWS, else dequantize a tile of weight rows
+  (TILE_BYTES of float32) and multiply with BLAS (`x @ tile.T`).
+Where BLAS takes over, results differ from the row kernel's in the last bits (summation order), not in
+meaning; the engine's equivalences (cache == no cache, alone == batch) hold token for token.
 """
 
 from __future__ import annotations
@@ -30,10 +42,16 @@ NATIVE_TYPES = frozenset({
     GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0,
     GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K,
 })
-# With KVLM_KERNEL_ACT=int8 (opt-in), the row kernel quantizes x to int8 for these (AVX2 / AVX-512 paths).
+# Int8 activations (the default; KVLM_KERNEL_ACT=f32 opts out) for these on the AVX2 / AVX-512 paths.
 INT8_ACT_TYPES = frozenset({GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0})
+_INT8_ISAS = frozenset({native.ISAS.index("avx2"), native.ISAS.index("avx512"), native.ISAS.index("avx512-vnni")})
 _TYPE_IDS = {t: int(t) for t in NATIVE_TYPES}  # ggml type id, as the C++ side takes it
-GEMV_MAX_ROWS = 8  # up to this many rows of x use the row kernel; more use dequantize-a-tile + BLAS (measured)
+GEMV_MAX_ROWS = 8  # float32 activations: up to this many rows use the row kernel, more dequantize + BLAS
+# Int8 activations: up to this many rows use the int8 row kernel, more "fake-quantize x, dequantize a
+# tile, BLAS". Measured here (AMD EPYC, AVX-512 VNNI, 2026-12-01, docs/int8_activations.md) the row kernel
+# matches BLAS at M = 512 and beats it below, so it takes every M (bit-identical rows in any chunk);
+# lower it on a CPU where BLAS wins.
+INT8_ROW_MAX_ROWS = 1 << 20
 TILE_BYTES = 8 << 20  # float32 bytes of one dequantized weight tile: big enough for BLAS to run at full speed
 
 
@@ -103,13 +121,15 @@ def qmatmul(x: torch.Tensor, w: QuantTensor, out: torch.Tensor | None = None) ->
     if not x2.is_contiguous():
         x2 = x2.contiguous()
     m = x2.shape[0]
-    if m <= GEMV_MAX_ROWS:
+    int8 = w.qtype in INT8_ACT_TYPES and isa in _INT8_ISAS and native.int8_activations()
+    if m <= (INT8_ROW_MAX_ROWS if int8 else GEMV_MAX_ROWS):
         y = torch.empty(m, n, dtype=torch.float32) if out is None else out.view(m, n)
-        if w.qtype in INT8_ACT_TYPES and isa > 0 and native.int8_activations():
-            ops.qmatmul_i8(x2, _rows(w), _TYPE_IDS[w.qtype], k, isa, y)
-        else:
-            ops.qmatmul(x2, _rows(w), _TYPE_IDS[w.qtype], k, isa, y)
+        (ops.qmatmul_i8 if int8 else ops.qmatmul)(x2, _rows(w), _TYPE_IDS[w.qtype], k, isa, y)
     else:
+        if int8:  # the int8 kernels' activations, as float32 for BLAS
+            xf = torch.empty_like(x2)
+            ops.fake_quantize_act(x2, isa, xf)
+            x2 = xf
         y = _tiled_matmul(x2, w, ops, isa)
         if out is not None:
             y = out.view(m, n).copy_(y)
@@ -140,11 +160,13 @@ def _rows(w: QuantTensor) -> torch.Tensor:
 
 
 def kernel_path(qtype: GGMLQuantizationType) -> str:
-    """Which implementation `qmatmul` uses for this tensor type: 'avx512', 'avx2', 'scalar' or 'reference'
-    ('avx512+int8' / 'avx2+int8' where KVLM_KERNEL_ACT=int8 applies)."""
+    """Which implementation `qmatmul` uses for this tensor type: the ISA path ('avx512-vnni', 'avx512',
+    'avx2', 'scalar') or 'reference', with '+int8' where activations are quantized to int8
+    (e.g. 'avx512-vnni+int8' for Q4_1 by default; KVLM_KERNEL_ACT=f32 turns that off)."""
     if qtype not in NATIVE_TYPES:
         return "reference"
     isa = native.active_isa()
-    if qtype in INT8_ACT_TYPES and isa in ("avx2", "avx512") and native.int8_activations():
-        return f"{isa}+int8"  # the row kernel (decode) quantizes activations; many rows stay float32
+    if qtype in INT8_ACT_TYPES and isa != "reference" and native.isa_id(isa) in _INT8_ISAS \
+            and native.int8_activations():
+        return f"{isa}+int8"
     return isa

@@ -34,6 +34,29 @@ def qmatmul_ref(x: torch.Tensor, w: QuantTensor) -> torch.Tensor:
     return x.float() @ dequantize_ref(w).to(x.device).T
 
 
+def quantize_act_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The int8 activation quantization of the int8 kernels: x (M, K) float32, K % 32 == 0, ->
+    q (M, K // 32, 32) int8 and d (M, K // 32, 1) float32 with d = amax / 127 per 32-element block,
+    q = round_half_even(x * (1 / d)) (q = 0 where d = 0), all in float32 as the kernels compute it."""
+    blocks = x.float().reshape(x.shape[0], -1, 32)
+    d = blocks.abs().amax(-1, keepdim=True) / 127.0
+    inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    return torch.round(blocks * inv).to(torch.int8), d
+
+
+def fake_quantize_act(x: torch.Tensor) -> torch.Tensor:
+    """x (M, K) -> the float32 values the int8 kernels compute with: q * d per block (same shape)."""
+    q, d = quantize_act_ref(x)
+    return (q.float() * d).reshape(x.shape)
+
+
+def qmatmul_int8_ref(x: torch.Tensor, w: QuantTensor) -> torch.Tensor:
+    """The numerics of the int8-activation kernels (Q4_0, Q4_1, Q8_0): fake-quantize x per 32-element
+    block, then x_fq (M, K) @ dequantize(w).T in float32. Q4_1's min term m * sum(x_fq) is then
+    m * d * sum(q) (llama.cpp's q8_1 convention), which is what the kernels compute."""
+    return fake_quantize_act(x) @ dequantize_ref(w).to(x.device).T
+
+
 def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """Gather each sequence's blocks, then SDPA with each K/V head's query heads folded together.

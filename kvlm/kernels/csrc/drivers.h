@@ -9,7 +9,7 @@
 
 namespace kvlm {
 
-constexpr int64_t ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2;
+constexpr int64_t ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AVX512_VNNI = 3;  // AVX-512 + vpdpbusd
 constexpr int ACT_F32 = 0, ACT_INT8 = 1;  // activation mode of a matmul
 
 int64_t best_isa();
@@ -17,8 +17,9 @@ int64_t best_isa();
 const KvlmKernels* table(int64_t isa);
 
 // y (M, ldy)[:, 0:N] = x (M, K) @ W.T, W given by N rows of GGUF blocks (row n at w + n * rs).
-// act == ACT_INT8 quantizes x per 32-element block first (types with an int8 kernel on this table;
-// others fall back to float32 activations). Returns false for a type this table cannot handle.
+// act == ACT_INT8 quantizes x per 32-element block first (Q4_0, Q4_1, Q8_0 on the AVX2 / AVX-512
+// tables; other types fall back to float32 activations), for any M: a row's result is the same bits
+// alone, in a batch or in a prefill chunk. Returns false for a type this table cannot handle.
 bool matmul(const KvlmKernels* t, int qtype, const uint8_t* w, int64_t rs, int64_t K, int64_t N, const float* x,
             int64_t M, float* y, int64_t ldy, int act);
 

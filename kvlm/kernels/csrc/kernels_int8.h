@@ -1,12 +1,19 @@
-// Experimental row kernel with int8 activations (llama.cpp style), for Q4_0, Q4_1 and Q8_0 weights:
-// each 32-element block of a row of x is quantized to int8 with one float scale (and its exact float
-// sum kept), and the block dot products run on integers (AVX2 maddubs/madd). Included by the AVX2 and
-// AVX-512 units only, after kernels_impl.h. Opt-in (KVLM_KERNEL_ACT=int8): it costs accuracy (about
-// 0.4% per activation) for fewer instructions per weight byte.
+// Row kernel with int8 activations (llama.cpp style), for Q4_0, Q4_1 and Q8_0 weights: the default
+// numerics for these types on the AVX2 and AVX-512 paths (reference: reference.qmatmul_int8_ref).
+// Included by the AVX2, AVX-512 and AVX-512 VNNI units only, after kernels_impl.h.
 //
-// Order contract as in kernels_impl.h: output (m, n) adds, block by block, the 8-lane float products
-// into one accumulator and the min/offset terms into one scalar, then sums the lanes in a fixed tree,
-// so the result does not depend on M, on which rows share the call, or on the thread split.
+// Activations: each 32-element block of a row of x becomes 32 int8 q = round_even(x * (1 / d)) with
+// d = amax / 127 (d = 0 and q = 0 for an all-zero block), plus s = d * sum(q) (q8_1's convention: s is
+// the sum of the fake-quantized block, so Q4_1's min term is exactly what x_fq @ W.T contains).
+// Block product (weight block b: scale dw, min term mw = m for Q4_1, -8 dw for Q4_0, none for Q8_0):
+//     y += (float(sum_i u_i q_i) * dw) * d + mw * s        (u = the nibbles 0..15, or Q8_0's int8)
+// The integer sums run on vpdpbusd (VNNI) or maddubs + madd (u8 x s8 -> int32, no overflow here).
+//
+// Order contract (as in kernels_impl.h): output (m, n) runs the same instruction sequence whatever M,
+// the row tile, the rows sharing the call or the thread split. AVX-512: blocks go in groups of 4, the
+// first pair into accumulator 0 and the second into accumulator 1 (one 256-bit half per block), a
+// tail pair into accumulator 0, a tail block into its low half; min terms in a 4-lane accumulator;
+// at the end y = hsum(acc0 + acc1) + hsum(min). AVX2: block b into accumulator b % 4 (one ymm each).
 
 namespace {
 
@@ -17,78 +24,261 @@ KVLM_INLINE float hsum8(__m256 a) {
     return _mm_cvtss_f32(s);
 }
 
-// x (M, K) -> xq (M, K) int8, xd (M, K/32) scales, xs (M, K/32) exact float block sums.
+KVLM_INLINE float hsum4(__m128 s) {
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+// ---- Activation quantization ----------------------------------------------------------------------
+
+// One 32-element block: 32 int8 at q, its scale and fake-quantized sum.
+KVLM_INLINE void quantize_block(const float* v, int8_t* q, float* d_out, float* s_out) {
+#if defined(KVLM_AVX512)
+    const __m512 a = _mm512_loadu_ps(v), b = _mm512_loadu_ps(v + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+    const float d = amax / 127.0f, inv = d != 0.0f ? 1.0f / d : 0.0f;
+    const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(inv)));  // round to nearest even
+    const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, _mm512_set1_ps(inv)));
+    _mm_storeu_si128((__m128i*)q, _mm512_cvtepi32_epi8(qa));
+    _mm_storeu_si128((__m128i*)(q + 16), _mm512_cvtepi32_epi8(qb));
+    *s_out = d * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+#else
+    __m256 v0 = _mm256_loadu_ps(v), v1 = _mm256_loadu_ps(v + 8), v2 = _mm256_loadu_ps(v + 16),
+           v3 = _mm256_loadu_ps(v + 24);
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1)),
+                             _mm256_max_ps(_mm256_andnot_ps(sign, v2), _mm256_andnot_ps(sign, v3)));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float amax = _mm_cvtss_f32(m4);
+    const float d = amax / 127.0f, inv = d != 0.0f ? 1.0f / d : 0.0f;
+    const __m256 vi = _mm256_set1_ps(inv);
+    __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, vi)), i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v1, vi));
+    __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(v2, vi)), i3 = _mm256_cvtps_epi32(_mm256_mul_ps(v3, vi));
+    __m256i sum = _mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3));
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+    // int32 -> int8 in element order: packs interleave 128-bit lanes, a final permute restores the order
+    __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
+    p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256((__m256i*)q, p);
+    *s_out = d * (float)_mm_cvtsi128_si32(s4);
+#endif
+    _mm256_storeu_ps(d_out, _mm256_set1_ps(d));  // expanded: 8 copies, one per int32 lane of the block
+}
+
+// x (M, K) -> xq (M, K) int8, xd (M, K/32, 8) scales (each repeated 8 times: the kernels load them as
+// vectors), xs (M, K/32) sums of the fake-quantized blocks.
 void quantize_act(const float* x, int64_t M, int64_t K, int8_t* xq, float* xd, float* xs) {
-    const int64_t nb = K / 32;
-    for (int64_t i = 0; i < M * nb; i++) {
-        const float* v = x + i * 32;
-        float amax = 0.0f, sum = 0.0f;
-        for (int j = 0; j < 32; j++) {
-            float a = v[j] < 0 ? -v[j] : v[j];
-            amax = a > amax ? a : amax;
-            sum += v[j];
-        }
-        const float d = amax / 127.0f, inv = d != 0.0f ? 1.0f / d : 0.0f;
-        for (int j = 0; j < 32; j++) xq[i * 32 + j] = (int8_t)__builtin_lrintf(v[j] * inv);
-        xd[i] = d;
-        xs[i] = sum;
+    for (int64_t i = 0; i < M * (K / 32); i++) quantize_block(x + i * 32, xq + i * 32, xd + 8 * i, xs + i);
+}
+
+// ---- Weight blocks --------------------------------------------------------------------------------
+
+template <int QT> struct I8Fmt;
+template <> struct I8Fmt<T_Q4_0> { static constexpr int BB = 18, QOFF = 2; };
+template <> struct I8Fmt<T_Q4_1> { static constexpr int BB = 20, QOFF = 4; };
+template <> struct I8Fmt<T_Q8_0> { static constexpr int BB = 34, QOFF = 2; };
+
+// One block's 32 weights as bytes in element order (Q4: nibbles 0..15 unsigned; Q8_0: int8).
+template <int QT>
+KVLM_INLINE __m256i weights32(const uint8_t* blk) {
+    const uint8_t* q = blk + I8Fmt<QT>::QOFF;
+    if constexpr (QT == T_Q8_0) return _mm256_loadu_si256((const __m256i*)q);
+    const __m128i t = _mm_loadu_si128((const __m128i*)q);
+    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t, 4), t), _mm256_set1_epi8(15));
+}
+
+#if defined(KVLM_AVX512)
+
+KVLM_INLINE __m512i dot512(__m512i u, __m512i s) {  // u8 x s8, 4 bytes per int32 lane
+#if defined(KVLM_VNNI)
+    return _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, s);
+#else
+    return _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1));
+#endif
+}
+
+// Blocks b and b + 1 (only b where !two; zeros then): bytes 0..31 block b, 32..63 block b + 1.
+template <int QT>
+KVLM_INLINE __m512i weights64(const uint8_t* blk, bool two) {
+    constexpr int BB = I8Fmt<QT>::BB, QOFF = I8Fmt<QT>::QOFF;
+    if constexpr (QT == T_Q8_0) {
+        const __m512i lo = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(blk + QOFF)));
+        return two ? _mm512_inserti64x4(lo, _mm256_loadu_si256((const __m256i*)(blk + BB + QOFF)), 1)
+                   : _mm512_zextsi256_si512(_mm512_castsi512_si256(lo));
     }
+    const __m128i t0 = _mm_loadu_si128((const __m128i*)(blk + QOFF));
+    const __m256i t = two ? _mm256_inserti128_si256(_mm256_castsi128_si256(t0),
+                                                    _mm_loadu_si128((const __m128i*)(blk + BB + QOFF)), 1)
+                          : _mm256_zextsi128_si256(t0);
+    const __m512i z = _mm512_shuffle_i64x2(_mm512_castsi256_si512(t), _mm512_castsi256_si512(t), 0x50);  // t0 t0 t1 t1
+    return _mm512_and_si512(_mm512_srlv_epi64(z, _mm512_setr_epi64(0, 0, 4, 4, 0, 0, 4, 4)), _mm512_set1_epi8(15));
 }
 
-KVLM_INLINE __m256i nibbles32(const uint8_t* q) {  // 16 bytes -> elements 0..15 (low), 16..31 (high)
-    __m128i t = _mm_loadu_si128((const __m128i*)q);
-    __m256i v = _mm256_set_m128i(_mm_srli_epi16(t, 4), t);
-    return _mm256_and_si256(v, _mm256_set1_epi8(15));
+struct Pair {   // a weight pair prepared once for all rows of a tile
+    __m512i u;  // unsigned bytes (Q8_0: |w|)
+    __mmask64 neg;  // Q8_0: where w < 0 (x is negated there)
+    __m512 dw;  // lanes 0..7: dw of block b, 8..15: of block b + 1
+};
+
+template <int QT>
+KVLM_INLINE Pair make_pair(const uint8_t* blk, bool two, __m512 dw) {
+    const __m512i w = weights64<QT>(blk, two);
+    if constexpr (QT == T_Q8_0) return Pair{_mm512_abs_epi8(w), _mm512_movepi8_mask(w), dw};
+    return Pair{w, 0, dw};
 }
 
-KVLM_INLINE __m256 dot_u8s8(__m256i u, __m256i s) {  // 8 lanes of 4-element integer sums, as floats
-    __m256i p = _mm256_maddubs_epi16(u, s);
-    return _mm256_cvtepi32_ps(_mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+// acc += (float(int dot) * dw) * xd for one row; xd16 = the row's expanded scales of blocks b, b + 1.
+template <int QT>
+KVLM_INLINE __m512 pair_dot(const Pair& p, __m512i s, __m512 xd16, __m512 acc) {
+    if constexpr (QT == T_Q8_0) s = _mm512_mask_sub_epi8(s, p.neg, _mm512_setzero_si512(), s);  // w's sign onto x
+    return _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dot512(p.u, s)), p.dw), xd16, acc);
 }
 
-// MT rows of x per pass over a weight row: each block is unpacked once and used for all of them.
-template <int QT, int MT>
-KVLM_INLINE void row_dot_i8(const uint8_t* row, int64_t nb, const int8_t* xq, const float* xd, const float* xs,
-                            float* y, int64_t ldy) {
-    __m256 acc[MT];
-    float off[MT];
-    for (int i = 0; i < MT; i++) acc[i] = _mm256_setzero_ps(), off[i] = 0.0f;
-    for (int64_t b = 0; b < nb; b++) {
-        __m256i qv;
-        float d, mn = 0.0f;
-        if constexpr (QT == T_Q8_0) {
-            qv = _mm256_loadu_si256((const __m256i*)(row + b * 34 + 2));
-            d = f16(row + b * 34);
-        } else if constexpr (QT == T_Q4_1) {
-            qv = nibbles32(row + b * 20 + 4);
-            d = f16(row + b * 20);
-            mn = f16(row + b * 20 + 2);
-        } else {  // Q4_0: (q - 8) d = q d + (-8 d)
-            qv = nibbles32(row + b * 18 + 2);
-            d = f16(row + b * 18);
-            mn = -8.0f * d;
-        }
-        const __m256i qabs = QT == T_Q8_0 ? _mm256_sign_epi8(qv, qv) : qv;
+// One group of 8 blocks (FULL) or the last 1..7 (`rem`, masked) of MT rows (see row_dot_i8).
+template <int QT, int MT, bool FULL>
+KVLM_INLINE void group8(const uint8_t* blk, int rem, const int8_t* xq, int64_t ldq, const float* xd,
+                        const float* xs, int64_t ldb, __m512* acc0, __m512* acc1, __m256* mins) {
+    constexpr int BB = I8Fmt<QT>::BB;
+    const __mmask8 live = FULL ? 0xff : (__mmask8)((1u << rem) - 1);
+    // The first 4 bytes of each block: d (and Q4_1's m) as halves -> floats 2j (d), 2j + 1 (m / other).
+    int32_t h[8] = {0, 0, 0, 0, 0, 0, 0, 0};  // (scalar loads + inserts: faster than a gather here)
+    for (int j = 0; j < (FULL ? 8 : rem); j++) memcpy(&h[j], blk + j * BB, 4);
+    __m256i head;
+    {
+        __m128i lo = _mm_cvtsi32_si128(h[0]), hi = _mm_cvtsi32_si128(h[4]);
+        lo = _mm_insert_epi32(lo, h[1], 1), hi = _mm_insert_epi32(hi, h[5], 1);
+        lo = _mm_insert_epi32(lo, h[2], 2), hi = _mm_insert_epi32(hi, h[6], 2);
+        lo = _mm_insert_epi32(lo, h[3], 3), hi = _mm_insert_epi32(hi, h[7], 3);
+        head = _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
+    }
+    const __m512 dm = _mm512_cvtph_ps(head);
+    if constexpr (QT != T_Q8_0) {  // min terms: Q4_1 m_j, Q4_0 d_j (times -8 at the end: exact)
+        constexpr int o = QT == T_Q4_1;
+        const __m256 mw = _mm512_castps512_ps256(_mm512_permutexvar_ps(
+            _mm512_setr_epi32(o, 2 + o, 4 + o, 6 + o, 8 + o, 10 + o, 12 + o, 14 + o, 0, 0, 0, 0, 0, 0, 0, 0), dm));
+        for (int i = 0; i < MT; i++)
+            mins[i] = _mm256_fmadd_ps(mw, FULL ? _mm256_loadu_ps(xs + i * ldb) : _mm256_maskz_loadu_ps(live, xs + i * ldb),
+                                      mins[i]);
+    }
+#pragma GCC unroll 4
+    for (int p = 0; p < 4; p++) {
+        if (!FULL && 2 * p >= rem) break;
+        const bool two = FULL || 2 * p + 1 < rem;
+        const __m512i sel = _mm512_add_epi32(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2),
+                                             _mm512_set1_epi32(4 * p));
+        const Pair pr = make_pair<QT>(blk + 2 * p * BB, two, _mm512_permutexvar_ps(sel, dm));
         for (int i = 0; i < MT; i++) {
-            const int64_t r = i * nb + b;  // row i's block b in xq (32 bytes each), xd, xs
-            __m256i xv = _mm256_loadu_si256((const __m256i*)(xq + r * 32));
-            if constexpr (QT == T_Q8_0) xv = _mm256_sign_epi8(xv, qv);  // move q's sign onto x
-            acc[i] = _mm256_fmadd_ps(dot_u8s8(qabs, xv), _mm256_set1_ps(d * xd[r]), acc[i]);
-            if constexpr (QT != T_Q8_0) off[i] += mn * xs[r];
+            const int8_t* xp = xq + i * ldq + 64 * p;
+            const float* dp = xd + i * ldb * 8 + 16 * p;
+            const __m512i s = two ? _mm512_loadu_si512((const void*)xp) : _mm512_maskz_loadu_epi8(0xffffffffull, xp);
+            const __m512 x16 = two ? _mm512_loadu_ps(dp) : _mm512_maskz_loadu_ps(0x00ff, dp);
+            if (p & 1) acc1[i] = pair_dot<QT>(pr, s, x16, acc1[i]);
+            else acc0[i] = pair_dot<QT>(pr, s, x16, acc0[i]);
         }
     }
-    for (int i = 0; i < MT; i++) y[i * ldy] = hsum8(acc[i]) + off[i];
 }
+
+// MT rows of x against one weight row of nb blocks, in groups of 8 blocks (4 pairs: pairs 0 and 2 into
+// accumulator 0, 1 and 3 into accumulator 1); a last group of 1..7 blocks the same way with masks.
+// xq, xd (expanded, 8 floats a block), xs point at the tile's first row.
+template <int QT, int MT>
+KVLM_INLINE void row_dot_i8(const uint8_t* row, int64_t nb, const int8_t* xq, int64_t ldq, const float* xd,
+                            const float* xs, int64_t ldb, float* y, int64_t ldy) {
+    constexpr int BB = I8Fmt<QT>::BB;
+    __m512 acc0[MT], acc1[MT];
+    __m256 mins[MT];
+    for (int i = 0; i < MT; i++) acc0[i] = acc1[i] = _mm512_setzero_ps(), mins[i] = _mm256_setzero_ps();
+    int64_t b0 = 0;
+    for (; b0 + 8 <= nb; b0 += 8)
+        group8<QT, MT, true>(row + b0 * BB, 8, xq + b0 * 32, ldq, xd + b0 * 8, xs + b0, ldb, acc0, acc1, mins);
+    if (b0 < nb)
+        group8<QT, MT, false>(row + b0 * BB, (int)(nb - b0), xq + b0 * 32, ldq, xd + b0 * 8, xs + b0, ldb, acc0, acc1,
+                              mins);
+    for (int i = 0; i < MT; i++) {
+        const __m512 a = _mm512_add_ps(acc0[i], acc1[i]);
+        const float m = hsum8(mins[i]);
+        y[i * ldy] = hsum8(_mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1))) +
+                     (QT == T_Q4_0 ? -8.0f * m : m);
+    }
+}
+
+constexpr int I8_MT = 8;  // rows per decoded weight block: 3 accumulators each (24 of the 32 zmm registers)
+
+#else  // AVX2
+
+KVLM_INLINE __m256i dot256(__m256i u, __m256i s) {  // u8 x s8, 4 bytes per int32 lane
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+}
+
+// Block b into accumulator b % 4; min terms (Q4_1 m, Q4_0 d times -8 at the end) 4 lanes at a time.
+template <int QT, int MT>
+KVLM_INLINE void row_dot_i8(const uint8_t* row, int64_t nb, const int8_t* xq, int64_t ldq, const float* xd,
+                            const float* xs, int64_t ldb, float* y, int64_t ldy) {
+    constexpr int BB = I8Fmt<QT>::BB;
+    __m256 acc[MT][4];
+    float mins[MT][4];
+    for (int i = 0; i < MT; i++)
+        for (int j = 0; j < 4; j++) acc[i][j] = _mm256_setzero_ps(), mins[i][j] = 0.0f;
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t* blk = row + b * BB;
+        const __m256i w = weights32<QT>(blk);
+        const __m256i u = QT == T_Q8_0 ? _mm256_sign_epi8(w, w) : w;
+        const float dws = f16(blk), mws = QT == T_Q4_1 ? f16(blk + 2) : dws;
+        const __m256 dw = _mm256_set1_ps(dws);
+        const int j = (int)(b & 3);
+        for (int i = 0; i < MT; i++) {
+            __m256i s = _mm256_loadu_si256((const __m256i*)(xq + i * ldq + b * 32));
+            if constexpr (QT == T_Q8_0) s = _mm256_sign_epi8(s, w);  // w's sign onto x
+            const __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(dot256(u, s)), dw);
+            acc[i][j] = _mm256_fmadd_ps(f, _mm256_loadu_ps(xd + (i * ldb + b) * 8), acc[i][j]);
+            if constexpr (QT != T_Q8_0) mins[i][j] = __builtin_fmaf(mws, xs[i * ldb + b], mins[i][j]);
+        }
+    }
+    for (int i = 0; i < MT; i++) {
+        const __m256 a = _mm256_add_ps(_mm256_add_ps(acc[i][0], acc[i][1]), _mm256_add_ps(acc[i][2], acc[i][3]));
+        const float m = (mins[i][0] + mins[i][1]) + (mins[i][2] + mins[i][3]);
+        y[i * ldy] = hsum8(a) + (QT == T_Q4_0 ? -8.0f * m : m);
+    }
+}
+
+constexpr int I8_MT = 2;  // rows per decoded weight block: 4 accumulators each, 16 ymm registers
+
+#endif
+
+// Software prefetch distance in weight rows for few rows of x (memory-bound): with many instructions
+// per weight byte (Q4 unpacking), the out-of-order window alone keeps too few cache misses in flight.
+constexpr int64_t PF_ROWS = 8;
 
 template <int QT>
 void gemv_i8_t(const uint8_t* w, int64_t rs, int64_t K, const int8_t* xq, const float* xd, const float* xs,
                int64_t M, float* y, int64_t ldy, int64_t n0, int64_t n1) {
+    // Cache blocking for many rows (prefill): a panel of NP weight rows (L2) against a tile of I8_MT rows
+    // of x (L1), tile after tile. The order of the work changes with M; each output's arithmetic does not.
+    constexpr int64_t NP = 32;
     const int64_t nb = K / 32;
-    for (int64_t n = n0; n < n1; n++) {
-        const uint8_t* row = w + n * rs;
+    for (int64_t p0 = n0; p0 < n1; p0 += NP) {
+        const int64_t p1 = p0 + NP < n1 ? p0 + NP : n1;
+        for (int64_t n = p0; n < p1 && M < I8_MT; n++)  // decode: stream the weights, prefetching ahead
+            for (int64_t m = 0; m < M; m++) {
+                if (m == 0)
+                    for (int64_t off = 0; off < rs; off += 64)
+                        _mm_prefetch((const char*)(w + (n + PF_ROWS) * rs + off), _MM_HINT_T0);
+                row_dot_i8<QT, 1>(w + n * rs, nb, xq + m * K, K, xd + 8 * m * nb, xs + m * nb, nb, y + m * ldy + n, ldy);
+            }
+        if (M < I8_MT) continue;
         int64_t m = 0;
-        for (; m + 4 <= M; m += 4) row_dot_i8<QT, 4>(row, nb, xq + m * K, xd + m * nb, xs + m * nb, y + m * ldy + n, ldy);
-        for (; m < M; m++) row_dot_i8<QT, 1>(row, nb, xq + m * K, xd + m * nb, xs + m * nb, y + m * ldy + n, ldy);
+        for (; m + I8_MT <= M; m += I8_MT)
+            for (int64_t n = p0; n < p1; n++)
+                row_dot_i8<QT, I8_MT>(w + n * rs, nb, xq + m * K, K, xd + 8 * m * nb, xs + m * nb, nb,
+                                      y + m * ldy + n, ldy);
+        for (; m < M; m++)
+            for (int64_t n = p0; n < p1; n++)
+                row_dot_i8<QT, 1>(w + n * rs, nb, xq + m * K, K, xd + 8 * m * nb, xs + m * nb, nb, y + m * ldy + n, ldy);
     }
 }
 

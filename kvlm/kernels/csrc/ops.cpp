@@ -18,7 +18,7 @@ int64_t best_isa() {
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
-        return ISA_AVX512;
+        return __builtin_cpu_supports("avx512vnni") ? ISA_AVX512_VNNI : ISA_AVX512;
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c") &&
         __builtin_cpu_supports("bmi2"))
         return ISA_AVX2;
@@ -28,6 +28,7 @@ int64_t best_isa() {
 
 const KvlmKernels* table(int64_t isa) {
     TORCH_CHECK(isa >= ISA_SCALAR && isa <= best_isa(), "kvlm kernels: ISA ", isa, " is not available on this CPU");
+    if (isa == ISA_AVX512_VNNI) return kvlm_kernels_avx512_vnni();
     if (isa == ISA_AVX512) return kvlm_kernels_avx512();
     if (isa == ISA_AVX2) return kvlm_kernels_avx2();
     return kvlm_kernels_scalar();
@@ -37,20 +38,42 @@ bool has_int8(const KvlmKernels* t, int qtype) {
     return t->gemv_i8 != nullptr && (qtype == T_Q4_0 || qtype == T_Q4_1 || qtype == T_Q8_0);
 }
 
+namespace {
+
+// x (M, K) quantized per 32-element block (quantize_act, rows in parallel) into this thread's buffers:
+// q (M, K) int8, d (M, K/32, 8) expanded scales, s (M, K/32) block sums. The buffers grow to the
+// largest call and stay, so steady-state calls allocate nothing; they are valid until the next call.
+struct ActQ {
+    const int8_t* q;
+    const float* d;
+    const float* s;
+};
+
+ActQ quantize_x(const KvlmKernels* t, const float* x, int64_t M, int64_t K) {
+    thread_local std::vector<int8_t> xq;
+    thread_local std::vector<float> xd, xs;
+    const int64_t nb = K / 32;
+    if ((int64_t)xq.size() < M * K) xq.resize(M * K);
+    if ((int64_t)xs.size() < M * nb) xd.resize(8 * M * nb), xs.resize(M * nb);
+    int8_t* q = xq.data();
+    float *d = xd.data(), *s = xs.data();
+    at::parallel_for(0, M, std::max<int64_t>(1, 65536 / K), [&](int64_t m0, int64_t m1) {
+        t->quantize_act(x + m0 * K, m1 - m0, K, q + m0 * K, d + 8 * m0 * nb, s + m0 * nb);
+    });
+    return {q, d, s};
+}
+
+}  // namespace
+
 bool matmul(const KvlmKernels* t, int qtype, const uint8_t* w, int64_t rs, int64_t K, int64_t N, const float* x,
             int64_t M, float* y, int64_t ldy, int act) {
     const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, K * M));  // rows per task
     std::atomic<bool> ok{true};
     if (act == ACT_INT8 && has_int8(t, qtype) && K % 32 == 0) {
-        // x quantized once (M * K / 32 blocks), then shared read-only by every thread.
-        thread_local std::vector<int8_t> xq;
-        thread_local std::vector<float> xd, xs;
-        xq.resize(M * K);
-        xd.resize(M * K / 32);
-        xs.resize(M * K / 32);
-        t->quantize_act(x, M, K, xq.data(), xd.data(), xs.data());
-        const int8_t* q = xq.data();
-        const float *d = xd.data(), *s = xs.data();
+        // x quantized once, then shared read-only by every thread.
+        const ActQ a = quantize_x(t, x, M, K);
+        const int8_t* q = a.q;
+        const float *d = a.d, *s = a.s;
         at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
             if (t->gemv_i8(qtype, w, rs, K, q, d, s, M, y, ldy, n0, n1)) ok = false;
         });
@@ -135,6 +158,24 @@ void qmatmul_i8(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64_t
     TORCH_CHECK(ok, "kvlm kernels: no int8-activation kernel for ggml type ", qtype);
 }
 
+// out (M, K) = x fake-quantized as the int8 kernels see it: q * d per 32-element block (K % 32 == 0).
+// For many rows, "fake-quantize x, dequantize a weight tile, BLAS" gives the int8 kernels' numerics
+// up to the float32 summation order.
+void fake_quantize_act(const at::Tensor& x, int64_t isa, const at::Tensor& out) {
+    TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous() &&
+                    x.size(1) % 32 == 0, "x must be a contiguous float32 (M, K) CPU tensor, K a multiple of 32");
+    TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.sizes() == x.sizes(), "bad out tensor");
+    const KvlmKernels* t = table(isa);
+    TORCH_CHECK(t->quantize_act != nullptr, "kvlm kernels: no int8 activations on this ISA path");
+    const int64_t M = x.size(0), K = x.size(1);
+    const kvlm::ActQ a = kvlm::quantize_x(t, x.const_data_ptr<float>(), M, K);
+    float* o = out.mutable_data_ptr<float>();
+    at::parallel_for(0, M * K / 32, 256, [&](int64_t b0, int64_t b1) {
+        for (int64_t b = b0; b < b1; b++)
+            for (int j = 0; j < 32; j++) o[b * 32 + j] = (float)a.q[b * 32 + j] * a.d[b * 8];
+    });
+}
+
 // out (N, K) = the dequantized weight rows.
 void dequantize(const at::Tensor& w, int64_t qtype, int64_t K, int64_t isa, const at::Tensor& out) {
     check_weight(w);
@@ -194,6 +235,7 @@ TORCH_LIBRARY(kvlm_kernels, m) {
     m.def("best_isa() -> int", &kvlm::best_isa);
     m.def("qmatmul(Tensor x, Tensor w, int qtype, int K, int isa, Tensor(a!) out) -> ()", &qmatmul);
     m.def("qmatmul_i8(Tensor x, Tensor w, int qtype, int K, int isa, Tensor(a!) out) -> ()", &qmatmul_i8);
+    m.def("fake_quantize_act(Tensor x, int isa, Tensor(a!) out) -> ()", &fake_quantize_act);
     m.def("dequantize(Tensor w, int qtype, int K, int isa, Tensor(a!) out) -> ()", &dequantize);
     m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
           "float scale, int isa, Tensor(a!) out) -> ()", &paged_decode_attention);
