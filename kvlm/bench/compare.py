@@ -80,7 +80,9 @@ class _Kvlm:
     def __init__(self, model: str, threads: int, max_len: int, dtype: str) -> None:
         from kvlm.llm import LLM
 
-        self.llm = LLM(model, num_threads=threads, max_num_seqs=1, max_model_len=max_len, dtype=dtype)
+        # Prefix caching off: every round must compute its prompt, as llama.cpp does on a fresh context.
+        self.llm = LLM(model, num_threads=threads, max_num_seqs=1, max_model_len=max_len, dtype=dtype,
+                       enable_prefix_caching=False)
 
     def measure(self, spec: dict[str, Any]) -> dict[str, Any]:
         from kvlm.bench.decode import _kvlm_run

@@ -115,7 +115,8 @@ def run(model: str = "smollm2-135m", threads: int = 2, prompt_lens: tuple[int, .
 
     torch.set_num_threads(threads)
     max_len = max(max(prompt_lens) + 2, max(contexts) + decode_steps + 2) + 16  # + a block: the pool rounds down
-    llm = LLM(model, num_threads=threads, max_num_seqs=1, max_model_len=max_len, dtype=dtype)
+    llm = LLM(model, num_threads=threads, max_num_seqs=1, max_model_len=max_len, dtype=dtype,
+              enable_prefix_caching=False)  # repeated prompts must be computed, not reused
     eng = llm.llm_engine
     # The ceilings of the device the engine runs on (the CPU here; a GPU when the engine picked CUDA).
     bw = memory_bandwidth(copy_mib, device=eng.device)
