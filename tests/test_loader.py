@@ -606,3 +606,29 @@ def test_kvlm_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("KVLM_HOME")
     monkeypatch.setenv("HOME", str(tmp_path))
     assert registry.kvlm_home() == tmp_path / ".cache" / "kvlm"
+
+
+def test_ggml_type_table_matches_the_gguf_package() -> None:
+    """kvlm.ggml_types (kept so that loading never imports gguf and its yaml) equals gguf's constants."""
+    import gguf
+
+    from kvlm.ggml_types import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    ours = {t.name: int(t) for t in GGMLQuantizationType}
+    theirs = {t.name: int(t) for t in gguf.GGMLQuantizationType}
+    assert {k: v for k, v in theirs.items() if k in ours} == ours
+    assert {t.name: s for t, s in GGML_QUANT_SIZES.items()} == {
+        t.name: s for t, s in gguf.GGML_QUANT_SIZES.items() if t.name in ours}
+
+
+def test_generate_does_not_import_gguf_or_yaml(tiny_gguf) -> None:
+    """The run path reads GGUF with kvlm's own parser and type table: no gguf / yaml import (0.1 s)."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom kvlm.cli import main\n"
+            f"main(['-q', 'generate', {str(tiny_gguf)!r}, 'hi', '--max-tokens', '2', '--dtype', 'auto'])\n"
+            "print('imported', 'gguf' in sys.modules, 'yaml' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "imported False False" in out.stdout

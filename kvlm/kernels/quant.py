@@ -31,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from kvlm.ggml_types import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from kvlm.kernels import native
 from kvlm.kernels.reference import dequantize_ref, qmatmul_ref

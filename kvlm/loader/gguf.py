@@ -144,7 +144,7 @@ class _HeaderWalker:
         raise self.fail(f"unknown value type {vtype} in {what}")
 
     def walk(self, n_tensors: int, n_kv: int) -> None:
-        from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+        from kvlm.ggml_types import GGML_QUANT_SIZES, GGMLQuantizationType
 
         alignment = 32
         for i in range(n_kv):
@@ -267,8 +267,6 @@ def _config_from_gguf(fields: dict[str, Any], tensor_names: set[str]) -> ModelCo
 
 def dequantize_tensor(t: Any) -> torch.Tensor:
     """One GGUF tensor -> float32 torch tensor in HF (row-major, out x in) shape."""
-    from gguf import quants
-
     qtype = t.tensor_type.name
     if qtype not in SUPPORTED_TENSOR_TYPES:
         raise UnsupportedModelError(f"tensor {t.name} has unsupported type {qtype}")
@@ -278,6 +276,8 @@ def dequantize_tensor(t: Any) -> torch.Tensor:
     elif qtype == "F16":
         arr = np.asarray(t.data, dtype=np.float16).astype(np.float32)
     else:
+        from gguf import quants  # block decoding (its import pulls in yaml: only when needed)
+
         arr = quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
     import torch
 
@@ -299,7 +299,7 @@ def file_bytes(reader: Any) -> torch.Tensor:
 
 def quant_tensor(t: Any, mapped: torch.Tensor) -> Any:
     """A 2-D GGUF tensor as a `kernels.QuantTensor` over the mapped file: nothing is read or converted."""
-    from gguf import GGML_QUANT_SIZES
+    from kvlm.ggml_types import GGML_QUANT_SIZES
 
     from kvlm.kernels import QuantTensor
 
