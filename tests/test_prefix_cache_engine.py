@@ -189,26 +189,46 @@ def test_miss_diagnostics(tiny_gguf: Path, caplog: pytest.LogCaptureFixture) -> 
     assert r.metrics.prefix_miss is None
 
 
+# With int8 activations (the default path) a last-bit difference (here: a reply token's K/V computed by
+# a decode step vs by a prefill, attention kernel vs SDPA) can move an activation across an int8
+# rounding boundary; where greedy replies part, the recomputed top-2 logit margin must be a near-tie.
+NEAR_TIE = 0.5  # as tests/test_quantized.py; the parting measured on 2026-12-01 had a margin of 0.015
+
+
 @pytest.mark.slow
 def test_ten_turn_chat_on_default_model_same_with_and_without_reuse(smollm2_gguf: Path) -> None:
-    """SmolLM2: a 10-turn greedy chat gives the same replies with the prefix cache as without, and from
+    """SmolLM2: a 10-turn greedy chat gives the same replies with the prefix cache as without (or parts at a
+    near-tie, whose margin is reported; the histories then differ, so the comparison stops there), and from
     turn 2 on each turn reuses the earlier turns (it prefills far fewer tokens than its prompt)."""
     from kvlm import LLM
     from kvlm.bench.prefix import CHAT_TURNS
 
     params = SamplingParams(temperature=0, max_tokens=6)
-    replies, prefilled = {}, {}
+    replies, prefilled, prompts, llms = {}, {}, {}, {}
     for caching in (False, True):  # both on the default path (quantized weights, int8 activations)
-        llm = LLM(str(smollm2_gguf), num_threads=2, enable_prefix_caching=caching)
+        llm = llms[caching] = LLM(str(smollm2_gguf), num_threads=2, enable_prefix_caching=caching)
         messages = [{"role": "system", "content": "You are a concise assistant."}]
-        replies[caching], prefilled[caching] = [], []
+        replies[caching], prefilled[caching], prompts[caching] = [], [], []
         for turn in CHAT_TURNS:
             messages.append({"role": "user", "content": turn})
+            prompts[caching].append(llm.render_chat(messages))
             out = llm.chat(messages, params)[0]
             replies[caching].append(out.outputs[0].token_ids)
             prefilled[caching].append((out.metrics.num_prompt_tokens, out.metrics.num_prefilled_tokens))
             messages.append({"role": "assistant", "content": out.outputs[0].text})
-    assert replies[True] == replies[False]
+    for turn, (a, b) in enumerate(zip(replies[False], replies[True])):
+        if a == b:
+            continue
+        k = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+        eng = llms[False].llm_engine
+        r = eng.add_request(prompts[False][turn] + a[:k], SamplingParams(temperature=0, max_tokens=1))
+        while not r.is_finished:
+            eng.step(keep_logits=True)
+        top = eng.last_result.logits[0].topk(2).values
+        margin = float(top[0] - top[1])
+        print(f"turn {turn + 1}: replies part at token {k}, top-2 margin {margin:.4f}")
+        assert margin < NEAR_TIE, f"turn {turn + 1} parted at token {k} with a margin of {margin:.3f}"
+        break
     assert all(p == n for n, p in prefilled[False])
     for n, p in prefilled[True][1:]:
         assert p < 40 and p < n / 2, prefilled[True]

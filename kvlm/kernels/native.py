@@ -179,6 +179,9 @@ class NativeOps:
     decode_plan_create: Any
     decode_plan_free: Any
     decode_step: Any
+    rms_norm: Any
+    silu_mul: Any
+    rope: Any
 
 
 @functools.cache
@@ -189,7 +192,8 @@ def ops() -> NativeOps | None:
     ns = torch.ops.kvlm_kernels
     return NativeOps(ns.qmatmul.default, ns.qmatmul_i8.default, ns.fake_quantize_act.default, ns.dequantize.default,
                      ns.paged_decode_attention.default, ns.decode_plan_create.default,
-                     ns.decode_plan_free.default, ns.decode_step.default)
+                     ns.decode_plan_free.default, ns.decode_step.default, ns.rms_norm.default,
+                     ns.silu_mul.default, ns.rope.default)
 
 
 @functools.cache

@@ -343,11 +343,63 @@ void decode_step(int64_t plan_id, const at::Tensor& x, const at::Tensor& positio
     tm.lap(T_NORM);
 }
 
+// The same element-wise functions as torch ops, for the module path (model.py: prefill, mixed steps):
+// with them, a token's norms, RoPE and SiLU have the same bits whichever path computes it.
+
+void check_f32_rows(const at::Tensor& t, int64_t n, const char* what) {
+    TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.dim() == 2 && t.size(1) == n &&
+                    t.stride(1) == 1, "kvlm ", what, ": expected float32 (rows, ", n, ") with contiguous rows");
+}
+
+// out (T, n) = rmsnorm of each row of x (T, n) with weight w (n,).
+void rms_norm_op(const at::Tensor& x, const at::Tensor& w, double eps, const at::Tensor& out) {
+    const int64_t n = w.numel();
+    check_f32_rows(x, n, "rms_norm x");
+    check_f32_rows(out, n, "rms_norm out");
+    TORCH_CHECK(out.size(0) == x.size(0), "kvlm rms_norm: out rows differ");
+    const float* wp = f32_ptr(w, n, "rms_norm weight");
+    for (int64_t r = 0; r < x.size(0); r++)
+        rmsnorm(x.const_data_ptr<float>() + r * x.stride(0), wp, out.mutable_data_ptr<float>() + r * out.stride(0), n,
+                static_cast<float>(eps));
+}
+
+// out (T, I) = silu(gu[:, :I]) * gu[:, I:] for gu (T, 2I).
+void silu_mul_op(const at::Tensor& gu, const at::Tensor& out) {
+    const int64_t I = out.size(1);
+    check_f32_rows(gu, 2 * I, "silu_mul gu");
+    check_f32_rows(out, I, "silu_mul out");
+    TORCH_CHECK(out.size(0) == gu.size(0), "kvlm silu_mul: out rows differ");
+    for (int64_t r = 0; r < gu.size(0); r++) {
+        const float* g = gu.const_data_ptr<float>() + r * gu.stride(0);
+        silu_mul(g, g + I, out.mutable_data_ptr<float>() + r * out.stride(0), I);
+    }
+}
+
+// out (T, H, D) = RoPE of x (T, H, D) (any row stride, heads D apart) with cos, sin (T, D) per token.
+void rope_op(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& out) {
+    TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2),
+                "kvlm rope: x must be float32 (T, H, D) with heads D apart");
+    const int64_t T = x.size(0), H = x.size(1), D = x.size(2);
+    check_f32_rows(cos, D, "rope cos");
+    check_f32_rows(sin, D, "rope sin");
+    TORCH_CHECK(cos.size(0) == T && sin.size(0) == T && out.is_contiguous() && out.sizes() == x.sizes() &&
+                    out.scalar_type() == at::kFloat, "kvlm rope: inconsistent shapes");
+    for (int64_t t = 0; t < T; t++) {
+        float* o = out.mutable_data_ptr<float>() + t * H * D;
+        std::memcpy(o, x.const_data_ptr<float>() + t * x.stride(0), sizeof(float) * H * D);
+        for (int64_t h = 0; h < H; h++)
+            rope(o + h * D, cos.const_data_ptr<float>() + t * cos.stride(0), sin.const_data_ptr<float>() + t * sin.stride(0), D);
+    }
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvlm_kernels, m) {
     m.def("decode_plan_create(Tensor[] tensors, int[] spec, float eps) -> int", &decode_plan_create);
     m.def("decode_plan_free(int plan) -> ()", &decode_plan_free);
+    m.def("rms_norm(Tensor x, Tensor w, float eps, Tensor(a!) out) -> ()", &rms_norm_op);
+    m.def("silu_mul(Tensor gu, Tensor(a!) out) -> ()", &silu_mul_op);
+    m.def("rope(Tensor x, Tensor cos, Tensor sin, Tensor(a!) out) -> ()", &rope_op);
     m.def("decode_step(int plan, Tensor x, Tensor positions, Tensor slots, Tensor block_tables, Tensor context_lens, "
           "Tensor[] k_caches, Tensor[] v_caches, int isa, Tensor(a!) out, Tensor(b!) profile) -> ()", &decode_step);
 }
