@@ -1,3 +1,3 @@
-from kvlm.cli import main
+from kvlm.cli import run
 
-raise SystemExit(main())
+run()

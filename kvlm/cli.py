@@ -420,3 +420,26 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+
+
+def run() -> None:
+    """The `kvlm` command: `main()`, then exit without the interpreter's teardown.
+
+    Tearing down a process that imported torch takes about 0.4 s (module and extension finalizers, the
+    thread pool); a command has nothing left to clean up once `main` returns (files are closed, the
+    server has drained), so it flushes its streams and leaves with `os._exit`."""
+    try:
+        code = main()
+    except SystemExit as e:  # argparse's --help / usage errors
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if e.code is not None and not isinstance(e.code, int):
+            print(e.code, file=sys.stderr)
+    except KeyboardInterrupt:
+        code = 130
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe (e.g. `kvlm ... | head`)
+            pass
+    os._exit(code)
