@@ -155,7 +155,7 @@ def run(model: str = "smollm2-135m", threads: int = 2, prompt_lens: tuple[int, .
 
     doc = run_header("latency", model, threads)
     doc.update({
-        "device": str(eng.device), "dtype": str(eng.dtype).removeprefix("torch."), "repeats": repeats,
+        "device": str(eng.device), "dtype": str(eng.dtype).removeprefix("torch."), "config_dtype": dtype, "repeats": repeats,
         "decode_steps": decode_steps,
         "memory_bandwidth_gb_per_s": bw / 1e9, "copy_mib": copy_mib,
         "peak_gflops_per_s": peak / 1e9, "matmul_n": matmul_n,
@@ -167,7 +167,8 @@ def run(model: str = "smollm2-135m", threads: int = 2, prompt_lens: tuple[int, .
 
 
 def print_table(d: dict[str, Any]) -> None:
-    print(f"{d['model']} ({d['dtype']}) on {d['device']}, {d['threads']} threads, CPU {d['cpu']}")
+    print(f"{d['model']} (--dtype {d.get('config_dtype', d['dtype'])}: {d['dtype']} activations) on {d['device']}, "
+          f"{d['threads']} threads, CPU {d['cpu']}")
     print(f"machine ceilings: memory {d['memory_bandwidth_gb_per_s']:.1f} GB/s (copy of {d['copy_mib']} MiB), "
           f"compute {d['peak_gflops_per_s']:.1f} GFLOP/s ({d['matmul_n']}^2 matmul), "
           f"ridge at {d['ridge_intensity']:.1f} FLOP/byte")
