@@ -1,0 +1,141 @@
+// Element-wise kernels (elementwise.h) and their torch ops. Compiled without an ISA pragma: RMSNorm and
+// RoPE are short scalar loops over one row; SiLU x up, the widest, is compiled for AVX-512, AVX2 and the
+// baseline with GCC's target_clones and the loader picks the clone the CPU runs.
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstring>
+
+#include "elementwise.h"
+
+namespace kvlm {
+
+// y[i] = x[i] / sqrt(mean(x^2) + eps) * w[i] over n floats (the sum of squares in increasing i).
+void rmsnorm(const float* x, const float* w, float* y, int64_t n, float eps) {
+    float ss = 0.0f;
+    for (int64_t i = 0; i < n; i++) ss += x[i] * x[i];
+    const float r = 1.0f / std::sqrt(ss / static_cast<float>(n) + eps);
+    for (int64_t i = 0; i < n; i++) y[i] = x[i] * r * w[i];
+}
+
+// HF rotate-half RoPE of one head in place: x * cos + roll(x, D/2) * sin_signed (sin_signed = [-sin, sin]).
+void rope(float* x, const float* cos, const float* sin, int64_t D) {
+    const int64_t h = D / 2;
+    for (int64_t i = 0; i < h; i++) {
+        const float a = x[i], b = x[i + h];
+        x[i] = a * cos[i] + b * sin[i];
+        x[i + h] = b * cos[i + h] + a * sin[i + h];
+    }
+}
+
+// exp(x) on 16 lanes, Cephes-style: n = floor(x / ln 2 + 0.5), a degree-6 polynomial on the remainder,
+// times 2^n (about 2 ulp); x is clamped to [-87.3, 88.3]. GCC vector extensions, so each target clone
+// below compiles it to 1 zmm, 2 ymm or 4 xmm registers.
+typedef float v16f __attribute__((vector_size(64)));
+typedef float v16fu __attribute__((vector_size(64), aligned(4)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+
+static inline __attribute__((always_inline)) v16f exp16(v16f x) {
+    const v16f lo = (v16f){} - 87.33654f, hi = (v16f){} + 88.3f;
+    x = x < lo ? lo : x;
+    x = x > hi ? hi : x;
+    const v16f fx = x * 1.44269504088896341f + 0.5f;
+    v16f n = __builtin_convertvector(__builtin_convertvector(fx, v16i), v16f);
+    n = n > fx ? n - 1.0f : n;
+    const v16f r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+    v16f y = (v16f){} + 1.9875691500E-4f;
+    y = y * r + 1.3981999507E-3f;
+    y = y * r + 8.3334519073E-3f;
+    y = y * r + 4.1665795894E-2f;
+    y = y * r + 1.6666665459E-1f;
+    y = y * r + 5.0000001201E-1f;
+    y = y * (r * r) + r + 1.0f;
+    const v16i bits = (__builtin_convertvector(n, v16i) + 127) << 23;
+    v16f p;
+    std::memcpy(&p, &bits, sizeof p);
+    return y * p;
+}
+
+// silu_mul 16 at a time (the tail through a zero-padded copy).
+// Compiled for AVX-512, AVX2 and the baseline; the loader picks the clone this CPU runs (target_clones).
+__attribute__((target_clones("avx512f", "avx2", "default")))
+void silu_mul(const float* g, const float* u, float* a, int64_t n) {
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        const v16f gv = *(const v16fu*)(g + i), uv = *(const v16fu*)(u + i);
+        *(v16fu*)(a + i) = gv / (1.0f + exp16(-gv)) * uv;
+    }
+    if (i < n) {
+        v16f gv = {}, uv = {};
+        std::memcpy(&gv, g + i, sizeof(float) * (n - i));
+        std::memcpy(&uv, u + i, sizeof(float) * (n - i));
+        const v16f av = gv / (1.0f + exp16(-gv)) * uv;
+        std::memcpy(a + i, &av, sizeof(float) * (n - i));
+    }
+}
+
+}  // namespace kvlm
+
+namespace {
+
+using kvlm::rmsnorm;
+using kvlm::rope;
+using kvlm::silu_mul;
+
+// ---- The same functions as torch ops (torch.ops.kvlm_kernels.*), for kernels/elementwise.py -------
+
+void check_f32_rows(const at::Tensor& t, int64_t n, const char* what) {
+    TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.dim() == 2 && t.size(1) == n &&
+                    t.stride(1) == 1, "kvlm ", what, ": expected float32 (rows, ", n, ") with contiguous rows");
+}
+
+// out (T, n) = rmsnorm of each row of x (T, n) with weight w (n,).
+void rms_norm_op(const at::Tensor& x, const at::Tensor& w, double eps, const at::Tensor& out) {
+    const int64_t n = w.numel();
+    check_f32_rows(x, n, "rms_norm x");
+    check_f32_rows(out, n, "rms_norm out");
+    TORCH_CHECK(out.size(0) == x.size(0), "kvlm rms_norm: out rows differ");
+    TORCH_CHECK(w.scalar_type() == at::kFloat && w.is_contiguous(), "kvlm rms_norm: weight must be contiguous float32");
+    const float* wp = w.const_data_ptr<float>();
+    for (int64_t r = 0; r < x.size(0); r++)
+        rmsnorm(x.const_data_ptr<float>() + r * x.stride(0), wp, out.mutable_data_ptr<float>() + r * out.stride(0), n,
+                static_cast<float>(eps));
+}
+
+// out (T, I) = silu(gu[:, :I]) * gu[:, I:] for gu (T, 2I).
+void silu_mul_op(const at::Tensor& gu, const at::Tensor& out) {
+    const int64_t I = out.size(1);
+    check_f32_rows(gu, 2 * I, "silu_mul gu");
+    check_f32_rows(out, I, "silu_mul out");
+    TORCH_CHECK(out.size(0) == gu.size(0), "kvlm silu_mul: out rows differ");
+    for (int64_t r = 0; r < gu.size(0); r++) {
+        const float* g = gu.const_data_ptr<float>() + r * gu.stride(0);
+        silu_mul(g, g + I, out.mutable_data_ptr<float>() + r * out.stride(0), I);
+    }
+}
+
+// out (T, H, D) = RoPE of x (T, H, D) (any row stride, heads D apart) with cos, sin (T, D) per token.
+void rope_op(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& out) {
+    TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2),
+                "kvlm rope: x must be float32 (T, H, D) with heads D apart");
+    const int64_t T = x.size(0), H = x.size(1), D = x.size(2);
+    check_f32_rows(cos, D, "rope cos");
+    check_f32_rows(sin, D, "rope sin");
+    TORCH_CHECK(cos.size(0) == T && sin.size(0) == T && out.is_contiguous() && out.sizes() == x.sizes() &&
+                    out.scalar_type() == at::kFloat, "kvlm rope: inconsistent shapes");
+    for (int64_t t = 0; t < T; t++) {
+        float* o = out.mutable_data_ptr<float>() + t * H * D;
+        std::memcpy(o, x.const_data_ptr<float>() + t * x.stride(0), sizeof(float) * H * D);
+        for (int64_t h = 0; h < H; h++)
+            rope(o + h * D, cos.const_data_ptr<float>() + t * cos.stride(0), sin.const_data_ptr<float>() + t * sin.stride(0), D);
+    }
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kvlm_kernels, m) {
+    m.def("rms_norm(Tensor x, Tensor w, float eps, Tensor(a!) out) -> ()", &rms_norm_op);
+    m.def("silu_mul(Tensor gu, Tensor(a!) out) -> ()", &silu_mul_op);
+    m.def("rope(Tensor x, Tensor cos, Tensor sin, Tensor(a!) out) -> ()", &rope_op);
+}

@@ -1,0 +1,22 @@
+// Element-wise kernels of a Llama layer on float32 rows: RMSNorm, rotate-half RoPE, SiLU(gate) x up.
+// One implementation for both callers: the fused decode step (decode.cpp) and, through the torch ops in
+// elementwise.cpp, the module path (kernels/elementwise.py, used by model.py for prefill and mixed
+// steps). So a token's element-wise math has the same bits whichever path computes it: with int8
+// activations a last-bit difference in a norm can move an activation across an int8 rounding step.
+// Each works on one row in a fixed order, so a row's result never depends on its neighbours.
+#pragma once
+#include <stdint.h>
+
+namespace kvlm {
+
+// y[i] = x[i] / sqrt(mean(x^2) + eps) * w[i] over n floats (sum of squares in increasing i; y may be x).
+void rmsnorm(const float* x, const float* w, float* y, int64_t n, float eps);
+
+// HF rotate-half RoPE of one head of D floats in place: x * cos + roll(x, D/2) * sin, where the sin
+// row is signed ([-sin, sin]) so that roll's sign change lives in the table.
+void rope(float* x, const float* cos, const float* sin, int64_t D);
+
+// a[i] = silu(g[i]) * u[i] = g / (1 + exp(-g)) * u over n floats (exp by a polynomial, about 2 ulp).
+void silu_mul(const float* g, const float* u, float* a, int64_t n);
+
+}  // namespace kvlm
