@@ -13,29 +13,15 @@ import math
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvlm.attention import AttentionMetadata, attention
 from kvlm.config import ModelConfig
 from kvlm.errors import ModelLoadError
 from kvlm.kernels import QuantTensor
+from kvlm.kernels.elementwise import apply_rope, rms_norm, silu_mul
 from kvlm.kv_cache import KVCache
 from kvlm.quant_linear import QuantEmbedding, QuantLinear, stack_quant
-
-
-def _elementwise_ops() -> Any:
-    """The native norm / SiLU / RoPE ops (csrc/decode.cpp), or None: the torch ops below. The fused
-    decode step uses the same functions, so a token's element-wise math has the same bits whether a
-    decode step or a prefill computes it (with int8 activations, a last-bit difference in a norm can
-    move an activation's int8 rounding, enough to flip a near-tie between cached and recomputed runs)."""
-    from kvlm.kernels import native
-
-    return native.ops() if native.active_isa() != "reference" else None
-
-
-def _native_cpu_f32(x: torch.Tensor) -> Any:
-    return _elementwise_ops() if x.dtype == torch.float32 and x.device.type == "cpu" else None
 
 
 class RMSNorm(nn.Module):
@@ -45,14 +31,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ops = _native_cpu_f32(x)
-        if ops is not None and self.weight.dtype == torch.float32:
-            x2 = x.reshape(-1, x.shape[-1]).contiguous()
-            out = torch.empty_like(x2)
-            ops.rms_norm(x2, self.weight.detach(), self.eps, out)
-            return out.view(x.shape)
         if x.dtype == torch.float32:
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one fused kernel
+            return rms_norm(x, self.weight, self.eps)  # one kernel (kernels/elementwise.py)
         # Half precision: normalise in float32 like the reference, cast back before the weight.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -119,19 +99,6 @@ def _shape(t: Any) -> tuple[int, ...]:
     return tuple(t.shape)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
-    """HF's rotate-half RoPE: x * cos + rotate_half(x) * sin, where rotate_half([a, b]) = [-b, a].
-    roll(x, D/2) gives [b, a]; the sign lives in the table (sin_signed = [-sin, sin]), saving two ops.
-    x (T, heads, D); cos, sin_signed (T, 1, D)."""
-    ops = _native_cpu_f32(x)
-    if ops is not None and x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2] \
-            and cos.dtype == torch.float32:
-        out = torch.empty(x.shape, dtype=torch.float32)
-        ops.rope(x, cos.reshape(x.shape[0], -1), sin_signed.reshape(x.shape[0], -1), out)
-        return out
-    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed
-
-
 class LlamaAttention(nn.Module):
     """q/k/v projections are stacked into one `qkv_proj` (and gate/up into `gate_up_proj` in the MLP):
     one matrix product per step instead of three; `load_weights` stacks the checkpoint's tensors."""
@@ -181,14 +148,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(i, h, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gu = self.gate_up_proj(x)
-        ops = _native_cpu_f32(gu)
-        if ops is not None and gu.dim() == 2 and gu.is_contiguous():
-            a = gu.new_empty(gu.shape[0], gu.shape[1] // 2)
-            ops.silu_mul(gu, a)  # silu(gate) * up, as the fused decode step computes it
-            return self.down_proj(a)
-        gate, up = gu.chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_mul(self.gate_up_proj(x)))  # silu(gate) * up
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -98,28 +98,3 @@ def test_module_path_where_fusion_does_not_apply(family_gguf: Path, monkeypatch:
     monkeypatch.setenv("KVLM_FUSED_DECODE", "0")
     assert Engine(family_gguf, EngineConfig(dtype="auto"), quiet=True).runner.fused is None
 
-
-def test_native_elementwise_ops_match_torch() -> None:
-    """rms_norm, silu_mul and rope (shared by the fused step and the module path) against torch's ops."""
-    import torch.nn.functional as F
-
-    ops = native.ops()
-    g = torch.Generator().manual_seed(3)
-    x = torch.randn(5, 576, generator=g) * 3
-    w = torch.randn(576, generator=g)
-    out = torch.empty_like(x)
-    ops.rms_norm(x, w, 1e-5, out)
-    torch.testing.assert_close(out, F.rms_norm(x, (576,), w, 1e-5), atol=1e-5, rtol=1e-5)
-    gu = torch.randn(4, 2 * 1537, generator=g) * 6  # a width that is not a multiple of 16: the tail path
-    a = torch.empty(4, 1537)
-    ops.silu_mul(gu, a)
-    torch.testing.assert_close(a, F.silu(gu[:, :1537]) * gu[:, 1537:], atol=1e-5, rtol=1e-5)
-    qkv = torch.randn(3, 15, 64, generator=g)
-    qk = qkv[:, :12]  # a strided view, as the model passes it
-    ang = torch.randn(3, 32, generator=g)
-    cos = torch.cat((ang.cos(), ang.cos()), -1)
-    sin = torch.cat((-ang.sin(), ang.sin()), -1)
-    r = torch.empty(3, 12, 64)
-    ops.rope(qk, cos, sin, r)
-    ref = qk * cos[:, None] + qk.roll(32, dims=-1) * sin[:, None]
-    torch.testing.assert_close(r, ref, atol=1e-6, rtol=1e-6)

@@ -500,3 +500,23 @@ def test_f32_activations_opt_out(isa: str, monkeypatch: pytest.MonkeyPatch) -> N
     finally:
         monkeypatch.delenv(native.ENV_ACT)
         native.refresh()
+
+
+@pytest.mark.skipif(not native.available(), reason="native kernels not built here")
+def test_elementwise_kernels_match_their_references() -> None:
+    """rms_norm, silu_mul and apply_rope (kernels/elementwise.py: the native functions the fused decode
+    step shares with the module path) against their PyTorch references."""
+    from kvlm.kernels.elementwise import apply_rope, rms_norm, silu_mul
+    from kvlm.kernels.reference import rms_norm_ref, rope_ref, silu_mul_ref
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 576, generator=g) * 3
+    w = torch.randn(576, generator=g)
+    torch.testing.assert_close(rms_norm(x, w, 1e-5), rms_norm_ref(x, w, 1e-5), atol=1e-5, rtol=1e-5)
+    gu = torch.randn(4, 2 * 1537, generator=g) * 6  # a width that is not a multiple of 16: the tail path
+    torch.testing.assert_close(silu_mul(gu), silu_mul_ref(gu), atol=1e-5, rtol=1e-5)
+    qk = torch.randn(3, 15, 64, generator=g)[:, :12]  # a strided view, as the model passes it
+    ang = torch.randn(3, 1, 32, generator=g)
+    cos = torch.cat((ang.cos(), ang.cos()), -1)
+    sin = torch.cat((-ang.sin(), ang.sin()), -1)
+    torch.testing.assert_close(apply_rope(qk, cos, sin), rope_ref(qk, cos, sin), atol=1e-6, rtol=1e-6)

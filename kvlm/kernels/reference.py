@@ -80,3 +80,19 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         qg = q[b].float().reshape(kv_heads, group, d)  # query head h = g * group + i uses K/V head g
         out[b] = F.scaled_dot_product_attention(qg, k, v, scale=scale).reshape(heads, d)
     return out.to(q.dtype)
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / sqrt(mean(x^2, -1) + eps) * weight (torch's fused rms_norm)."""
+    return torch.nn.functional.rms_norm(x, weight.shape, weight, eps)
+
+
+def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
+    """(..., 2I) -> silu(first half) * second half."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+def rope_ref(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE with a signed sin table: x * cos + roll(x, D/2) * sin_signed."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed

@@ -1,0 +1,55 @@
+"""RMSNorm, rotate-half RoPE and SiLU(gate) x up on float32 CPU rows: the native kernels
+(`csrc/elementwise.cpp`, the same functions the fused decode step calls) where the extension is built,
+else their PyTorch references (`reference.py`).
+
+Sharing one implementation with the fused step is the point: a token's norms, RoPE and SiLU then have
+the same bits whether a decode step or a prefill computes them (with int8 activations a last-bit
+difference in a norm can move an activation across an int8 rounding step, enough to flip a near-tie
+between a cached and a recomputed run). Other dtypes and devices take the references.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvlm.kernels import native
+from kvlm.kernels.reference import rms_norm_ref, rope_ref, silu_mul_ref
+
+
+def _ops(x: torch.Tensor) -> native.NativeOps | None:
+    if x.dtype != torch.float32 or x.device.type != "cpu" or native.active_isa() == "reference":
+        return None
+    return native.ops()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x (..., n) float32, weight (n,) -> x / sqrt(mean(x^2) + eps) * weight, row by row."""
+    ops = _ops(x)
+    if ops is None or weight.dtype != torch.float32:
+        return rms_norm_ref(x, weight, eps)
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    out = torch.empty_like(x2)
+    ops.rms_norm(x2, weight.detach(), eps, out)
+    return out.view(x.shape)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up (T, 2I) -> silu(gate_up[:, :I]) * gate_up[:, I:] (T, I)."""
+    ops = _ops(gate_up)
+    if ops is None or gate_up.dim() != 2 or not gate_up.is_contiguous():
+        return silu_mul_ref(gate_up)
+    out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
+    ops.silu_mul(gate_up, out)
+    return out
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """HF's rotate-half RoPE: x * cos + rotate_half(x) * sin, where rotate_half([a, b]) = [-b, a].
+    roll(x, D/2) gives [b, a]; the sign lives in the table (sin_signed = [-sin, sin]), saving two ops.
+    x (T, heads, D) (heads D floats apart, any token stride); cos, sin_signed (T, 1, D)."""
+    ops = _ops(x)
+    if ops is None or x.dim() != 3 or x.stride(2) != 1 or x.stride(1) != x.shape[2] or cos.dtype != torch.float32:
+        return rope_ref(x, cos, sin_signed)
+    out = torch.empty(x.shape, dtype=torch.float32)
+    ops.rope(x, cos.reshape(x.shape[0], -1), sin_signed.reshape(x.shape[0], -1), out)
+    return out
