@@ -96,7 +96,7 @@ class Scheduler:
             budget -= n
         # Admit waiting requests only when nobody was preempted this step (otherwise they would just
         # take the blocks the preemption freed for older requests).
-        pending = self._pending_blocks(batch)
+        pending = self._pending_blocks(batch) if self.waiting else None  # only admission reads it
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not batch.preempted:
             req = self.waiting[0]
             hit = [] if req.params.prompt_logprobs is not None else self.bm.find_cached_prefix(req)
