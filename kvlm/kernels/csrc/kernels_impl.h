@@ -39,16 +39,22 @@ KVLM_INLINE b16 ldb(const uint8_t* p) { return *(const b16u*)p; }
 // conversion): bytes are widened to int32 first, then masked, shifted and converted to float.
 // Widening goes 8 -> 16 -> 32 bits: GCC 12 turns each 2x step into vpmovzx/vpmovsx, a 4x step into scalar code.
 typedef int16_t hs16 __attribute__((vector_size(32)));
+#if defined(KVLM_AVX2)
+// A 16-lane vector from two 8-lane AVX2 registers (lo = lanes 0..7, hi = 8..15).
+template <class V, class H>
+KVLM_INLINE V join16(H lo, H hi) {
+    V r;
+    memcpy(&r, &lo, 32);
+    memcpy((char*)&r + 32, &hi, 32);
+    return r;
+}
+#endif
 KVLM_INLINE i16v widen(const uint8_t* p) {
 #if defined(KVLM_AVX512)
     return (i16v)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
 #elif defined(KVLM_AVX2)
-    __m256i lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
-    __m256i hi = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(p + 8)));
-    i16v r;
-    memcpy(&r, &lo, 32);
-    memcpy((char*)&r + 32, &hi, 32);
-    return r;
+    return join16<i16v>(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)),
+                        _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(p + 8))));
 #else
     return __builtin_convertvector(__builtin_convertvector(ldb(p), h16), i16v);
 #endif
@@ -388,12 +394,8 @@ struct KvF16 {
 #if defined(KVLM_AVX512)
         return (v16)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
 #elif defined(KVLM_AVX2)
-        __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
-        __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 8)));
-        v16 r;
-        memcpy(&r, &lo, 32);
-        memcpy((char*)&r + 32, &hi, 32);
-        return r;
+        return join16<v16>(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)),
+                           _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 8))));
 #else
         return half_to_float(__builtin_convertvector(*(const h16u*)p, u16v));
 #endif
