@@ -8,15 +8,38 @@ models, broken files, prompts that do not fit) print one line on stderr and exit
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import json
 import logging
 import os
 import sys
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any, NoReturn
 
 from kvlm.cache_cli import add_prefix_snapshot_flag, load_prefix_snapshot
 from kvlm.errors import KvlmError, ParameterError
+
+
+_FREEZE_AFTER_LOAD = False  # set by run(): a `kvlm` process, not a caller of main()
+
+
+@contextlib.contextmanager
+def loading() -> Iterator[None]:
+    """Import torch and load the model with the cyclic garbage collector paused: those imports and the
+    load create a million objects and no cyclic garbage, and the collector's passes over them cost
+    ~0.15 s of every start. In a `kvlm` process everything alive then is frozen out of later
+    collections too (`gc.freeze`), so decode steps never walk torch's objects."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if _FREEZE_AFTER_LOAD:
+            gc.freeze()
+        if was:
+            gc.enable()
 
 
 class _Parser(argparse.ArgumentParser):
@@ -140,11 +163,12 @@ def _model_and_prompt(inputs: list[str], from_file: bool) -> tuple[str, str | No
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
-    from kvlm.llm import LLM
-
     a.model, a.prompt = _model_and_prompt(a.inputs, bool(a.prompts_file))
     params = _sampling_params(a)
-    llm = LLM(a.model, quiet=a.quiet, **_engine_kwargs(a))
+    with loading():
+        from kvlm.llm import LLM
+
+        llm = LLM(a.model, quiet=a.quiet, **_engine_kwargs(a))
     load_prefix_snapshot(llm, a.prefix_snapshot, a.quiet)
 
     def as_input(text: str):
@@ -198,9 +222,10 @@ def _generate_batch(llm: Any, a: argparse.Namespace, params: Any, as_input: Any)
 
 
 def cmd_chat(a: argparse.Namespace) -> int:
-    from kvlm.llm import LLM
+    with loading():
+        from kvlm.llm import LLM
 
-    llm = LLM(a.model, quiet=a.quiet, **_engine_kwargs(a))
+        llm = LLM(a.model, quiet=a.quiet, **_engine_kwargs(a))
     load_prefix_snapshot(llm, a.prefix_snapshot, a.quiet)
     params = _sampling_params(a)
     messages: list[dict[str, str]] = [{"role": "system", "content": a.system}] if a.system else []

@@ -365,6 +365,18 @@ def test_absurd_counts_in_header(tmp_path: Path, good_gguf: bytes, field: str) -
     assert_one_line(e, "corrupt GGUF header", str(2**40))
 
 
+@pytest.mark.parametrize("heads", [260, 8])
+def test_head_count_that_does_not_fit_the_weights(tmp_path: Path, good_gguf: bytes, heads: int) -> None:
+    """Metadata whose head count disagrees with the Q weight's rows (found by the property test: it
+    crashed in the RoPE un-permute with a torch shape error) is one sentence naming the tensor."""
+    key = b"llama.attention.head_count\x04\x00\x00\x00"
+    at = good_gguf.index(key) + len(key)
+    data = good_gguf[:at] + struct.pack("<I", heads) + good_gguf[at + 4:]
+    with pytest.raises(ModelLoadError) as e:
+        load_checkpoint(_write(tmp_path, data))
+    assert_one_line(e, "bad.gguf", "attn_q", f"{heads} heads")
+
+
 @pytest.mark.parametrize("cut", [0.5, 10, 24, 200, 3000, 0.25, -1])
 def test_truncated_gguf(tmp_path: Path, good_gguf: bytes, cut: float) -> None:
     n = int(len(good_gguf) * cut) if isinstance(cut, float) else cut % len(good_gguf)

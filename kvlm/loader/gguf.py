@@ -8,8 +8,6 @@ It knows nothing about the model code beyond those names.
 
 from __future__ import annotations
 
-import math
-import mmap
 import os
 import re
 import struct
@@ -80,124 +78,27 @@ def unpermute_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-# GGUF metadata value types -> byte size of a scalar (8: string, 9: array are walked separately).
-_SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
-_MAX_DIMS = 4  # GGML_MAX_DIMS
-
-
-class _HeaderWalker:
-    """Reads the GGUF header (metadata and tensor table) checking every length against the file size
-    before using it, so a damaged file fails here with a plain sentence instead of making the reader
-    loop or allocate for ever. Works on an mmap: nothing beyond the header is read."""
-
-    def __init__(self, buf: Any, path: Path) -> None:
-        self.buf, self.path, self.pos, self.size = buf, path, 24, len(buf)
-
-    def fail(self, what: str) -> ModelLoadError:
-        return ModelLoadError(f"{self.path}: corrupt or truncated GGUF file ({what} at byte {self.pos})")
-
-    def take(self, n: int, what: str) -> int:
-        if n < 0 or self.pos + n > self.size:
-            raise self.fail(f"{what} runs past the end of the {self.size}-byte file")
-        start, self.pos = self.pos, self.pos + n
-        return start
-
-    def u32(self, what: str) -> int:
-        return struct.unpack_from("<I", self.buf, self.take(4, what))[0]
-
-    def u64(self, what: str) -> int:
-        return struct.unpack_from("<Q", self.buf, self.take(8, what))[0]
-
-    def string(self, what: str) -> bytes:
-        n = self.u64(f"length of {what}")
-        start = self.take(n, what)
-        return bytes(self.buf[start:start + n]) if n <= 256 else b""
-
-    def value(self, vtype: int, what: str, depth: int = 0) -> Any:
-        if vtype in _SCALAR_SIZES:
-            start = self.take(_SCALAR_SIZES[vtype], what)
-            return int.from_bytes(self.buf[start:start + _SCALAR_SIZES[vtype]], "little") if vtype == 4 else None
-        if vtype == 8:
-            self.string(what)
-            return None
-        if vtype == 9 and depth < 2:
-            etype, count = self.u32(f"element type of {what}"), self.u64(f"length of {what}")
-            least = _SCALAR_SIZES.get(etype, 8 if etype in (8, 9) else None)
-            if least is None:
-                raise self.fail(f"unknown element type {etype} in {what}")
-            if count * least > self.size - self.pos:
-                raise self.fail(f"{what} claims {count} elements, more than the file holds")
-            if etype in _SCALAR_SIZES:
-                self.take(count * least, what)
-            elif etype == 8:  # a vocabulary: lengths only, in a tight loop (no bytes objects, no calls)
-                buf, pos, size = self.buf, self.pos, self.size
-                unpack = struct.Struct("<Q").unpack_from
-                for _ in range(count):
-                    if pos + 8 > size or pos + 8 + unpack(buf, pos)[0] > size:
-                        raise self.fail(f"{what} runs past the end of the {size}-byte file")
-                    pos += 8 + unpack(buf, pos)[0]
-                self.pos = pos
-            else:
-                for _ in range(count):
-                    self.value(etype, what, depth + 1)
-            return None
-        raise self.fail(f"unknown value type {vtype} in {what}")
-
-    def walk(self, n_tensors: int, n_kv: int) -> None:
-        from kvlm.ggml_types import GGML_QUANT_SIZES, GGMLQuantizationType
-
-        alignment = 32
-        for i in range(n_kv):
-            key = self.string(f"metadata key {i}")
-            value = self.value(self.u32(f"type of metadata key {i}"), f"metadata value {key[:64]!r}")
-            if key == b"general.alignment" and value is not None:
-                alignment = value
-        if not 1 <= alignment <= 1 << 16 or alignment & (alignment - 1):
-            raise self.fail(f"general.alignment {alignment} is not a power of two")
-        tensors = []
-        for i in range(n_tensors):
-            self.string(f"name of tensor {i}")
-            n_dims = self.u32(f"dimension count of tensor {i}")
-            if not 1 <= n_dims <= _MAX_DIMS:
-                raise self.fail(f"tensor {i} has {n_dims} dimensions")
-            dims = [self.u64(f"shape of tensor {i}") for _ in range(n_dims)]
-            qtype, offset = self.u32(f"type of tensor {i}"), self.u64(f"offset of tensor {i}")
-            try:
-                block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
-            except (ValueError, KeyError):
-                raise self.fail(f"tensor {i} has unknown type {qtype}") from None
-            elems = math.prod(dims)
-            if dims[0] % block:
-                raise self.fail(f"tensor {i}'s rows ({dims[0]}) are not whole {block}-element blocks")
-            tensors.append((i, offset, elems // block * type_size))
-        data_start = -(-self.pos // alignment) * alignment
-        for i, offset, nbytes in tensors:
-            if data_start + offset + nbytes > self.size:
-                raise self.fail(f"tensor {i} ({nbytes} bytes at offset {offset}) runs past the end of the file")
-
-
 def check_header(path: Path) -> None:
-    """Validate magic, version, every metadata length and the tensor table against the file size
-    before the `gguf` reader trusts any of them."""
+    """The fixed 24-byte header: magic, version and plausible counts, before anything else is read."""
     size = path.stat().st_size
     if size < 24:
         raise ModelLoadError(f"{path}: not a GGUF file (only {size} bytes)")
     with open(path, "rb") as f:
         head = f.read(24)
-        if head[:4] != GGUF_MAGIC:
-            raise ModelLoadError(f"{path}: not a GGUF file (bad magic {head[:4]!r})")
-        version, n_tensors, n_kv = struct.unpack("<IQQ", head[4:24])
-        if version not in (2, 3):
-            raise ModelLoadError(f"{path}: unsupported GGUF version {version}")
-        # Each tensor info and each key/value takes at least ~24 bytes in the file.
-        if n_tensors > _MAX_TENSORS or n_kv > _MAX_KV or 24 * (n_tensors + n_kv) > size:
-            raise ModelLoadError(f"{path}: corrupt GGUF header ({n_tensors} tensors, {n_kv} metadata keys)")
-        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-            _HeaderWalker(buf, path).walk(n_tensors, n_kv)
+    if head[:4] != GGUF_MAGIC:
+        raise ModelLoadError(f"{path}: not a GGUF file (bad magic {head[:4]!r})")
+    version, n_tensors, n_kv = struct.unpack("<IQQ", head[4:24])
+    if version not in (2, 3):
+        raise ModelLoadError(f"{path}: unsupported GGUF version {version}")
+    # Each tensor info and each key/value takes at least ~24 bytes in the file.
+    if n_tensors > _MAX_TENSORS or n_kv > _MAX_KV or 24 * (n_tensors + n_kv) > size:
+        raise ModelLoadError(f"{path}: corrupt GGUF header ({n_tensors} tensors, {n_kv} metadata keys)")
 
 
 def read_gguf(path: str | os.PathLike) -> tuple[Any, dict[str, Any]]:
-    """Open a GGUF file after checking it; returns (GGUFFile, metadata as plain Python values)."""
+    """Open a GGUF file after checking it; returns (GGUFFile, metadata as plain Python values).
+    GGUFFile checks every length in the metadata and tensor table against the file size as it parses
+    (one pass); its ValueError becomes one `ModelLoadError` sentence naming the file."""
     from kvlm.loader.gguf_file import GGUFFile
 
     p = Path(path)
@@ -206,14 +107,11 @@ def read_gguf(path: str | os.PathLike) -> tuple[Any, dict[str, Any]]:
     check_header(p)
     try:
         reader = GGUFFile(p)  # not gguf.GGUFReader: same values, seconds faster (see gguf_file)
-        fields = reader.fields
-    except Exception:  # the header walk passed, so this is damage it does not model (bad UTF-8, ...)
+    except ValueError as e:
+        raise ModelLoadError(f"{p}: corrupt or truncated GGUF file ({str(e)[:200]})") from None
+    except Exception:  # noqa: BLE001 (damage the parser does not model: bad UTF-8 in a name, ...)
         raise ModelLoadError(f"{p}: corrupt GGUF file (its metadata cannot be decoded)") from None
-    size = p.stat().st_size
-    for t in reader.tensors:
-        if t.data_offset + int(t.n_bytes) > size or t.data.nbytes != int(t.n_bytes):
-            raise ModelLoadError(f"{p}: truncated GGUF file (tensor {t.name} runs past the end)")
-    return reader, fields
+    return reader, reader.fields
 
 
 def config_from_gguf(fields: dict[str, Any], tensor_names: set[str]) -> ModelConfig:
@@ -358,6 +256,10 @@ def load_gguf(path: str | os.PathLike,
             heads = (config.num_attention_heads if ".q_proj." in hf
                      else config.num_key_value_heads if ".k_proj." in hf else 0)
             if heads:
+                rows = int(t.shape[-1])  # GGUF dims are fastest-first: the last one counts rows
+                if rows != heads * config.head_dim or config.head_dim % 2:
+                    raise ModelLoadError(f"{path}: tensor {t.name} has {rows} rows, but the metadata's {heads} heads "
+                                         f"x head_dim {config.head_dim} need {heads * config.head_dim}")
                 w = _unpermute_any(w, heads)
         state[hf] = w
     return config, state, fields

@@ -5,8 +5,9 @@ merges) are `LazyArray`s: length-checked here, decoded only when a tokenizer is 
 The `gguf` package's `GGUFReader` builds a numpy view for every metadata array element, which takes
 seconds on a model with a 49k-token vocabulary; this parser reads the same layout in one pass with
 `struct` and `numpy.frombuffer` (numeric arrays in one call, strings in a plain loop). Every count and
-length is checked against the file size before it is used, so a corrupt header raises `ValueError`
-instead of allocating or looping for ever. It knows nothing about models: `loader.gguf` interprets it.
+length is checked against the file size before it is used, so a corrupt header raises `ValueError` (one
+sentence naming the field and byte) instead of allocating or looping for ever; this is the only GGUF
+header parser. It knows nothing about models: `loader.gguf` interprets it.
 
 Layout (GGUF v2/v3, little-endian): magic, version u32, tensor count u64, metadata count u64; metadata
 (key string, type u32, value); tensor infos (name string, n_dims u32, dims u64 x n_dims fastest-first,
@@ -15,6 +16,7 @@ type u32, offset u64); padding to `general.alignment` (default 32); tensor data.
 
 from __future__ import annotations
 
+import math
 import struct
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -32,6 +34,7 @@ _STRING, _ARRAY = 8, 9
 # Arrays at least this long (a tokenizer's tokens, merges, types, scores) are decoded on first use:
 # ~100k Python strings, ~10 MB and ~50 ms, that a start with a cached tokenizer never needs.
 LAZY_ARRAY_MIN = 1024
+_MAX_DIMS = 4  # GGML_MAX_DIMS
 
 
 class LazyArray(Sequence):
@@ -110,69 +113,78 @@ class GGUFFile:
         self._buf = memoryview(self.data)  # type: ignore[arg-type]
         self._size = len(self._buf)
         self._pos = 0
-        magic = bytes(self._take(4))
+        magic = bytes(self._take(4, "magic"))
         if magic != b"GGUF":
             raise ValueError(f"bad magic {magic!r}")
-        version, n_tensors, n_kv = self._unpack("<IQQ", 20)
+        version, n_tensors, n_kv = self._unpack("<IQQ", 20, "header")
         if version not in (2, 3):
             raise ValueError(f"unsupported GGUF version {version}")
+        # Each key/value and each tensor info takes at least ~24 bytes: absurd counts fail before any loop.
+        if 24 * (n_tensors + n_kv) > self._size:
+            raise ValueError(f"corrupt GGUF header ({n_tensors} tensors, {n_kv} metadata keys)")
         # GGUFReader's pseudo-fields, so both readers give the same dictionary.
         self.fields: dict[str, Any] = {"GGUF.version": version, "GGUF.tensor_count": n_tensors, "GGUF.kv_count": n_kv}
-        for _ in range(n_kv):
-            key = self._string()
-            self.fields[key] = self._value(self._unpack("<I", 4)[0])
+        for i in range(n_kv):
+            key = self._string(f"metadata key {i}")
+            self.fields[key] = self._value(self._unpack("<I", 4, f"type of {key[:64]!r}")[0], repr(key[:64]))
         self.tensors: list[GGUFTensorInfo] = []
         infos = []
-        for _ in range(n_tensors):
-            name = self._string()
-            (n_dims,) = self._unpack("<I", 4)
-            if n_dims > 8:
-                raise ValueError(f"tensor {name} has {n_dims} dimensions")
-            dims = np.array(self._unpack(f"<{n_dims}Q", 8 * n_dims), dtype=np.uint64)
-            ttype, offset = self._unpack("<IQ", 12)
-            infos.append((name, dims, GGMLQuantizationType(ttype), offset))
-        align = int(self.fields.get("general.alignment", 32))
-        if align <= 0 or align & (align - 1):
-            raise ValueError(f"bad alignment {align}")
+        for i in range(n_tensors):
+            name = self._string(f"name of tensor {i}")
+            (n_dims,) = self._unpack("<I", 4, f"dimension count of {name[:64]!r}")
+            if not 1 <= n_dims <= _MAX_DIMS:
+                raise ValueError(f"tensor {name[:64]!r} has {n_dims} dimensions")
+            dims = np.array(self._unpack(f"<{n_dims}Q", 8 * n_dims, f"shape of {name[:64]!r}"), dtype=np.uint64)
+            ttype, offset = self._unpack("<IQ", 12, f"type of {name[:64]!r}")
+            try:
+                infos.append((name, dims, GGMLQuantizationType(ttype), offset))
+            except ValueError:
+                raise ValueError(f"tensor {name[:64]!r} has unknown type {ttype}") from None
+        align = self.fields.get("general.alignment", 32)
+        if not isinstance(align, int) or not 1 <= align <= 1 << 16 or align & (align - 1):
+            raise ValueError(f"general.alignment {align!r} is not a power of two")
         start = -(-self._pos // align) * align
         for name, dims, ttype, offset in infos:
             elems, block_bytes = GGML_QUANT_SIZES[ttype]
-            count = int(np.prod(dims.astype(np.int64))) if len(dims) else 1
-            if dims.size and int(dims[0]) % elems:
-                raise ValueError(f"tensor {name}: row of {int(dims[0])} is not a multiple of {elems}")
-            self.tensors.append(GGUFTensorInfo(name, ttype, dims, start + int(offset),
-                                               count // elems * block_bytes, self))
+            count = math.prod(int(d) for d in dims)
+            if int(dims[0]) % elems:
+                raise ValueError(f"tensor {name[:64]!r}: rows of {int(dims[0])} are not whole {elems}-element blocks")
+            n_bytes = count // elems * block_bytes
+            if start + offset + n_bytes > self._size:
+                raise ValueError(f"truncated: tensor {name[:64]!r} ({n_bytes} bytes at offset {offset}) runs past "
+                                 f"the end of the {self._size}-byte file")
+            self.tensors.append(GGUFTensorInfo(name, ttype, dims, start + int(offset), n_bytes, self))
 
-    # -- reading primitives (bounds-checked) ------------------------------------------------------------
-    def _take(self, n: int) -> memoryview:
+    # -- reading primitives (bounds-checked; `what` names the field in the error) -----------------------
+    def _take(self, n: int, what: str) -> memoryview:
         if n < 0 or self._pos + n > self._size:
-            raise ValueError(f"truncated: needs {n} bytes at offset {self._pos} of {self._size}")
+            raise ValueError(f"truncated: {what} (byte {self._pos}) runs past the end of the {self._size}-byte file")
         view = self._buf[self._pos : self._pos + n]
         self._pos += n
         return view
 
-    def _unpack(self, fmt: str, n: int) -> tuple[Any, ...]:
-        return struct.unpack(fmt, self._take(n))
+    def _unpack(self, fmt: str, n: int, what: str) -> tuple[Any, ...]:
+        return struct.unpack(fmt, self._take(n, what))
 
-    def _string(self) -> str:
-        (n,) = self._unpack("<Q", 8)
-        return bytes(self._take(n)).decode("utf-8", errors="replace")
+    def _string(self, what: str) -> str:
+        (n,) = self._unpack("<Q", 8, f"length of {what}")
+        return bytes(self._take(n, what)).decode("utf-8", errors="replace")
 
-    def _value(self, vtype: int) -> Any:
+    def _value(self, vtype: int, what: str, depth: int = 0) -> Any:
         if vtype in _SCALARS:
             fmt, _ = _SCALARS[vtype]
-            return self._unpack(fmt, struct.calcsize(fmt))[0]
+            return self._unpack(fmt, struct.calcsize(fmt), what)[0]
         if vtype == _STRING:
-            return self._string()
-        if vtype != _ARRAY:
-            raise ValueError(f"unknown metadata type {vtype}")
-        etype, count = self._unpack("<IQ", 12)
-        if count > self._size:  # every element takes at least one byte
-            raise ValueError(f"array of {count} elements in a {self._size}-byte file")
+            return self._string(what)
+        if vtype != _ARRAY or depth > 1:
+            raise ValueError(f"unknown value type {vtype} in {what}")
+        etype, count = self._unpack("<IQ", 12, f"element type and length of {what}")
+        if count > self._size - self._pos:  # every element takes at least one byte
+            raise ValueError(f"truncated: {what} claims {count} elements, more than the file holds")
         start = self._pos
         if etype in _SCALARS:
             dt = np.dtype(_SCALARS[etype][1]).newbyteorder("<")
-            raw = self._take(count * dt.itemsize)
+            raw = self._take(count * dt.itemsize, what)
             if count >= LAZY_ARRAY_MIN:
                 return LazyArray(self._buf, start, count, etype)
             return np.frombuffer(raw, dtype=dt).tolist()
@@ -182,14 +194,14 @@ class GGUFFile:
             unpack = struct.Struct("<Q").unpack_from
             for _ in range(count):  # the hot loop of a vocabulary: no method calls per element
                 if pos + 8 > size:
-                    raise ValueError("truncated string array")
+                    raise ValueError(f"truncated: {what} runs past the end of the {size}-byte file")
                 (n,) = unpack(buf, pos)
                 pos += 8
                 if pos + n > size:
-                    raise ValueError("truncated string array")
+                    raise ValueError(f"truncated: {what} runs past the end of the {size}-byte file")
                 if not lazy:
                     out.append(str(buf[pos : pos + n], "utf-8", "replace"))
                 pos += n
             self._pos = pos
             return LazyArray(buf, start, count, etype) if lazy else out
-        return [self._value(etype) for _ in range(count)]  # arrays of arrays (rare)
+        return [self._value(etype, what, depth + 1) for _ in range(count)]  # arrays of arrays (rare)
