@@ -2,7 +2,7 @@
 
 Loading leaves tens of megabytes free but resident in glibc's heap: the tokenizer's JSON parse (the
 Rust side builds ~20 MB of temporary strings for a 49k-token vocabulary and its merges), the GGUF
-header walk and the load's small copies. glibc keeps freed memory for reuse and gives back only the
+header parse and the load's small copies. glibc keeps freed memory for reuse and gives back only the
 top of the heap, so without a trim that memory stays in the process's RSS for its whole life.
 `malloc_trim(0)` releases every free page (measured: ~25 MB at start, ~10 MB off the peak of a chat
 turn with the default model). Elsewhere (macOS, musl) this is a no-op. It knows nothing about models.
