@@ -65,6 +65,8 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None, help="context length to allow (default min(model, 4096))")
     g.add_argument("--no-kv-cache", action="store_true", help="recompute the whole sequence every step (same tokens, slower)")
     g.add_argument("--kv-cache-layout", default="paged", choices=["paged", "contiguous"])
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
+                   help="K/V element type (auto: the compute dtype; float16 halves KV memory and attention reads)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     g.add_argument("--max-num-seqs", type=int, default=16, help="requests running at once")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per engine step (prefill chunk budget)")
@@ -80,7 +82,8 @@ def _engine_kwargs(a: argparse.Namespace) -> dict[str, Any]:
 
     mem = None if a.kv_cache_memory is None else parse_bytes(a.kv_cache_memory)
     return dict(dtype=a.dtype, device=a.device, num_threads=a.threads, max_model_len=a.max_model_len,
-                enable_kv_cache=not a.no_kv_cache, kv_cache_layout=a.kv_cache_layout, block_size=a.block_size,
+                enable_kv_cache=not a.no_kv_cache, kv_cache_layout=a.kv_cache_layout,
+                kv_cache_dtype=a.kv_cache_dtype, block_size=a.block_size,
                 max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens, kv_cache_memory=mem,
                 enable_prefix_caching=not a.no_prefix_caching)
 

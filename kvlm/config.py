@@ -120,6 +120,10 @@ class EngineConfig:
     # "auto": float32 activations, GGUF weights kept quantized on CPU; float32 etc.: dense weights.
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     enable_kv_cache: bool = True
+    # "auto": the compute dtype (float32 on CPU). float16 / bfloat16 store K/V in half the bytes (as
+    # llama.cpp does by default): half the pool per token and half the bytes each decode step's
+    # attention reads. Every attention path reads K/V back from the cache, so all see the same values.
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     kv_cache_layout: Literal["paged", "contiguous"] = "paged"
     block_size: int = 16
     max_model_len: int | None = None  # None: the model's context length, capped at 4096 to bound memory
@@ -147,6 +151,8 @@ class EngineConfig:
                 raise bad(name, f"must be an integer in [1, {hi}]")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise bad("dtype", "must be auto, float32, bfloat16 or float16")
+        if self.kv_cache_dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise bad("kv_cache_dtype", "must be auto, float32, bfloat16 or float16")
         if self.kv_cache_layout not in ("paged", "contiguous"):
             raise bad("kv_cache_layout", "must be 'paged' or 'contiguous'")
         if not isinstance(self.enable_kv_cache, bool):

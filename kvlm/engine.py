@@ -38,9 +38,19 @@ from kvlm.scheduler import ScheduledBatch, Scheduler
 
 log = logging.getLogger("kvlm")
 
-# "auto": float32 activations and KV cache; GGUF weights stay quantized where the device is a CPU.
+# "auto": float32 activations; GGUF weights stay quantized where the device is a CPU.
 _TORCH_DTYPES = {"auto": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16,
                  "float16": torch.float16}
+
+
+def kv_cache_dtype(cfg: EngineConfig, dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's element type: as configured, "auto" being the compute dtype.
+
+    Not float16 by default (llama.cpp's choice): rounding K/V to float16 turns the ~1e-7 float32
+    differences between a prefill's and a decode's arithmetic (where a kernel's bits depend on the
+    number of rows) into one-ulp float16 differences (~5e-4 relative), so cached and recomputed logits
+    would agree only to ~1e-3 instead of ~1e-6. It is a flag: `--kv-cache-dtype float16`."""
+    return dtype if cfg.kv_cache_dtype == "auto" else _TORCH_DTYPES[cfg.kv_cache_dtype]
 
 
 class Engine:
@@ -51,6 +61,7 @@ class Engine:
             torch.set_num_threads(cfg.num_threads)
         self.device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = _TORCH_DTYPES[cfg.dtype]
+        self.kv_dtype = kv_cache_dtype(cfg, self.dtype)
         self.model_path: Path = resolve_model(str(model), quiet=quiet)
         # --dtype auto on CPU: weights computed on in their stored block formats (kvlm.kernels);
         # an explicit dtype (and any GPU) dequantizes them at load: the dense reference path.
@@ -78,7 +89,8 @@ class Engine:
 
         self.kv_cache: KVCache
         self.kv_cache, self.block_manager = make_kv_cache(cfg, model_config, self.max_model_len,
-                                                          self.kv_bytes_per_token, self.dtype, self.device)
+                                                          self.kv_bytes_per_token, self.kv_dtype, self.device,
+                                                          compute_dtype=self.dtype)
         history = None
         if self.block_manager.enable_prefix_caching:
             self.block_manager.set_extra_keys(self._prefix_hash_keys())
@@ -96,13 +108,13 @@ class Engine:
     # -- setup -------------------------------------------------------------------------------------
     @property
     def kv_bytes_per_token(self) -> int:
-        return int(self.model_config.kv_bytes_per_token(torch.finfo(self.dtype).bits // 8))
+        return int(self.model_config.kv_bytes_per_token(torch.finfo(self.kv_dtype).bits // 8))
 
     def _prefix_hash_keys(self) -> str:
         """Everything besides token ids that changes K/V: the root of the prefix cache's hash chain."""
         files = [[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in model_files(self.model_path)]
         return json.dumps({"model": files, "config": dataclasses.asdict(self.model_config), "dtype": self.config.dtype,
-                           "kv_layout": self.config.kv_cache_layout, "block_size": self.config.block_size})
+                           "kv_dtype": str(self.kv_dtype), "kv_layout": self.config.kv_cache_layout, "block_size": self.config.block_size})
 
     @functools.cached_property
     def model_fingerprint(self) -> str:

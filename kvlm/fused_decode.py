@@ -7,7 +7,8 @@ quantized projections and its RoPE tables: a "plan" on the C++ side) and then ru
 `embedding (Python) -> decode_step (C++: every layer + final norm) -> lm_head (Python)`.
 
 It applies where the module path would run the same kernels: CPU, float32 activations, every projection
-a `QuantLinear` on a native kernel path (no dense fallback), a paged float32 KV cache and the native
+a `QuantLinear` on a native kernel path (no dense fallback), a paged KV cache (float32, float16 or
+bfloat16; the step rounds K/V into it as the module path's index_copy_ does) and the native
 paged attention. Anything else (the float32 reference path, a contiguous cache, CUDA, no extension)
 keeps the module path, which stays the reference: tests compare the two token for token.
 `KVLM_FUSED_DECODE=0` turns it off.
@@ -25,6 +26,7 @@ import torch
 
 from kvlm.attention import AttentionMetadata
 from kvlm.kernels import native
+from kvlm.kernels.paged_attention import KV_DTYPES
 from kvlm.kernels.quant import kernel_path
 from kvlm.kv_cache import PagedKVCache
 from kvlm.quant_linear import QuantLinear
@@ -78,7 +80,7 @@ class FusedDecoder:
     @classmethod
     def create(cls, model: torch.nn.Module, kv_cache: object) -> FusedDecoder | None:
         """The fused decoder for this model and cache, or None where the module path must run."""
-        if not isinstance(kv_cache, PagedKVCache) or kv_cache.k[0].dtype != torch.float32 \
+        if not isinstance(kv_cache, PagedKVCache) or kv_cache.k[0].dtype not in KV_DTYPES \
                 or not all(t.is_contiguous() for t in kv_cache.k + kv_cache.v):
             return None
         if _eligible(model) is not None:

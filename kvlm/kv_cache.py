@@ -12,6 +12,10 @@ Three implementations:
 * `NoKVCache`: keeps nothing; valid only when every step recomputes each sequence from position 0
   (the engine's `enable_kv_cache=False` mode, which shows what the cache saves).
 
+The cache's element type may be narrower than the model's (float16 K/V under float32 activations):
+`write` rounds to it, `fetch` returns the compute dtype, and NoKVCache rounds the same way, so every
+attention path (prefill, decode, recompute) sees the same K/V values.
+
 The cache knows tensors and slots; it does not know requests, blocks' owners or the model.
 """
 
@@ -58,14 +62,25 @@ def _pad_new_tokens(x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
     return out.view(meta.num_seqs, meta.max_query_len, *x.shape[1:]).transpose(1, 2)
 
 
+def _rounded(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x as a cache of `dtype` would give it back."""
+    return x if x.dtype == dtype else x.to(dtype).to(x.dtype)
+
+
 class NoKVCache:
-    """Stores nothing: each step must carry each sequence's whole history (recompute mode)."""
+    """Stores nothing: each step must carry each sequence's whole history (recompute mode). K/V are
+    rounded to `dtype`, as a cache of that type would store them."""
 
     block_size = 1 << 30
     num_blocks = 1 << 30
     nbytes = 0
 
+    def __init__(self, dtype: torch.dtype | None = None) -> None:
+        self.dtype = dtype
+
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
+        if self.dtype is not None:
+            k, v = _rounded(k, self.dtype), _rounded(v, self.dtype)
         self._kv = (k, v)  # only until fetch(): the current step's tokens are the whole context
 
     def fetch(self, layer: int, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,9 +115,16 @@ class _LayerStorage:
     up-front cost. Slots are read only after being written, except the padding of a gathered batch,
     which `fetch` zeroes (`_zero_padding`)."""
 
-    def __init__(self, num_layers: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, num_layers: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+                 compute_dtype: torch.dtype | None = None) -> None:
         self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.compute_dtype = compute_dtype or dtype  # what fetch() returns (the model's activations)
+
+    def _as_compute(self, kk: torch.Tensor, vv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if kk.dtype == self.compute_dtype:
+            return kk, vv
+        return kk.to(self.compute_dtype), vv.to(self.compute_dtype)
 
     @property
     def nbytes(self) -> int:
@@ -124,8 +146,8 @@ class PagedKVCache(_LayerStorage):
     """Block pools per layer: k[layer] and v[layer] are (num_blocks, block_size, kv_heads, D)."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
-        super().__init__(num_layers, (num_blocks, block_size, kv_heads, head_dim), dtype, device)
+                 dtype: torch.dtype, device: torch.device, compute_dtype: torch.dtype | None = None) -> None:
+        super().__init__(num_layers, (num_blocks, block_size, kv_heads, head_dim), dtype, device, compute_dtype)
         self.block_size, self.num_blocks = block_size, num_blocks
         # Gather buffers reused by every layer (a layer's attention is done before the next one reads):
         # allocating megabytes per layer per step costs page faults that dominate batched decode on CPU.
@@ -135,8 +157,8 @@ class PagedKVCache(_LayerStorage):
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
         kc, vc = self.k[layer], self.v[layer]
         kvh, D = kc.shape[2], kc.shape[3]
-        kc.view(-1, kvh, D).index_copy_(0, meta.slot_mapping, k)
-        vc.view(-1, kvh, D).index_copy_(0, meta.slot_mapping, v)
+        kc.view(-1, kvh, D).index_copy_(0, meta.slot_mapping, k.to(kc.dtype))
+        vc.view(-1, kvh, D).index_copy_(0, meta.slot_mapping, v.to(vc.dtype))
 
     def fetch(self, layer: int, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         kc, vc = self.k[layer], self.v[layer]
@@ -156,7 +178,7 @@ class PagedKVCache(_LayerStorage):
         kk = kg.view(B, nblk * self.block_size, kvh, D)[:, :L].transpose(1, 2)
         vv = vg.view(B, nblk * self.block_size, kvh, D)[:, :L].transpose(1, 2)
         _zero_padding(kk, vv, meta.seq_lens)
-        return kk, vv
+        return self._as_compute(kk, vv)
 
     # Whole-block access for KV snapshots (the only way other modules touch the pool tensors).
     def read_blocks(self, block_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -192,23 +214,23 @@ class ContiguousKVCache(_LayerStorage):
     """
 
     def __init__(self, num_layers: int, max_seqs: int, max_len: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
-        super().__init__(num_layers, (max_seqs, kv_heads, max_len, head_dim), dtype, device)
+                 dtype: torch.dtype, device: torch.device, compute_dtype: torch.dtype | None = None) -> None:
+        super().__init__(num_layers, (max_seqs, kv_heads, max_len, head_dim), dtype, device, compute_dtype)
         self.block_size, self.num_blocks = max_len, max_seqs
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
         row = meta.slot_mapping // self.block_size
         off = meta.slot_mapping % self.block_size
-        self.k[layer][row, :, off] = k  # (T, kvh, D) into (row, :, off)
-        self.v[layer][row, :, off] = v
+        self.k[layer][row, :, off] = k.to(self.k[layer].dtype)  # (T, kvh, D) into (row, :, off)
+        self.v[layer][row, :, off] = v.to(self.v[layer].dtype)
 
     def fetch(self, layer: int, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         kc, vc = self.k[layer], self.v[layer]
         L = meta.max_seq_len
         if meta.num_seqs == 1:
             r = int(meta.block_tables[0, 0])  # the runner builds block tables on the host
-            return kc[r : r + 1, :, :L], vc[r : r + 1, :, :L]  # views: no copy
+            return self._as_compute(kc[r : r + 1, :, :L], vc[r : r + 1, :, :L])  # views: no copy (same dtype)
         rows = meta.block_tables[:, 0]
         kk, vv = kc[rows, :, :L], vc[rows, :, :L]  # advanced indexing: copies we may zero
         _zero_padding(kk, vv, meta.seq_lens)
-        return kk, vv
+        return self._as_compute(kk, vv)

@@ -58,14 +58,16 @@ def kv_pool_budget(cfg: EngineConfig, max_model_len: int, kv_bytes_per_token: in
 
 
 def make_kv_cache(cfg: EngineConfig, mc: ModelConfig, max_model_len: int, kv_bytes_per_token: int,
-                  dtype: torch.dtype, device: torch.device) -> tuple[KVCache, BlockManager]:
-    """The KV cache for `cfg.kv_cache_layout` and the block manager that hands out its slots."""
+                  dtype: torch.dtype, device: torch.device,
+                  compute_dtype: torch.dtype | None = None) -> tuple[KVCache, BlockManager]:
+    """The KV cache for `cfg.kv_cache_layout` and the block manager that hands out its slots. `dtype` is
+    the K/V element type, `compute_dtype` the model's (what attention reads back; default `dtype`)."""
     layers = mc.num_hidden_layers
     if not cfg.enable_kv_cache:
-        return NoKVCache(), BlockManager(cfg.max_num_seqs, max_model_len)
+        return NoKVCache(dtype), BlockManager(cfg.max_num_seqs, max_model_len)
     if cfg.kv_cache_layout == "contiguous":
         cache = ContiguousKVCache(layers, cfg.max_num_seqs, max_model_len, mc.num_key_value_heads, mc.head_dim,
-                                  dtype, device)
+                                  dtype, device, compute_dtype)
         return cache, BlockManager(cfg.max_num_seqs, max_model_len)
     per_block = kv_bytes_per_token * cfg.block_size
     budget = kv_pool_budget(cfg, max_model_len, kv_bytes_per_token, device)
@@ -73,7 +75,8 @@ def make_kv_cache(cfg: EngineConfig, mc: ModelConfig, max_model_len: int, kv_byt
     if num_blocks < 1:
         raise ParameterError("kv_cache_memory",
                              f"kv_cache_memory: {budget} B is smaller than one KV block ({per_block} B)")
-    cache = PagedKVCache(layers, num_blocks, cfg.block_size, mc.num_key_value_heads, mc.head_dim, dtype, device)
+    cache = PagedKVCache(layers, num_blocks, cfg.block_size, mc.num_key_value_heads, mc.head_dim, dtype, device,
+                         compute_dtype)
     # Only the paged layout can share blocks between requests: prefix caching lives here.
     return cache, BlockManager(num_blocks, cfg.block_size, enable_prefix_caching=cfg.enable_prefix_caching)
 

@@ -1,9 +1,9 @@
 """KV snapshots: a prompt's cached K/V saved to a safetensors file and loaded back into the prefix cache.
 
 File layout (safetensors, so loading never unpickles anything):
-  tensors  k, v       (layers, blocks, block_size, kv_heads, head_dim) in the engine's dtype
+  tensors  k, v       (layers, blocks, block_size, kv_heads, head_dim) in the engine's KV cache dtype
            token_ids  (blocks * block_size,) int64: the tokens whose K/V these are (full blocks only)
-  metadata format "kvlm-prefix-snapshot/1"; model_fingerprint (sha256 over the model's files); dtype;
+  metadata format "kvlm-prefix-snapshot/1"; model_fingerprint (sha256 over the model's files); dtype; kv_dtype;
            block_size; kv_layout ("paged", layers, kv_heads, head_dim); num_tokens; crc32 of the
            tensors' bytes (a flipped byte in the data is caught, not served).
 
@@ -89,7 +89,7 @@ def _checksum(*tensors: torch.Tensor) -> str:
 def _expected_header(engine: Engine) -> dict[str, str]:
     mc = engine.model_config
     return {"format": FORMAT, "model_fingerprint": engine.model_fingerprint, "dtype": engine.config.dtype,
-            "block_size": str(engine.block_manager.block_size),
+            "kv_dtype": str(engine.kv_dtype).removeprefix("torch."), "block_size": str(engine.block_manager.block_size),
             "kv_layout": json.dumps({"layout": "paged", "layers": mc.num_hidden_layers,
                                      "kv_heads": mc.num_key_value_heads, "head_dim": mc.head_dim})}
 
@@ -144,7 +144,8 @@ def read_snapshot(engine: Engine, path: str | os.PathLike) -> tuple[list[int], t
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
         raise SnapshotError(f"{path}: corrupt or truncated snapshot ({str(e).splitlines()[0]})") from None
     want = _expected_header(engine)
-    for key, label in (("model_fingerprint", "model"), ("dtype", "dtype"), ("block_size", "block size"),
+    for key, label in (("model_fingerprint", "model"), ("dtype", "dtype"), ("kv_dtype", "KV cache dtype"),
+                       ("block_size", "block size"),
                        ("kv_layout", "KV layout")):
         if meta.get(key) != want[key]:
             got, exp = meta.get(key, "missing"), want[key]
@@ -154,7 +155,7 @@ def read_snapshot(engine: Engine, path: str | os.PathLike) -> tuple[list[int], t
     bs, lay = engine.block_manager.block_size, json.loads(want["kv_layout"])
     shape = (lay["layers"], ids.numel() // bs, bs, lay["kv_heads"], lay["head_dim"])
     if (ids.dtype != torch.int64 or ids.ndim != 1 or ids.numel() % bs or str(ids.numel()) != meta.get("num_tokens")
-            or tuple(k.shape) != shape or tuple(v.shape) != shape or k.dtype != engine.dtype or v.dtype != engine.dtype):
+            or tuple(k.shape) != shape or tuple(v.shape) != shape or k.dtype != engine.kv_dtype or v.dtype != engine.kv_dtype):
         raise SnapshotError(f"{path}: corrupt snapshot (tensor shapes disagree with its header)")
     if _checksum(k, v, ids) != meta.get("crc32"):
         raise SnapshotError(f"{path}: corrupt snapshot (checksum mismatch)")

@@ -16,6 +16,8 @@
 // on B or on its neighbours (alone == in a batch, bit for bit). Against the module path (model.py,
 // used by prefill) results agree to float rounding (rmsnorm / RoPE / SiLU summation and exp order).
 #include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <chrono>
@@ -23,6 +25,7 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <type_traits>
 #include <unordered_map>
 #include <vector>
 
@@ -30,6 +33,18 @@
 #include "elementwise.h"
 
 namespace {
+
+// One token's K or V (n floats) into a cache slot of element type T, rounded to nearest even as
+// torch's .to(T) rounds (so the module path's index_copy_ of the same values stores the same bits).
+template <typename T>
+void store_kv(void* cache, int64_t off, const float* src, int64_t n) {
+    T* dst = static_cast<T*>(cache) + off;
+    if constexpr (std::is_same_v<T, float>) {
+        std::memcpy(dst, src, sizeof(float) * n);
+    } else {
+        for (int64_t i = 0; i < n; i++) dst[i] = T(src[i]);
+    }
+}
 
 using kvlm::rmsnorm;
 using kvlm::rope;
@@ -175,7 +190,7 @@ void run_linear(const KvlmKernels* t, const Linear& lin, const float* x, int64_t
 
 // x (B, hidden) float32: the step's token embeddings. out (B, hidden): final-normed hidden states.
 // positions, slots (B,) int64; block_tables (B, MB) int32; context_lens (B,) int32 (after this token);
-// k_caches/v_caches: per layer (num_blocks, block_size, kv_heads, D) float32. profile: empty, or a
+// k_caches/v_caches: per layer (num_blocks, block_size, kv_heads, D) float32, float16 or bfloat16. profile: empty, or a
 // float64 (5,) tensor that accumulates seconds in norm/elementwise, matmul, kv write, attention, other.
 void decode_step(int64_t plan_id, const at::Tensor& x, const at::Tensor& positions, const at::Tensor& slots,
                  const at::Tensor& block_tables, const at::Tensor& context_lens, at::TensorList k_caches,
@@ -197,13 +212,18 @@ void decode_step(int64_t plan_id, const at::Tensor& x, const at::Tensor& positio
     TORCH_CHECK(static_cast<int64_t>(k_caches.size()) == L && static_cast<int64_t>(v_caches.size()) == L,
                 "kvlm decode: one K and one V cache per layer");
     const at::Tensor& kc0 = k_caches[0];
-    TORCH_CHECK(kc0.scalar_type() == at::kFloat && kc0.dim() == 4 && kc0.size(2) == kvh && kc0.size(3) == D,
-                "kvlm decode: caches must be float32 (num_blocks, block_size, kv_heads, D)");
+    const at::ScalarType kv_type = kc0.scalar_type();
+    TORCH_CHECK((kv_type == at::kFloat || kv_type == at::kHalf || kv_type == at::kBFloat16) && kc0.dim() == 4 &&
+                    kc0.size(2) == kvh && kc0.size(3) == D,
+                "kvlm decode: caches must be float32, float16 or bfloat16 (num_blocks, block_size, kv_heads, D)");
+    const int kv_dtype = kv_type == at::kFloat ? T_F32 : kv_type == at::kHalf ? T_F16 : T_BF16;
+    const auto store = kv_type == at::kFloat ? store_kv<float> : kv_type == at::kHalf ? store_kv<c10::Half>
+                                                                                   : store_kv<c10::BFloat16>;
     const int64_t NB = kc0.size(0), BS = kc0.size(1), MB = block_tables.size(1);
     for (int64_t l = 0; l < L; l++)
         TORCH_CHECK(k_caches[l].is_contiguous() && v_caches[l].is_contiguous() && k_caches[l].sizes() == kc0.sizes() &&
-                        v_caches[l].sizes() == kc0.sizes() && k_caches[l].scalar_type() == at::kFloat &&
-                        v_caches[l].scalar_type() == at::kFloat, "kvlm decode: layer ", l, " cache differs");
+                        v_caches[l].sizes() == kc0.sizes() && k_caches[l].scalar_type() == kv_type &&
+                        v_caches[l].scalar_type() == kv_type, "kvlm decode: layer ", l, " cache differs");
     const int64_t* pos = positions.const_data_ptr<int64_t>();
     const int64_t* slot = slots.const_data_ptr<int64_t>();
     const int32_t* bt = block_tables.const_data_ptr<int32_t>();
@@ -254,15 +274,15 @@ void decode_step(int64_t plan_id, const at::Tensor& x, const at::Tensor& positio
             std::memcpy(q + b * nh * D, row, sizeof(float) * nh * D);
         }
         tm.lap(T_NORM);
-        float* kc = k_caches[l].mutable_data_ptr<float>();
-        float* vc = v_caches[l].mutable_data_ptr<float>();
+        void* kc = k_caches[l].mutable_data_ptr();
+        void* vc = v_caches[l].mutable_data_ptr();
         for (int64_t b = 0; b < B; b++) {
             const float* row = qkv + b * nqkv;
-            std::memcpy(kc + slot[b] * kvh * D, row + nh * D, sizeof(float) * kvh * D);
-            std::memcpy(vc + slot[b] * kvh * D, row + (nh + kvh) * D, sizeof(float) * kvh * D);
+            store(kc, slot[b] * kvh * D, row + nh * D, kvh * D);
+            store(vc, slot[b] * kvh * D, row + (nh + kvh) * D, kvh * D);
         }
         tm.lap(T_KV_WRITE);
-        TORCH_CHECK(kvlm::paged_attention(t, T_F32, q, kc, vc, bt, lens, attn, B, nh, kvh, D, BS, MB, scale),
+        TORCH_CHECK(kvlm::paged_attention(t, kv_dtype, q, kc, vc, bt, lens, attn, B, nh, kvh, D, BS, MB, scale),
                     "kvlm decode: attention failed");
         tm.lap(T_ATTENTION);
         run_linear(t, ly.o, attn, B, h, p.act);
