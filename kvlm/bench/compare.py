@@ -77,12 +77,12 @@ class _Kvlm:
     """kvlm in this process, batch 1, with the default paged cache (what `kvlm generate` runs: decode
     steps take the fused native step where the model allows, fused_decode.py)."""
 
-    def __init__(self, model: str, threads: int, max_len: int, dtype: str) -> None:
+    def __init__(self, model: str, threads: int, max_len: int, dtype: str, kv_cache_dtype: str = "auto") -> None:
         from kvlm.llm import LLM
 
         # Prefix caching off: every round must compute its prompt, as llama.cpp does on a fresh context.
         self.llm = LLM(model, num_threads=threads, max_num_seqs=1, max_model_len=max_len, dtype=dtype,
-                       enable_prefix_caching=False)
+                       kv_cache_dtype=kv_cache_dtype, enable_prefix_caching=False)
 
     def measure(self, spec: dict[str, Any]) -> dict[str, Any]:
         from kvlm.bench.decode import _kvlm_run
@@ -132,13 +132,14 @@ class _HF:
                 "context_decode": []}
 
 
-def _whole_cmd(key: str, path: Path, threads: int, text: str, gen: int, llama_python: str | None) -> list[str]:
+def _whole_cmd(key: str, path: Path, threads: int, text: str, gen: int, llama_python: str | None,
+               kv_cache_dtype: str = "auto") -> list[str]:
     if key == "llama_cpp":
         assert llama_python is not None
         return [llama_python, str(WORKER), "whole", str(path), str(threads), text, str(gen)]
-    dtype = "auto" if key == "kvlm" else "float32"
+    dtype, kv = ("auto", kv_cache_dtype) if key == "kvlm" else ("float32", "auto")
     return [sys.executable, "-m", "kvlm", "-q", "generate", str(path), text, "--max-tokens", str(gen),
-            "--ignore-eos", "--threads", str(threads), "--dtype", dtype]
+            "--ignore-eos", "--threads", str(threads), "--dtype", dtype, "--kv-cache-dtype", kv]
 
 
 def _best(a: dict[str, Any] | None, b: dict[str, Any]) -> dict[str, Any]:
@@ -153,7 +154,7 @@ def _best(a: dict[str, Any] | None, b: dict[str, Any]) -> dict[str, Any]:
 def run(model: str = "smollm2-135m", threads: int = 2, prompt_len: int = 512, decode_prompt_len: int = 32,
         gen_tokens: int = 128, contexts: tuple[int, ...] = (128, 512, 1024, 2048), context_gen: int = 32,
         repeats: int = 2, llama_python: str | None = None, llama_cpp: bool = True, hf: bool = False,
-        whole: bool = True, log: Any = print) -> dict[str, Any]:
+        whole: bool = True, log: Any = print, kv_cache_dtype: str = "auto") -> dict[str, Any]:
     import torch
 
     from kvlm.bench.decode import _prompt_ids
@@ -162,7 +163,7 @@ def run(model: str = "smollm2-135m", threads: int = 2, prompt_len: int = 512, de
     torch.set_num_threads(threads)
     path = resolve_model(model, quiet=True)
     max_len = max(prompt_len + 1, decode_prompt_len + gen_tokens, max(contexts, default=0) + context_gen) + 8
-    engines: dict[str, Any] = {"kvlm": _Kvlm(model, threads, max_len, "auto"),
+    engines: dict[str, Any] = {"kvlm": _Kvlm(model, threads, max_len, "auto", kv_cache_dtype),
                                "kvlm_float32": _Kvlm(model, threads, max_len, "float32")}
     tok = engines["kvlm"].llm.tokenizer
     vocab = engines["kvlm"].llm.llm_engine.model_config.vocab_size
@@ -171,6 +172,8 @@ def run(model: str = "smollm2-135m", threads: int = 2, prompt_len: int = 512, de
             "contexts": [[_prompt_ids(vocab, c, seed=c), context_gen] for c in contexts]}
     chat_text = tok.apply_chat_template(CHAT)
     results: dict[str, dict[str, Any]] = {k: {"name": NAMES[k], "status": "ok"} for k in engines}
+    if kv_cache_dtype != "auto":
+        results["kvlm"]["name"] = f"kvlm (--dtype auto, KV {kv_cache_dtype})"
 
     def skip(key: str, reason: str) -> None:
         engines.pop(key, None)
@@ -225,7 +228,8 @@ def run(model: str = "smollm2-135m", threads: int = 2, prompt_len: int = 512, de
         for r in range(repeats):
             for key in [k for k in ("kvlm", "kvlm_float32", "llama_cpp") if k in engines]:
                 try:
-                    wall, rss = run_timed(_whole_cmd(key, path, threads, chat_text, gen_tokens, llama_python))
+                    wall, rss = run_timed(_whole_cmd(key, path, threads, chat_text, gen_tokens, llama_python,
+                                                     kv_cache_dtype))
                 except (RuntimeError, OSError) as e:
                     if key.startswith("kvlm"):
                         raise
@@ -242,6 +246,7 @@ def run(model: str = "smollm2-135m", threads: int = 2, prompt_len: int = 512, de
     doc = run_header("compare", model, threads)
     doc.update({"model_file": path.name, "prompt_len": prompt_len, "decode_prompt_len": decode_prompt_len,
                 "gen_tokens": gen_tokens, "contexts": list(contexts), "context_gen": context_gen,
+                "kv_cache_dtype": kv_cache_dtype,
                 "repeats": repeats, "engines": results})
     return doc
 
@@ -324,6 +329,8 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp")
     p.add_argument("--hf", action="store_true", help="also run Hugging Face transformers (float32)")
     p.add_argument("--no-whole-process", action="store_true", help="skip the whole-process runs")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
+                   help="kvlm's K/V type (llama.cpp stores float16 by default; kvlm's auto is float32 on CPU)")
     p.add_argument("--plot", metavar="FILE", help="PNG of decode tokens/s vs context")
 
 
@@ -332,7 +339,8 @@ def main_args(a: argparse.Namespace) -> int:
     if a.llama_python is not None and not Path(a.llama_python).exists():
         raise ValueError(f"--llama-python: no such file {a.llama_python}")
     d = run(a.model, a.threads, a.prompt_len, a.decode_prompt_len, a.gen_tokens, tuple(a.contexts), a.context_gen,
-            a.repeats, a.llama_python, not a.no_llama_cpp, a.hf, not a.no_whole_process, log=log)
+            a.repeats, a.llama_python, not a.no_llama_cpp, a.hf, not a.no_whole_process, log=log,
+            kv_cache_dtype=a.kv_cache_dtype)
     if a.plot:
         d["plot"] = plot(d, a.plot)
     print_table(d)

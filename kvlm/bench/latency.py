@@ -105,7 +105,8 @@ def engine_weight_bytes(model: Any) -> int:
 
 def run(model: str = "smollm2-135m", threads: int = 2, prompt_lens: tuple[int, ...] = (32, 64, 128, 256, 512),
         contexts: tuple[int, ...] = (64, 256, 512, 1024), decode_steps: int = 24, repeats: int = 2,
-        copy_mib: int = 256, matmul_n: int = 2048, dtype: str = "auto", log: Any = print) -> dict[str, Any]:
+        copy_mib: int = 256, matmul_n: int = 2048, dtype: str = "auto", log: Any = print,
+        kv_cache_dtype: str = "auto") -> dict[str, Any]:
     import torch
 
     from kvlm.bench.decode import _kvlm_run, _prompt_ids
@@ -116,7 +117,7 @@ def run(model: str = "smollm2-135m", threads: int = 2, prompt_lens: tuple[int, .
     torch.set_num_threads(threads)
     max_len = max(max(prompt_lens) + 2, max(contexts) + decode_steps + 2) + 16  # + a block: the pool rounds down
     llm = LLM(model, num_threads=threads, max_num_seqs=1, max_model_len=max_len, dtype=dtype,
-              enable_prefix_caching=False)  # repeated prompts must be computed, not reused
+              kv_cache_dtype=kv_cache_dtype, enable_prefix_caching=False)  # prompts computed, not reused
     eng = llm.llm_engine
     # The ceilings of the device the engine runs on (the CPU here; a GPU when the engine picked CUDA).
     bw = memory_bandwidth(copy_mib, device=eng.device)
@@ -155,7 +156,8 @@ def run(model: str = "smollm2-135m", threads: int = 2, prompt_lens: tuple[int, .
 
     doc = run_header("latency", model, threads)
     doc.update({
-        "device": str(eng.device), "dtype": str(eng.dtype).removeprefix("torch."), "config_dtype": dtype, "repeats": repeats,
+        "device": str(eng.device), "dtype": str(eng.dtype).removeprefix("torch."), "config_dtype": dtype,
+        "kv_cache_dtype": str(eng.kv_dtype).removeprefix("torch."), "repeats": repeats,
         "decode_steps": decode_steps,
         "memory_bandwidth_gb_per_s": bw / 1e9, "copy_mib": copy_mib,
         "peak_gflops_per_s": peak / 1e9, "matmul_n": matmul_n,
@@ -167,7 +169,9 @@ def run(model: str = "smollm2-135m", threads: int = 2, prompt_lens: tuple[int, .
 
 
 def print_table(d: dict[str, Any]) -> None:
-    print(f"{d['model']} (--dtype {d.get('config_dtype', d['dtype'])}: {d['dtype']} activations) on {d['device']}, "
+    kv = d.get("kv_cache_dtype", d["dtype"])
+    print(f"{d['model']} (--dtype {d.get('config_dtype', d['dtype'])}: {d['dtype']} activations, {kv} KV cache) "
+          f"on {d['device']}, "
           f"{d['threads']} threads, CPU {d['cpu']}")
     print(f"machine ceilings: memory {d['memory_bandwidth_gb_per_s']:.1f} GB/s (copy of {d['copy_mib']} MiB), "
           f"compute {d['peak_gflops_per_s']:.1f} GFLOP/s ({d['matmul_n']}^2 matmul), "
@@ -244,13 +248,14 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--copy-mib", type=int, default=256, help="tensor size of the bandwidth test")
     p.add_argument("--matmul-n", type=int, default=2048, help="matrix size of the compute test")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
     p.add_argument("--plot", metavar="FILE", help="write a roofline PNG")
 
 
 def main_args(a: argparse.Namespace) -> int:
     log = lambda s: print(s, file=sys.stderr, flush=True)
     d = run(a.model, a.threads, tuple(a.prompt_lens), tuple(a.contexts), a.decode_steps, a.repeats,
-            a.copy_mib, a.matmul_n, a.dtype, log=log)
+            a.copy_mib, a.matmul_n, a.dtype, log=log, kv_cache_dtype=a.kv_cache_dtype)
     if a.plot:
         d["plot"] = plot(d, a.plot)
     print_table(d)

@@ -100,11 +100,11 @@ def run_hf_padded(model_path: Any, prompts: list[list[int]], outs: list[int], ba
 def run(model: str = "smollm2-135m", num_prompts: int = 32, in_range: tuple[int, int] = (64, 512),
         out_range: tuple[int, int] = (64, 256), seed: int = 0, threads: int = 2, max_num_seqs: int = 32,
         max_num_batched_tokens: int = 2048, sequential: bool = True, compare_hf: bool = True,
-        dtype: str = "auto", baseline_dtype: str | None = None) -> dict[str, Any]:
+        dtype: str = "auto", baseline_dtype: str | None = None, kv_cache_dtype: str = "auto") -> dict[str, Any]:
     from kvlm.llm import LLM
 
     torch.set_num_threads(threads)
-    llm = LLM(model, dtype=dtype, num_threads=threads, max_num_seqs=max_num_seqs,
+    llm = LLM(model, dtype=dtype, num_threads=threads, max_num_seqs=max_num_seqs, kv_cache_dtype=kv_cache_dtype,
               max_num_batched_tokens=max_num_batched_tokens, max_model_len=in_range[1] + out_range[1])
     prompts, outs = make_workload(num_prompts, llm.llm_engine.model_config.vocab_size, in_range, out_range, seed)
     llm.generate({"prompt_token_ids": prompts[0][:16]}, use_tqdm=False)  # warm-up
@@ -122,7 +122,7 @@ def run(model: str = "smollm2-135m", num_prompts: int = 32, in_range: tuple[int,
         base["dtype"] = baseline_dtype
     hf = run_hf_padded(llm.llm_engine.model_path, prompts, outs, max_num_seqs) if compare_hf else None
     return {
-        "bench": "throughput", "model": model, "dtype": dtype, "threads": threads,
+        "bench": "throughput", "model": model, "dtype": dtype, "kv_cache_dtype": kv_cache_dtype, "threads": threads,
         "date": datetime.now(UTC).strftime("%Y-%m-%d"), "cpu": cpu_name(),
         "device": str(llm.llm_engine.device), "torch": torch.__version__, "num_prompts": num_prompts,
         "prompt_len_range": list(in_range), "output_len_range": list(out_range), "seed": seed,
@@ -139,15 +139,16 @@ def run(model: str = "smollm2-135m", num_prompts: int = 32, in_range: tuple[int,
 def print_table(d: dict[str, Any]) -> None:
     print(f"{d['num_prompts']} prompts, {d['prompt_tokens']} prompt + {d['output_tokens']} output tokens, "
           f"{d['threads']} threads, {d['device']}")
-    print(f"{'':34s} {'output tok/s':>12s} {'total tok/s':>12s} {'seconds':>9s}")
+    print(f"{'':40s} {'output tok/s':>12s} {'total tok/s':>12s} {'seconds':>9s}")
     base = d.get("kvlm_batched_baseline")
-    for name, key in ((f"kvlm continuous batching ({d['dtype']})", "kvlm_batched"),
+    kv = f", KV {d['kv_cache_dtype']}" if d.get("kv_cache_dtype", "auto") != "auto" else ""
+    for name, key in ((f"kvlm continuous batching ({d['dtype']}{kv})", "kvlm_batched"),
                       ("kvlm one request at a time", "kvlm_sequential"),
                       (f"kvlm continuous batching ({base['dtype'] if base else ''})", "kvlm_batched_baseline"),
                       ("HF transformers padded batches", "hf_padded_batched")):
         r = d.get(key)
         if r:
-            print(f"{name:34s} {r['output_tokens_per_s']:12.1f} {r['total_tokens_per_s']:12.1f} {r['seconds']:9.1f}")
+            print(f"{name:40s} {r['output_tokens_per_s']:12.1f} {r['total_tokens_per_s']:12.1f} {r['seconds']:9.1f}")
     b = d["kvlm_batched"]
     print(f"peak KV: {b['peak_kv_blocks']} blocks ({b['peak_kv_bytes'] / 2**20:.1f} MiB), peak running {b['peak_running']}, "
           f"max paging waste {b['max_waste_blocks_per_request']:.2f} block/request, preemptions {b['preemptions']}")
@@ -172,6 +173,8 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     p.add_argument("--baseline-dtype", default=None, choices=["auto", "float32", "bfloat16"],
                    help="also run continuous batching with this dtype (e.g. float32) and report the ratio")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
+                   help="K/V element type of the main run (the baseline keeps its dtype's)")
     p.add_argument("--no-sequential", action="store_true", help="skip the one-request-at-a-time run")
     p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face comparison")
 
@@ -184,7 +187,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def main_args(a: argparse.Namespace) -> int:
     d = run(a.model, a.num_prompts, tuple(a.input_len), tuple(a.output_len), a.seed, a.threads, a.max_num_seqs,
-            a.max_num_batched_tokens, not a.no_sequential, not a.no_hf, a.dtype, a.baseline_dtype)
+            a.max_num_batched_tokens, not a.no_sequential, not a.no_hf, a.dtype, a.baseline_dtype, a.kv_cache_dtype)
     print_table(d)
     print(json.dumps(d))
     return 0
