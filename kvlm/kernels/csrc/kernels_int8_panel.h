@@ -196,32 +196,39 @@ KVLM_INLINE void store_tile(const __m512* acc, const __m512* mn, float* y, int64
         _mm512_mask_storeu_ps(y + i * ldy, live, QT == T_Q4_1 ? _mm512_add_ps(acc[i], mn[i]) : acc[i]);
 }
 
-constexpr int64_t PF_BYTES = 0;  // decode prefetch distance (see panel_fly)
+// Prefetch slice b of nb of the range [ahead, ahead + nb * step) (up to `end`) into L2, in order.
+// Why: decode is memory-bound, and 16 rows read side by side a block at a time are not a pattern the
+// hardware prefetcher follows well. Rows are contiguous in practice, so a panel is one range of 16 row
+// strides; the one after next (`ahead`) is fetched a slice per block while this one is used (one panel
+// ahead arrived too late for the 28 MB Q8_0 lm_head; L1 is too small to hold two more panels).
+KVLM_INLINE void prefetch_slice(const uint8_t* ahead, const uint8_t* end, int64_t b, int64_t step) {
+    const uint8_t* p = (const uint8_t*)((uintptr_t)(ahead + b * step) & ~(uintptr_t)63);
+    for (; p < ahead + (b + 1) * step && p < end; p += 64) _mm_prefetch((const char*)p, _MM_HINT_T1);
+}
 
-// Few rows (direct_block). Decode is memory-bound, and 16 rows read side by side a block at a time are
-// not a pattern the hardware prefetcher follows well. Rows are contiguous in practice, so the next panel
-// is one range of 16 row_stride bytes (`ahead`, up to `end`): while block b is used, its b-th slice of
-// 16 block sizes (plus PF_BYTES) is prefetched, in order: all of it by the time it is needed.
+// Few rows: direct_block, block after block.
 template <int QT, int MT>
 void panel_fly(const uint8_t* const* rows, __m512i hofs, const uint8_t* ahead, const uint8_t* end, const ActRows& a,
                float* y, int64_t ldy, __mmask16 live) {
-    constexpr int64_t STEP = 16 * I8Fmt<QT>::BB;
     __m512 acc[MT], mn[MT];
     for (int i = 0; i < MT; i++) acc[i] = mn[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < a.nb; b++) {
-        const uint8_t* p = (const uint8_t*)((uintptr_t)(ahead + b * STEP + PF_BYTES) & ~(uintptr_t)63);
-        for (; p < ahead + (b + 1) * STEP + PF_BYTES && p < end; p += 64) _mm_prefetch((const char*)p, _MM_HINT_T1);
+        prefetch_slice(ahead, end, b, 16 * I8Fmt<QT>::BB);
         direct_block<QT, MT>(rows, hofs, a, b, acc, mn);
     }
     store_tile<QT, MT>(acc, mn, y, ldy, live);
 }
 
-// Rows m0 .. m0 + MT - 1 against the prepared panel.
+// Rows m0 .. m0 + MT - 1 against the prepared panel (the first tile also prefetches, as panel_fly).
 template <int QT, int MT>
-void panel_tile(const PanelBlock* buf, const ActRows& a, int64_t m0, float* y, int64_t ldy, __mmask16 live) {
+void panel_tile(const PanelBlock* buf, const ActRows& a, int64_t m0, float* y, int64_t ldy, __mmask16 live,
+                const uint8_t* ahead, const uint8_t* end) {
     __m512 acc[MT], mn[MT];
     for (int i = 0; i < MT; i++) acc[i] = mn[i] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < a.nb; b++) tile_block<QT, MT>(buf[b], a, m0, b, acc, mn);
+    for (int64_t b = 0; b < a.nb; b++) {
+        if (m0 == 0) prefetch_slice(ahead, end, b, 16 * I8Fmt<QT>::BB);
+        tile_block<QT, MT>(buf[b], a, m0, b, acc, mn);
+    }
     store_tile<QT, MT>(acc, mn, y + m0 * ldy, ldy, live);
 }
 
@@ -272,11 +279,11 @@ void gemm_i8_t(const uint8_t* w, int64_t rs, int64_t K, const int8_t* xq, const 
         }
         for (int64_t b = 0; b < a.nb; b++) prep_block<QT>(rows, hv, b, buf + b);
         int64_t m = 0;
-        for (; m + ROW_TILE <= M; m += ROW_TILE) panel_tile<QT, ROW_TILE>(buf, a, m, yp, ldy, mask);
+        for (; m + ROW_TILE <= M; m += ROW_TILE) panel_tile<QT, ROW_TILE>(buf, a, m, yp, ldy, mask, ahead, end);
         switch (M - m) {
-            case 1: panel_tile<QT, 1>(buf, a, m, yp, ldy, mask); break;
-            case 2: panel_tile<QT, 2>(buf, a, m, yp, ldy, mask); break;
-            case 3: panel_tile<QT, 3>(buf, a, m, yp, ldy, mask); break;
+            case 1: panel_tile<QT, 1>(buf, a, m, yp, ldy, mask, ahead, end); break;
+            case 2: panel_tile<QT, 2>(buf, a, m, yp, ldy, mask, ahead, end); break;
+            case 3: panel_tile<QT, 3>(buf, a, m, yp, ldy, mask, ahead, end); break;
             default: break;
         }
     }
