@@ -1,19 +1,21 @@
-// Row kernel with int8 activations (llama.cpp style), for Q4_0, Q4_1 and Q8_0 weights: the default
-// numerics for these types on the AVX2 and AVX-512 paths (reference: reference.qmatmul_int8_ref).
-// Included by the AVX2, AVX-512 and AVX-512 VNNI units only, after kernels_impl.h.
+// Int8 activations (llama.cpp style) for Q4_0, Q4_1 and Q8_0 weights: the default numerics for these
+// types on the AVX2 and AVX-512 paths (reference: reference.qmatmul_int8_ref). Included by the AVX2,
+// AVX-512 and AVX-512 VNNI units only, after kernels_impl.h.
 //
 // Activations: each 32-element block of a row of x becomes 32 int8 q = round_even(x * (1 / d)) with
 // d = amax / 127 (d = 0 and q = 0 for an all-zero block), plus s = d * sum(q) (q8_1's convention: s is
-// the sum of the fake-quantized block, so Q4_1's min term is exactly what x_fq @ W.T contains).
+// the sum of the fake-quantized block, so Q4_1's min term is exactly what x_fq @ W.T contains) and the
+// integer sum(q) (the AVX-512 kernel folds Q4_0's and Q8_0's weight offsets into the integer sums).
 // Block product (weight block b: scale dw, min term mw = m for Q4_1, -8 dw for Q4_0, none for Q8_0):
 //     y += (float(sum_i u_i q_i) * dw) * d + mw * s        (u = the nibbles 0..15, or Q8_0's int8)
 // The integer sums run on vpdpbusd (VNNI) or maddubs + madd (u8 x s8 -> int32, no overflow here).
 //
-// Order contract (as in kernels_impl.h): output (m, n) runs the same instruction sequence whatever M,
-// the row tile, the rows sharing the call or the thread split. AVX-512: blocks go in groups of 4, the
-// first pair into accumulator 0 and the second into accumulator 1 (one 256-bit half per block), a
-// tail pair into accumulator 0, a tail block into its low half; min terms in a 4-lane accumulator;
-// at the end y = hsum(acc0 + acc1) + hsum(min). AVX2: block b into accumulator b % 4 (one ymm each).
+// Kernels, each with its order contract (output (m, n) runs the same instruction sequence whatever M,
+// the row tile, the rows sharing the call or the thread split):
+// - AVX-512: kernels_int8_panel.h (16 output columns per vector; its header states the contract).
+// - AVX2 (below): one weight row at a time against a tile of rows of x; block b into accumulator b % 4
+//   (one ymm each, 8 partial sums of the block), min terms likewise 4 scalars; y = hsum of the four
+//   accumulators' sum + the min terms' sum.
 
 namespace {
 
