@@ -215,8 +215,6 @@ void panel_fly(const uint8_t* const* rows, __m512i hofs, const uint8_t* ahead, c
     constexpr int64_t BB = I8Fmt<QT>::BB;
     for (int64_t b = 0; b < a.nb; b++) {
         prefetch_slice(ahead, end, b, 16 * BB);
-        if (b == 0 || (b * BB) / 64 != (b * BB - BB) / 64)  // and this panel from L2 to L1, 2 lines ahead
-            for (int c = 0; c < 16; c++) _mm_prefetch((const char*)(rows[c] + b * BB + 128), _MM_HINT_T0);
         direct_block<QT, MT>(rows, hofs, a, b, acc, mn);
     }
     store_tile<QT, MT>(acc, mn, y, ldy, live);
