@@ -253,6 +253,11 @@ void gemm_i8_t(const uint8_t* w, int64_t rs, int64_t K, const int8_t* xq, const 
                const int32_t* xi, int64_t M, float* y, int64_t ldy, int64_t n0, int64_t n1) {
     const ActRows a{xq, xd, xs, xi, K, K / 32};
     PanelBlock* buf = M > FLY_ROWS ? panel_buffer(a.nb) : nullptr;
+    if (M <= FLY_ROWS) {  // the first two panels (the loop prefetches two panels ahead from there on)
+        const uint8_t* end = w + (n1 < n0 + 32 ? n1 : n0 + 32) * rs;
+        for (const uint8_t* p = (const uint8_t*)((uintptr_t)(w + n0 * rs) & ~(uintptr_t)63); p < end; p += 64)
+            _mm_prefetch((const char*)p, _MM_HINT_T1);
+    }
     for (int64_t n = n0; n < n1; n += 16) {
         const int live = n1 - n < 16 ? (int)(n1 - n) : 16;  // tail panel: lanes past n1 repeat the last row
         const uint8_t* rows[16];
