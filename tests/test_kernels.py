@@ -462,6 +462,32 @@ def test_int8_row_alone_equals_row_in_any_batch(qtype: T, isa: str) -> None:
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q8_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("n", [1, 15, 16, 17, 47])  # one lane, a partial panel, one panel, panels + tails
+def test_int8_column_bits_independent_of_its_panel(qtype: T, n: int, isa: str) -> None:
+    """The AVX-512 kernel computes 16 output columns per vector (a panel; tail columns are masked lanes,
+    threads take whole panels). A column's bits must not depend on which panel or lane it lands in, on N,
+    or on M (few rows: weights used in place; more: the transposed panel buffer, tiles of 4 rows and their
+    remainders); and every result stays within the float32 bound of the fake-quant reference."""
+    if isa not in INT8_ISAS:
+        pytest.skip("the int8-activation kernel exists on the AVX2 and AVX-512 paths")
+    k = 288  # 9 blocks
+    pool = random_blocks(qtype, n + 16, k, seed=26)
+    x = int8_activation_cases(k, m=37)
+    w = QuantTensor(pool.data[16:], qtype, (n, k))
+    base = qmatmul(x, w)  # (37, n)
+    err = (base.double() - qmatmul_int8_ref(x, w).double()).abs()
+    assert (err <= matmul_bound(fake_quantize_act(x), w)).all(), f"max error / bound {err.max():.3g}"
+    for shift in (1, 5, 15, 16):  # the same columns at lanes shift.. of the first panel, or in the next one
+        shifted = QuantTensor(pool.data[16 - shift:], qtype, (n + shift, k))
+        assert torch.equal(qmatmul(x, shifted)[:, shift:], base), f"shift {shift}"
+    for m in (1, 2, 3, 4, 5, 8, 9, 36):
+        assert torch.equal(qmatmul(x[:m], w), base[:m]), f"M={m}"
+    for j in {0, n // 2, n - 1}:  # a column alone
+        one = QuantTensor(pool.data[16 + j:17 + j], qtype, (1, k))
+        assert torch.equal(qmatmul(x, one), base[:, j:j + 1]), f"column {j}"
+
+
 def test_fake_quantize_op_matches_reference(isa: str) -> None:
     """The native activation quantizer (all ISA paths with int8 kernels) gives the reference's bits."""
     if isa not in INT8_ISAS:

@@ -39,9 +39,23 @@ def test_concurrent_greedy_http_equals_offline(server):
     offline = LLM(str(server.model_path), num_threads=2)
     want = offline.generate(prompts, [SamplingParams(temperature=0, max_tokens=n) for n in max_tokens],
                                 use_tqdm=False)
-    for g, w in zip(got, want):
-        assert g.choices[0].text == w.outputs[0].text
+    tok = offline.tokenizer
+    for p, g, w in zip(prompts, got, want):
         assert g.usage.completion_tokens == len(w.outputs[0].token_ids)
+        if g.choices[0].text == w.outputs[0].text:
+            continue
+        # Concurrent arrivals put some decode rows into mixed prefill + decode steps, whose attention
+        # takes another path (per-sequence SDPA) than a pure decode step (the paged kernel): equal up to
+        # float32 rounding, which int8 activations can amplify into a flipped near-tie (2026-12-01:
+        # "Translate to French: cat", margin 0.09 to 0.14 between two tokens depending on the path). So
+        # where the texts part, the offline path's top-2 margin there must be a near-tie (test_quantized's
+        # NEAR_TIE for int8 activations).
+        ids, got_ids = list(w.outputs[0].token_ids), tok.encode(g.choices[0].text)
+        k = next(i for i in range(len(ids)) if i >= len(got_ids) or got_ids[i] != ids[i])
+        prefix = {"prompt_token_ids": tok.encode(p) + ids[:k]}
+        top = offline.generate([prefix], SamplingParams(temperature=0, max_tokens=1, logprobs=2), use_tqdm=False)
+        lp = sorted(top[0].outputs[0].logprobs[0].values(), reverse=True)
+        assert lp[0] - lp[1] < 0.5, f"{p!r} parts at token {k} with a margin of {lp[0] - lp[1]:.3f} (not a near-tie)"
 
 
 def test_chat_stream_is_utf8_safe_and_equals_non_stream(server):

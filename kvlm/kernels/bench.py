@@ -153,7 +153,8 @@ def run_attention(threads: list[int], min_s: float, cold: bool) -> list[dict]:
 
 
 def run(formats: list[str], rows: list[int], threads: int | None, min_s: float,
-        attn_threads: list[int] | None = None, cold: bool = True) -> dict:
+        attn_threads: list[int] | None = None, cold: bool = True,
+        shapes: tuple[tuple[int, int], ...] = SHAPES) -> dict:
     if threads:
         torch.set_num_threads(threads)
     cpu = cpu_name()
@@ -164,7 +165,7 @@ def run(formats: list[str], rows: list[int], threads: int | None, min_s: float,
     with torch.inference_mode():
         for name in formats:
             qtype = GGMLQuantizationType[name]
-            for n, k in SHAPES:
+            for n, k in shapes:
                 if k % GGML_QUANT_SIZES[qtype][0]:
                     continue
                 for m in rows:
@@ -190,7 +191,10 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-seconds", type=float, default=0.3, help="time per measurement (default %(default)s)")
     p.add_argument("--attention-threads", default=None,
                    help="comma-separated thread counts for the attention rows (default: 1 and --threads)")
+    p.add_argument("--shapes", default=None,
+                   help="comma-separated N x K matmul shapes, e.g. 1536x576,49152x576 (default: the model's)")
     p.add_argument("--attention-only", action="store_true", help="skip the matmul rows")
+    p.add_argument("--no-attention", action="store_true", help="skip the attention rows")
     p.add_argument("--hot", action="store_true",
                    help="attention re-reads one cache (CPU-cache hot) instead of one per layer in turn")
 
@@ -213,9 +217,18 @@ def _main(a: argparse.Namespace) -> int:
         raise ValueError(f"--attention-threads must be comma-separated integers, got {a.attention_threads!r}") from None
     if any(n < 1 for n in attn_threads):
         raise ValueError("--attention-threads must be positive")
+    try:
+        shapes = (tuple(tuple(int(v) for v in sh.lower().split("x", 1)) for sh in a.shapes.split(","))
+                  if a.shapes else SHAPES)
+    except ValueError:
+        raise ValueError(f"--shapes must be comma-separated NxK pairs, got {a.shapes!r}") from None
+    if any(len(sh) != 2 or min(sh) < 1 for sh in shapes):
+        raise ValueError(f"--shapes must be comma-separated NxK pairs of positive integers, got {a.shapes!r}")
     if a.attention_only:
         formats = []
-    print(json.dumps(run(formats, rows, a.threads, a.min_seconds, attn_threads, cold=not a.hot)))
+    if a.no_attention:
+        attn_threads = []
+    print(json.dumps(run(formats, rows, a.threads, a.min_seconds, attn_threads, cold=not a.hot, shapes=shapes)))
     return 0
 
 

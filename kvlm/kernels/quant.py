@@ -15,10 +15,11 @@ their definition. `KVLM_KERNEL_ACT=f32` opts out. Every other type, the scalar p
 fallback (no extension) keep float32 activations (`qmatmul_ref`).
 
 Paths by row count M:
-- int8 types: the int8 row kernel for M <= INT8_ROW_MAX_ROWS (every M by default: decode, batched
-  decode, prefill chunks), tiled over rows (8 rows per decoded weight block on AVX-512) and
-  cache-blocked; each output's arithmetic is fixed, so a row's result is bit-identical alone, in a
-  batch or in a prefill chunk. Above the limit: fake-quantize x (the same int8 values), dequantize a
+- int8 types: the int8 kernel for M <= INT8_ROW_MAX_ROWS (every M by default: decode, batched
+  decode, prefill chunks); on AVX-512 it computes 16 output columns per vector (csrc/kernels_int8_panel.h:
+  weights used in place for up to 4 rows of x, a transposed panel buffer for more), on AVX2 a weight row
+  at a time; each output's arithmetic is fixed, so a row's result is bit-identical alone, in a batch or in
+  a prefill chunk. Above the limit: fake-quantize x (the same int8 values), dequantize a
   weight tile, BLAS: the same numerics up to the float32 summation order.
 - float32 activations: the row kernel for M <= GEMV_MAX_ROWS, else dequantize a tile of weight rows
   (TILE_BYTES of float32) and multiply with BLAS (`x @ tile.T`).
@@ -47,10 +48,11 @@ INT8_ACT_TYPES = frozenset({GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1
 _INT8_ISAS = frozenset({native.ISAS.index("avx2"), native.ISAS.index("avx512"), native.ISAS.index("avx512-vnni")})
 _TYPE_IDS = {t: int(t) for t in NATIVE_TYPES}  # ggml type id, as the C++ side takes it
 GEMV_MAX_ROWS = 8  # float32 activations: up to this many rows use the row kernel, more dequantize + BLAS
-# Int8 activations: up to this many rows use the int8 row kernel, more "fake-quantize x, dequantize a
-# tile, BLAS". Measured here (AMD EPYC, AVX-512 VNNI, 2026-12-01, docs/int8_activations.md) the row kernel
-# matches BLAS at M = 512 and beats it below, so it takes every M (bit-identical rows in any chunk);
-# lower it on a CPU where BLAS wins.
+# Int8 activations: up to this many rows use the int8 kernel, more "fake-quantize x, dequantize a
+# tile, BLAS". Measured here (AMD EPYC, AVX-512 VNNI, 2 threads, 2026-12-01, docs/int8_activations.md)
+# the AVX-512 panel kernel is 2.6x to 3.4x float32 BLAS on pre-dequantized weights at M = 512 (the
+# earlier row kernel matched it), so it takes every M (bit-identical rows in any chunk); lower it on a
+# CPU where BLAS wins.
 INT8_ROW_MAX_ROWS = 1 << 20
 TILE_BYTES = 8 << 20  # float32 bytes of one dequantized weight tile: big enough for BLAS to run at full speed
 

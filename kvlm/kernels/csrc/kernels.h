@@ -45,12 +45,13 @@ typedef struct KvlmKernels {
     // Decode attention for work items [i0, i1) of a->items (see KvlmPagedAttn); `scores` is this thread's
     // scratch of a->H * (a->chunk + 2 + 256) floats. Returns 0, or -1 for an unsupported kv_dtype.
     int (*paged_attn)(const struct KvlmPagedAttn* a, float* scores, int64_t i0, int64_t i1);
-    // Int8-activation row kernel (Q4_0, Q4_1, Q8_0; NULL where the ISA lacks it, kernels_int8.h): x is first
+    // Int8-activation matmul (Q4_0, Q4_1, Q8_0; NULL where the ISA lacks it, kernels_int8.h): x is first
     // quantized per 32-element block by quantize_act (xq (M, K) int8, xd (M, K/32, 8) the block scale
-    // repeated 8 times, xs (M, K/32) the block's fake-quantized sum d * sum(q)).
-    void (*quantize_act)(const float* x, int64_t M, int64_t K, int8_t* xq, float* xd, float* xs);
+    // repeated 8 times, xs (M, K/32) the block's fake-quantized sum d * sum(q), xi (M, K/32) sum(q)).
+    // gemv_i8 runs fastest with n0 (and n1, unless n1 == N) multiples of 16 (AVX-512 column panels).
+    void (*quantize_act)(const float* x, int64_t M, int64_t K, int8_t* xq, float* xd, float* xs, int32_t* xi);
     int (*gemv_i8)(int qtype, const uint8_t* w, int64_t row_stride, int64_t K, const int8_t* xq, const float* xd,
-                   const float* xs, int64_t M, float* y, int64_t ldy, int64_t n0, int64_t n1);
+                   const float* xs, const int32_t* xi, int64_t M, float* y, int64_t ldy, int64_t n0, int64_t n1);
 } KvlmKernels;
 
 const KvlmKernels* kvlm_kernels_scalar(void);

@@ -1,19 +1,21 @@
-// Row kernel with int8 activations (llama.cpp style), for Q4_0, Q4_1 and Q8_0 weights: the default
-// numerics for these types on the AVX2 and AVX-512 paths (reference: reference.qmatmul_int8_ref).
-// Included by the AVX2, AVX-512 and AVX-512 VNNI units only, after kernels_impl.h.
+// Int8 activations (llama.cpp style) for Q4_0, Q4_1 and Q8_0 weights: the default numerics for these
+// types on the AVX2 and AVX-512 paths (reference: reference.qmatmul_int8_ref). Included by the AVX2,
+// AVX-512 and AVX-512 VNNI units only, after kernels_impl.h.
 //
 // Activations: each 32-element block of a row of x becomes 32 int8 q = round_even(x * (1 / d)) with
 // d = amax / 127 (d = 0 and q = 0 for an all-zero block), plus s = d * sum(q) (q8_1's convention: s is
-// the sum of the fake-quantized block, so Q4_1's min term is exactly what x_fq @ W.T contains).
+// the sum of the fake-quantized block, so Q4_1's min term is exactly what x_fq @ W.T contains) and the
+// integer sum(q) (the AVX-512 kernel folds Q4_0's and Q8_0's weight offsets into the integer sums).
 // Block product (weight block b: scale dw, min term mw = m for Q4_1, -8 dw for Q4_0, none for Q8_0):
 //     y += (float(sum_i u_i q_i) * dw) * d + mw * s        (u = the nibbles 0..15, or Q8_0's int8)
 // The integer sums run on vpdpbusd (VNNI) or maddubs + madd (u8 x s8 -> int32, no overflow here).
 //
-// Order contract (as in kernels_impl.h): output (m, n) runs the same instruction sequence whatever M,
-// the row tile, the rows sharing the call or the thread split. AVX-512: blocks go in groups of 4, the
-// first pair into accumulator 0 and the second into accumulator 1 (one 256-bit half per block), a
-// tail pair into accumulator 0, a tail block into its low half; min terms in a 4-lane accumulator;
-// at the end y = hsum(acc0 + acc1) + hsum(min). AVX2: block b into accumulator b % 4 (one ymm each).
+// Kernels, each with its order contract (output (m, n) runs the same instruction sequence whatever M,
+// the row tile, the rows sharing the call or the thread split):
+// - AVX-512: kernels_int8_panel.h (16 output columns per vector; its header states the contract).
+// - AVX2 (below): one weight row at a time against a tile of rows of x; block b into accumulator b % 4
+//   (one ymm each, 8 partial sums of the block), min terms likewise 4 scalars; y = hsum of the four
+//   accumulators' sum + the min terms' sum.
 
 namespace {
 
@@ -33,7 +35,7 @@ KVLM_INLINE float hsum4(__m128 s) {
 // ---- Activation quantization ----------------------------------------------------------------------
 
 // One 32-element block: 32 int8 at q, its scale and fake-quantized sum.
-KVLM_INLINE void quantize_block(const float* v, int8_t* q, float* d_out, float* s_out) {
+KVLM_INLINE void quantize_block(const float* v, int8_t* q, float* d_out, float* s_out, int32_t* i_out) {
 #if defined(KVLM_AVX512)
     const __m512 a = _mm512_loadu_ps(v), b = _mm512_loadu_ps(v + 16);
     const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
@@ -42,7 +44,8 @@ KVLM_INLINE void quantize_block(const float* v, int8_t* q, float* d_out, float* 
     const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, _mm512_set1_ps(inv)));
     _mm_storeu_si128((__m128i*)q, _mm512_cvtepi32_epi8(qa));
     _mm_storeu_si128((__m128i*)(q + 16), _mm512_cvtepi32_epi8(qb));
-    *s_out = d * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+    *i_out = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+    *s_out = d * (float)*i_out;
 #else
     __m256 v0 = _mm256_loadu_ps(v), v1 = _mm256_loadu_ps(v + 8), v2 = _mm256_loadu_ps(v + 16),
            v3 = _mm256_loadu_ps(v + 24);
@@ -65,15 +68,17 @@ KVLM_INLINE void quantize_block(const float* v, int8_t* q, float* d_out, float* 
     __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
     p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
     _mm256_storeu_si256((__m256i*)q, p);
-    *s_out = d * (float)_mm_cvtsi128_si32(s4);
+    *i_out = _mm_cvtsi128_si32(s4);
+    *s_out = d * (float)*i_out;
 #endif
     _mm256_storeu_ps(d_out, _mm256_set1_ps(d));  // expanded: 8 copies, one per int32 lane of the block
 }
 
-// x (M, K) -> xq (M, K) int8, xd (M, K/32, 8) scales (each repeated 8 times: the kernels load them as
-// vectors), xs (M, K/32) sums of the fake-quantized blocks.
-void quantize_act(const float* x, int64_t M, int64_t K, int8_t* xq, float* xd, float* xs) {
-    for (int64_t i = 0; i < M * (K / 32); i++) quantize_block(x + i * 32, xq + i * 32, xd + 8 * i, xs + i);
+// x (M, K) -> xq (M, K) int8, xd (M, K/32, 8) scales (each repeated 8 times: the AVX2 kernel loads them
+// as vectors), xs (M, K/32) sums of the fake-quantized blocks, xi (M, K/32) the blocks' sum(q).
+void quantize_act(const float* x, int64_t M, int64_t K, int8_t* xq, float* xd, float* xs, int32_t* xi) {
+    for (int64_t i = 0; i < M * (K / 32); i++)
+        quantize_block(x + i * 32, xq + i * 32, xd + 8 * i, xs + i, xi + i);
 }
 
 // ---- Weight blocks --------------------------------------------------------------------------------
@@ -94,120 +99,12 @@ KVLM_INLINE __m256i weights32(const uint8_t* blk) {
 
 #if defined(KVLM_AVX512)
 
-KVLM_INLINE __m512i dot512(__m512i u, __m512i s) {  // u8 x s8, 4 bytes per int32 lane
 #if defined(KVLM_VNNI)
-    return _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, s);
+#define KVLM_HAS_VNNI 1
 #else
-    return _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1));
+#define KVLM_HAS_VNNI 0
 #endif
-}
-
-// Blocks b and b + 1 (only b where !two; zeros then): bytes 0..31 block b, 32..63 block b + 1.
-template <int QT>
-KVLM_INLINE __m512i weights64(const uint8_t* blk, bool two) {
-    constexpr int BB = I8Fmt<QT>::BB, QOFF = I8Fmt<QT>::QOFF;
-    if constexpr (QT == T_Q8_0) {
-        const __m512i lo = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(blk + QOFF)));
-        return two ? _mm512_inserti64x4(lo, _mm256_loadu_si256((const __m256i*)(blk + BB + QOFF)), 1)
-                   : _mm512_zextsi256_si512(_mm512_castsi512_si256(lo));
-    }
-    const __m128i t0 = _mm_loadu_si128((const __m128i*)(blk + QOFF));
-    const __m256i t = two ? _mm256_inserti128_si256(_mm256_castsi128_si256(t0),
-                                                    _mm_loadu_si128((const __m128i*)(blk + BB + QOFF)), 1)
-                          : _mm256_zextsi128_si256(t0);
-    const __m512i z = _mm512_shuffle_i64x2(_mm512_castsi256_si512(t), _mm512_castsi256_si512(t), 0x50);  // t0 t0 t1 t1
-    return _mm512_and_si512(_mm512_srlv_epi64(z, _mm512_setr_epi64(0, 0, 4, 4, 0, 0, 4, 4)), _mm512_set1_epi8(15));
-}
-
-struct Pair {   // a weight pair prepared once for all rows of a tile
-    __m512i u;  // unsigned bytes (Q8_0: |w|)
-    __mmask64 neg;  // Q8_0: where w < 0 (x is negated there)
-    __m512 dw;  // lanes 0..7: dw of block b, 8..15: of block b + 1
-};
-
-template <int QT>
-KVLM_INLINE Pair make_pair(const uint8_t* blk, bool two, __m512 dw) {
-    const __m512i w = weights64<QT>(blk, two);
-    if constexpr (QT == T_Q8_0) return Pair{_mm512_abs_epi8(w), _mm512_movepi8_mask(w), dw};
-    return Pair{w, 0, dw};
-}
-
-// acc += (float(int dot) * dw) * xd for one row; xd16 = the row's expanded scales of blocks b, b + 1.
-template <int QT>
-KVLM_INLINE __m512 pair_dot(const Pair& p, __m512i s, __m512 xd16, __m512 acc) {
-    if constexpr (QT == T_Q8_0) s = _mm512_mask_sub_epi8(s, p.neg, _mm512_setzero_si512(), s);  // w's sign onto x
-    return _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dot512(p.u, s)), p.dw), xd16, acc);
-}
-
-// One group of 8 blocks (FULL) or the last 1..7 (`rem`, masked) of MT rows (see row_dot_i8).
-template <int QT, int MT, bool FULL>
-KVLM_INLINE void group8(const uint8_t* blk, int rem, const int8_t* xq, int64_t ldq, const float* xd,
-                        const float* xs, int64_t ldb, __m512* acc0, __m512* acc1, __m256* mins) {
-    constexpr int BB = I8Fmt<QT>::BB;
-    const __mmask8 live = FULL ? 0xff : (__mmask8)((1u << rem) - 1);
-    // The first 4 bytes of each block: d (and Q4_1's m) as halves -> floats 2j (d), 2j + 1 (m / other).
-    int32_t h[8] = {0, 0, 0, 0, 0, 0, 0, 0};  // (scalar loads + inserts: faster than a gather here)
-    for (int j = 0; j < (FULL ? 8 : rem); j++) memcpy(&h[j], blk + j * BB, 4);
-    __m256i head;
-    {
-        __m128i lo = _mm_cvtsi32_si128(h[0]), hi = _mm_cvtsi32_si128(h[4]);
-        lo = _mm_insert_epi32(lo, h[1], 1), hi = _mm_insert_epi32(hi, h[5], 1);
-        lo = _mm_insert_epi32(lo, h[2], 2), hi = _mm_insert_epi32(hi, h[6], 2);
-        lo = _mm_insert_epi32(lo, h[3], 3), hi = _mm_insert_epi32(hi, h[7], 3);
-        head = _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
-    }
-    const __m512 dm = _mm512_cvtph_ps(head);
-    if constexpr (QT != T_Q8_0) {  // min terms: Q4_1 m_j, Q4_0 d_j (times -8 at the end: exact)
-        constexpr int o = QT == T_Q4_1;
-        const __m256 mw = _mm512_castps512_ps256(_mm512_permutexvar_ps(
-            _mm512_setr_epi32(o, 2 + o, 4 + o, 6 + o, 8 + o, 10 + o, 12 + o, 14 + o, 0, 0, 0, 0, 0, 0, 0, 0), dm));
-        for (int i = 0; i < MT; i++)
-            mins[i] = _mm256_fmadd_ps(mw, FULL ? _mm256_loadu_ps(xs + i * ldb) : _mm256_maskz_loadu_ps(live, xs + i * ldb),
-                                      mins[i]);
-    }
-#pragma GCC unroll 4
-    for (int p = 0; p < 4; p++) {
-        if (!FULL && 2 * p >= rem) break;
-        const bool two = FULL || 2 * p + 1 < rem;
-        const __m512i sel = _mm512_add_epi32(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2),
-                                             _mm512_set1_epi32(4 * p));
-        const Pair pr = make_pair<QT>(blk + 2 * p * BB, two, _mm512_permutexvar_ps(sel, dm));
-        for (int i = 0; i < MT; i++) {
-            const int8_t* xp = xq + i * ldq + 64 * p;
-            const float* dp = xd + i * ldb * 8 + 16 * p;
-            const __m512i s = two ? _mm512_loadu_si512((const void*)xp) : _mm512_maskz_loadu_epi8(0xffffffffull, xp);
-            const __m512 x16 = two ? _mm512_loadu_ps(dp) : _mm512_maskz_loadu_ps(0x00ff, dp);
-            if (p & 1) acc1[i] = pair_dot<QT>(pr, s, x16, acc1[i]);
-            else acc0[i] = pair_dot<QT>(pr, s, x16, acc0[i]);
-        }
-    }
-}
-
-// MT rows of x against one weight row of nb blocks, in groups of 8 blocks (4 pairs: pairs 0 and 2 into
-// accumulator 0, 1 and 3 into accumulator 1); a last group of 1..7 blocks the same way with masks.
-// xq, xd (expanded, 8 floats a block), xs point at the tile's first row.
-template <int QT, int MT>
-KVLM_INLINE void row_dot_i8(const uint8_t* row, int64_t nb, const int8_t* xq, int64_t ldq, const float* xd,
-                            const float* xs, int64_t ldb, float* y, int64_t ldy) {
-    constexpr int BB = I8Fmt<QT>::BB;
-    __m512 acc0[MT], acc1[MT];
-    __m256 mins[MT];
-    for (int i = 0; i < MT; i++) acc0[i] = acc1[i] = _mm512_setzero_ps(), mins[i] = _mm256_setzero_ps();
-    int64_t b0 = 0;
-    for (; b0 + 8 <= nb; b0 += 8)
-        group8<QT, MT, true>(row + b0 * BB, 8, xq + b0 * 32, ldq, xd + b0 * 8, xs + b0, ldb, acc0, acc1, mins);
-    if (b0 < nb)
-        group8<QT, MT, false>(row + b0 * BB, (int)(nb - b0), xq + b0 * 32, ldq, xd + b0 * 8, xs + b0, ldb, acc0, acc1,
-                              mins);
-    for (int i = 0; i < MT; i++) {
-        const __m512 a = _mm512_add_ps(acc0[i], acc1[i]);
-        const float m = hsum8(mins[i]);
-        y[i * ldy] = hsum8(_mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1))) +
-                     (QT == T_Q4_0 ? -8.0f * m : m);
-    }
-}
-
-constexpr int I8_MT = 8;  // rows per decoded weight block: 3 accumulators each (24 of the 32 zmm registers)
+#include "kernels_int8_panel.h"
 
 #else  // AVX2
 
@@ -248,8 +145,6 @@ KVLM_INLINE void row_dot_i8(const uint8_t* row, int64_t nb, const int8_t* xq, in
 
 constexpr int I8_MT = 2;  // rows per decoded weight block: 4 accumulators each, 16 ymm registers
 
-#endif
-
 // Software prefetch distance in weight rows for few rows of x (memory-bound): with many instructions
 // per weight byte (Q4 unpacking), the out-of-order window alone keeps too few cache misses in flight.
 constexpr int64_t PF_ROWS = 8;
@@ -282,14 +177,23 @@ void gemv_i8_t(const uint8_t* w, int64_t rs, int64_t K, const int8_t* xq, const 
     }
 }
 
+#endif  // AVX2
+
 int gemv_i8(int qtype, const uint8_t* w, int64_t rs, int64_t K, const int8_t* xq, const float* xd, const float* xs,
-            int64_t M, float* y, int64_t ldy, int64_t n0, int64_t n1) {
+            const int32_t* xi, int64_t M, float* y, int64_t ldy, int64_t n0, int64_t n1) {
+#if defined(KVLM_AVX512)
+#define KVLM_I8_CALL(QT) gemm_i8_t<QT>(w, rs, K, xq, xd, xs, xi, M, y, ldy, n0, n1)
+#else
+    (void)xi;
+#define KVLM_I8_CALL(QT) gemv_i8_t<QT>(w, rs, K, xq, xd, xs, M, y, ldy, n0, n1)
+#endif
     switch (qtype) {
-        case T_Q4_0: gemv_i8_t<T_Q4_0>(w, rs, K, xq, xd, xs, M, y, ldy, n0, n1); return 0;
-        case T_Q4_1: gemv_i8_t<T_Q4_1>(w, rs, K, xq, xd, xs, M, y, ldy, n0, n1); return 0;
-        case T_Q8_0: gemv_i8_t<T_Q8_0>(w, rs, K, xq, xd, xs, M, y, ldy, n0, n1); return 0;
+        case T_Q4_0: KVLM_I8_CALL(T_Q4_0); return 0;
+        case T_Q4_1: KVLM_I8_CALL(T_Q4_1); return 0;
+        case T_Q8_0: KVLM_I8_CALL(T_Q8_0); return 0;
         default: return -1;
     }
+#undef KVLM_I8_CALL
 }
 
 }  // namespace

@@ -41,26 +41,30 @@ bool has_int8(const KvlmKernels* t, int qtype) {
 namespace {
 
 // x (M, K) quantized per 32-element block (quantize_act, rows in parallel) into this thread's buffers:
-// q (M, K) int8, d (M, K/32, 8) expanded scales, s (M, K/32) block sums. The buffers grow to the
-// largest call and stay, so steady-state calls allocate nothing; they are valid until the next call.
+// q (M, K) int8, d (M, K/32, 8) expanded scales, s (M, K/32) block sums d * sum(q), i (M, K/32) sum(q).
+// The buffers grow to the largest call and stay, so steady-state calls allocate nothing; they are valid
+// until the next call.
 struct ActQ {
     const int8_t* q;
     const float* d;
     const float* s;
+    const int32_t* i;
 };
 
 ActQ quantize_x(const KvlmKernels* t, const float* x, int64_t M, int64_t K) {
     thread_local std::vector<int8_t> xq;
     thread_local std::vector<float> xd, xs;
+    thread_local std::vector<int32_t> xi;
     const int64_t nb = K / 32;
     if ((int64_t)xq.size() < M * K) xq.resize(M * K);
-    if ((int64_t)xs.size() < M * nb) xd.resize(8 * M * nb), xs.resize(M * nb);
+    if ((int64_t)xs.size() < M * nb) xd.resize(8 * M * nb), xs.resize(M * nb), xi.resize(M * nb);
     int8_t* q = xq.data();
     float *d = xd.data(), *s = xs.data();
+    int32_t* i = xi.data();
     at::parallel_for(0, M, std::max<int64_t>(1, 65536 / K), [&](int64_t m0, int64_t m1) {
-        t->quantize_act(x + m0 * K, m1 - m0, K, q + m0 * K, d + 8 * m0 * nb, s + m0 * nb);
+        t->quantize_act(x + m0 * K, m1 - m0, K, q + m0 * K, d + 8 * m0 * nb, s + m0 * nb, i + m0 * nb);
     });
-    return {q, d, s};
+    return {q, d, s, i};
 }
 
 }  // namespace
@@ -71,11 +75,10 @@ bool matmul(const KvlmKernels* t, int qtype, const uint8_t* w, int64_t rs, int64
     std::atomic<bool> ok{true};
     if (act == ACT_INT8 && has_int8(t, qtype) && K % 32 == 0) {
         // x quantized once, then shared read-only by every thread.
+        // Threads take whole panels of 16 columns (the AVX-512 kernel's unit; see kernels_int8_panel.h).
         const ActQ a = quantize_x(t, x, M, K);
-        const int8_t* q = a.q;
-        const float *d = a.d, *s = a.s;
-        at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-            if (t->gemv_i8(qtype, w, rs, K, q, d, s, M, y, ldy, n0, n1)) ok = false;
+        at::parallel_for(0, (N + 15) / 16, std::max<int64_t>(1, grain / 16), [&](int64_t p0, int64_t p1) {
+            if (t->gemv_i8(qtype, w, rs, K, a.q, a.d, a.s, a.i, M, y, ldy, 16 * p0, std::min(N, 16 * p1))) ok = false;
         });
         return ok;
     }
