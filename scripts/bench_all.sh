@@ -31,6 +31,10 @@ run kv_size     kv-size "$MODEL" --compare-known --plot docs/img/kv_size.png
 # LLAMA_PYTHON: an interpreter with llama-cpp-python, when it lives in another environment.
 run compare     bench compare "$MODEL" --threads "$THREADS" --plot docs/img/compare_context.png \
     ${LLAMA_PYTHON:+--llama-python "$LLAMA_PYTHON"}
+run compare_kv16 bench compare "$MODEL" --threads "$THREADS" --kv-cache-dtype float16 \
+    ${LLAMA_PYTHON:+--llama-python "$LLAMA_PYTHON"}
+run throughput_kv16 bench throughput "$MODEL" --threads "$THREADS" --baseline-dtype float32 --no-hf \
+    --no-sequential --kv-cache-dtype float16
 run prefix      bench prefix "$MODEL" --threads "$THREADS" --plot docs/img/prefix.png
 
 python scripts/make_benchmarks_md.py

@@ -46,6 +46,12 @@ SECTIONS: list[tuple[str, str, str]] = [
      "hour); install it in the same environment, or in another one and pass that interpreter with "
      "`--llama-python`. An absent peer is listed as skipped. The machine is shared with other "
      "developers' jobs: read the ratios of one run, not absolute speeds."),
+    ("compare_kv16", "Side by side with llama.cpp, float16 K/V",
+     "The same comparison with kvlm's `--kv-cache-dtype float16`, the type llama.cpp stores K/V in by "
+     "default: half the bytes per cached token, so attention at long context reads half as much."),
+    ("throughput_kv16", "Offline throughput, float16 K/V",
+     "The batched throughput run with `--kv-cache-dtype float16` against the float32 reference path in "
+     "the same process: the KV pool holds twice the tokens per byte."),
     ("prefix", "Prefix cache",
      "(a) Requests sharing a long system prompt, submitted together, with prefix caching off and on; (b) a "
      "multi-turn greedy chat with and without reuse, per turn; (c) a long prefix's K/V loaded from a "
