@@ -223,6 +223,13 @@ class BlockManager:
         return n
 
     # -- release -----------------------------------------------------------------------------------
+    def truncate(self, req: Request, num_tokens: int) -> None:
+        """Release the blocks beyond those needed for the first `num_tokens` tokens."""
+        keep = self.blocks_for(num_tokens)
+        while len(req.block_table) > keep:
+            self._release(req.block_table.pop(), req)
+        req.num_cached_blocks = min(req.num_cached_blocks, num_tokens // self.block_size)
+
     def free(self, req: Request) -> None:
         """Return every block of `req` (finished, aborted or preempted). The tail goes first, so a cached
         prefix's last blocks are evicted before its first ones (which more requests share)."""
