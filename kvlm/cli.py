@@ -14,13 +14,12 @@ import json
 import logging
 import os
 import sys
-from pathlib import Path
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any, NoReturn
 
 from kvlm.cache_cli import add_prefix_snapshot_flag, load_prefix_snapshot
 from kvlm.errors import KvlmError, ParameterError
-
 
 _FREEZE_AFTER_LOAD = False  # set by run(): a `kvlm` process, not a caller of main()
 

@@ -52,8 +52,8 @@ def test_half_pool_holds_half_the_bytes(tiny_gguf: Path) -> None:
 
 
 def _logits_close(a: dict, b: dict, atol: float) -> None:
-    for i in a:
-        torch.testing.assert_close(torch.stack(a[i]), torch.stack(b[i]), atol=atol, rtol=0)
+    for i, rows in a.items():
+        torch.testing.assert_close(torch.stack(rows), torch.stack(b[i]), atol=atol, rtol=0)
 
 
 @pytest.mark.parametrize("kv", ["float16", "bfloat16"])
