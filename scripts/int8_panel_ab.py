@@ -3,8 +3,8 @@
 one), each measured in its own processes, alternated `--reps` times; prints medians and new/old ratios,
 then one JSON line.
 
-    git worktree add /tmp/old-gemm <commit>
-    PYTHONPATH=. python scripts/int8_panel_ab.py /tmp/old-gemm . --threads 2 --reps 3
+    git worktree add OLD_TREE <commit>          # any folder outside this checkout
+    PYTHONPATH=. python scripts/int8_panel_ab.py OLD_TREE . --threads 2 --reps 3
 
 Kernel rows: `kvlm.kernels.bench.bench_one` (cold weights) for Q4_1 1536x576, 576x1536 and Q8_0
 49152x576 at each M of --rows. Engine rows (unless --no-engine): prefill of 512 tokens, decode at batch 1
