@@ -6,7 +6,7 @@ Runs `kvlm generate` in this process (t = 0 when the interpreter is up, ~20 ms a
 prompt and 128 greedy tokens on the default model, 2 threads) with the functions of each start-up phase
 wrapped, and prints, after each phase: seconds since start, the phase's seconds, RSS and peak RSS
 (VmHWM). Then the resident memory by mapping (heap, anonymous, the mapped GGUF file, libtorch_cpu,
-other shared libraries) after load, after the first step and at the end, and whether torch._dynamo,
+other shared libraries) after `import torch`, after load, after the first step and at the end, and whether torch._dynamo,
 jinja2 or transformers were imported. A measuring tool: it patches kvlm functions in its own process.
 """
 
@@ -90,6 +90,7 @@ def main(argv: list[str]) -> None:
     import torch  # noqa: F401
 
     mark("import torch")
+    mapping_rss("after import torch")
     import kvlm.engine
     import kvlm.loader.gguf
     import kvlm.tokenizer_cache
