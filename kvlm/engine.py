@@ -114,7 +114,8 @@ class Engine:
         """Everything besides token ids that changes K/V: the root of the prefix cache's hash chain."""
         files = [[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in model_files(self.model_path)]
         return json.dumps({"model": files, "config": dataclasses.asdict(self.model_config), "dtype": self.config.dtype,
-                           "kv_dtype": str(self.kv_dtype), "kv_layout": self.config.kv_cache_layout, "block_size": self.config.block_size})
+                           "kv_dtype": str(self.kv_dtype), "kv_layout": self.config.kv_cache_layout,
+                           "block_size": self.config.block_size})
 
     @functools.cached_property
     def model_fingerprint(self) -> str:
