@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "LLM": "kvlm.llm", "SamplingParams": "kvlm.sampling_params", "RequestOutput": "kvlm.request",
-    "CompletionOutput": "kvlm.request", "StreamDelta": "kvlm.request", "Engine": "kvlm.engine",
+    "LLM": "kvlm.llm", "SamplingParams": "kvlm.sampling_params", "RequestOutput": "kvlm.outputs",
+    "CompletionOutput": "kvlm.outputs", "StreamDelta": "kvlm.outputs", "Engine": "kvlm.engine.engine",
     "EngineConfig": "kvlm.config", "ModelConfig": "kvlm.config", "KvlmError": "kvlm.errors",
     "ModelLoadError": "kvlm.errors", "UnsupportedModelError": "kvlm.errors", "PromptTooLongError": "kvlm.errors",
 }
@@ -39,7 +39,7 @@ __all__ = [  # = list(_EXPORTS), spelled out for linters and type checkers
 
 if TYPE_CHECKING:  # for type checkers; at run time __getattr__ imports each name on first use
     from kvlm.config import EngineConfig, ModelConfig
-    from kvlm.engine import Engine
+    from kvlm.engine.engine import Engine
     from kvlm.errors import (
         KvlmError,
         ModelLoadError,
@@ -47,7 +47,7 @@ if TYPE_CHECKING:  # for type checkers; at run time __getattr__ imports each nam
         UnsupportedModelError,
     )
     from kvlm.llm import LLM
-    from kvlm.request import CompletionOutput, RequestOutput, StreamDelta
+    from kvlm.outputs import CompletionOutput, RequestOutput, StreamDelta
     from kvlm.sampling_params import SamplingParams
 
 

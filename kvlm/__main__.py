@@ -1,3 +1,3 @@
-from kvlm.cli import run
+from kvlm.cli.main import run
 
 run()

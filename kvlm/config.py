@@ -103,6 +103,12 @@ class ModelConfig:
         return cls(**kw)
 
 
+# The one list of element types, for compute (`EngineConfig.dtype`) and the KV cache (`kv_cache_dtype`):
+# "auto" first, then the torch names. Flags, validation and benchmarks all take their choices from here.
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+DTYPES: tuple[Dtype, ...] = ("auto", "float32", "bfloat16", "float16")
+
+
 @dataclass(slots=True)
 class EngineConfig:
     """Runtime knobs of the engine. Defaults suit one CPU user; the CLI exposes each as a flag.
@@ -110,7 +116,7 @@ class EngineConfig:
     KV memory: `kv_cache_memory` is bytes (an int), a fraction of the memory available now (a float in
     (0, 1]) or None, which sizes the pool for `max_num_seqs` requests at full context, capped at a
     quarter of available memory and, on CPU, at 1 GiB. A budget above 90% of available memory is refused
-    when the pool is made (`kv_pool.kv_pool_budget`).
+    when the pool is made (`kv_cache.sizing.kv_pool_budget`).
 
     Validated on construction, like `SamplingParams`: a bad value raises `ParameterError` naming the
     field. Checks that need the model (max_model_len above its context) are made by the engine.
@@ -118,12 +124,12 @@ class EngineConfig:
 
     device: str | None = None  # None: "cuda" when available, else "cpu"
     # "auto": float32 activations, GGUF weights kept quantized on CPU; float32 etc.: dense weights.
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    dtype: Dtype = "auto"
     enable_kv_cache: bool = True
     # "auto": the compute dtype (float32 on CPU). float16 / bfloat16 store K/V in half the bytes (as
     # llama.cpp does by default): half the pool per token and half the bytes each decode step's
     # attention reads. Every attention path reads K/V back from the cache, so all see the same values.
-    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    kv_cache_dtype: Dtype = "auto"
     kv_cache_layout: Literal["paged", "contiguous"] = "paged"
     block_size: int = 16
     max_model_len: int | None = None  # None: the model's context length, capped at 4096 to bound memory
@@ -149,10 +155,9 @@ class EngineConfig:
                 continue
             if not is_int(v) or not 1 <= v <= hi:
                 raise bad(name, f"must be an integer in [1, {hi}]")
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise bad("dtype", "must be auto, float32, bfloat16 or float16")
-        if self.kv_cache_dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise bad("kv_cache_dtype", "must be auto, float32, bfloat16 or float16")
+        for name in ("dtype", "kv_cache_dtype"):
+            if getattr(self, name) not in DTYPES:
+                raise bad(name, "must be " + ", ".join(DTYPES[:-1]) + " or " + DTYPES[-1])
         if self.kv_cache_layout not in ("paged", "contiguous"):
             raise bad("kv_cache_layout", "must be 'paged' or 'contiguous'")
         if not isinstance(self.enable_kv_cache, bool):

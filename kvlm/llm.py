@@ -11,10 +11,11 @@ from collections.abc import Iterator, Sequence
 from typing import Any, Union
 
 from kvlm.config import EngineConfig
-from kvlm.engine import Engine
+from kvlm.engine.engine import Engine
 from kvlm.errors import ParameterError
-from kvlm.kv_snapshot import SnapshotInfo
-from kvlm.request import Request, RequestOutput, StreamDelta
+from kvlm.kv_cache.snapshot import SnapshotInfo
+from kvlm.outputs import RequestOutput, StreamDelta
+from kvlm.request import Request
 from kvlm.sampling_params import SamplingParams
 
 PromptType = Union[str, dict[str, Any]]  # "text" or {"prompt_token_ids": [...]} / {"prompt": "text"}
@@ -120,7 +121,7 @@ class LLM:
                 eng.abort(req.request_id)
 
     def save_prefix(self, prompt: PromptType, path: str | os.PathLike) -> SnapshotInfo:
-        """Save the K/V of `prompt`'s full blocks to a safetensors file (see `kvlm.kv_snapshot`)."""
+        """Save the K/V of `prompt`'s full blocks to a safetensors file (see `kvlm.kv_cache.snapshot`)."""
         p = _prompt_input(prompt)
         ids = self.tokenizer.encode(p) if isinstance(p, str) else p
         return self.llm_engine.save_prefix(ids, path)

@@ -43,7 +43,7 @@ class SamplingParams:
 
     temperature: below 1e-5 means greedy (argmax; top-k, top-p and min-p are then ignored). top_k: 0 or
     -1 disables. top_p in (0, 1]. min_p in [0, 1]: drop tokens whose probability is below min_p x the
-    top probability. The sampler applies them in vLLM V1's order (see `kvlm.sampler`).
+    top probability. The sampler applies them in vLLM V1's order (see `kvlm.engine.sampler`).
     repetition_penalty (HF semantics, over prompt and output): positive logits are divided by it,
     negative ones multiplied. presence_penalty and frequency_penalty (OpenAI semantics, over output
     tokens): subtract p * [count > 0] and f * count.

@@ -15,7 +15,7 @@ import sys
 import torch
 
 from kvlm import EngineConfig, SamplingParams
-from kvlm.engine import Engine
+from kvlm.engine.engine import Engine
 
 PROMPTS = ["The capital of France is", "What is a KV cache?", "Write a haiku about caches",
            "def fibonacci(n):", "Once upon a time"]

@@ -84,29 +84,29 @@ def main(argv: list[str]) -> None:
                 "--threads", "2", "--dtype", "auto"]
     T0[0] = time.perf_counter()
     mark("interpreter up")
-    import kvlm.cli
+    import kvlm.cli.main
 
-    mark("import kvlm.cli")
+    mark("import kvlm.cli.main")
     import torch  # noqa: F401
 
     mark("import torch")
     mapping_rss("after import torch")
-    import kvlm.engine
+    import kvlm.engine.engine
     import kvlm.loader.gguf
-    import kvlm.tokenizer_cache
+    import kvlm.tokenizer.cache
     from kvlm.kernels import native
-    from kvlm.model import LlamaForCausalLM
+    from kvlm.model.llama import LlamaForCausalLM
 
-    mark("import kvlm.engine (model, loader, kernels)")
+    mark("import kvlm.engine.engine (model, loader, kernels)")
     wrap(kvlm.loader.gguf, "load_gguf", "GGUF parse + map, QuantTensor views")
-    wrap(kvlm.tokenizer_cache, "gguf_tokenizer", "tokenizer (cached next to the model)")
+    wrap(kvlm.tokenizer.cache, "gguf_tokenizer", "tokenizer (cached next to the model)")
     wrap(LlamaForCausalLM, "__init__", "model built on the meta device")
     wrap(native, "_build_and_load", "native extension loaded")
     wrap(LlamaForCausalLM, "load_weights", "load_weights (stack q/k/v, gate/up)")
-    wrap(kvlm.engine, "make_kv_cache", "to(), KV pool")
-    wrap(kvlm.engine.Engine, "__init__", "engine ready (heap trimmed, unused pages dropped)", mapping_rss)
+    wrap(kvlm.engine.engine, "make_kv_cache", "to(), KV pool")
+    wrap(kvlm.engine.engine.Engine, "__init__", "engine ready (heap trimmed, unused pages dropped)", mapping_rss)
     steps = [0]
-    step = kvlm.engine.Engine.step
+    step = kvlm.engine.engine.Engine.step
 
     def counted(self: object) -> object:
         out = step(self)
@@ -116,10 +116,10 @@ def main(argv: list[str]) -> None:
             mapping_rss("after the first step")
         return out
 
-    kvlm.engine.Engine.step = counted  # type: ignore[method-assign]
+    kvlm.engine.engine.Engine.step = counted  # type: ignore[method-assign]
     stdout, sys.stdout = sys.stdout, open(os.devnull, "w")  # noqa: SIM115
     try:
-        kvlm.cli.main(argv)
+        kvlm.cli.main.main(argv)
     finally:
         sys.stdout = stdout
     mark(f"decode done ({steps[0]} steps)")

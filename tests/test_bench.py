@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from kvlm.cli import main
+from kvlm.cli.main import main
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 CONFIGS = Path(__file__).parent.parent / "kvlm" / "configs"
@@ -176,7 +176,7 @@ PUBLISHED_PARAMS = {"Llama-3-8B": 8_030_261_248, "Llama-3-70B": 70_553_706_496, 
 
 
 def test_known_configs_are_the_published_shapes() -> None:
-    from kvlm.bench.kv_size_plot import known_configs
+    from kvlm.kv_cache.sizing import known_configs
 
     known = known_configs()
     assert {name: c.num_parameters for name, c in known.items()} == PUBLISHED_PARAMS

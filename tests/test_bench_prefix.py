@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvlm.cli import main
+from kvlm.cli.main import main
 
 
 def test_bench_prefix_all_parts(tiny_gguf: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

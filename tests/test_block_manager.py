@@ -1,4 +1,4 @@
-"""Tests for kvlm.block_manager: block accounting invariants with plain Request objects (no torch)."""
+"""Tests for kvlm.kv_cache.block_manager: block accounting invariants with plain Request objects (no torch)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from kvlm.block_manager import BlockManager
+from kvlm.kv_cache.block_manager import BlockManager
 from kvlm.request import Request
 from kvlm.sampling_params import SamplingParams
 
@@ -85,23 +85,6 @@ def test_allocate_beyond_capacity_raises_and_changes_nothing() -> None:
     assert_accounting(bm, [a, b])
 
 
-def test_truncate_releases_tail_blocks() -> None:
-    """truncate(n) keeps the first ceil(n / block_size) blocks in order and frees the rest."""
-    bm = BlockManager(8, 4)
-    r = make_req()
-    bm.allocate(r, 30)  # 8 blocks
-    table = list(r.block_table)
-    bm.truncate(r, 9)
-    assert r.block_table == table[:3]
-    assert bm.num_free_blocks == 5 and set(bm.free_blocks) == set(table[3:])
-    assert_accounting(bm, [r])
-    bm.truncate(r, 12)  # still 3 blocks needed: nothing happens
-    assert r.block_table == table[:3]
-    bm.truncate(r, 0)
-    assert r.block_table == [] and bm.num_free_blocks == 8
-    assert_accounting(bm, [r])
-
-
 def test_free_returns_every_block_and_is_idempotent() -> None:
     """free() empties the block table and returns all its blocks; a second free changes nothing."""
     bm = BlockManager(6, 2)
@@ -156,7 +139,7 @@ def test_blocks_are_reused_after_free() -> None:
 
 @pytest.mark.parametrize("seed", range(8))
 def test_random_walk_keeps_invariants(seed: int) -> None:
-    """Seeded random allocate/truncate/free sequences keep every invariant after every operation."""
+    """Seeded random allocate/free sequences keep every invariant after every operation."""
     rng = random.Random(seed)
     bm = BlockManager(rng.randint(4, 24), rng.choice([1, 2, 4, 16]))
     reqs = [make_req(f"r{i}") for i in range(6)]
@@ -175,10 +158,6 @@ def test_random_walk_keeps_invariants(seed: int) -> None:
                 assert extra > bm.num_free_blocks
                 with pytest.raises(RuntimeError):
                     bm.allocate(r, n)
-        elif op < 0.8:
-            n = rng.randint(0, tokens[r.request_id])
-            bm.truncate(r, n)
-            tokens[r.request_id] = n
         else:
             bm.free(r)
             tokens[r.request_id] = 0

@@ -331,8 +331,8 @@ def test_bad_input_table(runs, name: str) -> None:
 ])
 def test_more_bad_values_in_process(tiny_gguf: Path, capsys: pytest.CaptureFixture[str], args: list[str],
                                     words: list[str]) -> None:
-    """The same contract through `kvlm.cli.main` (cheaper than a process per case): exit 2, one line."""
-    from kvlm.cli import main
+    """The same contract through `kvlm.cli.main.main` (cheaper than a process per case): exit 2, one line."""
+    from kvlm.cli.main import main
 
     try:
         code = main(["-q", "generate", str(tiny_gguf), "hi", *args])

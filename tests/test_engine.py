@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kvlm import LLM, EngineConfig, SamplingParams
-from kvlm.engine import Engine
+from kvlm.engine.engine import Engine
 from kvlm.errors import PromptTooLongError
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -245,7 +245,7 @@ def test_generate_outputs_in_input_order_and_params_list(tiny_gguf: Path) -> Non
 def test_length_grouped_decode_attention_changes_nothing(tiny_gguf: Path) -> None:
     """Decode batches split into groups of similar context length give the ungrouped tokens/logits."""
     from kvlm import EngineConfig
-    from kvlm.attention import plan_length_groups
+    from kvlm.attention.decode import plan_length_groups
 
     prompts = random_prompts(9, 5, lo=2, hi=90)
     cfg = EngineConfig(block_size=8, max_num_batched_tokens=64)
@@ -257,14 +257,14 @@ def test_length_grouped_decode_attention_changes_nothing(tiny_gguf: Path) -> Non
     grouped.runner.paged_decode = grouped_paged_decode
     grouped.runner.group_cost = 0  # split whenever it saves any padding
     seen_groups = []
-    build = grouped.runner.build_metadata
+    build = grouped.runner.prepare
 
     def spy(batch):  # record how many groups each step used
         ids, meta, samplers = build(batch)
         seen_groups.append(len(meta.groups))
         return ids, meta, samplers
 
-    grouped.runner.build_metadata = spy
+    grouped.runner.prepare = spy
     out, lout = run_engine(grouped, prompts)
     assert max(seen_groups) > 1
     assert out == ref

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kvlm import LLM, EngineConfig, SamplingParams
-from kvlm.engine import Engine
+from kvlm.engine.engine import Engine
 from deps import need
 
 pytestmark = pytest.mark.slow

@@ -19,9 +19,9 @@ from test_engine import random_prompts, run_engine
 from tiny_models import tiny_config, write_tiny_gguf
 
 from kvlm import EngineConfig
-from kvlm.attention import AttentionMetadata
-from kvlm.engine import Engine
-from kvlm.fused_decode import FusedDecoder
+from kvlm.attention.metadata import AttentionMetadata, StepKind
+from kvlm.engine.engine import Engine
+from kvlm.model.fused_decode import FusedDecoder
 from kvlm.kernels import native
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="native kernels not built here")
@@ -40,10 +40,11 @@ def _decode_meta(lens: list[int], tables: list[list[int]], block_size: int) -> A
     slots = [t[p // block_size] * block_size + p % block_size for t, p in zip(tables, pos)]
     width = max(len(t) for t in tables)
     return AttentionMetadata(
-        positions=torch.tensor(pos), slot_mapping=torch.tensor(slots),
+        kind=StepKind.DECODE, positions=torch.tensor(pos), slot_mapping=torch.tensor(slots),
         block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
         query_lens=(1,) * len(lens), seq_lens=tuple(lens), q_pad_index=None, attn_mask=None,
-        logits_indices=torch.arange(len(lens)), context_lens=torch.tensor(lens, dtype=torch.int32))
+        logits_indices=torch.arange(len(lens)), paged_decode=True,
+        seq_lens_tensor=torch.tensor(lens, dtype=torch.int32))
 
 
 def _fill(engine: Engine, seed: int) -> None:
@@ -74,7 +75,7 @@ def test_fused_step_equals_module_path_and_is_batch_invariant(family_gguf: Path,
     out = fused(ids, meta, engine.kv_cache).clone()
     torch.testing.assert_close(out, ref, atol=2e-5 + 4 * ulp, rtol=1e-5 + 4 * ulp)
     for a, b in zip(engine.kv_cache.k, k_ref):
-        assert a.dtype == engine.kv_dtype
+        assert a.dtype == engine.kv_cache_dtype
         torch.testing.assert_close(a.float(), b.float(), atol=1e-5 + ulp, rtol=1e-5 + ulp)  # new tokens' K, after RoPE
 
     for b in range(len(lens)):  # alone == in the batch, bit for bit

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvlm import EngineConfig, SamplingParams
-from kvlm.engine import Engine
+from kvlm.engine.engine import Engine
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
 

@@ -21,7 +21,7 @@ from test_engine import random_prompts, run_engine
 from tiny_models import tiny_config, write_tiny_gguf
 
 from kvlm import EngineConfig
-from kvlm.engine import Engine
+from kvlm.engine.engine import Engine
 from kvlm.errors import ParameterError
 from kvlm.kernels import native
 
@@ -44,11 +44,11 @@ def test_kv_cache_dtype_is_validated() -> None:
 def test_half_pool_holds_half_the_bytes(tiny_gguf: Path) -> None:
     full = Engine(tiny_gguf, EngineConfig(kv_cache_memory=1 << 20), quiet=True)
     half = Engine(tiny_gguf, EngineConfig(kv_cache_memory=1 << 20, kv_cache_dtype="float16"), quiet=True)
-    assert full.kv_dtype == torch.float32 and full.kv_cache.k[0].dtype == torch.float32  # auto: compute dtype
-    assert half.kv_dtype == torch.float16 and half.kv_cache.k[0].dtype == torch.float16
+    assert full.kv_cache_dtype == torch.float32 and full.kv_cache.k[0].dtype == torch.float32  # auto: compute dtype
+    assert half.kv_cache_dtype == torch.float16 and half.kv_cache.k[0].dtype == torch.float16
     assert 2 * half.kv_bytes_per_token == full.kv_bytes_per_token
     assert half.block_manager.num_blocks == 2 * full.block_manager.num_blocks  # same budget, twice the tokens
-    assert "float16" in str(half.kv_dtype) and f"({half.kv_bytes_per_token} B/token)" in half.describe_cache()
+    assert "float16" in str(half.kv_cache_dtype) and f"({half.kv_bytes_per_token} B/token)" in half.describe_cache()
 
 
 def _logits_close(a: dict, b: dict, atol: float) -> None:
@@ -102,7 +102,7 @@ def test_fused_step_runs_on_a_half_cache(q8_gguf: Path, kv: str) -> None:
 
 
 def test_snapshot_of_another_kv_dtype_is_refused(q8_gguf: Path, tmp_path: Path) -> None:
-    from kvlm.kv_snapshot import SnapshotError
+    from kvlm.kv_cache.snapshot import SnapshotError
 
     prompt = list(range(3, 40))
     half = Engine(q8_gguf, EngineConfig(kv_cache_dtype="float16", block_size=8), quiet=True)

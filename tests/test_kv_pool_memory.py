@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from kvlm.attention import AttentionMetadata, attention, build_attn_mask
-from kvlm.kv_cache import ContiguousKVCache, PagedKVCache
+from kvlm.attention import attention
+from kvlm.attention.metadata import AttentionMetadata, StepKind, build_attn_mask
+from kvlm.kv_cache.storage import ContiguousKVCache, PagedKVCache
 
 
 def rss_bytes() -> int:
@@ -26,7 +27,7 @@ def test_pool_memory_follows_tokens_not_limit() -> None:
     assert allocated < cache.nbytes // 16, f"{allocated / 2**20:.0f} MiB resident for an empty pool"
     # Write 64 blocks' worth of tokens in every layer: resident memory grows by about their size.
     T = 64 * bs
-    meta = AttentionMetadata(positions=torch.arange(T), slot_mapping=torch.arange(T),
+    meta = AttentionMetadata(kind=StepKind.PREFILL, positions=torch.arange(T), slot_mapping=torch.arange(T),
                              block_tables=torch.arange(64)[None], query_lens=(T,), seq_lens=(T,),
                              q_pad_index=None, attn_mask=None, logits_indices=torch.tensor([T - 1]))
     k = torch.randn(T, kvh, D)
@@ -42,7 +43,7 @@ def _meta(lens: list[int], bs: int) -> AttentionMetadata:
     B = len(lens)
     tables = torch.tensor([[b * 8 + j for j in range(8)] for b in range(B)])
     slots = torch.tensor([int(tables[b, (n - 1) // bs]) * bs + (n - 1) % bs for b, n in enumerate(lens)])
-    return AttentionMetadata(positions=torch.tensor(lens) - 1, slot_mapping=slots, block_tables=tables,
+    return AttentionMetadata(kind=StepKind.DECODE, positions=torch.tensor(lens) - 1, slot_mapping=slots, block_tables=tables,
                              query_lens=(1,) * B, seq_lens=tuple(lens), q_pad_index=None,
                              attn_mask=build_attn_mask([1] * B, lens, torch.device("cpu")),
                              logits_indices=torch.arange(B))
@@ -68,12 +69,12 @@ def test_unwritten_slots_never_reach_attention() -> None:
                 else:
                     slots = torch.tensor([b * 32 + p for p in range(step)])
                 kv = torch.randn(step, kvh, D, generator=g)
-                m = AttentionMetadata(positions=torch.arange(step), slot_mapping=slots, block_tables=torch.zeros(1, 1),
+                m = AttentionMetadata(kind=StepKind.PREFILL, positions=torch.arange(step), slot_mapping=slots, block_tables=torch.zeros(1, 1),
                                       query_lens=(step,), seq_lens=(step,), q_pad_index=None, attn_mask=None,
                                       logits_indices=torch.tensor([step - 1]))
                 cache.write(0, kv, kv * 0.5, m)
             meta = _meta(lens, bs) if isinstance(cache, PagedKVCache) else AttentionMetadata(
-                positions=torch.tensor(lens) - 1, slot_mapping=torch.zeros(3, dtype=torch.long),
+                kind=StepKind.DECODE, positions=torch.tensor(lens) - 1, slot_mapping=torch.zeros(3, dtype=torch.long),
                 block_tables=torch.arange(3)[:, None], query_lens=(1, 1, 1), seq_lens=tuple(lens), q_pad_index=None,
                 attn_mask=build_attn_mask([1, 1, 1], lens, torch.device("cpu")), logits_indices=torch.arange(3))
             kk, vv = cache.fetch(0, meta)

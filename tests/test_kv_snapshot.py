@@ -1,4 +1,4 @@
-"""KV snapshots (kvlm.kv_snapshot): a saved then loaded prefix gives the tokens of recomputing it; every
+"""KV snapshots (kvlm.kv_cache.snapshot): a saved then loaded prefix gives the tokens of recomputing it; every
 refusal (another model, dtype, block size, layout; corrupt, truncated, not a snapshot, no prefix cache)
 is one SnapshotError line that leaves the engine unchanged and still serving; the CLI commands."""
 
@@ -139,7 +139,7 @@ def test_snapshot_larger_than_free_pool_is_refused(tiny_gguf: Path, snapshot: Pa
 
 
 def test_cli_cache_save_and_prefix_snapshot(tiny_gguf: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from kvlm.cli import main
+    from kvlm.cli.main import main
 
     path = tmp_path / "p.safetensors"
     text = "hello world, a prefix long enough for a few blocks"
@@ -161,7 +161,7 @@ def test_serve_prefix_snapshot_counts_as_cached_tokens(tiny_gguf: Path, tmp_path
     import httpx
     from server_utils import ServerProcess
 
-    from kvlm.cli import main
+    from kvlm.cli.main import main
 
     path = tmp_path / "p.safetensors"
     text = "hello world, a prefix long enough for a few blocks"

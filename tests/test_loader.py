@@ -25,6 +25,7 @@ import tiny_models
 from kvlm.errors import KvlmError, ModelLoadError, UnsupportedModelError
 from kvlm.llm import LLM
 from kvlm.loader import load_checkpoint, load_config, resolve_model
+from kvlm import paths
 from kvlm.loader import registry
 from kvlm.loader.gguf import SUPPORTED_TENSOR_TYPES, dequantize_tensor
 from tiny_models import hf_reference_model, random_state_dict, tiny_config, write_tiny_gguf, write_tiny_hf_dir
@@ -613,18 +614,18 @@ def test_pull_unknown_alias(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
 
 def test_kvlm_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVLM_HOME", str(tmp_path / "kh"))
-    assert registry.kvlm_home() == tmp_path / "kh"
+    assert paths.kvlm_home() == tmp_path / "kh"
     assert registry.model_path(registry.DEFAULT_MODEL).parent == tmp_path / "kh" / "models" / registry.DEFAULT_MODEL
     monkeypatch.delenv("KVLM_HOME")
     monkeypatch.setenv("HOME", str(tmp_path))
-    assert registry.kvlm_home() == tmp_path / ".cache" / "kvlm"
+    assert paths.kvlm_home() == tmp_path / ".cache" / "kvlm"
 
 
 def test_ggml_type_table_matches_the_gguf_package() -> None:
-    """kvlm.ggml_types (kept so that loading never imports gguf and its yaml) equals gguf's constants."""
+    """kvlm.kernels.ggml_types (kept so that loading never imports gguf and its yaml) equals gguf's constants."""
     import gguf
 
-    from kvlm.ggml_types import GGML_QUANT_SIZES, GGMLQuantizationType
+    from kvlm.kernels.ggml_types import GGML_QUANT_SIZES, GGMLQuantizationType
 
     ours = {t.name: int(t) for t in GGMLQuantizationType}
     theirs = {t.name: int(t) for t in gguf.GGMLQuantizationType}
@@ -638,7 +639,7 @@ def test_generate_does_not_import_gguf_or_yaml(tiny_gguf) -> None:
     import subprocess
     import sys
 
-    code = ("import sys\nfrom kvlm.cli import main\n"
+    code = ("import sys\nfrom kvlm.cli.main import main\n"
             f"main(['-q', 'generate', {str(tiny_gguf)!r}, 'hi', '--max-tokens', '2', '--dtype', 'auto'])\n"
             "print('imported', 'gguf' in sys.modules, 'yaml' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)

@@ -1,4 +1,4 @@
-"""Tests for kvlm.output_processor: streaming text with stop strings held back, EOS / stop ids / min_tokens,
+"""Tests for kvlm.engine.output_processor: streaming text with stop strings held back, EOS / stop ids / min_tokens,
 length limits, and UTF-8-safe streaming, with a real byte-level tokenizer (no model)."""
 
 from __future__ import annotations
@@ -7,10 +7,12 @@ from typing import Any
 
 import pytest
 
-from kvlm.output_processor import OutputProcessor
-from kvlm.request import Request, StreamDelta
+from kvlm.engine.output_processor import OutputProcessor
+from kvlm.tokenizer.detokenizer import IncrementalDetokenizer
+from kvlm.outputs import StreamDelta
+from kvlm.request import Request
 from kvlm.sampling_params import SamplingParams
-from kvlm.tokenizer import Tokenizer
+from kvlm.tokenizer.tokenizer import Tokenizer
 from tiny_models import byte_level_fields
 
 
@@ -23,7 +25,7 @@ def make_req(tok: Tokenizer, prompt: str = "Q: ", **kw: Any) -> Request:
     kw.setdefault("max_tokens", None)
     ids = tok.encode(prompt)
     req = Request("r", list(ids), len(ids), SamplingParams(**kw), prompt=prompt)
-    req.detokenizer = tok.incremental_detokenizer(ids)
+    req.detokenizer = IncrementalDetokenizer(tok, ids)
     return req
 
 

@@ -1,4 +1,4 @@
-"""Tests for the prefix cache inside kvlm.block_manager (no torch): hash-chained full blocks, sharing with
+"""Tests for the prefix cache inside kvlm.kv_cache.block_manager (no torch): hash-chained full blocks, sharing with
 ref counts, the cached-free LRU and eviction, collisions (forged hashes), debug mode and every invariant.
 
 A fake pool records, for every slot a request writes, the whole token prefix up to that slot (what its
@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from kvlm.block_manager import BlockManager
+from kvlm.kv_cache.block_manager import BlockManager
 from kvlm.request import Request
 from kvlm.sampling_params import SamplingParams
 
@@ -78,7 +78,7 @@ def test_full_blocks_are_shared_and_refcounted() -> None:
     f.free(b)
     f.check()
     assert f.bm.ref_counts == [0] * 16 and f.bm.num_free_blocks == 16
-    assert f.bm.num_cached_free_blocks == 3  # the shared blocks (b's 4th block is partial: plain free)
+    assert len(f.bm.cached_free) == 3  # the shared blocks (b's 4th block is partial: plain free)
 
 
 def test_last_token_always_runs() -> None:
@@ -101,7 +101,7 @@ def test_lru_evicts_least_recently_freed_tail_first_and_prefers_plain_free_block
     a = f.admit("a", [1, 2, 3, 4, 5, 6])  # 3 blocks
     f.compute(a)
     f.free(a)
-    assert f.bm.num_cached_free_blocks == 3 and len(f.bm.free_blocks) == 3
+    assert len(f.bm.cached_free) == 3 and len(f.bm.free_blocks) == 3
     b = f.admit("b", [9, 9, 9, 9, 9, 9])  # takes the 3 plain free blocks: nothing evicted
     assert f.bm.num_evictions == 0 and f.bm.num_cached_blocks == 3
     f.compute(b)

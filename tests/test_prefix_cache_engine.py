@@ -239,7 +239,7 @@ def test_kvlm_chat_reuses_earlier_turns(tiny_gguf: Path, monkeypatch: pytest.Mon
     """The REPL sends the whole conversation each turn; from turn 2 on most of it comes from the cache."""
     import builtins
 
-    from kvlm.cli import main
+    from kvlm.cli.main import main
 
     lines = iter(["hello there, how are you today?", "and what about tomorrow?", "/exit"])
     monkeypatch.setattr(builtins, "input", lambda prompt="": next(lines))

@@ -5,7 +5,7 @@
 * The stop-string matcher and the incremental detokenizer: random byte-level token streams and random
   stop strings; stop text never leaks into a delta, deltas always add up to the final text, and the
   final text is the full decode cut at the first stop string.
-* The block manager, through its public methods only: random allocate/append/truncate/free/preempt
+* The block manager, through its public methods only: random allocate/append/free/preempt
   sequences keep every invariant of `check()`.
 * The GGUF header reader: random byte patches and cuts of a valid tiny file give a clean
   `ModelLoadError` (or a model) within 1 s of CPU and without a large allocation.
@@ -25,13 +25,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvlm.block_manager import BlockManager
+from kvlm.kv_cache.block_manager import BlockManager
 from kvlm.config import EngineConfig, parse_bytes
 from kvlm.errors import ModelLoadError, ParameterError
-from kvlm.output_processor import OutputProcessor
+from kvlm.engine.output_processor import OutputProcessor
+from kvlm.tokenizer.detokenizer import IncrementalDetokenizer
 from kvlm.request import Request
 from kvlm.sampling_params import SamplingParams
-from kvlm.tokenizer import Tokenizer
+from kvlm.tokenizer.tokenizer import Tokenizer
 from tiny_models import byte_level_fields, write_tiny_gguf
 
 FAST = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -128,7 +129,7 @@ def test_stop_strings_never_leak_and_deltas_add_up(tok: Tokenizer, ids: list[int
     prompt = tok.encode("Q: ")
     req = Request("r", list(prompt), len(prompt),
                   SamplingParams(max_tokens=None, stop=stops, include_stop_str_in_output=include, ignore_eos=True))
-    req.detokenizer = tok.incremental_detokenizer(prompt)
+    req.detokenizer = IncrementalDetokenizer(tok, prompt)
     proc = OutputProcessor(tok.eos_token_ids, 10_000)
     streamed = ""
     fed: list[int] = []
@@ -155,7 +156,7 @@ def test_stop_strings_never_leak_and_deltas_add_up(tok: Tokenizer, ids: list[int
 
 
 # ----------------------------------------------------------------------------------- block manager
-OPS = st.lists(st.tuples(st.sampled_from(["alloc", "append", "truncate", "free", "preempt"]),
+OPS = st.lists(st.tuples(st.sampled_from(["alloc", "append", "free", "preempt"]),
                          st.integers(0, 5), st.integers(0, 40)), max_size=60)
 
 
@@ -177,9 +178,6 @@ def test_block_manager_invariants_hold(num_blocks: int, block_size: int, ops: li
                 with pytest.raises(RuntimeError):
                     bm.allocate(r, want)
                 assert r.block_table == before  # a refused allocation takes nothing
-        elif op == "truncate":
-            tokens[i] = min(tokens[i], n)
-            bm.truncate(r, tokens[i])
         else:  # free (finished, aborted) and preempt (by recompute) both return every block
             bm.free(r)
             tokens[i] = 0

@@ -22,12 +22,12 @@ from test_engine import random_prompts, run_engine
 from tiny_models import tiny_config, write_tiny_gguf
 
 from kvlm import LLM, EngineConfig, SamplingParams
-from kvlm.engine import Engine
+from kvlm.engine.engine import Engine
 from kvlm.kernels import QuantTensor, dequantize, kernel_path, native
 from kvlm.kernels.reference import fake_quantize_act
 from kvlm.loader.gguf import load_gguf
-from kvlm.model import stack_weights
-from kvlm.quant_linear import QuantEmbedding, QuantLinear, stack_quant
+from kvlm.model.llama import stack_weights
+from kvlm.model.quant_layers import QuantEmbedding, QuantLinear, stack_quant
 
 Q = GGMLQuantizationType
 

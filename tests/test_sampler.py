@@ -1,4 +1,4 @@
-"""Tests for kvlm.sampler: greedy, seeded reproducibility and batch independence, top-k/top-p/min-p filters,
+"""Tests for kvlm.engine.sampler: greedy, seeded reproducibility and batch independence, top-k/top-p/min-p filters,
 sampling frequencies, penalties (HF / OpenAI semantics) and logprobs."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvlm.request import Request
-from kvlm.sampler import apply_penalties, filter_logits, sample
+from kvlm.engine.sampler import apply_penalties, filter_logits, sample
 from kvlm.sampling_params import SamplingParams
 
 
@@ -308,7 +308,7 @@ def test_logprobs_zero_none_and_chosen_in_topk() -> None:
 
 def test_min_tokens_bans_eos_and_stop_ids_until_reached() -> None:
     """Before min_tokens outputs, EOS and stop_token_ids cannot be drawn, even when they dominate."""
-    from kvlm.sampler import sample as _sample
+    from kvlm.engine.sampler import sample as _sample
 
     logits = torch.tensor([[0.0, 10.0, 9.0, 1.0]])
     params = SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[2], max_tokens=5)

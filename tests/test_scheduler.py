@@ -1,4 +1,4 @@
-"""Tests for kvlm.scheduler: FCFS admission, token budget and chunked prefill, seat limit, preemption by
+"""Tests for kvlm.engine.scheduler: FCFS admission, token budget and chunked prefill, seat limit, preemption by
 recompute, abort, and recompute_all mode. No model: the test plays the engine loop itself."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ import random
 
 import pytest
 
-from kvlm.block_manager import BlockManager
+from kvlm.kv_cache.block_manager import BlockManager
 from kvlm.request import Request, RequestStatus
 from kvlm.sampling_params import SamplingParams
-from kvlm.scheduler import ScheduledBatch, Scheduler
+from kvlm.engine.scheduler import ScheduledBatch, Scheduler
 
 FAKE_TOKEN = 7
 

@@ -35,9 +35,9 @@ def test_import_and_parser_stay_light() -> None:
     """`import kvlm`, the parser of any non-bench command and reading a GGUF config import no torch."""
     got = run_fresh(f"""
 import json, sys
-import kvlm, kvlm.cli
-kvlm.cli.build_parser(["generate", "hi"])
-kvlm.cli.build_parser(["kv-size"])
+import kvlm, kvlm.cli.main
+kvlm.cli.main.build_parser(["generate", "hi"])
+kvlm.cli.main.build_parser(["kv-size"])
 from kvlm.loader import load_config, resolve_model
 print(json.dumps({{m: m in sys.modules for m in {HEAVY!r}}}))
 """)
@@ -45,7 +45,7 @@ print(json.dumps({{m: m in sys.modules for m in {HEAVY!r}}}))
 
 
 def test_bench_parser_is_built_for_bench(capsys: pytest.CaptureFixture[str]) -> None:
-    from kvlm.cli import build_parser
+    from kvlm.cli.main import build_parser
 
     with pytest.raises(SystemExit):
         build_parser(["-q", "bench", "--help"]).parse_args(["-q", "bench", "--help"])
@@ -73,7 +73,7 @@ def test_long_metadata_arrays_decode_lazily(tiny_gguf: Path, monkeypatch: pytest
     import gguf
 
     from kvlm.loader import gguf_file
-    from kvlm.tokenizer import Tokenizer
+    from kvlm.tokenizer.tokenizer import Tokenizer
 
     monkeypatch.setattr(gguf_file, "LAZY_ARRAY_MIN", 2)
     fields = gguf_file.GGUFFile(tiny_gguf).fields
@@ -126,7 +126,7 @@ def test_native_stamp_skips_the_full_key_until_a_source_changes(tmp_path: Path,
 
 
 def test_trim_heap_runs_here() -> None:
-    from kvlm.heap import trim_heap
+    from kvlm.loader.heap import trim_heap
 
     assert trim_heap() is sys.platform.startswith("linux")
 

@@ -1,4 +1,4 @@
-"""Tests for kvlm.tokenizer: parity with transformers on the real SmolLM2 GGUF, chat templates,
+"""Tests for kvlm.tokenizer.tokenizer: parity with transformers on the real SmolLM2 GGUF, chat templates,
 streaming detokenization, and small handmade vocabularies that need no model file."""
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from jinja2.exceptions import SecurityError
 from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFBackend
 
-from kvlm.tokenizer import IncrementalDetokenizer, Tokenizer, TokenizerError
+from kvlm.tokenizer.detokenizer import IncrementalDetokenizer
+from kvlm.tokenizer.tokenizer import Tokenizer, TokenizerError
 from deps import need
 from tiny_models import BYTE, byte_level_fields
 
@@ -106,7 +107,7 @@ def test_incremental_detokenizer_multibyte(smollm: Tokenizer, text: str) -> None
     ids = smollm.encode(text)
     # The premise: some characters really are split across tokens in this vocab.
     assert any("\ufffd" in smollm.decode([i]) for i in ids)
-    detok = smollm.incremental_detokenizer()
+    detok = IncrementalDetokenizer(smollm)
     chunks = _stream(detok, ids)
     assert not any("\ufffd" in c for c in chunks)
     assert "".join(chunks) == detok.text == smollm.decode(ids) == text
@@ -115,9 +116,9 @@ def test_incremental_detokenizer_multibyte(smollm: Tokenizer, text: str) -> None
 def test_incremental_detokenizer_with_prompt(smollm: Tokenizer) -> None:
     prompt = smollm.encode(smollm.apply_chat_template([{"role": "user", "content": "hi"}]))
     ids = smollm.encode("Sure 😀 — 中文 ok") + [smollm.eos_token_id]
-    chunks = _stream(smollm.incremental_detokenizer(prompt), ids)
+    chunks = _stream(IncrementalDetokenizer(smollm, prompt), ids)
     assert "".join(chunks) == "Sure 😀 — 中文 ok"
-    chunks = _stream(smollm.incremental_detokenizer(prompt, skip_special_tokens=False), ids)
+    chunks = _stream(IncrementalDetokenizer(smollm, prompt, skip_special_tokens=False), ids)
     assert "".join(chunks) == "Sure 😀 — 中文 ok<|im_end|>"
 
 
@@ -127,7 +128,7 @@ def test_incremental_detokenizer_random_ids(smollm: Tokenizer) -> None:
     for _ in range(20):
         ids = [rng.randrange(smollm.vocab_size) for _ in range(rng.randrange(1, 60))]
         full = smollm.decode(ids)
-        detok = smollm.incremental_detokenizer()
+        detok = IncrementalDetokenizer(smollm)
         for i in ids:
             detok.push(i)
             assert full.startswith(detok.text)
@@ -177,15 +178,15 @@ def test_byte_level_incremental_splits_every_character() -> None:
     tok = Tokenizer.from_gguf_fields(byte_level_fields())
     text = "héllo 😀 中文 👨‍👩‍👧!"
     ids = tok.encode(text)
-    detok = tok.incremental_detokenizer()
+    detok = IncrementalDetokenizer(tok)
     chunks = _stream(detok, ids)
     assert not any("\ufffd" in c for c in chunks)
     assert "".join(chunks) == text
     # A multi-byte character is emitted exactly when its last byte arrives, not later.
-    detok = tok.incremental_detokenizer()
+    detok = IncrementalDetokenizer(tok)
     assert [detok.push(i) for i in "中".encode()] == ["", "", "中"]
     # A genuinely truncated character comes out as U+FFFD only at flush, as the full decode has it.
-    detok = tok.incremental_detokenizer()
+    detok = IncrementalDetokenizer(tok)
     assert [detok.push(i) for i in "a中".encode()[:3]] == ["a", "", ""]
     assert detok.flush() == "\ufffd" and tok.decode(list("a中".encode()[:3])) == "a\ufffd"
 
@@ -213,16 +214,16 @@ def test_sentencepiece_incremental_byte_fallback() -> None:
     tok = Tokenizer.from_gguf_fields(spm_fields())
     text = "hello 😀 world 中文"
     ids = tok.encode(text, add_special_tokens=False)
-    chunks = _stream(tok.incremental_detokenizer(), ids)
+    chunks = _stream(IncrementalDetokenizer(tok), ids)
     assert not any("\ufffd" in c for c in chunks)
     assert "".join(chunks) == tok.decode(ids) == text
     # Context from the prompt keeps the space that sentencepiece strips at the start of a decode.
     prompt = tok.encode("hello")
-    assert "".join(_stream(tok.incremental_detokenizer(prompt), tok.encode(" world", False)[1:])) == " world"
+    assert "".join(_stream(IncrementalDetokenizer(tok, prompt), tok.encode(" world", False)[1:])) == " world"
     rng = random.Random(1)
     for _ in range(30):  # random byte pieces: invalid groups must match the full decode exactly
         ids = [rng.choice([rng.randrange(3, 259), rng.randrange(259, tok.vocab_size)]) for _ in range(30)]
-        detok = tok.incremental_detokenizer()
+        detok = IncrementalDetokenizer(tok)
         for i in ids:
             detok.push(i)
             assert tok.decode(ids).startswith(detok.text)
@@ -322,7 +323,7 @@ def test_bad_tokenizer_data() -> None:
     with pytest.raises(TokenizerError, match="outside the vocabulary"):
         tok.decode([1, tok.vocab_size])
     with pytest.raises(TokenizerError, match="outside the vocabulary"):
-        tok.incremental_detokenizer().push(-1)
+        IncrementalDetokenizer(tok).push(-1)
 
 
 PRE_CORPUS = ["Hello world, it's 2024!\n\t日本 😀 x+=1", "I'M HERE they'll   12345678 go\r\n\n  end",

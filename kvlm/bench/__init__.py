@@ -14,6 +14,6 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     bsub = p.add_subparsers(dest="bench", required=True)
     for module in (decode, throughput, waste, invariance, latency, compare, prefix, serve):
         module.add_parser(bsub)
-    from kvlm.kernels import bench as kernels_bench  # `kvlm bench kernels`
+    from kvlm.bench import kernels as kernels_bench  # `kvlm bench kernels`
 
     kernels_bench.add_parser(bsub)

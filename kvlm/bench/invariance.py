@@ -49,16 +49,17 @@ class CapturingCache:
 def forward_kv(model: Any, ids: list[int], causal: bool) -> CapturingCache:
     """Run `model` over ids (positions 0..T-1) with the causal mask or with none; return the per-layer
     K/V it computed."""
-    from kvlm.attention import AttentionMetadata
+    from kvlm.attention.metadata import AttentionMetadata, StepKind
 
     dev = model.model.norm.weight.device  # (embed_tokens may be a QuantEmbedding, without .weight)
     T = len(ids)
     meta = AttentionMetadata(
+        kind=StepKind.PREFILL,
         positions=torch.arange(T, device=dev),
         slot_mapping=torch.arange(T, device=dev),
         block_tables=torch.zeros(1, 1, dtype=torch.long, device=dev),
         query_lens=(T,), seq_lens=(T,), q_pad_index=None,
-        # attention() treats a lone sequence without a mask as causal; an all-True mask lets every
+        # prefill attention treats a lone sequence without a mask as causal; an all-True mask lets every
         # query see every key, including later ones.
         attn_mask=None if causal else torch.ones(1, 1, T, T, dtype=torch.bool, device=dev),
         logits_indices=torch.tensor([T - 1], device=dev),
@@ -93,7 +94,7 @@ def run(model: str = "smollm2-135m", threads: int = 2, prompt_len: int = 32, ext
         seed: int = 0) -> dict[str, Any]:
     from kvlm.bench.decode import _prompt_ids
     from kvlm.config import EngineConfig
-    from kvlm.engine import Engine
+    from kvlm.engine.engine import Engine
 
     torch.set_num_threads(threads)
     P, E = prompt_len, extra_len

@@ -1,55 +1,19 @@
-"""`kvlm kv-size --plot / --compare-known`: KV cache memory against context length, and where the cache
-outgrows the model's weights.
+"""`kvlm kv-size --plot`: KV cache memory against context length, and where the cache outgrows the weights.
 
-Owns the shipped reference shapes (`kvlm/configs/*.json`: published Hugging Face config.json values of
-Llama-3-8B/70B, Qwen2.5-7B, Mistral-7B-v0.1 and SmolLM2-135M), the crossover arithmetic and the plot;
-`cli.cmd_kv_size` prints the numbers.
-
-Crossover: a sequence of C tokens holds C x 2 x layers x kv_heads x head_dim x b bytes of K/V, the
-weights params x b bytes. With cache and weights in the same dtype b cancels, so the crossover context
-params / (2 x layers x kv_heads x head_dim) is the same for fp32, fp16, int8 and int4: quantizing both
-moves both curves by the same factor. GQA/MQA move it to the right by heads / kv_heads.
+The arithmetic (bytes per token, crossover, the shipped reference models) is `kv_cache/sizing.py`;
+this module only draws it.
 """
 
 from __future__ import annotations
 
-import json
-import math
-from importlib import resources
 from typing import Any
 
 from kvlm.config import ModelConfig
+from kvlm.kv_cache.sizing import crossover_context, known_configs
 
-DTYPES: dict[str, float] = {"fp32": 4.0, "fp16": 2.0, "int8": 1.0, "int4": 0.5}
+PLOTTED_DTYPES: dict[str, float] = {"fp32": 4.0, "fp16": 2.0, "int8": 1.0, "int4": 0.5}  # bytes per element
 CONTEXTS: list[int] = [2**i for i in range(9, 18)]  # 512 .. 131072
 KNOWN_CONTEXTS: list[int] = [2**i for i in range(9, 20)]  # to 524288: Llama-3-70B crosses over at ~430k
-
-
-def known_configs() -> dict[str, ModelConfig]:
-    """The shipped config.json files by model name (file stem), in name order."""
-    folder = resources.files("kvlm") / "configs"  # package data, not a package: no __init__.py there
-    files = sorted((f for f in folder.iterdir() if f.name.endswith(".json")), key=lambda f: f.name)
-    return {f.name.removesuffix(".json"): ModelConfig.from_hf_dict(json.loads(f.read_text())) for f in files}
-
-
-def crossover_context(cfg: ModelConfig, kv_heads: int | None = None, batch: int = 1) -> int:
-    """Smallest context (tokens per sequence, `batch` sequences) at which the KV cache is larger than the
-    weights, both in the same dtype (so the dtype cancels)."""
-    per_tok = cfg.kv_bytes_per_token(1.0, kv_heads=kv_heads) * batch
-    return math.floor(cfg.num_parameters / per_tok) + 1
-
-
-def known_summary(context: int, dtype_bytes: float, batch: int = 1) -> list[dict[str, Any]]:
-    rows = []
-    for name, c in known_configs().items():
-        per_tok = c.kv_bytes_per_token(dtype_bytes)
-        rows.append({"name": name, "layers": c.num_hidden_layers, "attention_heads": c.num_attention_heads,
-                     "kv_heads": c.num_key_value_heads, "head_dim": c.head_dim, "parameters": c.num_parameters,
-                     "bytes_per_token": per_tok, "total_bytes": per_tok * context * batch,
-                     "weight_bytes": c.num_parameters * dtype_bytes,
-                     "crossover_context": crossover_context(c, batch=batch),
-                     "max_position_embeddings": c.max_position_embeddings, "sliding_window": c.sliding_window})
-    return rows
 
 
 def plot(cfg: ModelConfig, name: str, dtype_name: str, dtype_bytes: float, path: str, batch: int = 1,
@@ -85,7 +49,7 @@ def plot(cfg: ModelConfig, name: str, dtype_name: str, dtype_bytes: float, path:
     # 2) the model's own cache in each dtype, with the weights in the same dtype.
     ax = axes[1]
     cross = crossover_context(cfg, batch=batch)
-    for dn, b in DTYPES.items():
+    for dn, b in PLOTTED_DTYPES.items():
         line = ax.plot(xs, curve(cfg, b), label=f"KV {dn}")[0]
         ax.axhline(cfg.num_parameters * b / gib, color=line.get_color(), ls="--", lw=0.8)
     ax.axvline(cross, color="k", ls=":", lw=1, label=f"> weights at {cross:,} (any dtype)")

@@ -92,7 +92,7 @@ def engine_weight_bytes(model: Any) -> int:
     """Bytes of weights one decode step reads: every linear layer's stored weight (blocks or dense)."""
     from torch import nn
 
-    from kvlm.quant_linear import QuantLinear
+    from kvlm.model.quant_layers import QuantLinear
 
     total = 0
     for m in model.modules():
@@ -157,7 +157,7 @@ def run(model: str = "smollm2-135m", threads: int = 2, prompt_lens: tuple[int, .
     doc = run_header("latency", model, threads)
     doc.update({
         "device": str(eng.device), "dtype": str(eng.dtype).removeprefix("torch."), "config_dtype": dtype,
-        "kv_cache_dtype": str(eng.kv_dtype).removeprefix("torch."), "repeats": repeats,
+        "kv_cache_dtype": str(eng.kv_cache_dtype).removeprefix("torch."), "repeats": repeats,
         "decode_steps": decode_steps,
         "memory_bandwidth_gb_per_s": bw / 1e9, "copy_mib": copy_mib,
         "peak_gflops_per_s": peak / 1e9, "matmul_n": matmul_n,

@@ -3,9 +3,9 @@
 A step of one greedy request at a given context is split into:
 * weights: every linear layer's forward (QuantLinear / nn.Linear, lm_head included), timed by forward
   hooks around each module;
-* attention: the cache's fetch and decode attention (the paged kernel, or gather + the reference
-  SDPA: with the gather path the SDPA call itself runs in the model and lands in "other ops");
-* kv_write: storing the new token's K/V in every layer;
+* attention: each layer's `Attention` module (model/llama.py: fetching the context and attending, by
+  the paged kernel in place or gather + the reference SDPA), timed by hooks, minus its KV writes;
+* kv_write: storing the new token's K/V in every layer (timed by a proxy around the cache);
 * other_ops: the rest of the model's forward: embedding, norms, RoPE, SiLU x up, residual adds and the
   Python that drives 30 layers;
 With the fused native decode step (fused_decode.py) the layers run in one C++ call that times its own
@@ -29,8 +29,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from kvlm.attention import AttentionMetadata
-from kvlm.fused_decode import PROFILE_PARTS
+from kvlm.attention.metadata import AttentionMetadata
+from kvlm.model.fused_decode import PROFILE_PARTS
 
 PARTS = ("weights", "attention", "kv_write", "other_ops", "sampling", "host")
 
@@ -60,21 +60,15 @@ class TimedKVCache:
         self.clock.add("kv_write", time.perf_counter() - t)
 
     def fetch(self, layer: int, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        t = time.perf_counter()
-        out = self.inner.fetch(layer, meta)
-        self.clock.add("attention", time.perf_counter() - t)
-        return out
+        return self.inner.fetch(layer, meta)  # inside the Attention module's time
 
     def update_and_fetch(self, layer: int, k: torch.Tensor, v: torch.Tensor,
                          meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         self.write(layer, k, v, meta)
         return self.fetch(layer, meta)
 
-    def decode_attention(self, layer: int, q: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        t = time.perf_counter()
-        out = self.inner.decode_attention(layer, q, meta, scale)
-        self.clock.add("attention", time.perf_counter() - t)
-        return out
+    def blocks(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.inner.blocks(layer)
 
 
 def _time_module(module: nn.Module, clock: _Clock, parts: tuple[str, ...], starts: list[float]) -> list[Any]:
@@ -105,8 +99,9 @@ class _TimedFused:
 
 def decode_breakdown(llm: Any, ids: list[int], steps: int) -> dict[str, Any]:
     """Median step time and the per-part split (seconds per step) of `steps` decode steps after `ids`."""
-    from kvlm.quant_linear import QuantLinear
-    from kvlm.sampler import sample
+    from kvlm.engine.sampler import sample
+    from kvlm.model.llama import Attention
+    from kvlm.model.quant_layers import QuantLinear
     from kvlm.sampling_params import SamplingParams
 
     eng = llm.llm_engine
@@ -127,6 +122,8 @@ def decode_breakdown(llm: Any, ids: list[int], steps: int) -> dict[str, Any]:
     for m in model.modules():
         if isinstance(m, (QuantLinear, nn.Linear)):  # lm_head runs after the forward: counted apart too
             handles += _time_module(m, clock, ("weights", "_lm_head") if m is model.lm_head else ("weights",), starts)
+        elif isinstance(m, Attention):  # write + fetch + attend; the KV writes are taken out below
+            handles += _time_module(m, clock, ("attention",), starts)
     handles += _time_module(model, clock, ("_forward",), starts)
     inner = runner.kv_cache
     if fused is None:
@@ -159,7 +156,9 @@ def decode_breakdown(llm: Any, ids: list[int], steps: int) -> dict[str, Any]:
             runner.fused = fused
         for h in handles:
             h.remove()
-    if fused is not None:
+    if fused is None:  # the Attention modules' time includes the writes the proxy timed
+        clock.total["attention"] = max(0.0, clock.total.get("attention", 0.0) - clock.total.get("kv_write", 0.0))
+    else:
         clock.add("weights", native_parts["matmul"])
         clock.add("attention", native_parts["attention"])
         clock.add("kv_write", native_parts["kv_write"])

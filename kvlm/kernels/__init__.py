@@ -1,12 +1,14 @@
 """Compute kernels behind small interfaces, each with a pure-PyTorch reference.
 
-`quant.py`: `QuantTensor` (a weight kept in its GGUF block format) and `qmatmul` / `dequantize`.
+`quant_tensor.py`: `QuantTensor`, a weight kept in its GGUF block format.
+`quant.py`: `qmatmul` / `dequantize` on it.
 `paged_attention.py`: `paged_decode_attention`, decode attention over the paged KV cache in place.
 `reference.py`: the reference implementations every fast path is tested against.
 `native.py`: builds and loads the C++ kernels (`csrc/`) at first use and picks the ISA path.
 """
 
 from kvlm.kernels.paged_attention import paged_decode_attention
-from kvlm.kernels.quant import QuantTensor, dequantize, kernel_path, qmatmul
+from kvlm.kernels.quant import dequantize, kernel_path, qmatmul
+from kvlm.kernels.quant_tensor import QuantTensor
 
 __all__ = ["QuantTensor", "dequantize", "kernel_path", "paged_decode_attention", "qmatmul"]

@@ -34,6 +34,8 @@ from typing import Any
 
 import torch
 
+from kvlm.paths import kvlm_home
+
 logger = logging.getLogger("kvlm")
 
 ISAS = ("scalar", "avx2", "avx512", "avx512-vnni")  # index = the id the C++ side uses (drivers.h)
@@ -82,7 +84,7 @@ def _stat_key() -> str:
 
 
 def _ext_root() -> Path:
-    return Path(os.environ.get("KVLM_HOME") or Path.home() / ".cache" / "kvlm") / "ext"
+    return kvlm_home() / "ext"
 
 
 def _library(key: str) -> Path:

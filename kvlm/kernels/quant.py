@@ -1,6 +1,6 @@
-"""Weights kept in their GGUF block formats, and matrix products computed on them.
+"""Matrix products computed on weights kept in their GGUF block formats.
 
-A `QuantTensor` is a weight matrix of logical shape (N, K) (out x in, Hugging Face orientation) stored as
+A `QuantTensor` (quant_tensor.py) is a weight matrix of logical shape (N, K) (out x in, Hugging Face orientation) stored as
 GGUF stores it: each of the N rows is K / block_elems blocks of `block_bytes` bytes, so `data` is a
 (N, row_bytes) uint8 tensor (possibly a view over the memory-mapped file). Row operations (the RoPE
 un-permute, stacking q/k/v) are byte-row operations on `data`; nothing is dequantized at load.
@@ -29,12 +29,11 @@ meaning; the engine's equivalences (cache == no cache, alone == batch) hold toke
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
-from kvlm.ggml_types import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from kvlm.kernels import native
+from kvlm.kernels.ggml_types import GGML_QUANT_SIZES, GGMLQuantizationType
+from kvlm.kernels.quant_tensor import QuantTensor
 from kvlm.kernels.reference import dequantize_ref, qmatmul_ref
 
 # Types with a native kernel (block layouts as in ggml; gguf/quants.py documents them).
@@ -55,28 +54,6 @@ GEMV_MAX_ROWS = 8  # float32 activations: up to this many rows use the row kerne
 # CPU where BLAS wins.
 INT8_ROW_MAX_ROWS = 1 << 20
 TILE_BYTES = 8 << 20  # float32 bytes of one dequantized weight tile: big enough for BLAS to run at full speed
-
-
-@dataclass(frozen=True, slots=True)
-class QuantTensor:
-    """A (N, K) weight in GGUF block format: data is (N, K // block_elems * block_bytes) uint8."""
-
-    data: torch.Tensor
-    qtype: GGMLQuantizationType
-    shape: tuple[int, int]
-
-    def __post_init__(self) -> None:
-        n, k = self.shape
-        elems, nbytes = GGML_QUANT_SIZES[self.qtype]
-        if k % elems:
-            raise ValueError(f"{self.qtype.name}: row length {k} is not a multiple of the block size {elems}")
-        if self.data.dtype != torch.uint8 or tuple(self.data.shape) != (n, k // elems * nbytes):
-            raise ValueError(f"{self.qtype.name} data must be uint8 ({n}, {k // elems * nbytes}), "
-                             f"got {self.data.dtype} {tuple(self.data.shape)}")
-
-    @property
-    def nbytes(self) -> int:
-        return self.data.numel()
 
 
 def _native(w: QuantTensor, on_cpu: bool) -> tuple[native.NativeOps, int] | None:

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 if TYPE_CHECKING:
-    from kvlm.kernels.quant import QuantTensor
+    from kvlm.kernels.quant_tensor import QuantTensor
 
 
 def dequantize_ref(w: QuantTensor) -> torch.Tensor:

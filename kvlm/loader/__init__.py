@@ -17,7 +17,7 @@ from kvlm.loader.registry import DEFAULT_MODEL, resolve_model
 if TYPE_CHECKING:  # torch and tokenizers load with the model, not with `kvlm kv-size` or `kvlm info`
     import torch
 
-    from kvlm.tokenizer import Tokenizer
+    from kvlm.tokenizer.tokenizer import Tokenizer
 
 __all__ = ["DEFAULT_MODEL", "load_checkpoint", "load_config", "resolve_model"]
 
@@ -42,13 +42,13 @@ def load_checkpoint(path: str | os.PathLike,
     try:
         if gg is not None:
             from kvlm.loader.gguf import load_gguf
-            from kvlm.tokenizer_cache import gguf_tokenizer
+            from kvlm.tokenizer.cache import gguf_tokenizer
 
             config, state, fields = load_gguf(gg, quantized=quantized)
             tokenizer = gguf_tokenizer(gg, fields)  # cached next to the model file
         else:
             from kvlm.loader.safetensors import load_hf_dir
-            from kvlm.tokenizer import Tokenizer
+            from kvlm.tokenizer.tokenizer import Tokenizer
 
             config, state = load_hf_dir(p)
             tokenizer = Tokenizer.from_hf_dir(p)

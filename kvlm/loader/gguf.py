@@ -197,7 +197,7 @@ def file_bytes(reader: Any) -> torch.Tensor:
 
 def quant_tensor(t: Any, mapped: torch.Tensor) -> Any:
     """A 2-D GGUF tensor as a `kernels.QuantTensor` over the mapped file: nothing is read or converted."""
-    from kvlm.ggml_types import GGML_QUANT_SIZES
+    from kvlm.kernels.ggml_types import GGML_QUANT_SIZES
 
     from kvlm.kernels import QuantTensor
 

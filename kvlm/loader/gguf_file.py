@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, overload
 
 import numpy as np
-from kvlm.ggml_types import GGML_QUANT_SIZES, GGMLQuantizationType
+from kvlm.kernels.ggml_types import GGML_QUANT_SIZES, GGMLQuantizationType
 
 # GGUF metadata value types -> (struct format, numpy dtype) for the fixed-size ones.
 _SCALARS = {0: ("<B", np.uint8), 1: ("<b", np.int8), 2: ("<H", np.uint16), 3: ("<h", np.int16),

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvlm.errors import KvlmError, ModelLoadError
+from kvlm.paths import kvlm_home
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -41,10 +42,6 @@ MODELS: dict[str, NamedModel] = {
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
     ),
 }
-
-
-def kvlm_home() -> Path:
-    return Path(os.environ.get("KVLM_HOME") or Path.home() / ".cache" / "kvlm")
 
 
 def model_path(alias: str) -> Path:

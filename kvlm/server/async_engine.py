@@ -1,7 +1,8 @@
 """`AsyncEngine`: one thread steps the `Engine` continuously; asyncio handlers submit and stream requests.
 
 The engine is single-threaded bookkeeping, so only the loop thread touches it. Handlers talk to that thread
-through a thread-safe inbox (add, abort, abort-all); each request has an asyncio queue on the server's
+through a thread-safe inbox (add, abort, abort-all) and read its load (`EngineLoad`: running, waiting, KV
+blocks) from a snapshot the loop thread publishes after every step; each request has an asyncio queue on the server's
 event loop, fed by the loop thread with `loop.call_soon_threadsafe`. A request joins the running batch at
 the next step after it is submitted, and an HTTP handler never waits on a forward pass.
 
@@ -22,8 +23,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvlm.engine import Engine
-from kvlm.request import Request, StreamDelta
+from kvlm.engine.engine import Engine
+from kvlm.outputs import StreamDelta
+from kvlm.request import Request
 from kvlm.sampling_params import SamplingParams
 
 log = logging.getLogger("kvlm.server")
@@ -56,6 +58,17 @@ def _send(s: _Stream, item: Any) -> bool:
     return True
 
 
+@dataclass(frozen=True, slots=True)
+class EngineLoad:
+    """What handler threads may know of the engine's state: a snapshot the loop thread publishes after
+    it adds requests and after every step (`AsyncEngine.load`), never the live scheduler."""
+
+    num_running: int
+    num_waiting: int  # in the scheduler's queue (submitted but not yet added: `AsyncEngine._pending`)
+    kv_used_blocks: int
+    kv_total_blocks: int
+
+
 @dataclass(slots=True)
 class _Add:
     specs: list[tuple[list[int], SamplingParams, str]]
@@ -78,6 +91,7 @@ class AsyncEngine:
         self._requests_by_id: dict[str, Request] = {}  # loop thread only: live requests, for the hooks
         self._pending = 0  # requests submitted but not yet in the scheduler (guarded by _lock)
         self._lock = threading.Lock()
+        self.load = EngineLoad(0, 0, engine.block_manager.num_used_blocks, engine.block_manager.num_blocks)
         self._stop = False
         self.dead: BaseException | None = None
         self.draining = False
@@ -100,11 +114,9 @@ class AsyncEngine:
     # -- what handlers call ----------------------------------------------------------------------------
     @property
     def num_waiting(self) -> int:
-        return len(self.engine.scheduler.waiting) + self._pending
-
-    @property
-    def num_running(self) -> int:
-        return len(self.engine.scheduler.running)
+        """Requests queued: in the scheduler's queue at the last snapshot, plus submitted but not added."""
+        with self._lock:
+            return self.load.num_waiting + self._pending
 
     def reserve(self, count: int) -> None:
         """Count `count` requests as queued now, or raise `QueueFullError`. Called before any tokenizing,
@@ -113,7 +125,7 @@ class AsyncEngine:
             raise EngineDeadError(str(self.dead))
         with self._lock:
             cap = self.max_queued_requests
-            if cap is not None and len(self.engine.scheduler.waiting) + self._pending + count > cap:
+            if cap is not None and self.load.num_waiting + self._pending + count > cap:
                 raise QueueFullError(f"the request queue is full ({cap} waiting)")
             self._pending += count
 
@@ -161,10 +173,14 @@ class AsyncEngine:
             while not self._stop:
                 self._wake.clear()
                 self._drain_inbox()
+                with self._lock:  # aborts change the load even when no step follows
+                    self._publish_load()
                 if not eng.has_unfinished:
                     self._wake.wait(0.5)
                     continue
                 deltas = eng.step()
+                with self._lock:
+                    self._publish_load()
                 now = time.perf_counter()
                 for d in deltas:
                     self._deliver(d, now)
@@ -234,8 +250,14 @@ class AsyncEngine:
                     self._abort(req.request_id)
             self._set_future(msg.future, None, added)
         finally:
-            with self._lock:
+            with self._lock:  # one update: the added requests move from _pending to the engine's queue
                 self._pending -= len(msg.specs)
+                self._publish_load()
+
+    def _publish_load(self) -> None:
+        """Loop thread, under `_lock`: the snapshot handler threads read instead of the engine."""
+        sched, bm = self.engine.scheduler, self.engine.block_manager
+        self.load = EngineLoad(len(sched.running), len(sched.waiting), bm.num_used_blocks, bm.num_blocks)
 
     @staticmethod
     def _set_future(fut: Future, error: BaseException | None, result: Any = None) -> None:

@@ -1,6 +1,7 @@
 """Prometheus metrics of the server, under vLLM's names with the `kvlm:` prefix and a `model_name` label.
 
-Gauges (running, waiting, KV usage) are read from the engine when `/metrics` is scraped; counters and
+Gauges (running, waiting, KV usage) are read from the loop thread's published `EngineLoad` when
+`/metrics` is scraped (never from the engine, which only the loop thread touches); counters and
 histograms are updated by the engine loop thread when a request produces a token or finishes. Existing
 vLLM dashboards work after replacing `vllm:` with `kvlm:`. Intervals use `time.perf_counter` of one process.
 """
@@ -15,31 +16,31 @@ from prometheus_client import (
     generate_latest,
 )
 
-from kvlm.engine import Engine
 from kvlm.request import Request
+from kvlm.server.async_engine import AsyncEngine
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                     20.0, 40.0, 80.0, 160.0)
 
 
 class ServerMetrics:
-    """One registry per server (tests run several in one process)."""
+    """One registry per server (tests run several in one process). Built on the server's `AsyncEngine`,
+    whose hooks it takes (`on_token`, `on_finish`: they run on the loop thread)."""
 
-    def __init__(self, engine: Engine, model_name: str) -> None:
+    def __init__(self, aengine: AsyncEngine, model_name: str) -> None:
         self.registry = r = CollectorRegistry()
         lbl = {"model_name": model_name}
         self._name = model_name
-        bm, sched = engine.block_manager, engine.scheduler
 
         def gauge(name: str, doc: str, fn) -> None:
             Gauge(name, doc, ["model_name"], registry=r).labels(**lbl).set_function(fn)
 
-        gauge("kvlm:num_requests_running", "Requests in the running batch.", lambda: len(sched.running))
-        gauge("kvlm:num_requests_waiting", "Requests waiting to be scheduled.", lambda: len(sched.waiting))
+        gauge("kvlm:num_requests_running", "Requests in the running batch.", lambda: aengine.load.num_running)
+        gauge("kvlm:num_requests_waiting", "Requests waiting to be scheduled.", lambda: aengine.load.num_waiting)
         gauge("kvlm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).",
-              lambda: bm.num_used_blocks / bm.num_blocks)
-        gauge("kvlm:kv_cache_used_blocks", "KV-cache blocks held by requests.", lambda: bm.num_used_blocks)
-        gauge("kvlm:kv_cache_total_blocks", "KV-cache blocks in the pool.", lambda: bm.num_blocks)
+              lambda: aengine.load.kv_used_blocks / aengine.load.kv_total_blocks)
+        gauge("kvlm:kv_cache_used_blocks", "KV-cache blocks held by requests.", lambda: aengine.load.kv_used_blocks)
+        gauge("kvlm:kv_cache_total_blocks", "KV-cache blocks in the pool.", lambda: aengine.load.kv_total_blocks)
 
         def counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
             return Counter(name, doc, ["model_name", *labels], registry=r)
@@ -60,6 +61,7 @@ class ServerMetrics:
         self.queue_time = hist("kvlm:request_queue_time_seconds", "Arrival to first scheduled.")
         self.prefill_time = hist("kvlm:request_prefill_time_seconds", "First scheduled to first token.")
         self.decode_time = hist("kvlm:request_decode_time_seconds", "First token to finish.")
+        aengine.on_token, aengine.on_finish = self.on_token, self.on_finish
 
     # Called on the engine loop thread.
     def on_token(self, req: Request, now: float, last: float | None) -> None:

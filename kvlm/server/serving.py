@@ -16,9 +16,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvlm.engine import Engine
+from kvlm.engine.engine import Engine
 from kvlm.errors import KvlmError, ParameterError, PromptTooLongError
-from kvlm.request import Request, StreamDelta
+from kvlm.outputs import StreamDelta
+from kvlm.request import Request
 from kvlm.sampling_params import SamplingParams
 from kvlm.server.async_engine import AsyncEngine, QueueFullError, Submission
 from kvlm.server.protocol import (
@@ -105,12 +106,11 @@ class OpenAIServing:
             raise bad_request(f"at most {o.max_stop} stop strings are allowed, got {len(stops)}", "stop")
         if any(len(s) > o.max_stop_len for s in stops):
             raise bad_request(f"stop strings must be at most {o.max_stop_len} characters", "stop")
-        if any(t >= self.vocab_size or t < 0 for t in r.stop_token_ids or ()):
-            raise bad_request(f"stop_token_ids must be in [0, {self.vocab_size})", "stop_token_ids")
         self._logit_bias(r)
 
     def _logit_bias(self, r: CompletionRequest | ChatCompletionRequest) -> dict[int, float] | None:
-        """OpenAI's {"token id": bias}; bad keys and non-finite values are 400, values clamped to [-100, 100]."""
+        """OpenAI's {"token id": bias} as the engine takes it: keys that are not integers and non-finite values
+        are 400, values clamped to [-100, 100]. Ids outside the vocabulary are the engine's check (`_submit`)."""
         if not r.logit_bias:
             return None
         out: dict[int, float] = {}
@@ -119,21 +119,16 @@ class OpenAIServing:
             raise bad_request(f"logit_bias keys must be token ids, got {bad}", "logit_bias")
         for k, v in r.logit_bias.items():
             tid = int(k)
-            if not 0 <= tid < self.vocab_size:
-                raise bad_request(f"logit_bias token id {tid} is outside the vocabulary (size {self.vocab_size})",
-                                  "logit_bias")
             if not math.isfinite(v):
                 raise bad_request(f"logit_bias values must be finite, got {v}", "logit_bias")
             out[tid] = max(-100.0, min(100.0, float(v)))
         return out
 
     def _check_prompt(self, ids: list[int], max_tokens: int | None, param: str) -> int:
-        """The context checks (vLLM wording); returns the max_tokens to use (default: the rest)."""
+        """The max_tokens to use (default: the rest of the context), and vLLM's rule that prompt + max_tokens
+        must fit the context (the engine would stop at the context's end instead), in vLLM's wording. The
+        prompt's ids are the engine's check (`_submit`)."""
         n, m = self.max_model_len, len(ids)
-        if not ids:
-            raise bad_request(f"{param} must not be empty", param)
-        if any(not 0 <= t < self.vocab_size for t in ids):
-            raise bad_request(f"token ids in {param} must be in [0, {self.vocab_size}) (out of vocabulary)", param)
         if m >= n:
             raise bad_request(
                 f"This model's maximum context length is {n} tokens. However, your request has {m} input tokens. "
@@ -169,15 +164,28 @@ class OpenAIServing:
         except ValueError as e:
             raise bad_request(str(e), param_of(e)) from None
 
-    async def _submit(self, specs: list[tuple[list[int], SamplingParams, str]], reserved: int) -> Submission:
+    async def _submit(self, specs: list[tuple[list[int], SamplingParams, str]], reserved: int,
+                      prompt_param: str) -> Submission:
+        """Start the requests; the engine validates them once (`Engine.add_request`), and its
+        `ParameterError`s become 400s here, in vLLM's wording where vLLM has one."""
         try:
             return await self.aengine.submit(specs, reserved)
         except PromptTooLongError as e:
             raise bad_request(str(e), "max_tokens") from None
         except ParameterError as e:
-            raise bad_request(str(e), e.param) from None
+            raise self._engine_error(e, prompt_param) from None
         except (KvlmError, ValueError) as e:
             raise bad_request(str(e)) from None
+
+    def _engine_error(self, e: ParameterError, prompt_param: str) -> APIError:
+        v = self.vocab_size
+        if e.param == "prompt_token_ids":
+            return bad_request(f"token ids in {prompt_param} must be in [0, {v}) (out of vocabulary)", prompt_param)
+        if e.param == "prompt":
+            return bad_request(f"{prompt_param} must not be empty", prompt_param)
+        if e.param == "stop_token_ids":
+            return bad_request(f"stop_token_ids must be in [0, {v})", "stop_token_ids")
+        return bad_request(str(e), e.param)
 
     def reserve(self, count: int) -> None:
         try:
@@ -221,7 +229,7 @@ class OpenAIServing:
         except BaseException:
             self.aengine.release(count)
             raise
-        sub = await self._submit(specs, count)
+        sub = await self._submit(specs, count, "prompt")
         ctx = _Call(request_id, "cmpl", r.n, prompt_ids, sub)
         if r.stream:
             return SSEStream(self._sse(ctx, "text_completion", r, self._stream_completion(r, ctx)), sub)
@@ -374,7 +382,7 @@ class OpenAIServing:
         except BaseException:
             self.aengine.release(r.n)
             raise
-        sub = await self._submit(specs, r.n)
+        sub = await self._submit(specs, r.n, "messages")
         ctx = _Call(request_id, "chatcmpl", r.n, [ids], sub)
         if r.stream:
             return SSEStream(self._sse(ctx, "chat.completion.chunk", r, self._stream_chat(r, ctx)), sub)

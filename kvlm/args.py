@@ -1,0 +1,78 @@
+"""Command-line flags shared by every command that builds an engine (`generate`, `chat`, `serve`,
+`cache save`, the benchmarks), and their translation into `EngineConfig` / `SamplingParams`.
+
+Like vLLM's `EngineArgs.add_cli_args`: one definition of each flag, so `kvlm generate --help` and
+`kvlm serve --help` never disagree. Values are validated where they land (`EngineConfig`,
+`SamplingParams`), once, with a `ParameterError` naming the field.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from kvlm.config import DTYPES, EngineConfig, parse_bytes
+from kvlm.sampling_params import SamplingParams
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--dtype", default="auto", choices=DTYPES,
+                   help="auto (default): GGUF weights computed on in their stored formats, float32 activations "
+                        "and KV cache; float32/bfloat16/float16: dense weights (float32 is the exact reference)")
+    g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    g.add_argument("--threads", type=int, default=None, help="CPU threads for PyTorch")
+    g.add_argument("--max-model-len", type=int, default=None, help="context length to allow (default min(model, 4096))")
+    g.add_argument("--no-kv-cache", action="store_true",
+                   help="recompute the whole sequence every step (same tokens, slower)")
+    g.add_argument("--kv-cache-layout", default="paged", choices=["paged", "contiguous"])
+    g.add_argument("--kv-cache-dtype", default="auto", choices=DTYPES,
+                   help="K/V element type (auto: the compute dtype; float16 halves KV memory and attention reads)")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    g.add_argument("--max-num-seqs", type=int, default=16, help="requests running at once")
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="tokens per engine step (prefill chunk budget)")
+    g.add_argument("--kv-cache-memory", default=None,
+                   help="KV pool size: bytes (2GiB, 512MB, or a bare whole number of bytes) or a share of the "
+                        "memory available now (30%%); more than 90%% of it is refused")
+    g.add_argument("--no-prefix-caching", action="store_true",
+                   help="do not reuse cached K/V blocks of earlier requests with the same beginning")
+
+
+def engine_kwargs_from_args(a: argparse.Namespace) -> dict[str, Any]:
+    """The `EngineConfig` fields the engine flags set (what `LLM(model, **kwargs)` takes)."""
+    mem = None if a.kv_cache_memory is None else parse_bytes(a.kv_cache_memory)
+    return dict(dtype=a.dtype, device=a.device, num_threads=a.threads, max_model_len=a.max_model_len,
+                enable_kv_cache=not a.no_kv_cache, kv_cache_layout=a.kv_cache_layout,
+                kv_cache_dtype=a.kv_cache_dtype, block_size=a.block_size,
+                max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens, kv_cache_memory=mem,
+                enable_prefix_caching=not a.no_prefix_caching)
+
+
+def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(**engine_kwargs_from_args(a))
+
+
+def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 256) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=max_tokens)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    g.add_argument("--stop-token-ids", type=int, nargs="+", default=None)
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--logprobs", type=int, default=None, help="return this many top logprobs per token (with --json)")
+
+
+def sampling_params_from_args(a: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
+                          min_p=a.min_p, repetition_penalty=a.repetition_penalty,
+                          presence_penalty=a.presence_penalty, frequency_penalty=a.frequency_penalty,
+                          seed=a.seed, stop=a.stop, stop_token_ids=a.stop_token_ids, ignore_eos=a.ignore_eos,
+                          logprobs=a.logprobs)

@@ -1,0 +1,70 @@
+"""Attention for DECODE steps: one query row per sequence, over its whole cached context.
+
+Three ways, all the same attention: `decode_attention` over K/V gathered per sequence (SDPA, the
+reference; each K/V head's query group folded into the query-length axis, so GQA never repeats K/V),
+the same in groups of similar length (`plan_length_groups`), and `paged_decode_attention`, which reads
+the paged cache's blocks in place with the native kernel (no gather, no padding).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kvlm.attention.metadata import AttentionMetadata
+from kvlm.kernels import paged_decode_attention as _paged_kernel
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+                     scale: float) -> torch.Tensor:
+    """q: (B, n_heads, D), one query per sequence; k, v: (B, kv_heads, L, D). Returns (B, n_heads*D)."""
+    T, nh, D = q.shape
+    B, kvh = k.shape[0], k.shape[1]
+    # One query per sequence: view it as (B, kv_heads, group, D) so each K/V head serves its group of
+    # query heads directly (HF's head order: head h uses kv head h // group).
+    qg = q.reshape(B, kvh, nh // kvh, D)
+    mask = None if meta.attn_mask is None else meta.attn_mask[:, :, :1, :]  # (B, 1, 1, L) key padding
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
+    return out.reshape(T, nh * D)
+
+
+def paged_decode_attention(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor, meta: AttentionMetadata,
+                           scale: float) -> torch.Tensor:
+    """Decode attention over the paged blocks in place: q (B, n_heads, D) after the step's K/V were
+    written; k_blocks, v_blocks: one layer's pools (num_blocks, block_size, kv_heads, D). Reads only each
+    sequence's first seq_lens[b] slots, all written, so the untouched pool never matters. -> (B, n_heads*D)."""
+    assert meta.paged_decode and meta.seq_lens_tensor is not None
+    out = _paged_kernel(q, k_blocks, v_blocks, meta.block_tables, meta.seq_lens_tensor, scale)
+    return out.reshape(q.shape[0], -1)
+
+
+def plan_length_groups(seq_lens: list[int], max_groups: int = 4, group_cost: int = 1024) -> list[list[int]]:
+    """Partition sequences into at most `max_groups` groups of similar length for decode attention.
+
+    Gathering and attending over a padded (B, L_max) context costs about sum over groups of
+    len(group) x max length in group; each extra group costs a fixed `group_cost` (in token slots) of
+    per-call overhead. Sequences sorted by length are split into contiguous runs by dynamic programming
+    (B is at most max_num_seqs, so this is a few thousand additions on the host). Returns lists of
+    sequence indices; one group means no split.
+    """
+    order = sorted(range(len(seq_lens)), key=seq_lens.__getitem__)
+    L = [seq_lens[i] for i in order]
+    n = len(L)
+    INF = float("inf")
+    # best[g][j]: cheapest cost of splitting the first j sorted sequences into g groups.
+    best = [[INF] * (n + 1) for _ in range(max_groups + 1)]
+    cut = [[0] * (n + 1) for _ in range(max_groups + 1)]
+    best[0][0] = 0
+    for g in range(1, max_groups + 1):
+        for j in range(1, n + 1):
+            for i in range(g - 1, j):
+                c = best[g - 1][i] + (j - i) * L[j - 1] + group_cost
+                if c < best[g][j]:
+                    best[g][j], cut[g][j] = c, i
+    g = min(range(1, max_groups + 1), key=lambda k: best[k][n])
+    groups, j = [], n
+    while g > 0:
+        i = cut[g][j]
+        groups.append(order[i:j])
+        j, g = i, g - 1
+    return groups[::-1]

@@ -1,0 +1,78 @@
+"""`AttentionMetadata`: how one engine step's T flat rows map onto sequences, positions and cache slots.
+
+Built once per step by the model runner (`engine/model_runner.py`: `prepare_prefill` / `prepare_decode`)
+and passed explicitly through the model; nothing here is global. `kind` names the plan: a step whose
+sequences each feed one row (decode) is attended differently from one that carries prompt chunks
+(prefill, or a mixed step of prompt chunks and decode rows); `paged_decode` says whether decode rows read
+the paged blocks in place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+
+
+class StepKind(Enum):
+    """Which rows a step carries, named by what the scheduler put there."""
+
+    PREFILL = "prefill"  # every sequence brings prompt rows (a whole prompt, or a chunk after cached blocks)
+    DECODE = "decode"  # every sequence brings one row: its newest token (decode, or a 1-token prompt chunk)
+    MIXED = "mixed"  # prompt chunks and single decode rows in one step
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionMetadata:
+    """Per-step layout of a batch of prefill chunks and decodes (T flat tokens, B sequences)."""
+
+    kind: StepKind
+    positions: torch.Tensor  # (T,) int64: position of each token in its sequence
+    slot_mapping: torch.Tensor  # (T,) int64: flat cache slot (block * block_size + offset) of each token
+    block_tables: torch.Tensor  # (B, max_blocks) int64 (int32 when paged_decode), padded with 0
+    query_lens: tuple[int, ...]  # new tokens per sequence (host ints: they shape tensors)
+    seq_lens: tuple[int, ...]  # context length per sequence after this step (cached + new)
+    q_pad_index: torch.Tensor | None  # (T,) int64: row of each token in the (B * max_query_len) padded layout
+    attn_mask: torch.Tensor | None  # (B, 1, max_query_len, max_seq_len) bool, True = may attend; None = not needed
+    logits_indices: torch.Tensor  # (N,) int64: flat rows whose logits we need (a sequence's last token)
+    # DECODE steps on the paged cache with the native kernels: attention reads each sequence's blocks in
+    # place (attention.decode.paged_decode_attention) with seq_lens as a (B,) int32 tensor.
+    paged_decode: bool = False
+    seq_lens_tensor: torch.Tensor | None = None  # (B,) int32, only when paged_decode
+    # DECODE batches of sequences with very different lengths are attended in groups of similar length,
+    # so that short sequences are not padded to the longest (attention.decode.plan_length_groups). Each
+    # group is a metadata of its own whose `rows` are its tokens' rows in this batch.
+    groups: tuple[AttentionMetadata, ...] = ()
+    rows: torch.Tensor | None = None  # (T_group,) int64, only in a group
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+    @property
+    def max_query_len(self) -> int:
+        return max(self.query_lens)
+
+    @property
+    def max_seq_len(self) -> int:
+        return max(self.seq_lens)
+
+    @property
+    def is_decode(self) -> bool:
+        return self.kind is StepKind.DECODE
+
+
+def build_attn_mask(query_lens: list[int], seq_lens: list[int], device: torch.device) -> torch.Tensor:
+    """(B, 1, max_q, max_L) causal mask for sequences whose new tokens sit at the end of their context.
+
+    Query i of sequence b is at position seq_len_b - query_len_b + i and may see keys j <= that position.
+    Padding query rows get position 0 so they still see key 0 (no all-masked row, hence no NaN).
+    """
+    q = torch.tensor(query_lens, device=device)
+    s = torch.tensor(seq_lens, device=device)
+    i = torch.arange(max(query_lens), device=device)
+    pos = (s - q)[:, None] + i[None, :]  # (B, max_q)
+    pos = torch.where(i[None, :] < q[:, None], pos, torch.zeros_like(pos))
+    j = torch.arange(max(seq_lens), device=device)
+    return (j[None, None, :] <= pos[:, :, None]).unsqueeze(1)

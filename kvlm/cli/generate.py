@@ -1,0 +1,133 @@
+"""`kvlm generate [MODEL] PROMPT`: one prompt streamed to stdout, one JSON document, or a file of prompts."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from kvlm.args import add_engine_args, add_sampling_args, engine_kwargs_from_args, sampling_params_from_args
+from kvlm.cli.loading import loading
+from kvlm.cli.snapshot import add_prefix_snapshot_flag, load_prefix_snapshot
+from kvlm.errors import ParameterError
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    s = sub.add_parser("generate", help="generate text from a prompt (streams to stdout)")
+    s.add_argument("inputs", nargs="*", metavar="[MODEL] PROMPT",
+                   help="model alias or path (default smollm2-135m when only PROMPT is given), then the prompt")
+    s.add_argument("--prompts-file", help="one prompt per line, or JSONL with 'prompt' or 'prompt_token_ids'")
+    s.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    s.add_argument("--system", default=None, help="system message (with --chat)")
+    s.add_argument("--stats", action="store_true", help="print generation stats on stderr")
+    s.add_argument("--json", action="store_true", help="print one JSON document instead of streaming")
+    add_prefix_snapshot_flag(s)
+    add_sampling_args(s)
+    add_engine_args(s)
+    s.set_defaults(func=cmd_generate)
+
+
+
+def _format_stats(m: dict[str, Any]) -> str:
+    def f(x: Any, fmt: str) -> str:
+        return "n/a" if x is None else format(x, fmt)
+
+    line = (f"prompt tokens {m['prompt_tokens']} (cached {m['cached_tokens']}, computed {m['prefilled_tokens']}), "
+            f"generated {m['generated_tokens']}, "
+            f"TTFT {f(m['ttft_s'], '.3f')} s, decode {f(m['decode_tokens_per_s'], '.1f')} tok/s, "
+            f"KV held {m['kv_bytes_held'] / 2**20:.2f} MiB in {m['kv_blocks_held']} blocks "
+            f"({m['kv_blocks_shared']} shared)")
+    return line + (f"; prefix cache: {m['prefix_cache_miss']}" if m.get("prefix_cache_miss") else "")
+
+
+def _looks_like_model(arg: str) -> bool:
+    """A model path or alias, not a prompt: one word naming a model file, a folder, a path or an alias."""
+    from kvlm.loader.registry import MODELS
+
+    if not arg or any(c.isspace() for c in arg):
+        return False
+    return (arg in MODELS or arg.endswith((".gguf", ".safetensors")) or "/" in arg or os.sep in arg
+            or Path(arg).expanduser().exists())
+
+
+def _model_and_prompt(inputs: list[str], from_file: bool) -> tuple[str, str | None]:
+    """`generate [MODEL] PROMPT`: one positional list (so options may sit anywhere), split here."""
+    from kvlm.loader.registry import DEFAULT_MODEL
+
+    if from_file:
+        if len(inputs) > 1:
+            raise ParameterError("prompt", "give either PROMPT or --prompts-file, not both")
+        return (inputs[0] if inputs else DEFAULT_MODEL), None
+    if not inputs:
+        raise ParameterError("prompt", "give a PROMPT (or --prompts-file)")
+    if len(inputs) == 1:
+        if _looks_like_model(inputs[0]):
+            raise ParameterError("prompt", f"no PROMPT after the model {inputs[0]!r} "
+                                           "(give one after it, or use --prompts-file)")
+        return DEFAULT_MODEL, inputs[0]
+    if len(inputs) > 2:
+        raise ParameterError("prompt", f"expected [MODEL] PROMPT, got {len(inputs)} positional arguments "
+                                       "(quote a prompt of several words)")
+    return inputs[0], inputs[1]
+
+
+def cmd_generate(a: argparse.Namespace) -> int:
+    a.model, a.prompt = _model_and_prompt(a.inputs, bool(a.prompts_file))
+    params = sampling_params_from_args(a)
+    with loading(a.freeze_after_load):
+        from kvlm.llm import LLM
+
+        llm = LLM(a.model, quiet=a.quiet, **engine_kwargs_from_args(a))
+    load_prefix_snapshot(llm.llm_engine, a.prefix_snapshot, a.quiet)
+
+    def as_input(text: str):
+        if a.chat:
+            msgs = ([{"role": "system", "content": a.system}] if a.system else []) + [{"role": "user", "content": text}]
+            return {"prompt_token_ids": llm.render_chat(msgs)}
+        return text
+
+    if a.prompts_file:
+        return _generate_batch(llm, a, params, as_input)
+    if a.json:
+        out = llm.generate([as_input(a.prompt)], params, use_tqdm=False)[0]
+        c = out.outputs[0]
+        doc = {"text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason,
+               "stop_reason": c.stop_reason, "prompt_token_ids": out.prompt_token_ids,
+               "stats": out.metrics.as_dict()}
+        if c.logprobs is not None:
+            doc["logprobs"] = [{str(k): v for k, v in d.items()} for d in c.logprobs]
+        print(json.dumps(doc, ensure_ascii=False))
+        return 0
+    for d in llm.stream(as_input(a.prompt), params):
+        sys.stdout.write(d.text)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    if a.stats:
+        print("kvlm: " + _format_stats(llm.last_request.metrics.as_dict()), file=sys.stderr)
+    return 0
+
+
+def _generate_batch(llm: Any, a: argparse.Namespace, params: Any, as_input: Any) -> int:
+    lines = [ln for ln in Path(a.prompts_file).read_text().splitlines() if ln.strip()]
+    prompts = []
+    for i, ln in enumerate(lines, 1):
+        if ln.lstrip().startswith("{"):
+            try:
+                obj = json.loads(ln)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{a.prompts_file}:{i}: invalid JSON ({e.msg})") from None
+            prompts.append(as_input(obj["prompt"]) if "prompt" in obj else obj)
+        else:
+            prompts.append(as_input(ln))
+    outs = llm.generate(prompts, params)
+    for o in outs:
+        c = o.outputs[0]
+        if a.json:
+            print(json.dumps({"text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason,
+                              "stats": o.metrics.as_dict()}, ensure_ascii=False))
+        else:
+            print(c.text.replace("\n", "\\n"))
+    return 0

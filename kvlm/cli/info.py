@@ -1,0 +1,130 @@
+"""`kvlm pull`, `kvlm info` and `kvlm kv-size`: fetch a model, describe it, size its KV cache (no torch)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from kvlm.errors import KvlmError
+from kvlm.kv_cache.sizing import DTYPE_BYTES, known_summary, kv_size
+
+
+def add_pull_parser(sub: argparse._SubParsersAction) -> None:
+    s = sub.add_parser("pull", help="fetch a named model into $KVLM_HOME")
+    s.add_argument("model", nargs="?", default="smollm2-135m")
+    s.add_argument("--force", action="store_true", help="download again even if present")
+    s.set_defaults(func=cmd_pull)
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:
+    """`info` and `kv-size`."""
+    s = sub.add_parser("info", help="architecture, parameters, context length, KV bytes per token")
+    s.add_argument("model", nargs="?", default="smollm2-135m")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_info)
+
+    s = sub.add_parser("kv-size", help="KV cache memory for a model, context and batch")
+    s.add_argument("model", nargs="?")
+    s.add_argument("--config", help="a Hugging Face config.json instead of a model")
+    s.add_argument("--context", type=int, default=4096)
+    s.add_argument("--batch", type=int, default=1)
+    s.add_argument("--dtype", default="float16", choices=sorted(DTYPE_BYTES))
+    s.add_argument("--json", action="store_true")
+    s.add_argument("--plot", metavar="FILE", help="write a PNG: KV memory vs context (MHA/GQA/MQA, dtypes, crossover "
+                   "with the weights); the text output then ends with the JSON line")
+    s.add_argument("--compare-known", action="store_true",
+                   help="also show the shipped reference models (Llama-3-8B/70B, Qwen2.5-7B, Mistral-7B, SmolLM2-135M)")
+    s.set_defaults(func=cmd_kv_size)
+
+
+def cmd_pull(a: argparse.Namespace) -> int:
+    from kvlm.loader.registry import pull
+
+    print(pull(a.model, force=a.force))
+    return 0
+
+
+def cmd_info(a: argparse.Namespace) -> int:
+    from kvlm.loader import load_config, resolve_model
+
+    path = resolve_model(a.model)
+    c = load_config(path)
+    info = {"model": str(path), "architecture": c.architecture, "parameters": c.num_parameters,
+            "layers": c.num_hidden_layers, "hidden_size": c.hidden_size, "attention_heads": c.num_attention_heads,
+            "kv_heads": c.num_key_value_heads, "head_dim": c.head_dim, "vocab_size": c.vocab_size,
+            "context_length": c.max_position_embeddings, "kv_bytes_per_token_fp32": int(c.kv_bytes_per_token(4)),
+            "kv_bytes_per_token_fp16": int(c.kv_bytes_per_token(2))}
+    formats = _weight_formats(path)
+    if formats:
+        info["weight_formats"] = formats
+    if a.json:
+        print(json.dumps(info))
+    else:
+        for k, v in info.items():
+            if k != "weight_formats":
+                print(f"{k:26s} {v:,}" if isinstance(v, int) else f"{k:26s} {v}")
+        for name, f in formats.items():  # which kernel computes on each stored format (--dtype auto)
+            print(f"{'weights ' + name:26s} {f['tensors']} tensors, {f['bytes'] / 2**20:.1f} MiB -> {f['kernel']}")
+    return 0
+
+
+def _weight_formats(path: Path) -> dict[str, Any]:
+    """GGUF only: per tensor type, the count, bytes and kernel path (loader.gguf.weight_formats)."""
+    if path.suffix != ".gguf" or not path.is_file():
+        return {}
+    from kvlm.loader.gguf import read_gguf, weight_formats
+
+    return weight_formats(read_gguf(path)[0])
+
+
+def cmd_kv_size(a: argparse.Namespace) -> int:
+    from kvlm.config import ModelConfig
+    from kvlm.loader import load_config, resolve_model
+
+    if a.config:
+        try:
+            c = ModelConfig.from_hf_dict(json.loads(Path(a.config).read_text()))
+        except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+            raise KvlmError(f"{a.config}: cannot read config ({e})") from None
+    elif a.model:
+        c = load_config(resolve_model(a.model))
+    else:
+        raise ValueError("give MODEL or --config FILE")
+    b = DTYPE_BYTES[a.dtype]
+    doc = kv_size(c, a.dtype, a.context, a.batch)
+    per_tok, mha, total, total_mha = (doc[k] for k in ("bytes_per_token", "mha_bytes_per_token", "total_bytes",
+                                                       "mha_total_bytes"))
+    weights, cross = doc["weight_bytes"], doc["crossover_context"]
+    if a.compare_known:
+        doc["known"] = known_summary(a.context, b, a.batch)
+    if a.plot:
+        from kvlm.bench import kv_size_plot
+
+        name = a.model or Path(a.config).stem
+        doc["plot"] = kv_size_plot.plot(c, name, a.dtype, b, a.plot, a.batch, a.compare_known)
+    if a.json:
+        print(json.dumps(doc))
+        return 0
+    print(f"KV cache = 2 x {c.num_hidden_layers} layers x {c.num_key_value_heads} kv heads x {c.head_dim} dims x {b:g} B")
+    print(f"  per token:        {per_tok:,.0f} B ({per_tok / 1024:.1f} KiB)")
+    print(f"  {a.batch} x {a.context} tokens: {total:,.0f} B ({total / 2**20:.1f} MiB)")
+    print(f"  MHA equivalent ({c.num_attention_heads} kv heads): {mha:,.0f} B/token, {total_mha / 2**20:.1f} MiB "
+          f"-> GQA saves {100 * (1 - per_tok / mha):.0f}%")
+    print(f"  outgrows the weights ({c.num_parameters:,} params x {b:g} B = {weights / 2**20:,.1f} MiB) "
+          f"at {cross:,} tokens{' per sequence' if a.batch > 1 else ''} (in any dtype shared by both)")
+    if a.compare_known:
+        print(f"known models ({a.dtype}, {a.batch} x {a.context} tokens):")
+        print(f"  {'model':16s} {'layers':>6s} {'heads':>5s} {'kv':>3s} {'dim':>4s} {'params':>8s} {'KV B/token':>11s} "
+              f"{'KV total':>10s} {'weights':>10s} {'KV > weights at':>15s}")
+        for k in doc["known"]:
+            print(f"  {k['name']:16s} {k['layers']:6d} {k['attention_heads']:5d} {k['kv_heads']:3d} {k['head_dim']:4d} "
+                  f"{k['parameters'] / 1e9:7.2f}B {k['bytes_per_token']:11,.0f} {k['total_bytes'] / 2**30:6.2f} GiB "
+                  f"{k['weight_bytes'] / 2**30:6.2f} GiB {k['crossover_context']:15,d}"
+                  + (f"  (sliding window {k['sliding_window']:,})" if k["sliding_window"] else ""))
+    if a.plot:
+        print(f"plot: {doc['plot']}")
+    if a.plot or a.compare_known:  # bench-style use: end with the JSON document, like `kvlm bench ...`
+        print(json.dumps(doc))
+    return 0

@@ -1,0 +1,246 @@
+"""The engine: requests in, tokens out, one `step()` at a time (schedule -> execute -> update).
+
+It wires the pieces: the model and KV cache (in the runner), the block manager and scheduler (plain
+Python bookkeeping) and the output processor (text and stop conditions). `LLM` and the CLI are thin loops
+over `add_request()` and `step()`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from kvlm.kv_cache import snapshot as kv_snapshot
+from kvlm.config import DTYPES, EngineConfig, ModelConfig
+from kvlm.errors import ParameterError, PromptTooLongError
+from kvlm.loader.heap import trim_heap
+from kvlm.kv_cache.storage import KVCache
+from kvlm.kv_cache.pool import describe_kv_pool, make_kv_cache
+from kvlm.kv_cache.snapshot import SnapshotInfo, cached_prefix_blocks, snapshot_header
+from kvlm.loader import resolve_model
+from kvlm.loader.build import load_model
+from kvlm.loader.fingerprint import model_files, model_fingerprint
+from kvlm.engine.output_processor import OutputProcessor
+from kvlm.kv_cache.prefix_misses import PrefixHistory
+from kvlm.outputs import StreamDelta
+from kvlm.request import Request
+from kvlm.engine.model_runner import ModelRunner, StepResult
+from kvlm.sampling_params import SamplingParams
+from kvlm.tokenizer.detokenizer import IncrementalDetokenizer
+from kvlm.engine.scheduler import ScheduledBatch, Scheduler
+
+log = logging.getLogger("kvlm")
+
+# "auto": float32 activations; GGUF weights stay quantized where the device is a CPU.
+_TORCH_DTYPES = {name: torch.float32 if name == "auto" else getattr(torch, name) for name in DTYPES}
+
+
+def resolve_kv_cache_dtype(cfg: EngineConfig, dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's element type: as configured, "auto" being the compute dtype.
+
+    Not float16 by default (llama.cpp's choice): rounding K/V to float16 turns the ~1e-7 float32
+    differences between a prefill's and a decode's arithmetic (where a kernel's bits depend on the
+    number of rows) into one-ulp float16 differences (~5e-4 relative), so cached and recomputed logits
+    would agree only to ~1e-3 instead of ~1e-6. It is a flag: `--kv-cache-dtype float16`."""
+    return dtype if cfg.kv_cache_dtype == "auto" else _TORCH_DTYPES[cfg.kv_cache_dtype]
+
+
+class Engine:
+    def __init__(self, model: str | os.PathLike = "smollm2-135m", config: EngineConfig | None = None,
+                 quiet: bool = False) -> None:
+        self.config = cfg = config or EngineConfig()
+        if cfg.num_threads:
+            torch.set_num_threads(cfg.num_threads)
+        self.device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.dtype = _TORCH_DTYPES[cfg.dtype]
+        self.kv_cache_dtype = resolve_kv_cache_dtype(cfg, self.dtype)
+        self.model_path: Path = resolve_model(str(model), quiet=quiet)
+        # --dtype auto on CPU: weights computed on in their stored block formats (kvlm.kernels);
+        # an explicit dtype (and any GPU) dequantizes them at load: the dense reference path.
+        self.quantized = cfg.dtype == "auto" and self.device.type == "cpu"
+        loaded = load_model(self.model_path, cfg.max_model_len, self.dtype, self.device, quantized=self.quantized)
+        self.model, self.tokenizer, self.max_model_len = loaded.model, loaded.tokenizer, loaded.max_model_len
+        self.model_config: ModelConfig = loaded.config
+        model_config = loaded.config
+
+        self.kv_cache: KVCache
+        self.kv_cache, self.block_manager = make_kv_cache(cfg, model_config, self.max_model_len,
+                                                          self.kv_bytes_per_token, self.kv_cache_dtype, self.device,
+                                                          compute_dtype=self.dtype)
+        history = None
+        if self.block_manager.enable_prefix_caching:
+            self.block_manager.set_extra_keys(self._prefix_hash_keys())
+            history = PrefixHistory(cfg.block_size, describe=self.tokenizer.decode)
+        self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens,
+                                   recompute_all=not cfg.enable_kv_cache, prefix_history=history)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.device, self.tokenizer.eos_token_ids)
+        self.output_processor = OutputProcessor(self.tokenizer.eos_token_ids, self.max_model_len)
+        self.requests: dict[str, Request] = {}  # live requests by id, for abort()
+        self._ids = itertools.count()
+        self.num_steps = 0
+        # The last step's plan and result, kept for inspection (`kvlm bench latency`'s breakdown reads its
+        # logits; tests read which tokens each step ran). Two references per step; nothing is copied.
+        self.last_batch: ScheduledBatch | None = None
+        self.last_result: StepResult | None = None
+        trim_heap()  # the load's freed temporaries (tokenizer parse, GGUF walk) off the resident set
+        log.info(self.describe_cache())  # shown when the "kvlm" logger is at INFO (the CLI without -q)
+
+    # -- setup -------------------------------------------------------------------------------------
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return int(self.model_config.kv_bytes_per_token(torch.finfo(self.kv_cache_dtype).bits // 8))
+
+    def _prefix_hash_keys(self) -> str:
+        """Everything besides token ids that changes K/V: the root of the prefix cache's hash chain."""
+        files = [[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in model_files(self.model_path)]
+        return json.dumps({"model": files, "config": dataclasses.asdict(self.model_config), "dtype": self.config.dtype,
+                           "kv_dtype": str(self.kv_cache_dtype), "kv_layout": self.config.kv_cache_layout,
+                           "block_size": self.config.block_size})
+
+    @functools.cached_property
+    def model_fingerprint(self) -> str:
+        """sha256 over the model's files (for KV snapshots; computed on first use, cached on disk)."""
+        return model_fingerprint(self.model_path)
+
+    def describe_cache(self) -> str:
+        return describe_kv_pool(self.config, self.kv_cache, self.block_manager, self.max_model_len,
+                                self.kv_bytes_per_token)
+
+    # -- requests ----------------------------------------------------------------------------------
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> Request:
+        """Queue a prompt (text or token ids). Its leading full blocks already in the prefix cache (an
+        earlier request's, a chat's previous turns, a loaded snapshot) are reused at admission."""
+        params = params or SamplingParams()
+        if isinstance(prompt, str):
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            text, ids = None, list(prompt)
+        if not ids:
+            raise ParameterError("prompt", "prompt is empty")
+        vocab = self.model_config.vocab_size
+        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+            raise ParameterError("prompt_token_ids", f"prompt_token_ids must be integers in [0, {vocab})")
+        if any(t >= vocab for t in params.stop_token_ids or ()):
+            raise ParameterError("stop_token_ids", f"stop_token_ids must be in [0, {vocab}) (the vocabulary), "
+                                 f"got {max(params.stop_token_ids or ())}")
+        if any(t >= vocab for t in params.logit_bias or ()):
+            raise ParameterError("logit_bias", f"logit_bias token ids must be in [0, {vocab}) (the vocabulary), "
+                                 f"got {max(params.logit_bias or ())}")
+        if len(ids) >= self.max_model_len:
+            raise PromptTooLongError(
+                f"prompt has {len(ids)} tokens; the context holds {self.max_model_len} (room for at least one output token is needed)"
+            )
+        rid = request_id or f"req-{next(self._ids)}"
+        if rid in self.requests:
+            raise ValueError(f"request id {rid!r} is already in use")
+        want = len(ids) + (params.max_tokens or self.max_model_len - len(ids))
+        need = min(want, self.max_model_len)
+        if self.block_manager.blocks_for(need) > self.block_manager.num_blocks:
+            raise PromptTooLongError(
+                f"request needs {need} tokens of KV cache but the whole pool holds "
+                f"{self.block_manager.num_blocks * self.block_manager.block_size}"
+            )
+        req = Request(rid, ids, len(ids), params, prompt=text)
+        req.metrics.num_prompt_tokens = len(ids)
+        req.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens)
+        req.generator = torch.Generator(device=self.device)
+        if params.seed is not None:
+            req.generator.manual_seed(params.seed)
+        else:
+            req.generator.seed()
+        self.requests[rid] = req
+        self.scheduler.add(req)
+        return req
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request now and free its blocks; False if it is unknown or already finished."""
+        req = self.requests.pop(request_id, None)
+        if req is None or req.is_finished:
+            return False
+        req.finish_reason = "abort"
+        self.scheduler.finish(req)
+        req.metrics.finished_time = time.perf_counter()
+        return True
+
+    # -- prefix cache ------------------------------------------------------------------------------
+    def save_prefix(self, token_ids: list[int], path: str | os.PathLike) -> SnapshotInfo:
+        """Write the K/V of `token_ids`' full blocks to a safetensors snapshot (computing them if needed)."""
+        nblk = len(token_ids) // self.block_manager.block_size
+        if nblk and len(cached_prefix_blocks(self.block_manager, token_ids)) < nblk:
+            req = self.add_request(list(token_ids), SamplingParams(temperature=0, max_tokens=1))
+            while not req.is_finished:
+                self.step()
+        return kv_snapshot.save_prefix(self.block_manager, self.kv_cache, self._snapshot_header(), token_ids, path)
+
+    def load_prefix(self, path: str | os.PathLike) -> SnapshotInfo:
+        """Load a snapshot into the prefix cache; `SnapshotError` (engine unchanged) if it does not fit."""
+        return kv_snapshot.load_prefix(self.block_manager, self.kv_cache, self._snapshot_header(), path,
+                                       vocab_size=self.model_config.vocab_size, max_model_len=self.max_model_len)
+
+    def _snapshot_header(self) -> dict[str, str]:
+        mc = self.model_config
+        return snapshot_header(self.model_fingerprint, self.config.dtype, self.kv_cache_dtype, self.block_manager.block_size,
+                               mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block nobody reads now; returns how many."""
+        return self.block_manager.reset_prefix_cache()
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    # -- the step ----------------------------------------------------------------------------------
+    def step(self, keep_logits: bool = False) -> list[StreamDelta]:
+        """Schedule -> execute -> update. Returns one delta per request that produced a token.
+
+        keep_logits: attach this step's logits to `self.last_result` (tests and benchmarks).
+        """
+        batch = self.scheduler.schedule()
+        if batch.is_empty:
+            if self.scheduler.waiting:  # cannot happen given the admission check; never spin silently
+                raise RuntimeError("scheduler made no progress with requests waiting")
+            return []
+        result = self.runner.execute(batch, keep_logits=keep_logits)
+        self.last_batch, self.last_result = batch, result
+        self.num_steps += 1
+        return self._update(batch.requests, batch.num_new_tokens, result)
+
+    def _update(self, reqs: list[Request], num_new: list[int], result: StepResult) -> list[StreamDelta]:
+        now = time.perf_counter()
+        bm = self.block_manager
+        bpt, bs = self.kv_bytes_per_token, bm.block_size
+        for req, n in zip(reqs, num_new):
+            m = req.metrics
+            start = req.num_computed_tokens
+            m.num_prefilled_tokens += max(0, min(start + n, req.num_prompt_tokens) - start)
+            m.num_computed_tokens += n
+            req.num_computed_tokens += n
+            bm.cache_full_blocks(req)  # newly full blocks become reusable (no-op without prefix caching)
+            m.blocks_held = len(req.block_table)
+            if bm.enable_prefix_caching:
+                m.blocks_shared = sum(1 for b in req.block_table if bm.ref_counts[b] > 1)
+            m.kv_bytes_held = m.blocks_held * bs * bpt if self.config.enable_kv_cache else 0
+            m.kv_bytes_used = req.num_computed_tokens * bpt if self.config.enable_kv_cache else 0
+            if not self.config.enable_kv_cache:
+                req.num_computed_tokens = 0  # nothing is kept: the next step recomputes everything
+        deltas = []
+        for req, tok, lp in zip(result.requests, result.token_ids, result.logprobs):
+            if req.metrics.first_token_time is None:
+                req.metrics.first_token_time = now
+            delta = self.output_processor.append_token(req, tok, lp)
+            if req.finish_reason is not None:
+                req.metrics.finished_time = now
+                self.scheduler.finish(req)
+                self.requests.pop(req.request_id, None)
+            deltas.append(delta)
+        return deltas

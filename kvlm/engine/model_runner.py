@@ -1,0 +1,222 @@
+"""Model runner: turns a `ScheduledBatch` into tensors, runs the model once, samples.
+
+It owns the model, the KV cache tensors and the device. Per step it builds the flat input (token ids and
+positions of every scheduled token, all requests concatenated), the `AttentionMetadata` (slot mapping,
+block tables, lengths, mask) once, runs one forward pass, computes logits only for requests whose
+scheduled tokens reach the end of their sequence (a prefill chunk in the middle of a prompt samples
+nothing), and calls the sampler.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvlm.attention.decode import plan_length_groups
+from kvlm.attention.metadata import AttentionMetadata, StepKind, build_attn_mask
+from kvlm.model.fused_decode import FusedDecoder
+from kvlm.kv_cache.storage import KVCache, PagedKVCache
+from kvlm.model.llama import LlamaForCausalLM
+from kvlm.request import Request
+from kvlm.engine.sampler import sample
+from kvlm.engine.scheduler import ScheduledBatch
+
+
+def _native_kernels() -> bool:
+    from kvlm.kernels.native import active_isa
+
+    return active_isa() != "reference"
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    """Requests that produced a token this step, with their tokens, logprobs and float32 logits (N, V)."""
+
+    requests: list[Request]
+    token_ids: list[int]
+    logprobs: list[dict[int, float] | None]
+    logits: torch.Tensor | None
+
+
+@dataclass(slots=True)
+class _StepRows:
+    """A step's rows on the host, before they become tensors: one per scheduled token, requests in order."""
+
+    requests: list[Request]
+    starts: list[int]  # per request: num_computed_tokens before this step (its first row's position)
+    ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    query_lens: list[int]
+    seq_lens: list[int]
+    tables: list[list[int]]  # block tables padded with 0 to the longest
+    logits_rows: list[int]  # rows that end their sequence: those requests sample a token
+    samplers: list[Request]
+
+    @classmethod
+    def collect(cls, batch: ScheduledBatch, block_size: int) -> _StepRows:
+        r = cls(list(batch.requests), [], [], [], [], [], [], [], [], [])
+        for req, n in zip(batch.requests, batch.num_new_tokens):
+            start = req.num_computed_tokens
+            r.starts.append(start)
+            r.ids.extend(req.token_ids[start : start + n])
+            r.positions.extend(range(start, start + n))
+            bt = req.block_table
+            r.slots.extend(bt[p // block_size] * block_size + p % block_size for p in range(start, start + n))
+            r.query_lens.append(n)
+            r.seq_lens.append(start + n)
+            if start + n == req.num_tokens:  # this chunk reaches the end: the request gets a token
+                r.logits_rows.append(len(r.ids) - 1)
+                r.samplers.append(req)
+        max_blocks = max(len(req.block_table) for req in batch.requests)
+        r.tables = [req.block_table + [0] * (max_blocks - len(req.block_table)) for req in batch.requests]
+        return r
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, device: torch.device,
+                 eos_token_ids: frozenset[int] = frozenset()) -> None:
+        self.model, self.kv_cache, self.device = model, kv_cache, device
+        self.eos_token_ids = eos_token_ids  # banned until a request reaches min_tokens
+        # Decode batches this large may be split into length groups (plan_length_groups); the
+        # contiguous cache's rows are views only when B == 1, so grouping would just add gathers there.
+        self.min_group_batch = 4 if isinstance(kv_cache, PagedKVCache) else 1 << 30
+        self.group_cost = 1024  # padded token slots one more group is worth (per-call overhead)
+        # Work done, counted as it happens (benchmarks check their closed forms against these):
+        self.num_tokens_processed = 0  # tokens fed through the model
+        self.num_context_tokens = 0  # sum over those tokens of their context length (attention work)
+        # Decode steps read the paged blocks in place when the native kernels are built (no gather, no
+        # padding, so no length groups either); else gather + SDPA, the reference.
+        self.paged_decode = isinstance(kv_cache, PagedKVCache) and device.type == "cpu" and _native_kernels()
+        # Decode-only steps run every layer in one native call where the model allows (fused_decode.py).
+        self.fused = FusedDecoder.create(model, kv_cache) if self.paged_decode else None
+
+    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, AttentionMetadata, list[Request]]:
+        """Flat input ids (T,) and the step's metadata; also the requests that sample this step.
+
+        Every scheduled token becomes one row, requests laid out in order. A step whose requests each
+        bring one row is planned as decode (`prepare_decode`); one that carries prompt chunks as
+        prefill (`prepare_prefill`, which also takes the decode rows of a mixed step)."""
+        rows = _StepRows.collect(batch, self.kv_cache.block_size)
+        if all(n == 1 for n in rows.query_lens):
+            meta = self.prepare_decode(rows)
+        else:
+            meta = self.prepare_prefill(rows)
+        return torch.tensor(rows.ids, device=self.device), meta, rows.samplers
+
+    def prepare_prefill(self, rows: _StepRows) -> AttentionMetadata:
+        """PREFILL (every request brings a prompt chunk) or MIXED (chunks and decode rows): K/V gathered
+        per sequence, attended with a causal mask offset by each chunk's cached history."""
+        dev, B = self.device, len(rows.query_lens)
+        is_prompt = [start < req.num_prompt_tokens for req, start in zip(rows.requests, rows.starts)]
+        kind = StepKind.PREFILL if all(is_prompt) else StepKind.MIXED
+        q_pad_index = mask = None
+        if B > 1:
+            max_q = max(rows.query_lens)
+            q_pad_index = torch.tensor(
+                [b * max_q + i for b, n in enumerate(rows.query_lens) for i in range(n)], device=dev
+            )
+        if not (B == 1 and rows.query_lens[0] == rows.seq_lens[0]):  # a lone whole prompt needs no mask
+            mask = build_attn_mask(rows.query_lens, rows.seq_lens, dev)
+        return self._metadata(rows, kind, q_pad_index=q_pad_index, attn_mask=mask)
+
+    def prepare_decode(self, rows: _StepRows) -> AttentionMetadata:
+        """DECODE: one row per request. On the paged cache with native kernels attention reads the blocks
+        in place; otherwise K/V are gathered per sequence, in groups of similar length when that saves
+        padding (`plan_length_groups`)."""
+        dev, B = self.device, len(rows.query_lens)
+        if self.paged_decode:
+            return self._metadata(rows, StepKind.DECODE, paged_decode=True,
+                                  seq_lens_tensor=torch.tensor(rows.seq_lens, dtype=torch.int32, device=dev))
+        mask = q_pad_index = None
+        if B > 1:  # key padding for the gathered contexts; the pad index is the identity (one row each)
+            mask = build_attn_mask(rows.query_lens, rows.seq_lens, dev)
+            q_pad_index = torch.arange(B, device=dev)
+        groups: tuple[AttentionMetadata, ...] = ()
+        if B >= self.min_group_batch:
+            plan = plan_length_groups(rows.seq_lens, group_cost=self.group_cost)
+            if len(plan) > 1:
+                groups = tuple(self._group_metadata(idx, rows.tables, rows.seq_lens) for idx in plan)
+        return self._metadata(rows, StepKind.DECODE, q_pad_index=q_pad_index, attn_mask=mask, groups=groups)
+
+    def _metadata(self, rows: _StepRows, kind: StepKind, *, q_pad_index: torch.Tensor | None = None,
+                  attn_mask: torch.Tensor | None = None, paged_decode: bool = False,
+                  seq_lens_tensor: torch.Tensor | None = None,
+                  groups: tuple[AttentionMetadata, ...] = ()) -> AttentionMetadata:
+        dev = self.device
+        return AttentionMetadata(
+            kind=kind,
+            positions=torch.tensor(rows.positions, device=dev),
+            slot_mapping=torch.tensor(rows.slots, device=dev),
+            block_tables=torch.tensor(rows.tables, dtype=torch.int32 if paged_decode else torch.int64, device=dev),
+            query_lens=tuple(rows.query_lens),
+            seq_lens=tuple(rows.seq_lens),
+            q_pad_index=q_pad_index,
+            attn_mask=attn_mask,
+            logits_indices=torch.tensor(rows.logits_rows, device=dev),
+            paged_decode=paged_decode,
+            seq_lens_tensor=seq_lens_tensor,
+            groups=groups,
+        )
+
+    def _group_metadata(self, idx: list[int], tables: list[list[int]], seq_lens: list[int]) -> AttentionMetadata:
+        """Metadata of a group of decoding sequences (one token each, so token row == sequence index)."""
+        dev = self.device
+        lens = [seq_lens[i] for i in idx]
+        nblk = -(-max(lens) // self.kv_cache.block_size)
+        rows = torch.tensor(idx, device=dev)
+        return AttentionMetadata(
+            kind=StepKind.DECODE,
+            positions=rows, slot_mapping=rows,  # unused: a group only fetches
+            block_tables=torch.tensor([tables[i][:nblk] for i in idx], device=dev),
+            query_lens=(1,) * len(idx), seq_lens=tuple(lens), q_pad_index=None,
+            attn_mask=None if len(idx) == 1 else build_attn_mask([1] * len(idx), lens, dev),
+            logits_indices=rows, rows=rows,
+        )
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch, keep_logits: bool = False) -> StepResult:
+        input_ids, meta, samplers = self.prepare(batch)
+        self.num_tokens_processed += len(input_ids)
+        # A chunk of q tokens ending at sequence length s has contexts s-q+1 .. s.
+        self.num_context_tokens += sum(q * s - q * (q - 1) // 2 for q, s in zip(meta.query_lens, meta.seq_lens))
+        if self.fused is not None and meta.paged_decode:
+            hidden = self.fused(input_ids, meta, self.kv_cache)  # (B, hidden), all layers in one native call
+        else:
+            hidden = self.model(input_ids, meta.positions, self.kv_cache, meta)  # (T, hidden)
+        if any(r.params.prompt_logprobs is not None for r in batch.requests):
+            self._prompt_logprobs(batch, hidden)
+        if not samplers:
+            return StepResult([], [], [], None)
+        logits = self.model.compute_logits(hidden[meta.logits_indices])  # (N, vocab) float32
+        out = sample(logits, samplers, self.eos_token_ids)
+        return StepResult(samplers, out.token_ids, out.logprobs, logits if keep_logits else None)
+
+    def _prompt_logprobs(self, batch: ScheduledBatch, hidden: torch.Tensor) -> None:
+        """Append to `req.prompt_logprobs` the log-probabilities of the prompt tokens this chunk predicts.
+
+        The hidden state at position p predicts token p + 1, so a chunk covering positions [start, start + n)
+        scores prompt tokens start + 1 .. min(start + n, prompt_len) - 1; the last prompt position predicts
+        the first output token (the sampler's job). Entries are kept by position, so a chunk computed again
+        (after preemption, or without a KV cache) adds nothing. Each entry holds the top-k and the actual token.
+        """
+        row = 0
+        for req, n in zip(batch.requests, batch.num_new_tokens):
+            start, k = req.num_computed_tokens, req.params.prompt_logprobs
+            if k is not None:
+                if req.prompt_logprobs is None:
+                    req.prompt_logprobs = [None]  # the first prompt token has no context to predict it
+                first = len(req.prompt_logprobs) - 1  # next position whose successor is unscored
+                end = min(start + n, req.num_prompt_tokens - 1)  # exclusive
+                if first < end and first >= start:
+                    pos = torch.arange(first, end, device=hidden.device)
+                    logp = self.model.compute_logits(hidden[row + pos - start]).log_softmax(-1)  # (m, vocab)
+                    target = torch.tensor(req.token_ids[first + 1 : end + 1], device=hidden.device)
+                    chosen = logp.gather(1, target[:, None])[:, 0].tolist()
+                    top_v, top_i = logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0].long())
+                    for t, c, vs, ids in zip(target.tolist(), chosen, top_v.tolist(), top_i.tolist()):
+                        d = dict(zip(ids, vs))
+                        d[t] = c
+                        req.prompt_logprobs.append(d)
+            row += n

@@ -1,0 +1,176 @@
+"""Scheduler: which requests run in the next step, and how many of their tokens (plain Python, no torch).
+
+Each step gets a token budget (`max_num_batched_tokens`) and a cap on running requests (`max_num_seqs`).
+Running requests go first, oldest first: a decoding request asks for 1 token, a request still prefilling
+asks for the rest of its prompt and gets what the budget allows (chunked prefill), so prefill chunks and
+decodes share one step. Then waiting requests are admitted in FCFS order while budget, seats and blocks
+last. When a running request cannot get a block, the most recently admitted running request is
+preempted by recompute: its blocks are freed, its computed count reset, and it goes back to the front of
+the waiting queue, keeping the tokens it generated (they are prefilled again when it resumes).
+
+Prefix caching: at admission a request takes references on the longest run of cached blocks equal to its
+leading tokens (`BlockManager.find_cached_prefix`), starts with those tokens computed and is scheduled
+only for the rest (at least its last token, so it has logits to sample from). A request asking for
+prompt logprobs takes no cached prefix: it needs logits at every prompt position. A request preempted
+and resumed looks up the cache again, so its own released blocks usually come straight back.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvlm.kv_cache.block_manager import BlockManager
+from kvlm.kv_cache.prefix_misses import PrefixHistory
+from kvlm.request import Request, RequestStatus
+
+log = logging.getLogger("kvlm")
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledBatch:
+    """One step's work: requests[i] computes its next num_new_tokens[i] tokens."""
+
+    requests: list[Request] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.requests
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 recompute_all: bool = False, prefix_history: PrefixHistory | None = None) -> None:
+        self.bm = block_manager
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        # recompute_all: no KV cache, every step feeds each request's whole history (no chunking then).
+        self.recompute_all = recompute_all
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order: the last one is preempted first
+        self.prefix_history = prefix_history  # explains prefix-cache misses (None: no diagnostics)
+        # vLLM's metric names: prompt tokens looked up in / found in the prefix cache at first admission.
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+
+    def add(self, req: Request) -> None:
+        req.status = RequestStatus.WAITING
+        self.waiting.append(req)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _wanted(self, req: Request, budget: int) -> int:
+        remaining = req.num_tokens - req.num_computed_tokens
+        return remaining if self.recompute_all else min(remaining, budget)
+
+    def schedule(self) -> ScheduledBatch:
+        budget = self.max_num_batched_tokens
+        batch = ScheduledBatch()
+        now = time.perf_counter()
+        for req in list(self.running):
+            if budget <= 0:
+                break
+            if req.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            n = self._wanted(req, budget)
+            while not self.bm.can_allocate(req, req.num_computed_tokens + n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                batch.preempted.append(victim)
+                if victim is req:
+                    break
+            if req.status is not RequestStatus.RUNNING:
+                continue
+            self.bm.allocate(req, req.num_computed_tokens + n)
+            batch.requests.append(req)
+            batch.num_new_tokens.append(n)
+            budget -= n
+        # Admit waiting requests only when nobody was preempted this step (otherwise they would just
+        # take the blocks the preemption freed for older requests).
+        pending = self._pending_blocks(batch) if self.waiting else None  # only admission reads it
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not batch.preempted:
+            req = self.waiting[0]
+            hit = [] if req.params.prompt_logprobs is not None else self.bm.find_cached_prefix(req)
+            if pending and len(hit) < len(req.block_hashes) and req.block_hashes[len(hit)] in pending:
+                break  # its next block is being computed this step: wait one step and reuse it instead
+            req.num_computed_tokens = len(hit) * self.bm.block_size
+            n = self._wanted(req, budget)
+            # Without a cache a request cannot be chunked: it may exceed the budget only when alone.
+            too_big = self.recompute_all and n > budget and bool(batch.requests)
+            if too_big or not self.bm.can_allocate(req, req.num_computed_tokens + n, hit):
+                req.num_computed_tokens = 0  # waiting requests hold nothing
+                break
+            self.waiting.popleft()
+            self.bm.allocate(req, req.num_computed_tokens + n, hit)
+            req.status = RequestStatus.RUNNING
+            if req.metrics.first_scheduled_time is None:
+                req.metrics.first_scheduled_time = now
+                self._first_admission(req)
+            self.running.append(req)
+            batch.requests.append(req)
+            batch.num_new_tokens.append(n)
+            budget -= n
+            if pending is not None:
+                pending.update(self._new_full_blocks(req, n))
+        if self.bm.readers is not None:  # debug mode: nobody writes into a block another one reads
+            for req, n in zip(batch.requests, batch.num_new_tokens):
+                self.bm.assert_writable(req, req.num_computed_tokens, req.num_computed_tokens + n)
+        return batch
+
+    def _pending_blocks(self, batch: ScheduledBatch) -> set[bytes] | None:
+        """Hashes of the full blocks this step computes (None without prefix caching). A waiting request
+        whose next uncached block is among them is admitted a step later, to take it from the cache
+        instead of computing the same K/V twice (N requests sharing a system prompt arriving together)."""
+        if not self.bm.enable_prefix_caching or self.recompute_all:
+            return None
+        pending: set[bytes] = set()
+        for req, n in zip(batch.requests, batch.num_new_tokens):
+            pending.update(self._new_full_blocks(req, n))
+        return pending
+
+    def _new_full_blocks(self, req: Request, n: int) -> list[bytes]:
+        bs = self.bm.block_size
+        first, end = req.num_computed_tokens // bs, (req.num_computed_tokens + n) // bs
+        return self.bm.block_hashes(req, end)[first:end] if req.params.prompt_logprobs is None else []
+
+    def _first_admission(self, req: Request) -> None:
+        """Prefix-cache accounting and miss diagnostics, once per request."""
+        if not self.bm.enable_prefix_caching or self.recompute_all:
+            return
+        m = req.metrics
+        m.num_cached_tokens = min(req.num_computed_tokens, req.num_prompt_tokens)
+        self.prefix_cache_queries += req.num_prompt_tokens
+        self.prefix_cache_hits += m.num_cached_tokens
+        if self.prefix_history is not None:
+            miss = self.prefix_history.explain(req, m.num_cached_tokens)
+            if miss is not None:
+                m.prefix_miss = str(miss)
+                log.debug("kvlm: prefix cache: %s %s", req.request_id, miss)
+            self.prefix_history.add(req)
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.bm.free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.WAITING
+        req.metrics.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def finish(self, req: Request) -> None:
+        """Remove a finished or aborted request from the queues and release its blocks (the full ones
+        stay in the prefix cache until their room is needed)."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.bm.free(req)
+        req.status = RequestStatus.FINISHED

@@ -1,0 +1,37 @@
+"""`QuantTensor`: a weight matrix kept in its GGUF block format (the type every kernel module shares).
+
+Logical shape (N, K) (out x in, Hugging Face orientation), stored as GGUF stores it: each of the N rows
+is K / block_elems blocks of `block_bytes` bytes, so `data` is a (N, row_bytes) uint8 tensor (possibly a
+view over the memory-mapped file). Row operations (the RoPE un-permute, stacking q/k/v) are byte-row
+operations on `data`; nothing is dequantized at load.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvlm.kernels.ggml_types import GGML_QUANT_SIZES, GGMLQuantizationType
+
+
+@dataclass(frozen=True, slots=True)
+class QuantTensor:
+    """A (N, K) weight in GGUF block format: data is (N, K // block_elems * block_bytes) uint8."""
+
+    data: torch.Tensor
+    qtype: GGMLQuantizationType
+    shape: tuple[int, int]
+
+    def __post_init__(self) -> None:
+        n, k = self.shape
+        elems, nbytes = GGML_QUANT_SIZES[self.qtype]
+        if k % elems:
+            raise ValueError(f"{self.qtype.name}: row length {k} is not a multiple of the block size {elems}")
+        if self.data.dtype != torch.uint8 or tuple(self.data.shape) != (n, k // elems * nbytes):
+            raise ValueError(f"{self.qtype.name} data must be uint8 ({n}, {k // elems * nbytes}), "
+                             f"got {self.data.dtype} {tuple(self.data.shape)}")
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()

@@ -1,0 +1,5 @@
+"""The KV cache: where K/V live (`storage`), who owns which block (`block_manager`), how big the pool is
+(`pool`, `sizing`), why a prefix was missed (`prefix_misses`) and how blocks go to disk (`snapshot`).
+
+Nothing here knows the engine, the model or the tokenizer.
+"""

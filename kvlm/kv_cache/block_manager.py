@@ -1,0 +1,285 @@
+"""Block manager: which KV-cache blocks are free, which request reads which, and which full blocks are
+cached by content for other requests to reuse (plain Python, no torch).
+
+The cache is a pool of `num_blocks` blocks of `block_size` token slots. A request's `block_table` lists
+its blocks in order; token i of the request lives in slot `block_table[i // block_size] * block_size +
+i % block_size`.
+
+Prefix caching (`enable_prefix_caching=True`; the engine turns it on for the paged layout). A *full*
+block is named by a hash chained over its parent block's hash and its own token ids; the chain starts
+from a root hash over everything else that changes K/V (model, dtype, KV layout, block size), so a
+block's hash stands for the whole prefix up to its last token. `hash_to_block` maps hashes to cached
+blocks. A hash is only an index: a lookup is accepted only if the block's stored token ids equal the
+request's and its stored parent is the block just matched (block id and registration generation), so a
+colliding (or forged) hash can never hand out another prefix's K/V.
+
+Life cycle of a block:
+
+    free (ref 0, no hash) --allocate--> used (ref >= 1) --release to ref 0--> free, or cached-free
+    cached-free (ref 0, hash kept, LRU) --a prefix hit--> used again (ref += 1, no recompute)
+    cached-free --the pool needs a block and no plain free block is left--> evicted: hash forgotten
+
+Only full blocks get a hash, and a request only ever writes into blocks past its cached prefix, so no
+request writes into a block another one reads. Invariants (checked by `check()` and the tests):
+  * ref counts are never negative and equal the number of block tables holding the block;
+  * free + cached-free + used == num_blocks, each block in exactly one of the three;
+  * a hash maps to at most one block and a cached block's hash maps back to it;
+  * a freed (finished, aborted or preempted) request holds no blocks;
+  * debug mode (`enable_debug()`): no block is released by, or handed out while, a request reads it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+
+from kvlm.request import Request
+
+Parent = tuple[int, int]  # (block id, its registration generation)
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False) -> None:
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.free_blocks: deque[int] = deque(range(num_blocks))  # ref 0 and no hash: handed out first
+        # ref 0 but still holding a cached prefix; oldest first, so eviction pops from the front.
+        self.cached_free: OrderedDict[int, None] = OrderedDict()
+        self.ref_counts: list[int] = [0] * num_blocks
+        self.hash_to_block: dict[bytes, int] = {}
+        self.block_hash: list[bytes | None] = [None] * num_blocks
+        self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
+        self.block_parent: list[Parent | None] = [None] * num_blocks
+        self.generation: list[int] = [0] * num_blocks  # bumped whenever a block's hash is forgotten
+        self.root_hash = hashlib.sha256(b"kvlm-prefix").digest()
+        self.readers: list[set[str]] | None = None  # debug mode: request ids reading each block
+        self.num_evictions = 0
+
+    # -- counts ------------------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks an allocation may take: plain free plus cached-free (evicted on demand)."""
+        return len(self.free_blocks) + len(self.cached_free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks whose content is registered (used or cached-free)."""
+        return len(self.hash_to_block)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # -- hashing -----------------------------------------------------------------------------------
+    def set_extra_keys(self, extra: str) -> None:
+        """Start the hash chain from `extra` (model identity, dtype, KV layout, block size). Call before
+        any block is cached: hashes made from another root would no longer be found."""
+        assert not self.hash_to_block, "the hash root must be set before anything is cached"
+        self.root_hash = hashlib.sha256(b"kvlm-prefix\0" + extra.encode()).digest()
+
+    def hash_block(self, parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
+        """sha256(parent hash || token ids as int64): the name of a full block's whole prefix."""
+        return hashlib.sha256(parent_hash + array("q", token_ids).tobytes()).digest()
+
+    def block_hashes(self, req: Request, num_full: int) -> list[bytes]:
+        """`req.block_hashes` extended to its first `num_full` full blocks (token ids never change once
+        written, so hashes are computed once per block)."""
+        hs, bs = req.block_hashes, self.block_size
+        while len(hs) < num_full:
+            i = len(hs)
+            hs.append(self.hash_block(hs[-1] if hs else self.root_hash, req.token_ids[i * bs : (i + 1) * bs]))
+        return hs
+
+    def _matches(self, b: int, tokens: tuple[int, ...], parent: Parent | None) -> bool:
+        return self.block_tokens[b] == tokens and self.block_parent[b] == parent
+
+    def _parent(self, table: list[int], i: int) -> Parent | None:
+        return None if i == 0 else (table[i - 1], self.generation[table[i - 1]])
+
+    # -- prefix lookup -----------------------------------------------------------------------------
+    def find_cached_prefix(self, req: Request, max_blocks: int | None = None) -> list[int]:
+        """The longest run of cached blocks equal to `req`'s leading full blocks (none taken yet).
+
+        By default at most `(num_tokens - 1) // block_size` blocks: the last token always runs, so the
+        request has logits to sample from."""
+        if not self.enable_prefix_caching:
+            return []
+        bs = self.block_size
+        limit = (req.num_tokens - 1) // bs if max_blocks is None else min(max_blocks, req.num_tokens // bs)
+        hashes = self.block_hashes(req, limit)
+        hit: list[int] = []
+        for i in range(limit):
+            b = self.hash_to_block.get(hashes[i])
+            parent = None if i == 0 else (hit[-1], self.generation[hit[-1]])
+            if b is None or not self._matches(b, tuple(req.token_ids[i * bs : (i + 1) * bs]), parent):
+                break
+            hit.append(b)
+        return hit
+
+    # -- allocation --------------------------------------------------------------------------------
+    def can_allocate(self, req: Request, num_tokens: int, cached: Sequence[int] = ()) -> bool:
+        """Could `req` hold slots for its first `num_tokens` tokens (taking the `cached` prefix blocks
+        first) with the blocks free now?"""
+        need = self.blocks_for(num_tokens) - len(req.block_table) - len(cached)
+        revived = sum(1 for b in cached if self.ref_counts[b] == 0)  # they leave the cached-free pool
+        return need <= self.num_free_blocks - revived
+
+    def allocate(self, req: Request, num_tokens: int, cached: Sequence[int] = ()) -> None:
+        """Grow `req.block_table` to cover `num_tokens` tokens: first the `cached` prefix blocks (shared,
+        from `find_cached_prefix`), then fresh ones. Call `can_allocate` first."""
+        if not self.can_allocate(req, num_tokens, cached):
+            need = self.blocks_for(num_tokens) - len(req.block_table) - len(cached)
+            raise RuntimeError(f"out of KV blocks: need {need}, have {self.num_free_blocks}")
+        assert not cached or not req.block_table, "a cached prefix is taken at admission only"
+        for b in cached:
+            self._take(b, req)
+            req.block_table.append(b)
+        req.num_cached_blocks = max(req.num_cached_blocks, len(cached))
+        for _ in range(self.blocks_for(num_tokens) - len(req.block_table)):
+            b = self._pop_free()
+            self._take(b, req)
+            req.block_table.append(b)
+
+    def _take(self, b: int, req: Request) -> None:
+        if self.ref_counts[b] == 0:
+            self.cached_free.pop(b, None)
+        self.ref_counts[b] += 1
+        if self.readers is not None:
+            assert req.request_id not in self.readers[b], f"block {b} taken twice by {req.request_id}"
+            self.readers[b].add(req.request_id)
+
+    def _pop_free(self) -> int:
+        """A block to overwrite: a plain free one, else the least recently freed cached one (evicted)."""
+        if self.free_blocks:
+            b = self.free_blocks.popleft()
+        else:
+            b, _ = self.cached_free.popitem(last=False)
+            self._forget(b)
+            self.num_evictions += 1
+        if self.readers is not None:
+            assert not self.readers[b] and self.ref_counts[b] == 0, f"block {b} handed out while read"
+        return b
+
+    def _forget(self, b: int) -> None:
+        h = self.block_hash[b]
+        if h is not None and self.hash_to_block.get(h) == b:
+            del self.hash_to_block[h]
+        self.block_hash[b] = self.block_tokens[b] = self.block_parent[b] = None
+        self.generation[b] += 1
+
+    # -- caching computed blocks -------------------------------------------------------------------
+    def cache_full_blocks(self, req: Request) -> None:
+        """Register `req`'s blocks that are now full of computed tokens (after each step), in order.
+
+        A block whose content is already cached under another id (two requests computed the same prefix
+        in the same step) is swapped for the cached one and its own copy freed, so one hash names one
+        block. A stale cached-free block under the same hash (a collision, or an orphan whose parent was
+        evicted) is evicted for ours; a colliding block that someone reads stops registration here."""
+        if not self.enable_prefix_caching:
+            return
+        bs, table = self.block_size, req.block_table
+        num_full = min(req.num_computed_tokens // bs, len(table))
+        if num_full <= req.num_cached_blocks:
+            return
+        hashes = self.block_hashes(req, num_full)
+        for i in range(req.num_cached_blocks, num_full):
+            h, mine = hashes[i], table[i]
+            tokens = tuple(req.token_ids[i * bs : (i + 1) * bs])
+            parent = self._parent(table, i)
+            other = self.hash_to_block.get(h)
+            if other == mine:
+                pass
+            elif other is not None and self._matches(other, tokens, parent):
+                self._take(other, req)  # same K/V already cached: share it, free our copy
+                table[i] = other
+                self._release(mine, req)
+            else:
+                if other is not None:
+                    if self.ref_counts[other]:
+                        break  # a genuine collision with a block in use: leave the rest uncached
+                    del self.cached_free[other]
+                    self._forget(other)
+                    self.free_blocks.append(other)
+                self.hash_to_block[h] = mine
+                self.block_hash[mine], self.block_tokens[mine], self.block_parent[mine] = h, tokens, parent
+            req.num_cached_blocks = i + 1
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached-free block (used blocks keep their hashes); returns how many."""
+        n = len(self.cached_free)
+        while self.cached_free:
+            b, _ = self.cached_free.popitem(last=False)
+            self._forget(b)
+            self.free_blocks.append(b)
+        return n
+
+    # -- release -----------------------------------------------------------------------------------
+    def free(self, req: Request) -> None:
+        """Return every block of `req` (finished, aborted or preempted). The tail goes first, so a cached
+        prefix's last blocks are evicted before its first ones (which more requests share)."""
+        for b in reversed(req.block_table):
+            self._release(b, req)
+        req.block_table.clear()
+        req.num_cached_blocks = 0
+
+    def _release(self, b: int, req: Request) -> None:
+        self.ref_counts[b] -= 1
+        assert self.ref_counts[b] >= 0, f"block {b} released twice"
+        if self.readers is not None:
+            assert req.request_id in self.readers[b], f"block {b} released by {req.request_id}, which does not read it"
+            self.readers[b].discard(req.request_id)
+            assert bool(self.readers[b]) == (self.ref_counts[b] > 0), f"block {b} freed while read"
+        if self.ref_counts[b] == 0:
+            if self.block_hash[b] is not None:
+                self.cached_free[b] = None  # most recently freed: evicted last
+            else:
+                self.free_blocks.append(b)
+
+    # -- checks ------------------------------------------------------------------------------------
+    def enable_debug(self) -> None:
+        """Track which request reads each block and assert on every release and hand-out that no block is
+        freed or overwritten while read. Call before any block is used."""
+        assert self.num_used_blocks == 0, "enable debug mode on an idle pool"
+        self.readers = [set() for _ in range(self.num_blocks)]
+
+    def assert_writable(self, req: Request, start: int, end: int) -> None:
+        """Debug check before a step: `req` reads all its blocks, and the blocks it writes (token
+        positions [start, end)) are neither shared nor cached."""
+        bs = self.block_size
+        for b in req.block_table:
+            assert self.ref_counts[b] > 0, f"{req.request_id} reads free block {b}"
+            if self.readers is not None:
+                assert req.request_id in self.readers[b], f"{req.request_id} reads block {b} it does not hold"
+        for i in range(start // bs, self.blocks_for(end)):
+            b = req.block_table[i]
+            assert self.ref_counts[b] == 1 and self.block_hash[b] is None, \
+                f"{req.request_id} would write into shared or cached block {b}"
+
+    def check(self, requests: Sequence[Request] = ()) -> None:
+        """Assert the invariants; `requests` are all requests that may hold blocks."""
+        free, cached = set(self.free_blocks), set(self.cached_free)
+        assert len(free) == len(self.free_blocks), "a block is on the free list twice"
+        assert not free & cached, "a block is both free and cached-free"
+        counts = [0] * self.num_blocks
+        for r in requests:
+            assert len(set(r.block_table)) == len(r.block_table), f"{r.request_id} holds a block twice"
+            for b in r.block_table:
+                counts[b] += 1
+        for b in range(self.num_blocks):
+            assert self.ref_counts[b] >= 0
+            assert self.ref_counts[b] == counts[b], f"block {b}: ref count {self.ref_counts[b]} != {counts[b]} holders"
+            assert (b in free or b in cached) == (counts[b] == 0), f"block {b} free-list state disagrees with its holders"
+            assert (b in cached) <= (self.block_hash[b] is not None), f"cached-free block {b} has no hash"
+            assert (b in free) <= (self.block_hash[b] is None), f"free block {b} still has a hash"
+            if self.readers is not None:
+                assert len(self.readers[b]) == self.ref_counts[b], f"block {b}: readers disagree with ref count"
+        used = sum(1 for c in counts if c)
+        assert len(free) + len(cached) + used == self.num_blocks
+        for h, b in self.hash_to_block.items():
+            assert self.block_hash[b] == h, f"hash table entry for block {b} is stale"
+        assert sum(h is not None for h in self.block_hash) == len(self.hash_to_block), "a block has an unindexed hash"

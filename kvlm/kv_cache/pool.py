@@ -1,0 +1,94 @@
+"""KV pool sizing: how many blocks the cache gets, and the cache object that holds them.
+
+The engine asks `make_kv_cache` once at start. The budget comes from `EngineConfig.kv_cache_memory`
+(bytes, or a fraction of the memory free now) or, when unset, from the workload (`max_num_seqs`
+sequences at full context) capped at a quarter of free memory and, on CPU, 1 GiB. A budget above
+90% of available memory is refused. This module knows
+nothing about requests or admission; it only turns bytes into blocks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvlm.kv_cache.block_manager import BlockManager
+from kvlm.config import EngineConfig, ModelConfig
+from kvlm.errors import ParameterError
+from kvlm.kv_cache.storage import ContiguousKVCache, KVCache, NoKVCache, PagedKVCache
+
+MAX_KV_SHARE = 0.9  # the largest share of available memory a KV pool may take
+
+
+def available_memory_bytes(device: torch.device) -> int:
+    """Free memory on the device (CUDA) or available RAM (CPU, from /proc/meminfo)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 << 30
+
+
+def kv_pool_budget(cfg: EngineConfig, max_model_len: int, kv_bytes_per_token: int, device: torch.device) -> int:
+    """Bytes the paged pool may take (see the module docstring)."""
+    mem = cfg.kv_cache_memory
+    if mem is None:
+        # Enough for max_num_seqs sequences at full context, but at most a quarter of free memory
+        # and, on CPU, 1 GiB. The pool is allocated untouched (kv_cache._LayerStorage): memory becomes
+        # resident as tokens are written, and this budget is the limit.
+        blocks_per_seq = -(-max_model_len // cfg.block_size)  # a full-length sequence's last block is whole too
+        budget = min(cfg.max_num_seqs * blocks_per_seq * cfg.block_size * kv_bytes_per_token,
+                     available_memory_bytes(device) // 4)
+        if device.type == "cpu":
+            budget = min(budget, 1 << 30)
+        return budget
+    avail = available_memory_bytes(device)
+    budget = int(mem * avail) if isinstance(mem, float) else mem
+    # A pool is resident memory the moment it is made: one that takes nearly all of what is available
+    # would push the machine into swap or the OOM killer, so refuse it with the numbers.
+    if budget > MAX_KV_SHARE * avail:
+        raise ParameterError("kv_cache_memory",
+                             f"kv_cache_memory: {budget / 2**30:.2f} GiB is more than {MAX_KV_SHARE:.0%} of the "
+                             f"{avail / 2**30:.2f} GiB available on {device.type}; ask for less (e.g. 30%)")
+    return budget
+
+
+def make_kv_cache(cfg: EngineConfig, mc: ModelConfig, max_model_len: int, kv_bytes_per_token: int,
+                  dtype: torch.dtype, device: torch.device,
+                  compute_dtype: torch.dtype | None = None) -> tuple[KVCache, BlockManager]:
+    """The KV cache for `cfg.kv_cache_layout` and the block manager that hands out its slots. `dtype` is
+    the K/V element type, `compute_dtype` the model's (what attention reads back; default `dtype`)."""
+    layers = mc.num_hidden_layers
+    if not cfg.enable_kv_cache:
+        return NoKVCache(dtype), BlockManager(cfg.max_num_seqs, max_model_len)
+    if cfg.kv_cache_layout == "contiguous":
+        cache = ContiguousKVCache(layers, cfg.max_num_seqs, max_model_len, mc.num_key_value_heads, mc.head_dim,
+                                  dtype, device, compute_dtype)
+        return cache, BlockManager(cfg.max_num_seqs, max_model_len)
+    per_block = kv_bytes_per_token * cfg.block_size
+    budget = kv_pool_budget(cfg, max_model_len, kv_bytes_per_token, device)
+    num_blocks = budget // per_block
+    if num_blocks < 1:
+        raise ParameterError("kv_cache_memory",
+                             f"kv_cache_memory: {budget} B is smaller than one KV block ({per_block} B)")
+    cache = PagedKVCache(layers, num_blocks, cfg.block_size, mc.num_key_value_heads, mc.head_dim, dtype, device,
+                         compute_dtype)
+    # Only the paged layout can share blocks between requests: prefix caching lives here.
+    return cache, BlockManager(num_blocks, cfg.block_size, enable_prefix_caching=cfg.enable_prefix_caching)
+
+
+def describe_kv_pool(cfg: EngineConfig, cache: KVCache, bm: BlockManager, max_model_len: int,
+                     kv_bytes_per_token: int) -> str:
+    """One log line: blocks, tokens, bytes and the concurrency the pool allows at full context."""
+    if not cfg.enable_kv_cache:
+        return "kvlm: KV cache disabled: every step recomputes the whole sequence"
+    tokens = bm.num_blocks * bm.block_size
+    conc = tokens // max_model_len
+    return (f"kvlm: KV cache ({cfg.kv_cache_layout}): {bm.num_blocks} blocks x {bm.block_size} "
+            f"tokens = {tokens} tokens, {cache.nbytes / 2**20:.1f} MiB "
+            f"({kv_bytes_per_token} B/token); max concurrency at full context "
+            f"({max_model_len} tokens): {conc}")

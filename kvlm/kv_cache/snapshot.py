@@ -1,0 +1,155 @@
+"""KV snapshots: a prompt's cached K/V saved to a safetensors file and loaded back into the prefix cache.
+
+File layout (safetensors, so loading never unpickles anything):
+  tensors  k, v       (layers, blocks, block_size, kv_heads, head_dim) in the engine's KV cache dtype
+           token_ids  (blocks * block_size,) int64: the tokens whose K/V these are (full blocks only)
+  metadata format "kvlm-prefix-snapshot/1"; model_fingerprint (sha256 over the model's files); dtype; kv_dtype;
+           block_size; kv_layout ("paged", layers, kv_heads, head_dim); num_tokens; crc32 of the
+           tensors' bytes (a flipped byte in the data is caught, not served).
+
+The functions work on a block manager, a paged cache and the header this engine expects
+(`snapshot_header`); they know nothing of the engine. `load_prefix` checks everything before it touches
+the pool: a snapshot for another model, dtype, block size or layout, or a corrupt or truncated file
+raises `SnapshotError` (one line) and leaves the cache unchanged and serving. Loaded blocks enter the prefix cache as cached-free blocks, exactly as if
+a request had computed them, so the next request starting with those tokens reuses them (and the LRU
+may evict them like any other cached block).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvlm.errors import SnapshotError
+from kvlm.kv_cache.block_manager import BlockManager
+from kvlm.kv_cache.storage import KVCache, PagedKVCache
+from kvlm.request import Request
+from kvlm.sampling_params import SamplingParams
+
+FORMAT = "kvlm-prefix-snapshot/1"
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotInfo:
+    path: str
+    num_tokens: int  # tokens whose K/V the file holds (whole blocks)
+    num_blocks: int
+    blocks_loaded: int  # blocks written into the pool (the rest were already cached)
+
+
+def _checksum(*tensors: torch.Tensor) -> str:
+    crc = 0
+    for t in tensors:
+        crc = zlib.crc32(t.contiguous().view(torch.uint8).numpy(), crc)
+    return f"{crc:08x}"
+
+
+def snapshot_header(model_fingerprint: str, dtype: str, kv_dtype: torch.dtype, block_size: int, layers: int,
+                    kv_heads: int, head_dim: int) -> dict[str, str]:
+    """The metadata a snapshot for this engine carries, and that a snapshot must carry to load."""
+    return {"format": FORMAT, "model_fingerprint": model_fingerprint, "dtype": dtype,
+            "kv_dtype": str(kv_dtype).removeprefix("torch."), "block_size": str(block_size),
+            "kv_layout": json.dumps({"layout": "paged", "layers": layers, "kv_heads": kv_heads, "head_dim": head_dim})}
+
+
+def _paged_cache(cache: KVCache, bm: BlockManager) -> PagedKVCache:
+    if not isinstance(cache, PagedKVCache) or not bm.enable_prefix_caching:
+        raise SnapshotError("KV snapshots need the paged KV cache with prefix caching on")
+    return cache
+
+
+def cached_prefix_blocks(bm: BlockManager, token_ids: list[int]) -> list[int]:
+    """The blocks of `token_ids`' full blocks that are in the prefix cache now (a leading run)."""
+    nblk = len(token_ids) // bm.block_size
+    probe = Request("snapshot", list(token_ids), len(token_ids), SamplingParams())
+    return bm.find_cached_prefix(probe, max_blocks=nblk)
+
+
+def save_prefix(bm: BlockManager, cache: KVCache, header: dict[str, str], token_ids: list[int],
+                path: str | os.PathLike) -> SnapshotInfo:
+    """Write the cached K/V of `token_ids`' full blocks to `path`. The caller computes them first
+    (`Engine.save_prefix` runs the prompt when `cached_prefix_blocks` falls short)."""
+    from safetensors.torch import save_file
+
+    cache = _paged_cache(cache, bm)
+    nblk = len(token_ids) // bm.block_size
+    if nblk == 0:
+        raise SnapshotError(f"the prompt has {len(token_ids)} tokens, fewer than one block ({bm.block_size}): "
+                            "nothing to save")
+    blocks = cached_prefix_blocks(bm, token_ids)
+    if len(blocks) < nblk:  # only if the pool is too small to keep the whole prompt cached
+        raise SnapshotError(f"only {len(blocks)} of the prompt's {nblk} blocks stayed cached; use a larger KV pool")
+    k, v = cache.read_blocks(blocks)  # read now: no step runs before the copy is made
+    k, v = k.cpu().contiguous(), v.cpu().contiguous()
+    ids = torch.tensor(token_ids[: nblk * bm.block_size], dtype=torch.int64)
+    meta = {**header, "num_tokens": str(ids.numel()), "crc32": _checksum(k, v, ids)}
+    tmp = Path(f"{path}.tmp")
+    save_file({"k": k, "v": v, "token_ids": ids}, str(tmp), metadata=meta)
+    os.replace(tmp, path)
+    return SnapshotInfo(str(path), ids.numel(), nblk, 0)
+
+
+def read_snapshot(path: str | os.PathLike, header: dict[str, str],
+                  vocab_size: int) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+    """Read a snapshot and check it against `header` (this engine's): (token ids, k, v). Raises SnapshotError."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            names = set(f.keys())
+            if names != {"k", "v", "token_ids"} or meta.get("format") != FORMAT:
+                raise SnapshotError(f"{path}: not a kvlm prefix snapshot")
+            k, v, ids = f.get_tensor("k"), f.get_tensor("v"), f.get_tensor("token_ids")
+    except SnapshotError:
+        raise
+    except FileNotFoundError:
+        raise SnapshotError(f"{path}: no such file") from None
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        raise SnapshotError(f"{path}: corrupt or truncated snapshot ({str(e).splitlines()[0]})") from None
+    for key, label in (("model_fingerprint", "model"), ("dtype", "dtype"), ("kv_dtype", "KV cache dtype"),
+                       ("block_size", "block size"), ("kv_layout", "KV layout")):
+        if meta.get(key) != header[key]:
+            got, exp = meta.get(key, "missing"), header[key]
+            if key == "model_fingerprint":
+                got, exp = got[:12], exp[:12]
+            raise SnapshotError(f"{path}: snapshot is for another {label} ({got}; this engine: {exp})")
+    bs, lay = int(header["block_size"]), json.loads(header["kv_layout"])
+    shape = (lay["layers"], ids.numel() // bs, bs, lay["kv_heads"], lay["head_dim"])
+    kv_dtype = getattr(torch, header["kv_dtype"])
+    if (ids.dtype != torch.int64 or ids.ndim != 1 or ids.numel() % bs or str(ids.numel()) != meta.get("num_tokens")
+            or tuple(k.shape) != shape or tuple(v.shape) != shape or k.dtype != kv_dtype or v.dtype != kv_dtype):
+        raise SnapshotError(f"{path}: corrupt snapshot (tensor shapes disagree with its header)")
+    if _checksum(k, v, ids) != meta.get("crc32"):
+        raise SnapshotError(f"{path}: corrupt snapshot (checksum mismatch)")
+    tokens = ids.tolist()
+    if any(not 0 <= t < vocab_size for t in tokens):
+        raise SnapshotError(f"{path}: corrupt snapshot (token ids outside the vocabulary)")
+    return tokens, k, v
+
+
+def load_prefix(bm: BlockManager, cache: KVCache, header: dict[str, str], path: str | os.PathLike, *,
+                vocab_size: int, max_model_len: int) -> SnapshotInfo:
+    """Put a snapshot's blocks into the prefix cache. All checks come first: on error nothing changed."""
+    cache = _paged_cache(cache, bm)
+    tokens, k, v = read_snapshot(path, header, vocab_size)
+    nblk = len(tokens) // bm.block_size
+    if nblk > bm.num_blocks or len(tokens) >= max_model_len:
+        raise SnapshotError(f"{path}: {len(tokens)} tokens do not fit this engine's KV pool or context")
+    holder = Request(f"snapshot-load-{os.fspath(path)}", tokens, len(tokens), SamplingParams())
+    hit = bm.find_cached_prefix(holder, max_blocks=nblk)
+    if not bm.can_allocate(holder, nblk * bm.block_size, hit):
+        raise SnapshotError(f"{path}: needs {nblk - len(hit)} free KV blocks, {bm.num_free_blocks} are free now")
+    bm.allocate(holder, nblk * bm.block_size, hit)  # may evict least recently used cached blocks
+    new = holder.block_table[len(hit):]
+    if new:
+        cache.write_blocks(new, k[:, len(hit):], v[:, len(hit):])
+    holder.num_computed_tokens = len(tokens)
+    bm.cache_full_blocks(holder)
+    bm.free(holder)  # the blocks stay cached (ref 0, in the LRU) for the next request with this prefix
+    return SnapshotInfo(str(path), len(tokens), nblk, len(new))

@@ -1,0 +1,244 @@
+"""The KV cache: where each layer's keys and values of past tokens live between steps.
+
+`KVCache` is the protocol the model talks to: `update_and_fetch(layer, k, v, meta)` stores the new
+tokens' K/V at the slots the runner chose and returns every sequence's whole context as (B, kv_heads, L, D).
+Three implementations:
+
+* `PagedKVCache`: one pool per layer of fixed-size blocks (num_blocks, block_size, kv_heads, D); a
+  sequence's K/V are read through its block table. Memory is allocated in blocks as sequences grow.
+* `ContiguousKVCache`: one row of max_model_len slots per sequence, (max_seqs, kv_heads, max_len, D),
+  so a lone sequence's context is a view with no gather. It is the paged cache's bookkeeping with
+  block_size = max_model_len (one block per sequence), only the storage layout differs.
+* `NoKVCache`: keeps nothing; valid only when every step recomputes each sequence from position 0
+  (the engine's `enable_kv_cache=False` mode, which shows what the cache saves).
+
+The cache's element type may be narrower than the model's (float16 K/V under float32 activations):
+`write` rounds to it, `fetch` returns the compute dtype, and NoKVCache rounds the same way, so every
+attention path (prefill, decode, recompute) sees the same K/V values.
+
+The cache knows tensors and slots; it does not know requests, blocks' owners or the model.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from kvlm.attention.metadata import AttentionMetadata
+
+
+class KVCache(Protocol):
+    block_size: int
+    num_blocks: int
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
+        """Store k, v (T, kv_heads, D) at meta.slot_mapping."""
+        ...
+
+    def fetch(self, layer: int, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of every sequence of `meta` as (B, kv_heads, L, D), padded to the longest."""
+        ...
+
+    def update_and_fetch(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """write() then fetch()."""
+        ...
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of K/V storage allocated (all layers)."""
+        ...
+
+    def blocks(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's K and V pools as blocks, (num_blocks, block_size, kv_heads, D) each, for attention
+        that reads them in place (`attention.decode.paged_decode_attention`). Only the paged cache has
+        them; the runner plans `paged_decode` steps only on it, and the others raise TypeError."""
+        ...
+
+
+def _pad_new_tokens(x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    """(T, kvh, D) flat new tokens -> (B, kvh, max_q, D), each sequence's tokens first, then zeros."""
+    if meta.num_seqs == 1:
+        return x.transpose(0, 1).unsqueeze(0)
+    assert meta.q_pad_index is not None
+    out = x.new_zeros(meta.num_seqs * meta.max_query_len, *x.shape[1:])
+    out[meta.q_pad_index] = x
+    return out.view(meta.num_seqs, meta.max_query_len, *x.shape[1:]).transpose(1, 2)
+
+
+def _rounded(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x as a cache of `dtype` would give it back."""
+    return x if x.dtype == dtype else x.to(dtype).to(x.dtype)
+
+
+def _no_blocks(cache: object) -> TypeError:
+    return TypeError(f"{type(cache).__name__} has no paged blocks to attend over in place")
+
+
+class NoKVCache:
+    """Stores nothing: each step must carry each sequence's whole history (recompute mode). K/V are
+    rounded to `dtype`, as a cache of that type would store them."""
+
+    block_size = 1 << 30
+    num_blocks = 1 << 30
+    nbytes = 0
+
+    def __init__(self, dtype: torch.dtype | None = None) -> None:
+        self.dtype = dtype
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
+        if self.dtype is not None:
+            k, v = _rounded(k, self.dtype), _rounded(v, self.dtype)
+        self._kv = (k, v)  # only until fetch(): the current step's tokens are the whole context
+
+    def fetch(self, layer: int, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        assert meta.query_lens == meta.seq_lens, "NoKVCache needs every sequence recomputed from position 0"
+        k, v = self._kv
+        return _pad_new_tokens(k, meta), _pad_new_tokens(v, meta)
+
+    def blocks(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        raise _no_blocks(self)
+
+    def update_and_fetch(self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata):
+        self.write(layer, k, v, meta)
+        return self.fetch(layer, meta)
+
+
+def _zero_padding(kk: torch.Tensor, vv: torch.Tensor, seq_lens: tuple[int, ...]) -> None:
+    """Zero the slots past each sequence's length in gathered (B, kvh, L, D) keys/values.
+
+    The pools are never zero-filled, so those slots may hold anything, NaN included; the attention mask
+    gives them weight 0, but 0 * NaN = NaN in the weighted sum over V (and in Q.K for K)."""
+    L = kk.shape[2]
+    if min(seq_lens) >= L:
+        return  # nothing padded (one sequence, or all of one length)
+    pad = torch.arange(L, device=kk.device) >= torch.tensor(seq_lens, device=kk.device)[:, None]  # (B, L)
+    pad = pad[:, None, :, None]  # (B, 1, L, 1)
+    kk.masked_fill_(pad, 0)
+    vv.masked_fill_(pad, 0)
+
+
+class _LayerStorage:
+    """K and V tensors of one shape per layer, and update_and_fetch as write then fetch.
+
+    The tensors are allocated, not filled: a large torch.empty is an untouched anonymous mapping, so
+    memory becomes resident page by page as tokens are written and the pool size is a limit, not an
+    up-front cost. Slots are read only after being written, except the padding of a gathered batch,
+    which `fetch` zeroes (`_zero_padding`)."""
+
+    def __init__(self, num_layers: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+                 compute_dtype: torch.dtype | None = None) -> None:
+        self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.compute_dtype = compute_dtype or dtype  # what fetch() returns (the model's activations)
+
+    def _as_compute(self, kk: torch.Tensor, vv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if kk.dtype == self.compute_dtype:
+            return kk, vv
+        return kk.to(self.compute_dtype), vv.to(self.compute_dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
+        raise NotImplementedError
+
+    def fetch(self, layer: int, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def update_and_fetch(self, layer: int, k: torch.Tensor, v: torch.Tensor,
+                         meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        self.write(layer, k, v, meta)
+        return self.fetch(layer, meta)
+
+
+class PagedKVCache(_LayerStorage):
+    """Block pools per layer: k[layer] and v[layer] are (num_blocks, block_size, kv_heads, D)."""
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device, compute_dtype: torch.dtype | None = None) -> None:
+        super().__init__(num_layers, (num_blocks, block_size, kv_heads, head_dim), dtype, device, compute_dtype)
+        self.block_size, self.num_blocks = block_size, num_blocks
+        # Gather buffers reused by every layer (a layer's attention is done before the next one reads):
+        # allocating megabytes per layer per step costs page faults that dominate batched decode on CPU.
+        self._kbuf = torch.empty(0, block_size, kv_heads, head_dim, dtype=dtype, device=device)
+        self._vbuf = torch.empty_like(self._kbuf)
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
+        kc, vc = self.k[layer], self.v[layer]
+        kvh, D = kc.shape[2], kc.shape[3]
+        kc.view(-1, kvh, D).index_copy_(0, meta.slot_mapping, k.to(kc.dtype))
+        vc.view(-1, kvh, D).index_copy_(0, meta.slot_mapping, v.to(vc.dtype))
+
+    def fetch(self, layer: int, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        kc, vc = self.k[layer], self.v[layer]
+        kvh, D = kc.shape[2], kc.shape[3]
+        L = meta.max_seq_len
+        nblk = -(-L // self.block_size)
+        bt = meta.block_tables[:, :nblk]  # (B, nblk)
+        B = bt.shape[0]
+        # Gather each sequence's blocks: (B, nblk, bs, kvh, D) -> (B, kvh, L, D). Padding beyond a
+        # sequence's length is masked by the attention mask.
+        flat = bt.reshape(-1)  # index_select copies whole blocks (memcpy); x[bt] takes a slower generic path
+        if self._kbuf.shape[0] < flat.numel():
+            self._kbuf = kc.new_empty(flat.numel(), *kc.shape[1:])
+            self._vbuf = torch.empty_like(self._kbuf)
+        kg = torch.index_select(kc, 0, flat, out=self._kbuf[: flat.numel()])
+        vg = torch.index_select(vc, 0, flat, out=self._vbuf[: flat.numel()])
+        kk = kg.view(B, nblk * self.block_size, kvh, D)[:, :L].transpose(1, 2)
+        vv = vg.view(B, nblk * self.block_size, kvh, D)[:, :L].transpose(1, 2)
+        _zero_padding(kk, vv, meta.seq_lens)
+        return self._as_compute(kk, vv)
+
+    # Whole-block access for KV snapshots (the only way other modules touch the pool tensors).
+    def read_blocks(self, block_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of the K and V of `block_ids`, each (layers, n, block_size, kv_heads, D)."""
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.k[0].device)
+        return (torch.stack([kc.index_select(0, idx) for kc in self.k]),
+                torch.stack([vc.index_select(0, idx) for vc in self.v]))
+
+    def write_blocks(self, block_ids: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k, v (layers, n, block_size, kv_heads, D) into `block_ids` (cast to the pool's dtype)."""
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.k[0].device)
+        for layer, (kc, vc) in enumerate(zip(self.k, self.v)):
+            kc.index_copy_(0, idx, k[layer].to(device=kc.device, dtype=kc.dtype))
+            vc.index_copy_(0, idx, v[layer].to(device=vc.device, dtype=vc.dtype))
+
+    def blocks(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k[layer], self.v[layer]  # (num_blocks, block_size, kv_heads, D) each
+
+
+class ContiguousKVCache(_LayerStorage):
+    """One max_len row per sequence: k[layer], v[layer] are (max_seqs, kv_heads, max_len, D).
+
+    Slots are numbered like a paged cache whose block is a whole row (block_size = max_len), so the same
+    block manager and slot mapping drive it.
+    """
+
+    def __init__(self, num_layers: int, max_seqs: int, max_len: int, kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device, compute_dtype: torch.dtype | None = None) -> None:
+        super().__init__(num_layers, (max_seqs, kv_heads, max_len, head_dim), dtype, device, compute_dtype)
+        self.block_size, self.num_blocks = max_len, max_seqs
+
+    def blocks(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        raise _no_blocks(self)  # rows are (kv_heads, max_len, D): not the paged kernel's layout
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
+        row = meta.slot_mapping // self.block_size
+        off = meta.slot_mapping % self.block_size
+        self.k[layer][row, :, off] = k.to(self.k[layer].dtype)  # (T, kvh, D) into (row, :, off)
+        self.v[layer][row, :, off] = v.to(self.v[layer].dtype)
+
+    def fetch(self, layer: int, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        kc, vc = self.k[layer], self.v[layer]
+        L = meta.max_seq_len
+        if meta.num_seqs == 1:
+            r = int(meta.block_tables[0, 0])  # the runner builds block tables on the host
+            return self._as_compute(kc[r : r + 1, :, :L], vc[r : r + 1, :, :L])  # views: no copy (same dtype)
+        rows = meta.block_tables[:, 0]
+        kk, vv = kc[rows, :, :L], vc[rows, :, :L]  # advanced indexing: copies we may zero
+        _zero_padding(kk, vv, meta.seq_lens)
+        return self._as_compute(kk, vv)

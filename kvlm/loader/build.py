@@ -1,0 +1,68 @@
+"""From a resolved model path to a ready model: checkpoint read, context decided, module built and loaded.
+
+`Engine.__init__` only wires what this returns to the KV cache, the scheduler and the runner. The
+steps, in order: read the checkpoint (`load_checkpoint`), decide the context length the engine
+allows, build the module tree on the meta device (no random init of weights that are replaced), load
+the weights, convert to the compute dtype and device, switch CPU projections to input-major layout,
+and drop from the resident set the pages of the mapped file that the load read but the model never
+will.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvlm.config import ModelConfig
+from kvlm.errors import ParameterError
+from kvlm.loader import load_checkpoint
+from kvlm.loader.mapped_pages import release_unused
+from kvlm.model.llama import LlamaForCausalLM
+from kvlm.model.quant_layers import weight_ranges
+from kvlm.tokenizer.tokenizer import Tokenizer
+
+log = logging.getLogger("kvlm")
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedModel:
+    model: LlamaForCausalLM
+    config: ModelConfig
+    tokenizer: Tokenizer
+    max_model_len: int  # the context this engine allows (<= the model's)
+
+
+def context_length(requested: int | None, config: ModelConfig) -> int:
+    """The context the engine allows: as requested (never above the model's), else min(model, 4096);
+    capped at a sliding window, because attention here is full, which equals sliding-window attention
+    only within the window."""
+    if requested is not None and requested > config.max_position_embeddings:
+        raise ParameterError("max_model_len", f"max_model_len {requested} is greater than the model's "
+                             f"maximum context (max_position_embeddings={config.max_position_embeddings})")
+    n = requested or min(config.max_position_embeddings, 4096)
+    if config.sliding_window and n > config.sliding_window:
+        log.warning("kvlm: context capped at the model's sliding window of %d tokens", config.sliding_window)
+        n = config.sliding_window
+    return n
+
+
+def load_model(path: Path, max_model_len: int | None, dtype: torch.dtype, device: torch.device, *,
+               quantized: bool) -> LoadedModel:
+    """quantized: GGUF weights stay in their block formats (the CPU `--dtype auto` path); otherwise every
+    weight is dequantized to `dtype` at load (the dense reference path)."""
+    config, state, tokenizer = load_checkpoint(path, quantized=quantized)
+    n_ctx = context_length(max_model_len, config)
+    with torch.device("meta"):  # no random init of weights that load_weights replaces
+        net = LlamaForCausalLM(config, n_ctx)
+    net.load_weights(state)
+    del state
+    model = net.to(device=device, dtype=dtype).eval()
+    model.rope_cos, model.rope_sin = model.rope_cos.float(), model.rope_sin.float()
+    if device.type == "cpu":
+        model.to_input_major()
+    if quantized:  # pages of the mapped file read at load but never by the model: out of RSS
+        release_unused(path, weight_ranges(model))
+    return LoadedModel(model, config, tokenizer, n_ctx)

@@ -1,0 +1,119 @@
+"""The fused decode step: all layers of a decode-only step in one native call (`csrc/decode.cpp`).
+
+A decode step feeds one token per sequence through 30 layers of small matrix-vector products; run as
+PyTorch modules, each layer is ~15 tensor ops whose dispatch and allocation cost more than the
+arithmetic on a 2-core CPU. `FusedDecoder` binds a loaded model once (pointers to its norm weights, its
+quantized projections and its RoPE tables: a "plan" on the C++ side) and then runs a decode step as
+`embedding (Python) -> decode_step (C++: every layer + final norm) -> lm_head (Python)`.
+
+It applies where the module path would run the same kernels: CPU, float32 activations, every projection
+a `QuantLinear` on a native kernel path (no dense fallback), a paged KV cache (float32, float16 or
+bfloat16; the step rounds K/V into it as the module path's index_copy_ does) and the native
+paged attention. Anything else (the float32 reference path, a contiguous cache, CUDA, no extension)
+keeps the module path, which stays the reference: tests compare the two token for token.
+`KVLM_FUSED_DECODE=0` turns it off.
+
+The plan holds raw pointers into the model's tensors; it keeps references to them on both sides, and is
+freed with the decoder.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+
+import torch
+
+from kvlm.attention.metadata import AttentionMetadata
+from kvlm.kernels import native
+from kvlm.kernels.paged_attention import KV_DTYPES
+from kvlm.kernels.quant import kernel_path
+from kvlm.kv_cache.storage import PagedKVCache
+from kvlm.model.quant_layers import QuantLinear
+
+# Seconds per part of a profiled step, in decode.cpp's order.
+PROFILE_PARTS = ("elementwise", "matmul", "kv_write", "attention", "other")
+
+
+def _linear_spec(lin: QuantLinear, spec: list[int], tensors: list[torch.Tensor]) -> None:
+    spec.append(len(lin.parts))
+    for p in lin.parts:
+        data = p.data if p.data.stride(1) == 1 else p.data.contiguous()
+        spec += [int(p.qtype), p.shape[0]]
+        tensors.append(data)
+
+
+def _eligible(model: torch.nn.Module) -> str | None:
+    """Why the fused step cannot run this model (None: it can)."""
+    if os.environ.get("KVLM_FUSED_DECODE", "1").strip() == "0":
+        return "disabled by KVLM_FUSED_DECODE=0"
+    if native.active_isa() == "reference" or native.ops() is None:
+        return "no native kernels"
+    if model.model.norm.weight.dtype != torch.float32 or model.model.norm.weight.device.type != "cpu":
+        return "not float32 on CPU"
+    if model.config.head_dim % 16:
+        return "head_dim is not a multiple of 16 (the paged attention kernel's vector width)"
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+            if not isinstance(lin, QuantLinear) or any(d is not None for d in lin.dense_t):
+                return "a projection is not quantized on a native kernel"
+            if any(kernel_path(p.qtype) == "reference" for p in lin.parts):
+                return "a projection format has no native kernel"
+        if attn.o_proj.bias is not None or mlp.gate_up_proj.bias is not None or mlp.down_proj.bias is not None:
+            return "bias outside q/k/v"
+    return None
+
+
+class FusedDecoder:
+    """Runs decode-only steps of `model` natively. Build with `FusedDecoder.create(model, kv_cache)`."""
+
+    def __init__(self, model: torch.nn.Module, plan: int) -> None:
+        self.model, self.plan = model, plan
+        self._ops = native.ops()
+        self._isa = native.isa_id(native.active_isa())
+        self._out = torch.empty(0)  # (B, hidden) result, reused while B stays the same
+        self._no_profile = torch.empty(0, dtype=torch.float64)  # "not profiling", without an allocation per step
+        self._finalizer = weakref.finalize(self, self._ops.decode_plan_free, plan)
+        self.profile: torch.Tensor | None = None  # set to zeros(5, float64) to accumulate seconds per part
+
+    @classmethod
+    def create(cls, model: torch.nn.Module, kv_cache: object) -> FusedDecoder | None:
+        """The fused decoder for this model and cache, or None where the module path must run."""
+        if not isinstance(kv_cache, PagedKVCache) or kv_cache.k[0].dtype not in KV_DTYPES \
+                or not all(t.is_contiguous() for t in kv_cache.k + kv_cache.v):
+            return None
+        if _eligible(model) is not None:
+            return None
+        cfg = model.config
+        spec = [cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
+                cfg.head_dim, cfg.intermediate_size, model.rope_cos.shape[0], int(native.int8_activations())]
+        tensors: list[torch.Tensor] = []
+        for layer in model.model.layers:
+            attn = layer.self_attn
+            bias = attn.qkv_proj.bias
+            spec.append((1 if bias is not None else 0) | (2 if attn.qk_norm else 0))
+            tensors += [layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach()]
+            if attn.qk_norm:
+                tensors += [attn.q_norm.weight.detach(), attn.k_norm.weight.detach()]
+            _linear_spec(attn.qkv_proj, spec, tensors)
+            if bias is not None:
+                tensors.append(bias.detach().float().contiguous())
+            _linear_spec(attn.o_proj, spec, tensors)
+            _linear_spec(layer.mlp.gate_up_proj, spec, tensors)
+            _linear_spec(layer.mlp.down_proj, spec, tensors)
+        tensors += [model.model.norm.weight.detach(), model.rope_cos.contiguous(), model.rope_sin.contiguous()]
+        eps = model.model.norm.eps
+        plan = native.ops().decode_plan_create(tensors, spec, float(eps))
+        return cls(model, plan)
+
+    def __call__(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_cache: PagedKVCache) -> torch.Tensor:
+        """input_ids (B,) of a decode-only step -> final hidden states (B, hidden) float32."""
+        assert meta.paged_decode and meta.seq_lens_tensor is not None
+        x = self.model.model.embed_tokens(input_ids).float().contiguous()  # (B, hidden)
+        if self._out.shape != x.shape:
+            self._out = torch.empty_like(x)
+        prof = self.profile if self.profile is not None else self._no_profile
+        self._ops.decode_step(self.plan, x, meta.positions, meta.slot_mapping, meta.block_tables,
+                              meta.seq_lens_tensor, kv_cache.k, kv_cache.v, self._isa, self._out, prof)
+        return self._out

@@ -1,0 +1,306 @@
+"""The Llama family (Llama 2/3, SmolLM/SmolLM2, Mistral, Qwen2/2.5, Qwen3) as one PyTorch module tree.
+
+Module names equal Hugging Face checkpoint names (`model.layers.0.self_attn.q_proj`), so loading is a
+dictionary copy; format-specific renaming lives in `loader/`. The model works on a flat batch:
+`forward(input_ids (T,), positions (T,), kv_cache, meta)` where the T tokens may come from many
+sequences (prefill chunks and decodes mixed); `meta` (attention.metadata.AttentionMetadata) says which is which.
+The model owns no cache state: each attention layer asks the cache for its context.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from kvlm.attention import attention
+from kvlm.attention.decode import paged_decode_attention
+from kvlm.attention.metadata import AttentionMetadata
+from kvlm.config import ModelConfig
+from kvlm.errors import ModelLoadError
+from kvlm.kernels import QuantTensor
+from kvlm.kernels.elementwise import apply_rope, rms_norm, silu_mul
+from kvlm.kv_cache.storage import KVCache
+from kvlm.model.quant_layers import QuantEmbedding, QuantLinear, stack_quant
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return rms_norm(x, self.weight, self.eps)  # one kernel (kernels/elementwise.py)
+        # Half precision: normalise in float32 like the reference, cast back before the weight.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(config: ModelConfig, rope_freqs: torch.Tensor | None = None) -> torch.Tensor:
+    """(head_dim/2,) inverse frequencies, with llama3 / linear scaling or GGUF per-frequency factors."""
+    D = config.head_dim
+    # On the CPU even inside the engine's `torch.device("meta")` block: arithmetic on meta tensors runs
+    # torch's Python reference ops, whose first use imports torch._dynamo (~1 s, ~45 MB per start).
+    inv = 1.0 / (config.rope_theta ** (torch.arange(0, D, 2, dtype=torch.int64, device="cpu").float() / D))
+    rs = config.rope_scaling or {}
+    kind = rs.get("rope_type", rs.get("type", "default"))
+    if kind == "linear":
+        inv = inv / float(rs["factor"])
+    elif kind == "llama3":
+        factor, lo, hi = float(rs["factor"]), float(rs["low_freq_factor"]), float(rs["high_freq_factor"])
+        old = float(rs["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > old / lo, inv / factor, inv)
+        smooth = (old / wavelen - lo) / (hi - lo)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old / hi) & ~(wavelen > old / lo)
+        inv = torch.where(medium, smoothed, scaled)
+    if rope_freqs is not None:
+        inv = inv / rope_freqs.float()
+    return inv
+
+
+_STACKS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def stack_weights(state: dict[str, Any]) -> dict[str, Any]:
+    """Replace `...q_proj.weight`, `...k_proj.weight`, `...v_proj.weight` by `...qkv_proj.weight`
+    (rows concatenated in that order), likewise biases and gate/up -> gate_up_proj. Quantized parts
+    become a list of QuantTensors (one per run of parts sharing a block format)."""
+    for key in [k for k in state if ".q_proj." in k or ".gate_proj." in k]:
+        for stacked, parts in _STACKS.items():
+            if f".{parts[0]}." in key:
+                names = [key.replace(f".{parts[0]}.", f".{p}.") for p in parts]
+                if all(n in state for n in names):
+                    ts = [state.pop(n) for n in names]
+                    if all(isinstance(t, QuantTensor) for t in ts):
+                        state[key.replace(f".{parts[0]}.", f".{stacked}.")] = stack_quant(ts)
+                    else:
+                        state[key.replace(f".{parts[0]}.", f".{stacked}.")] = torch.cat(
+                            [_dense(t) for t in ts])
+    return state
+
+
+def _dense(t: Any) -> torch.Tensor:
+    """Float32 values of a dense tensor or a QuantTensor (mixed dense/quantized stacks are rare)."""
+    if isinstance(t, QuantTensor):
+        from kvlm.kernels import dequantize
+
+        return dequantize(t)
+    return t.float()
+
+
+def _shape(t: Any) -> tuple[int, ...]:
+    if isinstance(t, list):  # stacked QuantTensor parts
+        return (sum(p.shape[0] for p in t), t[0].shape[1])
+    return tuple(t.shape)
+
+
+class Linear(nn.Linear):
+    """nn.Linear without its random init: the engine builds the model on the meta device and
+    `load_weights` replaces every weight, while kaiming_uniform_ on meta still runs through torch's
+    decompositions (~90 ms for the default model's 121 projections at every start)."""
+
+    def reset_parameters(self) -> None:
+        pass
+
+
+class Attention(nn.Module):
+    """One layer's attention over the cache: store the step's K/V first, then attend, as the step's plan
+    says (`meta`): over the paged blocks in place (decode on the paged cache), group by group
+    (length-grouped decode), or over each sequence's context fetched from the cache. No parameters."""
+
+    def __init__(self, layer_idx: int, scale: float) -> None:
+        super().__init__()
+        self.layer_idx, self.scale = layer_idx, scale
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """q: (T, n_heads, D); k, v: (T, kv_heads, D) the step's new rows. Returns (T, n_heads * D)."""
+        layer = self.layer_idx
+        if meta.paged_decode:
+            kv_cache.write(layer, k, v, meta)
+            k_blocks, v_blocks = kv_cache.blocks(layer)
+            return paged_decode_attention(q, k_blocks, v_blocks, meta, self.scale)
+        if not meta.groups:
+            kk, vv = kv_cache.update_and_fetch(layer, k, v, meta)  # (B, kvh, L, D)
+            return attention(q, kk, vv, meta, self.scale)
+        # Decode batch split by context length: write once, then attend group by group.
+        kv_cache.write(layer, k, v, meta)
+        out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+        for g in meta.groups:
+            kk, vv = kv_cache.fetch(layer, g)
+            out[g.rows] = attention(q[g.rows], kk, vv, g, self.scale)
+        return out
+
+
+class LlamaAttention(nn.Module):
+    """q/k/v projections are stacked into one `qkv_proj` (and gate/up into `gate_up_proj` in the MLP):
+    one matrix product per step instead of three; `load_weights` stacks the checkpoint's tensors."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_heads, self.n_kv, self.head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        h = config.hidden_size
+        self.qkv_proj = Linear(h, (self.n_heads + 2 * self.n_kv) * self.head_dim, bias=config.attention_bias)
+        self.o_proj = Linear(self.n_heads * self.head_dim, h, bias=False)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.qk_norm = config.qk_norm
+        self.attn = Attention(layer_idx, self.head_dim**-0.5)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        T, nh, kvh = x.shape[0], self.n_heads, self.n_kv
+        qkv = self.qkv_proj(x).view(T, nh + 2 * kvh, self.head_dim)  # (T, nh + 2 kvh, D)
+        qk, v = qkv[:, : nh + kvh], qkv[:, nh + kvh :]
+        if self.qk_norm:
+            qk = torch.cat((self.q_norm(qk[:, :nh]), self.k_norm(qk[:, nh:])), dim=1)
+        qk = apply_rope(qk, cos, sin)  # queries and keys at once; cos, sin: (T, 1, D)
+        q, k = qk[:, :nh], qk[:, nh:]
+        return self.o_proj(self.attn(q, k, v, kv_cache, meta))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        h, i = config.hidden_size, config.intermediate_size
+        self.gate_up_proj = Linear(h, 2 * i, bias=False)
+        self.down_proj = Linear(i, h, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_mul(self.gate_up_proj(x)))  # silu(gate) * up
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, layer_idx)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        # An explicit (uninitialized) weight skips nn.Embedding's normal_() init: on the meta device the
+        # engine builds on, that init imports torch._dynamo (~1 s and ~45 MB at every start), and
+        # load_weights replaces the weight anyway.
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
+                                         _weight=torch.empty(config.vocab_size, config.hidden_size))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """forward() -> final hidden states (T, hidden); compute_logits() -> float32 logits for chosen rows."""
+
+    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.max_positions = max_positions
+        self.set_rope(rope_inv_freq(config))
+
+    def set_rope(self, inv_freq: torch.Tensor) -> None:
+        # cos/sin tables for every position we may see: (max_positions, D), computed in float32.
+        dev = self.model.norm.weight.device
+        if dev.type == "meta":  # built on the meta device: load_weights computes the real tables
+            shape = (self.max_positions, 2 * inv_freq.shape[0])
+            self.register_buffer("rope_cos", torch.empty(shape, device=dev), persistent=False)
+            self.register_buffer("rope_sin", torch.empty(shape, device=dev), persistent=False)
+            return
+        t = torch.arange(self.max_positions, dtype=torch.float32, device=inv_freq.device)  # CPU: see rope_inv_freq
+        freqs = torch.outer(t, inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("rope_cos", emb.cos().to(dev), persistent=False)
+        sin = emb.sin()
+        half = sin.shape[-1] // 2
+        self.register_buffer("rope_sin", torch.cat((-sin[:, :half], sin[:, half:]), -1).to(dev), persistent=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        x = self.model.embed_tokens(input_ids)  # (T, hidden)
+        cos = self.rope_cos[positions].to(x.dtype).unsqueeze(1)  # (T, 1, D)
+        sin = self.rope_sin[positions].to(x.dtype).unsqueeze(1)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, kv_cache, meta)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()  # (N, vocab)
+
+    def to_input_major(self) -> None:
+        """Store every linear weight (out, in) in input-major memory order (a transposed view of an
+        (in, out) contiguous tensor). Same values and shapes; on CPU the matrix-vector product of a
+        decode step then runs as x @ W_t, which PyTorch's GEMM streams about twice as fast as its GEMV
+        over the (out, in) layout (bench: kvlm bench decode). Tied embeddings are transposed once."""
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                m.weight.data = m.weight.data.t().contiguous().t()
+
+    def load_weights(self, state: dict[str, Any]) -> None:
+        """Take an HF-named state dict in (the model may be built on the meta device: tensors are
+        assigned, not copied); shape and name mismatches become one readable error.
+
+        The checkpoint's separate q/k/v and gate/up tensors are concatenated into the stacked modules.
+        A weight given as a QuantTensor (or a list of them) replaces its nn.Linear / nn.Embedding with
+        a QuantLinear / QuantEmbedding that computes on the stored blocks. Dense tensors become float32
+        parameters (cast to the engine's dtype afterwards with `.to()`).
+        """
+        state = stack_weights(dict(state))
+        rope_freqs = state.pop("rope_freqs", None)
+        tied = self.config.tie_word_embeddings
+        if tied:
+            state.pop("lm_head.weight", None)
+        own = {k: tuple(v.shape) for k, v in self.state_dict().items()}
+        if tied:
+            own.pop("lm_head.weight", None)
+        missing = sorted(set(own) - set(state))
+        if missing:
+            raise ModelLoadError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[0]}")
+        for name, t in state.items():
+            if name not in own:
+                continue  # e.g. rotary inv_freq buffers in old checkpoints
+            if _shape(t) != own[name]:
+                raise ModelLoadError(f"tensor {name} has shape {_shape(t)}, config implies {own[name]}")
+            self._assign(name, t)
+        if tied:
+            emb = self.model.embed_tokens
+            self.lm_head = QuantLinear(emb.qweight) if isinstance(emb, QuantEmbedding) else self.lm_head
+            if isinstance(self.lm_head, nn.Linear):
+                self.lm_head.weight = emb.weight
+        self.set_rope(rope_inv_freq(self.config, None if rope_freqs is None else _dense(rope_freqs)))
+
+    def _assign(self, name: str, t: Any) -> None:
+        path, attr = name.rsplit(".", 1)
+        parent_path, _, child = path.rpartition(".")
+        mod = self.get_submodule(path)
+        if isinstance(t, (QuantTensor, list)):
+            assert attr == "weight", name
+            if isinstance(mod, nn.Embedding):
+                new: nn.Module = QuantEmbedding(t if isinstance(t, QuantTensor) else t[0])
+            else:
+                bias = mod.bias if mod.bias is not None and not mod.bias.is_meta else None
+                new = QuantLinear(t, bias)
+                if mod.bias is not None and bias is None:
+                    new.bias = mod.bias  # still meta: its tensor is assigned when its name comes
+            setattr(self.get_submodule(parent_path) if parent_path else self, child, new)
+            return
+        setattr(mod, attr, nn.Parameter(_dense(t), requires_grad=False))
