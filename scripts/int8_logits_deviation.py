@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Logits deviation of the default path (int8 activations) from the float32 reference path.
 
-On the README's and the tests' prompts (tests/test_quantized.py) plus a chat turn: teacher-forced along
+On the README's and the tests' prompts (tests/model/test_quantized.py) plus a chat turn: teacher-forced along
 the reference's greedy tokens (steps 0, 8, 16, 24, 31), the max and rms |logit difference| and the max
 relative to the logit range; where 32 greedy tokens part, the reference's top-2 margin at that step.
 Usage: PYTHONPATH=. python scripts/int8_logits_deviation.py

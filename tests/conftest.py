@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).parent))  # tests/tiny_models.py
-
-from tiny_models import tiny_config, write_tiny_gguf, write_tiny_hf_dir  # noqa: E402
+from tiny_models import tiny_config, write_tiny_gguf, write_tiny_hf_dir  # tests/helpers (pyproject's pythonpath)
 
 torch.set_num_threads(2)
 

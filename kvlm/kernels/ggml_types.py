@@ -1,7 +1,7 @@
 """ggml tensor types: ids, names and block sizes, as the GGUF format defines them.
 
 The `gguf` package has these too, but importing it pulls in PyYAML and its metadata tools (~0.1 s and
-4 MiB at every start); the loader and the kernels need only this table. `tests/test_loader.py` checks
+4 MiB at every start); the loader and the kernels need only this table. `tests/loader/test_loader.py` checks
 it against the installed `gguf` package, which stays the dependency for quantizing and decoding blocks
 (references, tests, benchmarks).
 """

@@ -20,7 +20,7 @@ import torch
 
 from kvlm.loader import load_checkpoint
 from kvlm.loader.gguf import SUPPORTED_TENSOR_TYPES, gguf_to_hf_name
-from test_loader import _KQUANT_F16_FIELDS, _can_quantize, synthetic_quantize
+from quantize import KQUANT_F16_FIELDS, can_quantize, synthetic_quantize
 from tiny_models import random_state_dict, tiny_config, write_tiny_gguf
 
 F32 = np.float32
@@ -133,7 +133,7 @@ def test_first_block_of_each_tensor_hand_decoded(fmt: str, model_256, tmp_path: 
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """What kvlm loads starts with the values ggml's documented layout gives for the stored bytes."""
     qtype = gguf.GGMLQuantizationType[fmt]
-    if not _can_quantize(qtype) and fmt in _KQUANT_F16_FIELDS:
+    if not can_quantize(qtype) and fmt in KQUANT_F16_FIELDS:
         monkeypatch.setattr(gguf.quants, "quantize", synthetic_quantize)  # gguf only decodes K-quants
     cfg, state = model_256
     path = write_tiny_gguf(tmp_path / f"{fmt}.gguf", cfg, state, tensor_type=fmt)

@@ -16,41 +16,7 @@ import torch
 from kvlm import LLM, EngineConfig, SamplingParams
 from kvlm.engine.engine import Engine
 from kvlm.errors import PromptTooLongError
-
-GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-
-
-def run_engine(engine: Engine, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] = GREEDY,
-               order: list[int] | None = None) -> tuple[dict[int, list[int]], dict[int, list[torch.Tensor]]]:
-    """Run prompts to completion; returns tokens and per-step logits keyed by prompt index."""
-    plist = params if isinstance(params, list) else [params] * len(prompts)
-    order = order if order is not None else list(range(len(prompts)))
-    reqs = {i: engine.add_request(prompts[i], plist[i]) for i in order}
-    logits: dict[int, list[torch.Tensor]] = {i: [] for i in reqs}
-    index = {r.request_id: i for i, r in reqs.items()}
-    engine.mixed_steps = 0  # steps that ran a prefill chunk together with another request's decode
-    while engine.has_unfinished:
-        engine.step(keep_logits=True)
-        qlens = engine.last_batch.num_new_tokens
-        engine.mixed_steps += int(1 in qlens and any(q > 1 for q in qlens))
-        res = engine.last_result
-        for j, r in enumerate(res.requests):
-            logits[index[r.request_id]].append(res.logits[j])
-        engine.block_manager.check(engine.scheduler.running)
-        if engine.config.enable_kv_cache:  # paging waste: allocated minus filled slots < one block
-            bs = engine.block_manager.block_size
-            for r in engine.scheduler.running:
-                assert 0 <= len(r.block_table) * bs - r.num_computed_tokens < bs
-                m = r.metrics
-                assert 0 <= m.kv_bytes_held - m.kv_bytes_used < bs * engine.kv_bytes_per_token
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
-    return {i: r.output_token_ids for i, r in reqs.items()}, logits
-
-
-def random_prompts(n: int, seed: int, lo: int = 3, hi: int = 40) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(0, 256) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
-
+from engine_runs import GREEDY, random_prompts, run_engine, small_bytes
 
 def test_cached_decode_equals_full_recompute(tiny_gguf: Path) -> None:
     """Every cached decode step's logits equal a full recompute of the same sequence."""
@@ -109,13 +75,6 @@ def test_preemption_changes_nothing(tiny_gguf: Path) -> None:
         small.block_manager.check(small.scheduler.running)
     assert sum(r.metrics.num_preemptions for r in reqs) > 0
     assert {i: r.output_token_ids for i, r in enumerate(reqs)} == free_run
-
-
-def small_bytes(path: Path) -> int:
-    """KV bytes per token of the tiny model in float32."""
-    from kvlm.loader import load_config
-
-    return int(load_config(path).kv_bytes_per_token(4))
 
 
 def test_abort_frees_blocks_and_others_finish_unchanged(tiny_gguf: Path) -> None:

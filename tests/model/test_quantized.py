@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
-from test_engine import random_prompts, run_engine
+from engine_runs import random_prompts, run_engine
 from tiny_models import tiny_config, write_tiny_gguf
 
 from kvlm import LLM, EngineConfig, SamplingParams
@@ -169,7 +169,7 @@ def test_int8_activations_part_from_float32_only_at_near_ties(quant_gguf: Path) 
             assert float(top[0] - top[1]) < 2 * dev, f"prompt {i} parts at token {k} without a near-tie"
 
 
-# README's and the tests' prompts (tests/test_exactness.py), plus a chat turn.
+# README's and the tests' prompts (tests/model/test_exactness.py), plus a chat turn.
 README_PROMPTS = ["The capital of France is", "Hello", "What is a KV cache?", "Write a haiku about caches"]
 EXACTNESS_PROMPTS = ["def quicksort(arr):\n    if len(arr) <= 1:\n", "日本の首都は東京です。The weather today is",
                      "Once upon a time, in a land far away, there lived a dragon who loved 🐉 and"]

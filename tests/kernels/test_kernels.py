@@ -46,6 +46,8 @@ from kvlm.kernels.reference import (
     qmatmul_ref,
 )
 
+from quantize import SCALE_FIELDS, random_blocks  # noqa: E402  (tests/helpers)
+
 FORMATS = [T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K, T.F16, T.BF16, T.F32]
 ROUNDED = {T.Q4_1, T.Q4_K, T.Q5_K}  # q * d + m: fused here, two roundings in the reference
 ISAS = list(native.ISAS)
@@ -65,40 +67,6 @@ def reference(x: torch.Tensor, w: QuantTensor, isa: str) -> tuple[torch.Tensor, 
     """(reference result, error bound) for qmatmul(x, w) on this path."""
     xr = fake_quantize_act(x) if int8_path(w.qtype, isa) else x
     return qmatmul_ref(xr, w), matmul_bound(xr, w)
-# Byte offsets of each format's float16 scale fields inside a block.
-SCALE_FIELDS = {T.Q4_0: [0], T.Q4_1: [0, 2], T.Q8_0: [0], T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [208]}
-
-
-def random_blocks(qtype: T, n: int, k: int, seed: int) -> QuantTensor:
-    """(n, k) weight of random blocks: random quants and scales, plus the edge rows (when n >= 3):
-    row 0 all-zero bytes, row 1 the largest float16 scales (and +-max values for dense types),
-    row 2 negative-zero scales (and -0.0 values for dense types)."""
-    rng = np.random.default_rng(seed)
-    elems, nbytes = GGML_QUANT_SIZES[qtype]
-    if qtype in (T.F32, T.F16, T.BF16):
-        vals = rng.standard_normal((n, k)).astype(np.float32)
-        if n >= 3:
-            vals[1, ::2], vals[1, 1::2] = 65504.0, -65504.0
-            vals[2] = -0.0
-        if qtype == T.F32:
-            raw = vals.view(np.uint8)
-        elif qtype == T.F16:
-            raw = vals.astype(np.float16).view(np.uint8)
-        else:
-            raw = (vals.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
-    else:
-        blocks = rng.integers(0, 256, size=(n, k // elems, nbytes), dtype=np.uint8)
-        for off in SCALE_FIELDS[qtype]:
-            scales = (rng.standard_normal((n, k // elems)) * 0.05).astype(np.float16)
-            if n >= 3:
-                scales[0], scales[1], scales[2] = 0.0, np.float16(65504.0), np.float16(-0.0)
-            blocks[:, :, off:off + 2] = scales.view(np.uint8).reshape(n, k // elems, 2)
-        if n >= 1:
-            blocks[0] = 0
-        raw = blocks.reshape(n, -1)
-    return QuantTensor(torch.from_numpy(np.ascontiguousarray(raw)), qtype, (n, k))
-
-
 def row_length(qtype: T) -> int:
     """A K that is a multiple of the block size but not of 256 where the format allows it."""
     elems = GGML_QUANT_SIZES[qtype][0]
@@ -258,7 +226,7 @@ def test_fallback_when_the_build_fails(tmp_path: Path) -> None:
     script = (
         "import torch\n"
         "from gguf import GGMLQuantizationType as T\n"
-        "from tests.test_kernels import random_blocks\n"
+        "from quantize import random_blocks\n"
         "from kvlm.kernels import kernel_path, qmatmul, paged_decode_attention\n"
         "from kvlm.kernels.reference import qmatmul_ref\n"
         "w = random_blocks(T.Q4_1, 10, 64, seed=0); x = torch.randn(2, 64)\n"
@@ -268,7 +236,7 @@ def test_fallback_when_the_build_fails(tmp_path: Path) -> None:
         " torch.tensor([5], dtype=torch.int32), 0.25)\n"
         "print(kernel_path(T.Q4_1))\n"
     )
-    env = {**os.environ, "KVLM_HOME": str(tmp_path), "CXX": "/bin/false", "PYTHONPATH": str(Path(__file__).parents[1])}
+    env = {**os.environ, "KVLM_HOME": str(tmp_path), "CXX": "/bin/false", "PYTHONPATH": f"{Path(__file__).parents[2]}:{Path(__file__).parents[1] / 'helpers'}"}
     env.pop(native.ENV_ISA, None)
     r = subprocess.run([sys.executable, "-c", script], check=False, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr

@@ -15,7 +15,7 @@ import pytest
 from kvlm.cli.main import main
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-CONFIGS = Path(__file__).parent.parent / "kvlm" / "configs"
+CONFIGS = Path(__file__).parents[2] / "kvlm" / "configs"
 
 
 def quiet(_: str) -> None:
@@ -253,7 +253,7 @@ def test_compare_runs_llama_cpp_in_its_own_process(tiny_gguf: Path, tmp_path: Pa
     (tmp_path / "fake" / "llama_cpp" / "__init__.py").write_text(FAKE_LLAMA_CPP)
     log = tmp_path / "llama.log"
     monkeypatch.setenv("FAKE_LLAMA_LOG", str(log))
-    monkeypatch.setenv("PYTHONPATH", f"{tmp_path / 'fake'}:{Path(__file__).parent.parent}")
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path / 'fake'}:{Path(__file__).parents[2]}")
     d = compare.run(str(tiny_gguf), threads=2, prompt_len=16, decode_prompt_len=8, gen_tokens=4, contexts=(12, 24),
                     context_gen=3, repeats=1, llama_python=sys.executable, log=quiet)
     assert_header(d, "compare")
@@ -296,7 +296,7 @@ def test_make_benchmarks_md_copies_only_numbers_from_results(tiny_gguf: Path, tm
     import re
 
     spec = importlib.util.spec_from_file_location("make_benchmarks_md",
-                                                  Path(__file__).parent.parent / "scripts" / "make_benchmarks_md.py")
+                                                  Path(__file__).parents[2] / "scripts" / "make_benchmarks_md.py")
     mod = importlib.util.module_from_spec(spec)
     assert spec.loader is not None
     spec.loader.exec_module(mod)

@@ -75,7 +75,7 @@ def test_sharing_under_stress_equals_unconstrained_run(tiny_gguf: Path) -> None:
     """Many requests sharing prefixes in a pool so small that cached blocks are evicted and requests are
     preempted: tokens identical to an unconstrained cache-off run, no block freed or written while read
     (debug mode), every ref count back to zero."""
-    from test_engine import small_bytes
+    from engine_runs import small_bytes
 
     rng = random.Random(3)
     system = rand_tokens(rng, 22)
@@ -192,7 +192,7 @@ def test_miss_diagnostics(tiny_gguf: Path, caplog: pytest.LogCaptureFixture) -> 
 # With int8 activations (the default path) a last-bit difference (here: a reply token's K/V computed by
 # a decode step vs by a prefill, attention kernel vs SDPA) can move an activation across an int8
 # rounding boundary; where greedy replies part, the recomputed top-2 logit margin must be a near-tie.
-NEAR_TIE = 0.5  # as tests/test_quantized.py; the parting measured on 2026-12-01 had a margin of 0.015
+NEAR_TIE = 0.5  # as tests/model/test_quantized.py; the parting measured on 2026-12-01 had a margin of 0.015
 
 
 @pytest.mark.slow

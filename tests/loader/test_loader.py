@@ -2,7 +2,7 @@
 transformers, every supported GGUF tensor type round-trips exactly, broken inputs fail with one readable
 `ModelLoadError` line, and the registry resolves names without touching the network.
 
-All models are tiny and random (tests/tiny_models.py) and written once per session.
+All models are tiny and random (tests/helpers/tiny_models.py) and written once per session.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from kvlm.loader import load_checkpoint, load_config, resolve_model
 from kvlm import paths
 from kvlm.loader import registry
 from kvlm.loader.gguf import SUPPORTED_TENSOR_TYPES, dequantize_tensor
+from quantize import KQUANT_F16_FIELDS, can_quantize, real_quantize, synthetic_quantize
 from tiny_models import hf_reference_model, random_state_dict, tiny_config, write_tiny_gguf, write_tiny_hf_dir
 
 IDS = [5, 17, 104, 200, 33, 12, 250, 7, 99, 101, 3, 66]  # a 12-token prompt (byte ids and merges)
@@ -217,39 +218,6 @@ def test_load_config_matches_load_checkpoint(tiny) -> None:
 
 # ------------------------------------------------------------------------- tensor types: exact round trip
 
-# Byte offsets of the float16 scale fields in one block of each K-quant (gguf/quants.py block layouts).
-_KQUANT_F16_FIELDS = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
-_real_quantize = gguf.quants.quantize
-
-
-def _can_quantize(qtype: gguf.GGMLQuantizationType) -> bool:
-    try:
-        _real_quantize(np.zeros((1, 256), np.float32), qtype)
-        return True
-    except NotImplementedError:
-        return False
-
-
-def synthetic_quantize(a: np.ndarray, qtype: gguf.GGMLQuantizationType) -> np.ndarray:
-    """Valid-looking blocks for types gguf cannot quantize: random bytes with sane f16 scales.
-
-    Each row's bytes depend only on that row's values, so (like a real quantizer) this commutes with
-    the row permutation the GGUF writer applies to Q/K.
-    """
-    if qtype.name not in _KQUANT_F16_FIELDS:
-        return _real_quantize(a, qtype)
-    block, nbytes = gguf.GGML_QUANT_SIZES[qtype]
-    rows = a.reshape(-1, a.shape[-1])
-    out = np.empty((rows.shape[0], rows.shape[1] // block * nbytes), np.uint8)
-    for i, row in enumerate(rows):
-        rng = np.random.default_rng(zlib.crc32(row.tobytes()))
-        blocks = rng.integers(0, 256, (rows.shape[1] // block, nbytes), dtype=np.uint8)
-        for off in _KQUANT_F16_FIELDS[qtype.name]:
-            blocks[:, off:off + 2] = rng.uniform(1e-3, 1e-2, (len(blocks), 1)).astype(np.float16).view(np.uint8)
-        out[i] = blocks.reshape(-1)
-    return out.reshape(*a.shape[:-1], -1)
-
-
 @pytest.fixture(scope="session")
 def quant_model() -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     # K-quants work on 256-value super-blocks: every row length (hidden, intermediate, heads*head_dim)
@@ -263,9 +231,9 @@ def test_tensor_type_round_trip(quant_model, tensor_type: str, tmp_path: Path,
                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """Loaded weight == dequantize(quantize(original)): names, un-permutation and dequantization exact."""
     qtype = gguf.GGMLQuantizationType[tensor_type]
-    quantize = _real_quantize
-    if not _can_quantize(qtype):
-        if tensor_type not in _KQUANT_F16_FIELDS:
+    quantize = real_quantize
+    if not can_quantize(qtype):
+        if tensor_type not in KQUANT_F16_FIELDS:
             pytest.skip(f"the gguf package cannot quantize {tensor_type} and this test has no synthetic "
                         "block layout for it")
         # gguf's numpy code only dequantizes K-quants: write synthetic blocks instead of skipping.
@@ -285,14 +253,14 @@ def test_tensor_type_round_trip(quant_model, tensor_type: str, tmp_path: Path,
         assert loaded[name].dtype == torch.float32
         assert loaded[name].shape == w.shape, name
         assert np.array_equal(loaded[name].numpy(), expected), f"{name} ({tensor_type}) differs"
-    if quantize is _real_quantize:  # a real quantizer stays close to the original
+    if quantize is real_quantize:  # a real quantizer stays close to the original
         err = max(float((loaded[k] - state[k]).abs().max() / state[k].abs().max()) for k in state)
         assert err < 0.5, err
 
 
 def test_k_quant_needs_256_wide_rows() -> None:
     """Why the round-trip model is 256 wide: K-quant rows must be whole 256-value super-blocks."""
-    assert all(gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[t]][0] == 256 for t in _KQUANT_F16_FIELDS)
+    assert all(gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[t]][0] == 256 for t in KQUANT_F16_FIELDS)
     assert gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.Q8_0][0] == 32
 
 

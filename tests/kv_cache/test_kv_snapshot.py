@@ -125,7 +125,7 @@ def test_refused_for_another_model_dtype_or_block_size(tiny_gguf: Path, snapshot
 
 
 def test_snapshot_larger_than_free_pool_is_refused(tiny_gguf: Path, snapshot: Path) -> None:
-    from test_engine import small_bytes
+    from engine_runs import small_bytes
 
     llm = LLM(tiny_gguf, block_size=BS, kv_cache_memory=12 * BS * small_bytes(tiny_gguf))
     eng = llm.llm_engine

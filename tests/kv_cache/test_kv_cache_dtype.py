@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_engine import random_prompts, run_engine
+from engine_runs import random_prompts, run_engine
 from tiny_models import tiny_config, write_tiny_gguf
 
 from kvlm import EngineConfig
