@@ -50,7 +50,8 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.model_type not in SUPPORTED_MODEL_TYPES:
             raise UnsupportedModelError(
-                f"unsupported architecture {self.model_type!r}; kvlm supports {', '.join(sorted(SUPPORTED_MODEL_TYPES))}"
+                f"unsupported architecture {self.model_type!r}; "
+                f"kvlm supports {', '.join(sorted(SUPPORTED_MODEL_TYPES))}"
             )
         if self.num_attention_heads % self.num_key_value_heads:
             raise UnsupportedModelError(

@@ -2,12 +2,13 @@
 
     python scripts/startup_timeline.py [kvlm generate arguments...]
 
-Runs `kvlm generate` in this process (t = 0 when the interpreter is up, ~20 ms after exec) (default: the `kvlm bench compare` whole-process command, a chat
-prompt and 128 greedy tokens on the default model, 2 threads) with the functions of each start-up phase
-wrapped, and prints, after each phase: seconds since start, the phase's seconds, RSS and peak RSS
-(VmHWM). Then the resident memory by mapping (heap, anonymous, the mapped GGUF file, libtorch_cpu,
-other shared libraries) after `import torch`, after load, after the first step and at the end, and whether torch._dynamo,
-jinja2 or transformers were imported. A measuring tool: it patches kvlm functions in its own process.
+Runs `kvlm generate` in this process (t = 0 when the interpreter is up, ~20 ms after exec) (default: the
+`kvlm bench compare` whole-process command, a chat prompt and 128 greedy tokens on the default model, 2
+threads) with the functions of each start-up phase wrapped, and prints, after each phase: seconds since
+start, the phase's seconds, RSS and peak RSS (VmHWM). Then the resident memory by mapping (heap, anonymous,
+the mapped GGUF file, libtorch_cpu, other shared libraries) after `import torch`, after load, after the
+first step and at the end, and whether torch._dynamo, jinja2 or transformers were imported. A measuring
+tool: it patches kvlm functions in its own process.
 """
 
 from __future__ import annotations

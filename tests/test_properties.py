@@ -24,16 +24,16 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tiny_models import byte_level_fields, write_tiny_gguf
 
-from kvlm.kv_cache.block_manager import BlockManager
 from kvlm.config import EngineConfig, parse_bytes
-from kvlm.errors import ModelLoadError, ParameterError
 from kvlm.engine.output_processor import OutputProcessor
-from kvlm.tokenizer.detokenizer import IncrementalDetokenizer
+from kvlm.errors import ModelLoadError, ParameterError
+from kvlm.kv_cache.block_manager import BlockManager
 from kvlm.request import Request
 from kvlm.sampling_params import SamplingParams
+from kvlm.tokenizer.detokenizer import IncrementalDetokenizer
 from kvlm.tokenizer.tokenizer import Tokenizer
-from tiny_models import byte_level_fields, write_tiny_gguf
 
 FAST = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -107,7 +107,8 @@ def cmd_kv_size(a: argparse.Namespace) -> int:
     if a.json:
         print(json.dumps(doc))
         return 0
-    print(f"KV cache = 2 x {c.num_hidden_layers} layers x {c.num_key_value_heads} kv heads x {c.head_dim} dims x {b:g} B")
+    print(f"KV cache = 2 x {c.num_hidden_layers} layers x {c.num_key_value_heads} kv heads x {c.head_dim} dims "
+          f"x {b:g} B")
     print(f"  per token:        {per_tok:,.0f} B ({per_tok / 1024:.1f} KiB)")
     print(f"  {a.batch} x {a.context} tokens: {total:,.0f} B ({total / 2**20:.1f} MiB)")
     print(f"  MHA equivalent ({c.num_attention_heads} kv heads): {mha:,.0f} B/token, {total_mha / 2**20:.1f} MiB "

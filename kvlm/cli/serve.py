@@ -65,7 +65,9 @@ def cmd_serve(a: argparse.Namespace) -> int:
     from kvlm.server.app import create_app
     from kvlm.server.async_engine import AsyncEngine
     from kvlm.server.metrics import ServerMetrics
-    from kvlm.server.serving import OpenAIServing, ServingOptions
+    from kvlm.server.serving import ServingOptions
+    from kvlm.server.serving_chat import ChatServing
+    from kvlm.server.serving_completion import CompletionServing
 
     for name, low in (("max_logprobs", 0), ("max_n", 1), ("max_body_bytes", 1), ("port", 0)):
         if getattr(a, name) < low:
@@ -87,8 +89,9 @@ def cmd_serve(a: argparse.Namespace) -> int:
     names = served_names(a.model, a.served_model_name)
     aengine = AsyncEngine(engine, a.max_queued_requests)
     metrics = ServerMetrics(aengine, names[0])  # takes the loop thread's token / finish hooks
-    serving = OpenAIServing(engine, aengine, ServingOptions(names, max_logprobs=a.max_logprobs, max_n=a.max_n))
-    app = create_app(serving, aengine, metrics, keys, a.max_body_bytes, a.root_path, a.log_requests)
+    opts = ServingOptions(names, max_logprobs=a.max_logprobs, max_n=a.max_n)
+    app = create_app(CompletionServing(engine, aengine, opts), ChatServing(engine, aengine, opts), aengine, metrics,
+                     keys, a.max_body_bytes, a.root_path, a.log_requests)
 
     class Server(uvicorn.Server):
         async def startup(self, *args: Any, **kw: Any) -> None:

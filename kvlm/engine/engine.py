@@ -18,24 +18,24 @@ from pathlib import Path
 
 import torch
 
-from kvlm.kv_cache import snapshot as kv_snapshot
 from kvlm.config import DTYPES, EngineConfig, ModelConfig
+from kvlm.engine.model_runner import ModelRunner, StepResult
+from kvlm.engine.output_processor import OutputProcessor
+from kvlm.engine.scheduler import ScheduledBatch, Scheduler
 from kvlm.errors import ParameterError, PromptTooLongError
-from kvlm.loader.heap import trim_heap
-from kvlm.kv_cache.storage import KVCache
+from kvlm.kv_cache import snapshot as kv_snapshot
 from kvlm.kv_cache.pool import describe_kv_pool, make_kv_cache
+from kvlm.kv_cache.prefix_misses import PrefixHistory
 from kvlm.kv_cache.snapshot import SnapshotInfo, cached_prefix_blocks, snapshot_header
+from kvlm.kv_cache.storage import KVCache
 from kvlm.loader import resolve_model
 from kvlm.loader.build import load_model
 from kvlm.loader.fingerprint import model_files, model_fingerprint
-from kvlm.engine.output_processor import OutputProcessor
-from kvlm.kv_cache.prefix_misses import PrefixHistory
+from kvlm.loader.heap import trim_heap
 from kvlm.outputs import StreamDelta
 from kvlm.request import Request
-from kvlm.engine.model_runner import ModelRunner, StepResult
 from kvlm.sampling_params import SamplingParams
 from kvlm.tokenizer.detokenizer import IncrementalDetokenizer
-from kvlm.engine.scheduler import ScheduledBatch, Scheduler
 
 log = logging.getLogger("kvlm")
 
@@ -137,7 +137,8 @@ class Engine:
                                  f"got {max(params.logit_bias or ())}")
         if len(ids) >= self.max_model_len:
             raise PromptTooLongError(
-                f"prompt has {len(ids)} tokens; the context holds {self.max_model_len} (room for at least one output token is needed)"
+                f"prompt has {len(ids)} tokens; the context holds {self.max_model_len} "
+                "(room for at least one output token is needed)"
             )
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self.requests:
@@ -188,8 +189,9 @@ class Engine:
 
     def _snapshot_header(self) -> dict[str, str]:
         mc = self.model_config
-        return snapshot_header(self.model_fingerprint, self.config.dtype, self.kv_cache_dtype, self.block_manager.block_size,
-                               mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim)
+        return snapshot_header(self.model_fingerprint, self.config.dtype, self.kv_cache_dtype,
+                               self.block_manager.block_size, mc.num_hidden_layers, mc.num_key_value_heads,
+                               mc.head_dim)
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached block nobody reads now; returns how many."""

@@ -15,12 +15,12 @@ import torch
 
 from kvlm.attention.decode import plan_length_groups
 from kvlm.attention.metadata import AttentionMetadata, StepKind, build_attn_mask
-from kvlm.model.fused_decode import FusedDecoder
-from kvlm.kv_cache.storage import KVCache, PagedKVCache
-from kvlm.model.llama import LlamaForCausalLM
-from kvlm.request import Request
 from kvlm.engine.sampler import sample
 from kvlm.engine.scheduler import ScheduledBatch
+from kvlm.kv_cache.storage import KVCache, PagedKVCache
+from kvlm.model.fused_decode import FusedDecoder
+from kvlm.model.llama import LlamaForCausalLM
+from kvlm.request import Request
 
 
 def _native_kernels() -> bool:

@@ -1,9 +1,9 @@
 """Matrix products computed on weights kept in their GGUF block formats.
 
-A `QuantTensor` (quant_tensor.py) is a weight matrix of logical shape (N, K) (out x in, Hugging Face orientation) stored as
-GGUF stores it: each of the N rows is K / block_elems blocks of `block_bytes` bytes, so `data` is a
-(N, row_bytes) uint8 tensor (possibly a view over the memory-mapped file). Row operations (the RoPE
-un-permute, stacking q/k/v) are byte-row operations on `data`; nothing is dequantized at load.
+A `QuantTensor` (quant_tensor.py) is a weight matrix of logical shape (N, K) (out x in, Hugging Face
+orientation) stored as GGUF stores it: each of the N rows is K / block_elems blocks of `block_bytes` bytes,
+so `data` is a (N, row_bytes) uint8 tensor (possibly a view over the memory-mapped file). Row operations
+(the RoPE un-permute, stacking q/k/v) are byte-row operations on `data`; nothing is dequantized at load.
 
 `qmatmul(x, w)` computes `x @ dequantize(w).T` on the blocks in place with the native kernels
 (`native.py`, `csrc/`) where they are built, else with the reference (`reference.py`).
@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 
 from kvlm.kernels import native
-from kvlm.kernels.ggml_types import GGML_QUANT_SIZES, GGMLQuantizationType
+from kvlm.kernels.ggml_types import GGMLQuantizationType
 from kvlm.kernels.quant_tensor import QuantTensor
 from kvlm.kernels.reference import dequantize_ref, qmatmul_ref
 

@@ -273,7 +273,8 @@ class BlockManager:
         for b in range(self.num_blocks):
             assert self.ref_counts[b] >= 0
             assert self.ref_counts[b] == counts[b], f"block {b}: ref count {self.ref_counts[b]} != {counts[b]} holders"
-            assert (b in free or b in cached) == (counts[b] == 0), f"block {b} free-list state disagrees with its holders"
+            assert (b in free or b in cached) == (counts[b] == 0), \
+                f"block {b} free-list state disagrees with its holders"
             assert (b in cached) <= (self.block_hash[b] is not None), f"cached-free block {b} has no hash"
             assert (b in free) <= (self.block_hash[b] is None), f"free block {b} still has a hash"
             if self.readers is not None:

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from kvlm.kv_cache.block_manager import BlockManager
 from kvlm.config import EngineConfig, ModelConfig
 from kvlm.errors import ParameterError
+from kvlm.kv_cache.block_manager import BlockManager
 from kvlm.kv_cache.storage import ContiguousKVCache, KVCache, NoKVCache, PagedKVCache
 
 MAX_KV_SHARE = 0.9  # the largest share of available memory a KV pool may take

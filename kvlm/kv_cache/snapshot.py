@@ -3,16 +3,16 @@
 File layout (safetensors, so loading never unpickles anything):
   tensors  k, v       (layers, blocks, block_size, kv_heads, head_dim) in the engine's KV cache dtype
            token_ids  (blocks * block_size,) int64: the tokens whose K/V these are (full blocks only)
-  metadata format "kvlm-prefix-snapshot/1"; model_fingerprint (sha256 over the model's files); dtype; kv_dtype;
-           block_size; kv_layout ("paged", layers, kv_heads, head_dim); num_tokens; crc32 of the
+  metadata format "kvlm-prefix-snapshot/1"; model_fingerprint (sha256 over the model's files); dtype;
+           kv_dtype; block_size; kv_layout ("paged", layers, kv_heads, head_dim); num_tokens; crc32 of the
            tensors' bytes (a flipped byte in the data is caught, not served).
 
 The functions work on a block manager, a paged cache and the header this engine expects
 (`snapshot_header`); they know nothing of the engine. `load_prefix` checks everything before it touches
 the pool: a snapshot for another model, dtype, block size or layout, or a corrupt or truncated file
-raises `SnapshotError` (one line) and leaves the cache unchanged and serving. Loaded blocks enter the prefix cache as cached-free blocks, exactly as if
-a request had computed them, so the next request starting with those tokens reuses them (and the LRU
-may evict them like any other cached block).
+raises `SnapshotError` (one line) and leaves the cache unchanged and serving. Loaded blocks enter the
+prefix cache as cached-free blocks, exactly as if a request had computed them, so the next request
+starting with those tokens reuses them (and the LRU may evict them like any other cached block).
 """
 
 from __future__ import annotations

@@ -197,9 +197,8 @@ def file_bytes(reader: Any) -> torch.Tensor:
 
 def quant_tensor(t: Any, mapped: torch.Tensor) -> Any:
     """A 2-D GGUF tensor as a `kernels.QuantTensor` over the mapped file: nothing is read or converted."""
-    from kvlm.kernels.ggml_types import GGML_QUANT_SIZES
-
     from kvlm.kernels import QuantTensor
+    from kvlm.kernels.ggml_types import GGML_QUANT_SIZES
 
     if t.tensor_type.name not in SUPPORTED_TENSOR_TYPES:
         raise UnsupportedModelError(f"tensor {t.name} has unsupported type {t.tensor_type.name}")

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, overload
 
 import numpy as np
+
 from kvlm.kernels.ggml_types import GGML_QUANT_SIZES, GGMLQuantizationType
 
 # GGUF metadata value types -> (struct format, numpy dtype) for the fixed-size ones.

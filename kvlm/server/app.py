@@ -5,7 +5,7 @@ client got wrong, never FastAPI's 422 `detail`). Bodies are read here, with a si
 content-type check, then validated with the `protocol` schemas. A non-streaming request races its client's
 `http.disconnect` (as vLLM does: `request.is_disconnected()` is unreliable behind middleware); a streaming
 one ends when Starlette cancels its generator. Both paths close the `Submission`, which aborts the engine
-requests. Behaviour of the endpoints lives in `serving`.
+requests. Behaviour of the endpoints lives in `serving_completion` and `serving_chat`.
 """
 
 from __future__ import annotations
@@ -40,7 +40,9 @@ from kvlm.server.protocol import (
     bad_request,
     validation_error,
 )
-from kvlm.server.serving import OpenAIServing, SSEStream
+from kvlm.server.serving import SSEStream
+from kvlm.server.serving_chat import ChatServing
+from kvlm.server.serving_completion import CompletionServing
 
 log = logging.getLogger("kvlm.server")
 
@@ -156,15 +158,9 @@ async def _unless_disconnected(request: Request, work: Any) -> Any:
     return None
 
 
-def create_app(serving: OpenAIServing, aengine: AsyncEngine, metrics: ServerMetrics, api_keys: list[str],
-               max_body_bytes: int = 2 << 20, root_path: str = "", log_requests: bool = False) -> FastAPI:
-    app = FastAPI(title="kvlm", version=kvlm.__version__, root_path=root_path, docs_url=None, redoc_url=None)
-    app.add_middleware(RequestGate, api_keys=api_keys)
-    seen_extra: set[str] = set()
-    page = (Path(__file__).parent / "static" / "index.html").read_text(encoding="utf-8")
-    engine = serving.engine
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error as OpenAI's error body: ours, FastAPI's validation and routing errors, a dead engine, bugs."""
 
-    # ------------------------------------------------------------------------------------------ errors
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError) -> JSONResponse:
         return JSONResponse(e.body(), e.status, headers=e.headers)
@@ -180,7 +176,8 @@ def create_app(serving: OpenAIServing, aengine: AsyncEngine, metrics: ServerMetr
 
     @app.exception_handler(EngineDeadError)
     async def _dead(request: Request, e: EngineDeadError) -> JSONResponse:
-        return JSONResponse(APIError(500, "the engine stopped on an internal error", "internal_server_error").body(), 500)
+        err = APIError(500, "the engine stopped on an internal error", "internal_server_error")
+        return JSONResponse(err.body(), 500)
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, e: Exception) -> JSONResponse:
@@ -188,8 +185,14 @@ def create_app(serving: OpenAIServing, aengine: AsyncEngine, metrics: ServerMetr
         log.exception("kvlm: internal error in request %s", rid)
         return JSONResponse(APIError(500, f"internal error (request {rid})", "internal_server_error").body(), 500)
 
-    # ------------------------------------------------------------------------------------------ helpers
-    def parse(model: type[BaseModel], obj: Any) -> Any:
+
+class _Parser:
+    """Validate a JSON body against a `protocol` schema; unknown fields are logged once each, then ignored."""
+
+    def __init__(self) -> None:
+        self.seen_extra: set[str] = set()
+
+    def __call__(self, model: type[BaseModel], obj: Any) -> Any:
         if not isinstance(obj, dict):
             raise bad_request("the request body must be a JSON object")
         try:
@@ -197,10 +200,54 @@ def create_app(serving: OpenAIServing, aengine: AsyncEngine, metrics: ServerMetr
         except ValidationError as e:
             raise validation_error(e) from None
         for name in req.model_extra or {}:
-            if name not in seen_extra:
-                seen_extra.add(name)
+            if name not in self.seen_extra:
+                self.seen_extra.add(name)
                 log.warning("kvlm: ignoring unknown request field %r (logged once)", name)
         return req
+
+
+def _add_tokenizer_routes(app: FastAPI, chat: ChatServing, parse: _Parser, max_body_bytes: int) -> None:
+    """vLLM's `/tokenize`, `/detokenize` and `/tokenizer_info`."""
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict[str, Any]:
+        r = parse(TokenizeRequest, await read_json(request, max_body_bytes))
+        chat.check_model(r.model)
+        if (r.prompt is None) == (r.messages is None):
+            raise bad_request("give exactly one of prompt or messages", "prompt")
+        if r.messages is not None:
+            ids = chat.chat_prompt(ChatCompletionRequest(messages=r.messages,
+                                                         add_generation_prompt=r.add_generation_prompt))
+        else:
+            ids = chat.tokenizer.encode(r.prompt, add_special_tokens=r.add_special_tokens)
+        return {"count": len(ids), "max_model_len": chat.max_model_len, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict[str, Any]:
+        r = parse(DetokenizeRequest, await read_json(request, max_body_bytes))
+        chat.check_model(r.model)
+        try:
+            return {"prompt": chat.tokenizer.decode(r.tokens)}
+        except KvlmError as e:
+            raise bad_request(str(e), "tokens") from None
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> dict[str, Any]:
+        t = chat.tokenizer
+        return {"tokenizer_class": "kvlm", "eos_token": t.eos_token, "bos_token": t.bos_token, "pad_token": None,
+                "chat_template": t.chat_template, "model_max_length": chat.max_model_len,
+                "vocab_size": chat.vocab_size}
+
+
+def create_app(completion: CompletionServing, chat: ChatServing, aengine: AsyncEngine, metrics: ServerMetrics,
+               api_keys: list[str], max_body_bytes: int = 2 << 20, root_path: str = "",
+               log_requests: bool = False) -> FastAPI:
+    app = FastAPI(title="kvlm", version=kvlm.__version__, root_path=root_path, docs_url=None, redoc_url=None)
+    app.add_middleware(RequestGate, api_keys=api_keys)
+    _add_error_handlers(app)
+    parse = _Parser()
+    page = (Path(__file__).parent / "static" / "index.html").read_text(encoding="utf-8")
+    engine = chat.engine
 
     def refuse_when_unavailable() -> None:
         if aengine.dead is not None:
@@ -218,25 +265,24 @@ def create_app(serving: OpenAIServing, aengine: AsyncEngine, metrics: ServerMetr
             return JSONResponse(result)
         return _SSEResponse(result)
 
-    # ------------------------------------------------------------------------------------------ routes
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         refuse_when_unavailable()
         r = parse(CompletionRequest, await read_json(request, max_body_bytes))
-        return await respond(request, serving.completions(r, request.scope["kvlm.request_id"]))
+        return await respond(request, completion.completions(r, request.scope["kvlm.request_id"]))
 
     @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> Response:
+    async def chat_completions(request: Request) -> Response:
         refuse_when_unavailable()
         r = parse(ChatCompletionRequest, await read_json(request, max_body_bytes))
-        return await respond(request, serving.chat(r, request.scope["kvlm.request_id"]))
+        return await respond(request, chat.chat(r, request.scope["kvlm.request_id"]))
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         created = int(time.time())
         return {"object": "list", "data": [
             {"id": name, "object": "model", "created": created, "owned_by": "kvlm", "root": str(engine.model_path),
-             "max_model_len": serving.max_model_len} for name in serving.opts.served_model_names]}
+             "max_model_len": chat.max_model_len} for name in chat.opts.served_model_names]}
 
     @app.get("/health")
     async def health() -> Response:
@@ -248,34 +294,7 @@ def create_app(serving: OpenAIServing, aengine: AsyncEngine, metrics: ServerMetr
     async def version() -> dict[str, str]:
         return {"version": kvlm.__version__}
 
-    @app.post("/tokenize")
-    async def tokenize(request: Request) -> dict[str, Any]:
-        r = parse(TokenizeRequest, await read_json(request, max_body_bytes))
-        serving.check_model(r.model)
-        if (r.prompt is None) == (r.messages is None):
-            raise bad_request("give exactly one of prompt or messages", "prompt")
-        if r.messages is not None:
-            chat = ChatCompletionRequest(messages=r.messages, add_generation_prompt=r.add_generation_prompt)
-            ids = serving.chat_prompt(chat)
-        else:
-            ids = serving.tokenizer.encode(r.prompt, add_special_tokens=r.add_special_tokens)
-        return {"count": len(ids), "max_model_len": serving.max_model_len, "tokens": ids}
-
-    @app.post("/detokenize")
-    async def detokenize(request: Request) -> dict[str, Any]:
-        r = parse(DetokenizeRequest, await read_json(request, max_body_bytes))
-        serving.check_model(r.model)
-        try:
-            return {"prompt": serving.tokenizer.decode(r.tokens)}
-        except KvlmError as e:
-            raise bad_request(str(e), "tokens") from None
-
-    @app.get("/tokenizer_info")
-    async def tokenizer_info() -> dict[str, Any]:
-        t = serving.tokenizer
-        return {"tokenizer_class": "kvlm", "eos_token": t.eos_token, "bos_token": t.bos_token, "pad_token": None,
-                "chat_template": t.chat_template, "model_max_length": serving.max_model_len,
-                "vocab_size": serving.vocab_size}
+    _add_tokenizer_routes(app, chat, parse, max_body_bytes)
 
     @app.get("/metrics")
     async def prometheus() -> Response:

@@ -2,13 +2,14 @@
 
 The engine is single-threaded bookkeeping, so only the loop thread touches it. Handlers talk to that thread
 through a thread-safe inbox (add, abort, abort-all) and read its load (`EngineLoad`: running, waiting, KV
-blocks) from a snapshot the loop thread publishes after every step; each request has an asyncio queue on the server's
-event loop, fed by the loop thread with `loop.call_soon_threadsafe`. A request joins the running batch at
-the next step after it is submitted, and an HTTP handler never waits on a forward pass.
+blocks) from a snapshot the loop thread publishes after every step; each request has an asyncio queue on
+the server's event loop, fed by the loop thread with `loop.call_soon_threadsafe`. A request joins the
+running batch at the next step after it is submitted, and an HTTP handler never waits on a forward pass.
 
 `submit()` returns a `Submission`, an async iterator over (choice index, `StreamDelta`); when its consumer
 goes away (client disconnect, cancelled task) the handler's `finally` calls `close()`, which aborts every
-request it still owns, so the engine frees their KV blocks at the next step. This module knows nothing about HTTP or JSON.
+request it still owns, so the engine frees their KV blocks at the next step. This module knows nothing
+about HTTP or JSON.
 """
 
 from __future__ import annotations

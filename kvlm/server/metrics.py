@@ -48,7 +48,8 @@ class ServerMetrics:
         self.prompt_tokens = counter("kvlm:prompt_tokens", "Prompt tokens of finished requests.").labels(**lbl)
         self.generation_tokens = counter("kvlm:generation_tokens", "Generated tokens.").labels(**lbl)
         self.preemptions = counter("kvlm:num_preemptions", "Preemptions (by recompute).").labels(**lbl)
-        self.prefix_queries = counter("kvlm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.").labels(**lbl)
+        self.prefix_queries = counter("kvlm:prefix_cache_queries",
+                                      "Prompt tokens looked up in the prefix cache.").labels(**lbl)
         self.prefix_hits = counter("kvlm:prefix_cache_hits", "Prompt tokens found in the prefix cache.").labels(**lbl)
         self.success = counter("kvlm:request_success", "Finished requests by finish reason.", ("finished_reason",))
 

@@ -1,9 +1,10 @@
-"""The OpenAI endpoints' behaviour: request -> checks -> engine requests -> response or SSE chunks.
+"""What the OpenAI endpoints share: request -> checks -> engine requests -> response or SSE chunks.
 
-`OpenAIServing` turns a validated `CompletionRequest` / `ChatCompletionRequest` into engine requests
+`OpenAIServing` is the base of the two endpoint classes (`serving_completion.CompletionServing`,
+`serving_chat.ChatServing`, as vLLM splits them). It turns a validated request into engine requests
 (prompts x n, seeded `seed + i`), checks what the engine cannot know (the served model name, caps on n,
-logprobs and stop strings, unsupported fields, the context length with vLLM's wording), and shapes the
-engine's deltas into OpenAI responses: one JSON body, or `data: {json}` chunks ending in `data: [DONE]`.
+logprobs and stop strings, vLLM's context-length rule), translates the engine's own `ParameterError`s
+into 400s, and ends every SSE stream the same way. `_Call` collects or streams one call's deltas.
 It knows nothing about HTTP transport; `app` does the routing, auth, body limits and disconnects.
 """
 
@@ -22,12 +23,7 @@ from kvlm.outputs import StreamDelta
 from kvlm.request import Request
 from kvlm.sampling_params import SamplingParams
 from kvlm.server.async_engine import AsyncEngine, QueueFullError, Submission
-from kvlm.server.protocol import (
-    APIError,
-    ChatCompletionRequest,
-    CompletionRequest,
-    bad_request,
-)
+from kvlm.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, bad_request
 
 _SAMPLING_FIELDS = {f for f in SamplingParams.__dataclass_fields__ if f != "stop_strings"}
 
@@ -193,87 +189,6 @@ class OpenAIServing:
         except QueueFullError as e:
             raise APIError(503, f"{e}; retry later", "service_unavailable", None, 503, {"Retry-After": "1"}) from None
 
-    # ------------------------------------------------------------------------------------- completions
-    def completion_prompts(self, r: CompletionRequest) -> list[list[int] | str]:
-        p = r.prompt
-        if isinstance(p, str):
-            prompts: list[list[int] | str] = [p]
-        elif p and all(isinstance(x, int) for x in p):
-            prompts = [list(p)]  # type: ignore[arg-type]
-        else:
-            prompts = list(p)  # type: ignore[arg-type]
-        if not prompts or any(len(x) == 0 for x in prompts):
-            raise bad_request("Either prompt or prompt_embeds must be provided and non-empty.", "prompt")
-        return prompts
-
-    async def completions(self, r: CompletionRequest, request_id: str) -> dict[str, Any] | SSEStream:
-        self.check_model(r.model)
-        if r.suffix is not None:
-            raise bad_request("suffix is not supported", "suffix")
-        if r.logprobs is not None and not 0 <= r.logprobs <= self.opts.max_logprobs:
-            raise bad_request(f"logprobs must be in [0, {self.opts.max_logprobs}], got {r.logprobs}", "logprobs")
-        prompts = self.completion_prompts(r)
-        self._check_common(r, len(prompts))
-        count = len(prompts) * r.n
-        self.reserve(count)
-        try:
-            specs, prompt_ids = [], []
-            for pi, p in enumerate(prompts):
-                ids = self.tokenizer.encode(p) if isinstance(p, str) else p
-                mt = self._check_prompt(ids, r.max_tokens, "prompt")
-                prompt_ids.append(ids)
-                for i in range(r.n):
-                    plp = r.logprobs if r.echo and r.logprobs is not None else None
-                    rid = request_id if count == 1 else f"{request_id}-{pi * r.n + i}"
-                    specs.append((ids, self._params(r, mt, i, r.logprobs, plp), rid))
-        except BaseException:
-            self.aengine.release(count)
-            raise
-        sub = await self._submit(specs, count, "prompt")
-        ctx = _Call(request_id, "cmpl", r.n, prompt_ids, sub)
-        if r.stream:
-            return SSEStream(self._sse(ctx, "text_completion", r, self._stream_completion(r, ctx)), sub)
-        try:
-            choices = await ctx.collect()
-        finally:
-            sub.close()
-        out = []
-        for idx, c in enumerate(choices):
-            ids = prompt_ids[idx // r.n]
-            text, lp = c.text, None
-            prefix = self.tokenizer.decode(ids, skip_special_tokens=False) if r.echo else ""
-            if r.logprobs is not None:
-                lp = self._completion_logprobs(c.token_ids, c.logprobs, len(prefix))
-                if r.echo:
-                    plp = ctx.prompt_logprobs(idx) or [None] * len(ids)
-                    lp = self._merge_echo(self._completion_logprobs(ids, plp, 0), lp)
-            out.append({"index": idx, "text": prefix + text, "logprobs": lp, "finish_reason": c.finish_reason,
-                        "stop_reason": c.stop_reason})
-        return {"id": ctx.id, "object": "text_completion", "created": ctx.created, "model": self.model_name,
-                "choices": out, "usage": ctx.usage()}
-
-    def _completion_logprobs(self, ids: list[int], lps: list[dict[int, float] | None], offset: int) -> dict[str, Any]:
-        tokens, token_lps, tops, offsets = [], [], [], []
-        for t, d in zip(ids, lps):
-            s = self.token_text(t)
-            tokens.append(s)
-            token_lps.append(None if d is None else d[t])
-            tops.append(None if d is None else self._top_by_text(d))
-            offsets.append(offset)
-            offset += len(s)
-        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
-
-    def _top_by_text(self, d: dict[int, float]) -> dict[str, float]:
-        """OpenAI keys top logprobs by token text; distinct ids with the same text keep the larger value."""
-        out: dict[str, float] = {}
-        for k, v in sorted(d.items(), key=lambda kv: kv[1]):
-            out[self.token_text(k)] = v
-        return out
-
-    @staticmethod
-    def _merge_echo(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
-        return {k: a[k] + b[k] for k in a}
-
     async def _sse(self, ctx: _Call, obj: str, r: CompletionRequest | ChatCompletionRequest,
                    chunks: AsyncIterator[str]) -> AsyncIterator[str]:
         """How every SSE stream ends: the usage chunk when asked, an error event if the stream failed, then
@@ -291,145 +206,6 @@ class OpenAIServing:
         finally:
             ctx.sub.close()
         yield "data: [DONE]\n\n"
-
-    async def _stream_completion(self, r: CompletionRequest, ctx: _Call) -> AsyncIterator[str]:
-        state = [_Choice() for _ in range(len(ctx.prompt_ids) * r.n)]
-        async for idx, d in ctx.deltas():
-            c = state[idx]
-            text = d.text
-            lp = None
-            if r.echo and not c.started:
-                ids = ctx.prompt_ids[idx // r.n]
-                prefix = self.tokenizer.decode(ids, skip_special_tokens=False)
-                text = prefix + text
-                if r.logprobs is not None:
-                    plp = d.prompt_logprobs or [None] * len(ids)
-                    lp = self._completion_logprobs(ids, plp, 0)
-                c.offset = len(prefix)
-            c.started = True
-            if r.logprobs is not None and d.logprobs:
-                c.token_ids += d.token_ids
-                c.logprobs += d.logprobs
-            if not text and not d.finished:
-                continue  # never an empty text chunk; the token's logprobs go with the next one
-            if r.logprobs is not None and c.token_ids:
-                new = self._completion_logprobs(c.token_ids, c.logprobs, c.offset)
-                c.offset += sum(len(s) for s in new["tokens"])
-                lp = new if lp is None else self._merge_echo(lp, new)
-                c.token_ids, c.logprobs = [], []
-            choice = {"index": idx, "text": text, "logprobs": lp, "finish_reason": d.finish_reason,
-                      "stop_reason": ctx.stop_reason(d)}
-            yield sse({"id": ctx.id, "object": "text_completion", "created": ctx.created,
-                       "model": self.model_name, "choices": [choice]})
-
-    # -------------------------------------------------------------------------------------------- chat
-    def chat_prompt(self, r: ChatCompletionRequest) -> list[int]:
-        if not r.messages:
-            raise bad_request("messages must not be empty", "messages")
-        msgs = []
-        for i, m in enumerate(r.messages):
-            if isinstance(m.content, list):
-                parts = []
-                for j, p in enumerate(m.content):
-                    if p.type != "text" or p.text is None:
-                        raise bad_request(f"content part type {p.type!r} is not supported (only text)",
-                                          f"messages[{i}].content[{j}]")
-                    parts.append(p.text)
-                content = "".join(parts)
-            else:
-                content = m.content
-            msg = {"role": m.role, "content": content}
-            if m.name is not None:
-                msg["name"] = m.name
-            msgs.append(msg)
-        try:
-            text = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=r.add_generation_prompt)
-        except KvlmError as e:
-            raise bad_request(str(e), "messages") from None
-        return self.tokenizer.encode(text, add_special_tokens=False)
-
-    def _check_chat(self, r: ChatCompletionRequest) -> None:
-        if r.chat_template is not None:
-            raise bad_request("a request-supplied chat_template is refused; the model's own template is used",
-                              "chat_template")
-        if r.tools or r.functions:
-            raise bad_request("tools are not supported", "tools")
-        if r.tool_choice not in (None, "none"):
-            raise bad_request("tool_choice is not supported", "tool_choice")
-        if r.response_format is not None and r.response_format.get("type", "text") != "text":
-            raise bad_request("response_format other than text is not supported", "response_format")
-        if r.continue_final_message:
-            raise bad_request("continue_final_message is not supported", "continue_final_message")
-        if r.top_logprobs is not None:
-            if not r.logprobs:
-                raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
-            if not 0 <= r.top_logprobs <= self.opts.max_logprobs:
-                raise bad_request(f"top_logprobs must be in [0, {self.opts.max_logprobs}], got {r.top_logprobs}",
-                                  "top_logprobs")
-
-    async def chat(self, r: ChatCompletionRequest, request_id: str) -> dict[str, Any] | SSEStream:
-        self.check_model(r.model)
-        self._check_chat(r)
-        self._check_common(r, 1)
-        self.reserve(r.n)
-        try:
-            ids = self.chat_prompt(r)
-            limit = r.max_completion_tokens if r.max_completion_tokens is not None else r.max_tokens
-            mt = self._check_prompt(ids, limit, "messages")
-            k = (r.top_logprobs or 0) if r.logprobs else None
-            specs = [(ids, self._params(r, mt, i, k, None), request_id if r.n == 1 else f"{request_id}-{i}")
-                     for i in range(r.n)]
-        except BaseException:
-            self.aengine.release(r.n)
-            raise
-        sub = await self._submit(specs, r.n, "messages")
-        ctx = _Call(request_id, "chatcmpl", r.n, [ids], sub)
-        if r.stream:
-            return SSEStream(self._sse(ctx, "chat.completion.chunk", r, self._stream_chat(r, ctx)), sub)
-        try:
-            choices = await ctx.collect()
-        finally:
-            sub.close()
-        out = [{"index": i, "message": {"role": "assistant", "content": c.text},
-                "logprobs": self._chat_logprobs(c.token_ids, c.logprobs) if r.logprobs else None,
-                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for i, c in enumerate(choices)]
-        return {"id": ctx.id, "object": "chat.completion", "created": ctx.created, "model": self.model_name,
-                "choices": out, "usage": ctx.usage()}
-
-    def _chat_logprobs(self, ids: list[int], lps: list[dict[int, float]]) -> dict[str, Any]:
-        def entry(t: int, v: float) -> dict[str, Any]:
-            s = self.token_text(t)
-            return {"token": s, "logprob": v, "bytes": list(s.encode("utf-8"))}
-
-        content = []
-        for t, d in zip(ids, lps):
-            tops = sorted(((k, v) for k, v in d.items()), key=lambda kv: -kv[1])
-            content.append({**entry(t, d[t]), "top_logprobs": [entry(k, v) for k, v in tops if k != t or len(tops)]})
-        return {"content": content}
-
-    async def _stream_chat(self, r: ChatCompletionRequest, ctx: _Call) -> AsyncIterator[str]:
-        state = [_Choice() for _ in range(r.n)]
-
-        def chunk(choice: dict[str, Any]) -> str:
-            return sse({"id": ctx.id, "object": "chat.completion.chunk", "created": ctx.created,
-                        "model": self.model_name, "choices": [choice]})
-
-        for i in range(r.n):
-            yield chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                         "finish_reason": None})
-        async for idx, d in ctx.deltas():
-            c = state[idx]
-            if r.logprobs and d.logprobs:
-                c.token_ids += d.token_ids
-                c.logprobs += d.logprobs
-            if not d.text and not d.finished:
-                continue
-            lp = None
-            if r.logprobs and c.token_ids:
-                lp = self._chat_logprobs(c.token_ids, c.logprobs)
-                c.token_ids, c.logprobs = [], []
-            yield chunk({"index": idx, "delta": {"content": d.text} if d.text else {}, "logprobs": lp,
-                         "finish_reason": d.finish_reason, "stop_reason": ctx.stop_reason(d)})
 
 
 @dataclass(slots=True)
@@ -462,16 +238,20 @@ class _Call:
         return self.requests[idx].prompt_logprobs
 
     async def collect(self) -> list[_Choice]:
+        """Every choice's whole answer (non-streaming); the submission is closed however this ends."""
         choices = [_Choice() for _ in self.requests]
-        async for idx, d in self.sub:
-            c = choices[idx]
-            c.text += d.text
-            c.token_ids += d.token_ids
-            if d.logprobs:
-                c.logprobs += d.logprobs
-            if d.finished:
-                c.finish_reason = d.finish_reason
-                c.stop_reason = self.requests[idx].stop_reason
+        try:
+            async for idx, d in self.sub:
+                c = choices[idx]
+                c.text += d.text
+                c.token_ids += d.token_ids
+                if d.logprobs:
+                    c.logprobs += d.logprobs
+                if d.finished:
+                    c.finish_reason = d.finish_reason
+                    c.stop_reason = self.requests[idx].stop_reason
+        finally:
+            self.sub.close()
         return choices
 
     def usage(self) -> dict[str, Any]:

@@ -15,8 +15,8 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
-from tokenizers import models
 from tokenizers import Tokenizer as _Backend
+from tokenizers import models
 
 from kvlm.errors import TokenizerError
 from kvlm.tokenizer.gguf_vocab import tokenizer_args_from_gguf

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""An experiment, kept because docs/int8_activations.md records its result: old vs new int8 matmul, side by side: two source trees (e.g. main's, in a second worktree, and this
-one), each measured in its own processes, alternated `--reps` times; prints medians and new/old ratios,
-then one JSON line.
+"""An experiment, kept because docs/int8_activations.md records its result: old vs new int8 matmul, side by
+side: two source trees (e.g. main's, in a second worktree, and this one), each measured in its own
+processes, alternated `--reps` times; prints medians and new/old ratios, then one JSON line.
 
     git worktree add OLD_TREE <commit>          # any folder outside this checkout
     PYTHONPATH=. python scripts/experiments/int8_panel_ab.py OLD_TREE . --threads 2 --reps 3

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from tiny_models import VOCAB, random_state_dict, tiny_config
 
 IM_START = VOCAB - 3  # <|im_start|> in the tiny byte-level vocab
@@ -104,7 +103,8 @@ def cli_files(tmp_path_factory: pytest.TempPathFactory, tiny_gguf: Path) -> dict
     (d / "prompts.txt").write_text("\n".join(PLAIN_PROMPTS) + "\n\n")  # a blank line is skipped
     (d / "prompts.jsonl").write_text("\n".join(json.dumps(p) for p in JSONL_PROMPTS) + "\n")
     (d / "config.json").write_text(json.dumps(LLAMA3_8B))
-    return {"truncated": d / "truncated.gguf", "truncated_header": d / "truncated_header.gguf", "plain": d / "prompts.txt", "jsonl": d / "prompts.jsonl",
+    return {"truncated": d / "truncated.gguf", "truncated_header": d / "truncated_header.gguf",
+            "plain": d / "prompts.txt", "jsonl": d / "prompts.jsonl",
             "config": d / "config.json", "missing": d / "missing.gguf"}
 
 

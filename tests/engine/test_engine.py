@@ -12,11 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from engine_runs import GREEDY, random_prompts, run_engine, small_bytes
 
 from kvlm import LLM, EngineConfig, SamplingParams
 from kvlm.engine.engine import Engine
 from kvlm.errors import PromptTooLongError
-from engine_runs import GREEDY, random_prompts, run_engine, small_bytes
+
 
 def test_cached_decode_equals_full_recompute(tiny_gguf: Path) -> None:
     """Every cached decode step's logits equal a full recompute of the same sequence."""

@@ -6,14 +6,14 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from tiny_models import byte_level_fields
 
 from kvlm.engine.output_processor import OutputProcessor
-from kvlm.tokenizer.detokenizer import IncrementalDetokenizer
 from kvlm.outputs import StreamDelta
 from kvlm.request import Request
 from kvlm.sampling_params import SamplingParams
+from kvlm.tokenizer.detokenizer import IncrementalDetokenizer
 from kvlm.tokenizer.tokenizer import Tokenizer
-from tiny_models import byte_level_fields
 
 
 @pytest.fixture(scope="module")

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import hf_reference_model, random_state_dict, tiny_config, write_tiny_gguf
 
 from kvlm import LLM, SamplingParams
-from tiny_models import hf_reference_model, random_state_dict, tiny_config, write_tiny_gguf
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,8 @@ from collections import Counter
 import pytest
 import torch
 
-from kvlm.request import Request
 from kvlm.engine.sampler import apply_penalties, filter_logits, sample
+from kvlm.request import Request
 from kvlm.sampling_params import SamplingParams
 
 

@@ -7,10 +7,10 @@ import random
 
 import pytest
 
+from kvlm.engine.scheduler import ScheduledBatch, Scheduler
 from kvlm.kv_cache.block_manager import BlockManager
 from kvlm.request import Request, RequestStatus
 from kvlm.sampling_params import SamplingParams
-from kvlm.engine.scheduler import ScheduledBatch, Scheduler
 
 FAKE_TOKEN = 7
 

@@ -53,8 +53,9 @@ VOCAB = len(byte_level_fields()["tokenizer.ggml.tokens"])  # 264
 def tiny_config(model_type: str = "llama", **kw: Any) -> dict[str, Any]:
     """An HF config.json dict for a 2-layer model with GQA (4 query heads, 2 KV heads)."""
     cfg = {
-        "model_type": model_type, "architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                                                     "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM"}[model_type]],
+        "model_type": model_type,
+        "architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                           "mistral": "MistralForCausalLM"}[model_type]],
         "vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 256,
         "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": True, "bos_token_id": VOCAB - 3,

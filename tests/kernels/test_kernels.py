@@ -23,11 +23,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
+from quantize import random_blocks  # noqa: E402  (tests/helpers)
 
 from kvlm.kernels import native, paged_decode_attention
 from kvlm.kernels.quant import (
@@ -45,8 +45,6 @@ from kvlm.kernels.reference import (
     qmatmul_int8_ref,
     qmatmul_ref,
 )
-
-from quantize import SCALE_FIELDS, random_blocks  # noqa: E402  (tests/helpers)
 
 FORMATS = [T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K, T.F16, T.BF16, T.F32]
 ROUNDED = {T.Q4_1, T.Q4_K, T.Q5_K}  # q * d + m: fused here, two roundings in the reference
@@ -236,9 +234,11 @@ def test_fallback_when_the_build_fails(tmp_path: Path) -> None:
         " torch.tensor([5], dtype=torch.int32), 0.25)\n"
         "print(kernel_path(T.Q4_1))\n"
     )
-    env = {**os.environ, "KVLM_HOME": str(tmp_path), "CXX": "/bin/false", "PYTHONPATH": f"{Path(__file__).parents[2]}:{Path(__file__).parents[1] / 'helpers'}"}
+    path = f"{Path(__file__).parents[2]}:{Path(__file__).parents[1] / 'helpers'}"  # kvlm, and tests/helpers
+    env = {**os.environ, "KVLM_HOME": str(tmp_path), "CXX": "/bin/false", "PYTHONPATH": path}
     env.pop(native.ENV_ISA, None)
-    r = subprocess.run([sys.executable, "-c", script], check=False, env=env, capture_output=True, text=True, timeout=300)
+    r = subprocess.run([sys.executable, "-c", script], check=False, env=env, capture_output=True, text=True,
+                       timeout=300)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "reference"
     assert r.stderr.count("native kernels unavailable") == 1, r.stderr

@@ -17,11 +17,11 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from quantize import KQUANT_F16_FIELDS, can_quantize, synthetic_quantize
+from tiny_models import random_state_dict, tiny_config, write_tiny_gguf
 
 from kvlm.loader import load_checkpoint
 from kvlm.loader.gguf import SUPPORTED_TENSOR_TYPES, gguf_to_hf_name
-from quantize import KQUANT_F16_FIELDS, can_quantize, synthetic_quantize
-from tiny_models import random_state_dict, tiny_config, write_tiny_gguf
 
 F32 = np.float32
 
@@ -70,7 +70,7 @@ def decode_block(fmt: str, b: bytes) -> np.ndarray:
                     sc = scales[i]
                     i += 1
                     dl, ml = d * F32(sc & 0xF), dmin * F32(sc >> 4)
-                    y += [dl * F32((qs[half + part + l] >> shift) & 3) - ml for l in range(16)]
+                    y += [dl * F32((qs[half + part + lane] >> shift) & 3) - ml for lane in range(16)]
     elif fmt == "Q3_K":  # hmask[32], qs[64], scales[12] (6-bit, packed), d
         hm, qs, d = b[0:32], b[32:96], f16(b, 108)
         a0, a1, a2 = struct.unpack_from("<3I", b, 96)
@@ -84,8 +84,8 @@ def decode_block(fmt: str, b: bytes) -> np.ndarray:
                 for part in (0, 16):
                     dl = d * F32(int(scales[i]) - 32)
                     i += 1
-                    y += [dl * F32(((qs[half + part + l] >> shift) & 3) - (0 if hm[part + l] & bit else 4))
-                          for l in range(16)]
+                    y += [dl * F32(((qs[half + part + lane] >> shift) & 3) - (0 if hm[part + lane] & bit else 4))
+                          for lane in range(16)]
                 bit <<= 1
     elif fmt in ("Q4_K", "Q5_K"):  # d, dmin, scales[12], [qh[32],] qs[128]
         d, dmin, scales = f16(b, 0), f16(b, 2), b[4:16]
@@ -93,23 +93,23 @@ def decode_block(fmt: str, b: bytes) -> np.ndarray:
         for j in range(4):
             (s1, m1), (s2, m2) = scale_min_k4(2 * j, scales), scale_min_k4(2 * j + 1, scales)
             q = qs[32 * j:32 * j + 32]
-            h1 = [16 if qh and qh[l] & (1 << 2 * j) else 0 for l in range(32)]
-            h2 = [16 if qh and qh[l] & (2 << 2 * j) else 0 for l in range(32)]
-            y += [d * F32(s1) * F32((q[l] & 0xF) + h1[l]) - dmin * F32(m1) for l in range(32)]
-            y += [d * F32(s2) * F32((q[l] >> 4) + h2[l]) - dmin * F32(m2) for l in range(32)]
+            h1 = [16 if qh and qh[lane] & (1 << 2 * j) else 0 for lane in range(32)]
+            h2 = [16 if qh and qh[lane] & (2 << 2 * j) else 0 for lane in range(32)]
+            y += [d * F32(s1) * F32((q[lane] & 0xF) + h1[lane]) - dmin * F32(m1) for lane in range(32)]
+            y += [d * F32(s2) * F32((q[lane] >> 4) + h2[lane]) - dmin * F32(m2) for lane in range(32)]
     elif fmt == "Q6_K":  # ql[128], qh[64], scales[16] int8, d
         ql, qh, sc, d = b[0:128], b[128:192], np.frombuffer(b[192:208], np.int8), f16(b, 208)
         out = np.zeros(256, F32)
         for n in (0, 1):
             L, H, S = ql[64 * n:], qh[32 * n:], sc[8 * n:]
-            for l in range(32):
-                s = l // 16
-                q1 = ((L[l] & 0xF) | ((H[l] & 3) << 4)) - 32
-                q2 = ((L[l + 32] & 0xF) | (((H[l] >> 2) & 3) << 4)) - 32
-                q3 = ((L[l] >> 4) | (((H[l] >> 4) & 3) << 4)) - 32
-                q4 = ((L[l + 32] >> 4) | (((H[l] >> 6) & 3) << 4)) - 32
+            for lane in range(32):
+                s = lane // 16
+                q1 = ((L[lane] & 0xF) | ((H[lane] & 3) << 4)) - 32
+                q2 = ((L[lane + 32] & 0xF) | (((H[lane] >> 2) & 3) << 4)) - 32
+                q3 = ((L[lane] >> 4) | (((H[lane] >> 4) & 3) << 4)) - 32
+                q4 = ((L[lane + 32] >> 4) | (((H[lane] >> 6) & 3) << 4)) - 32
                 for k, q in enumerate((q1, q2, q3, q4)):
-                    out[128 * n + l + 32 * k] = d * F32(S[s + 2 * k]) * F32(q)
+                    out[128 * n + lane + 32 * k] = d * F32(S[s + 2 * k]) * F32(q)
         return out
     else:
         raise AssertionError(f"no hand decoder for {fmt}")

@@ -43,7 +43,8 @@ def _meta(lens: list[int], bs: int) -> AttentionMetadata:
     B = len(lens)
     tables = torch.tensor([[b * 8 + j for j in range(8)] for b in range(B)])
     slots = torch.tensor([int(tables[b, (n - 1) // bs]) * bs + (n - 1) % bs for b, n in enumerate(lens)])
-    return AttentionMetadata(kind=StepKind.DECODE, positions=torch.tensor(lens) - 1, slot_mapping=slots, block_tables=tables,
+    return AttentionMetadata(kind=StepKind.DECODE, positions=torch.tensor(lens) - 1, slot_mapping=slots,
+                             block_tables=tables,
                              query_lens=(1,) * B, seq_lens=tuple(lens), q_pad_index=None,
                              attn_mask=build_attn_mask([1] * B, lens, torch.device("cpu")),
                              logits_indices=torch.arange(B))
@@ -69,7 +70,8 @@ def test_unwritten_slots_never_reach_attention() -> None:
                 else:
                     slots = torch.tensor([b * 32 + p for p in range(step)])
                 kv = torch.randn(step, kvh, D, generator=g)
-                m = AttentionMetadata(kind=StepKind.PREFILL, positions=torch.arange(step), slot_mapping=slots, block_tables=torch.zeros(1, 1),
+                m = AttentionMetadata(kind=StepKind.PREFILL, positions=torch.arange(step), slot_mapping=slots,
+                                      block_tables=torch.zeros(1, 1),
                                       query_lens=(step,), seq_lens=(step,), q_pad_index=None, attn_mask=None,
                                       logits_indices=torch.tensor([step - 1]))
                 cache.write(0, kv, kv * 0.5, m)

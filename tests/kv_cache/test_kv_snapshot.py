@@ -112,7 +112,8 @@ def test_refused_for_another_model_dtype_or_block_size(tiny_gguf: Path, snapshot
     from tiny_models import random_state_dict, tiny_config, write_tiny_gguf
 
     other = write_tiny_gguf(tmp_path / "other.gguf", tiny_config(), random_state_dict(tiny_config(), seed=9))
-    cases = [(LLM(other, block_size=BS), "another model"), (LLM(tiny_gguf, block_size=BS, dtype="bfloat16"), "another dtype"),
+    cases = [(LLM(other, block_size=BS), "another model"),
+             (LLM(tiny_gguf, block_size=BS, dtype="bfloat16"), "another dtype"),
              (LLM(tiny_gguf, block_size=8), "another block size")]
     for llm, words in cases:
         with pytest.raises(SnapshotError, match=words):
@@ -138,7 +139,8 @@ def test_snapshot_larger_than_free_pool_is_refused(tiny_gguf: Path, snapshot: Pa
     eng.block_manager.check([])
 
 
-def test_cli_cache_save_and_prefix_snapshot(tiny_gguf: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_cache_save_and_prefix_snapshot(tiny_gguf: Path, tmp_path: Path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
     from kvlm.cli.main import main
 
     path = tmp_path / "p.safetensors"

@@ -12,24 +12,22 @@ import dataclasses
 import json
 import math
 import struct
-import zlib
 from pathlib import Path
 from typing import Any
 
 import gguf
 import numpy as np
 import pytest
-import torch
-
 import tiny_models
-from kvlm.errors import KvlmError, ModelLoadError, UnsupportedModelError
-from kvlm.llm import LLM
-from kvlm.loader import load_checkpoint, load_config, resolve_model
-from kvlm import paths
-from kvlm.loader import registry
-from kvlm.loader.gguf import SUPPORTED_TENSOR_TYPES, dequantize_tensor
+import torch
 from quantize import KQUANT_F16_FIELDS, can_quantize, real_quantize, synthetic_quantize
 from tiny_models import hf_reference_model, random_state_dict, tiny_config, write_tiny_gguf, write_tiny_hf_dir
+
+from kvlm import paths
+from kvlm.errors import KvlmError, ModelLoadError, UnsupportedModelError
+from kvlm.llm import LLM
+from kvlm.loader import load_checkpoint, load_config, registry, resolve_model
+from kvlm.loader.gguf import SUPPORTED_TENSOR_TYPES, dequantize_tensor
 
 IDS = [5, 17, 104, 200, 33, 12, 250, 7, 99, 101, 3, 66]  # a 12-token prompt (byte ids and merges)
 ATOL = 1e-4

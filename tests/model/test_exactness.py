@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 import torch
+from deps import need
 
 from kvlm import LLM, EngineConfig, SamplingParams
 from kvlm.engine.engine import Engine
-from deps import need
 
 pytestmark = pytest.mark.slow
 
@@ -66,7 +66,8 @@ def test_greedy_64_tokens_match_transformers(smollm2_llm: LLM, hf_model: Any, ki
         ids = smollm2_llm.tokenizer.encode(PROMPTS[0])
     else:
         ids = smollm2_llm.render_chat(CHAT)
-    ours = smollm2_llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
+    greedy = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    ours = smollm2_llm.generate({"prompt_token_ids": ids}, greedy)
     assert ours[0].outputs[0].token_ids == _hf_greedy(hf_model, ids, 64)
 
 

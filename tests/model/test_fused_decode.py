@@ -21,8 +21,8 @@ from tiny_models import tiny_config, write_tiny_gguf
 from kvlm import EngineConfig
 from kvlm.attention.metadata import AttentionMetadata, StepKind
 from kvlm.engine.engine import Engine
-from kvlm.model.fused_decode import FusedDecoder
 from kvlm.kernels import native
+from kvlm.model.fused_decode import FusedDecoder
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="native kernels not built here")
 
@@ -100,7 +100,8 @@ def test_engine_tokens_with_and_without_fusion(family_gguf: Path) -> None:
 
 def test_module_path_where_fusion_does_not_apply(family_gguf: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert Engine(family_gguf, EngineConfig(dtype="float32"), quiet=True).runner.fused is None
-    assert Engine(family_gguf, EngineConfig(dtype="auto", kv_cache_layout="contiguous"), quiet=True).runner.fused is None
+    contiguous = Engine(family_gguf, EngineConfig(dtype="auto", kv_cache_layout="contiguous"), quiet=True)
+    assert contiguous.runner.fused is None
     monkeypatch.setenv("KVLM_FUSED_DECODE", "0")
     assert Engine(family_gguf, EngineConfig(dtype="auto"), quiet=True).runner.fused is None
 

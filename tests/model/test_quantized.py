@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType, quants
 from engine_runs import random_prompts, run_engine
+from gguf import GGMLQuantizationType, quants
 from tiny_models import tiny_config, write_tiny_gguf
 
 from kvlm import LLM, EngineConfig, SamplingParams
@@ -218,7 +218,8 @@ def test_default_model_quantized_agrees_with_float32_reference(smollm2_gguf: Pat
             margin, dev = float(top[0] - top[1]), float((lq - lr).abs().max())
             print(f"{act}: paths part at token {k} of {quant.tokenizer.decode(ids)[:30]!r}: reference margin "
                   f"{margin:.4f}, max |logit deviation| there {dev:.3f}")
-            assert margin < NEAR_TIE[act], f"parted at token {k} with a reference margin of {margin:.3f} (not a near-tie)"
+            assert margin < NEAR_TIE[act], \
+                f"parted at token {k} with a reference margin of {margin:.3f} (not a near-tie)"
             if act == "int8":
                 assert dev < INT8_MAX_LOGIT_DEVIATION
     finally:

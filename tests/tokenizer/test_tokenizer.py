@@ -10,14 +10,14 @@ from typing import Any
 
 import numpy
 import pytest
+from deps import need
 from jinja2.exceptions import SecurityError
+from tiny_models import BYTE, byte_level_fields
 from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFBackend
 
 from kvlm.tokenizer.detokenizer import IncrementalDetokenizer
 from kvlm.tokenizer.tokenizer import Tokenizer, TokenizerError
-from deps import need
-from tiny_models import BYTE, byte_level_fields
 
 
 def read_gguf_fields(path: str | Path) -> dict[str, Any]:

@@ -9,8 +9,8 @@ import shutil
 from pathlib import Path
 
 from kvlm.loader.gguf import read_gguf
-from kvlm.tokenizer.tokenizer import Tokenizer
 from kvlm.tokenizer.cache import cache_key, cache_path, gguf_tokenizer, load_cached
+from kvlm.tokenizer.tokenizer import Tokenizer
 
 TEXTS = ["hello world", "Héllo, wörld! 123 4567\n\n  tabs\tand spaces", "<|im_start|>user\nhi<|im_end|>", "日本語 🙂"]
 
