@@ -1,0 +1,68 @@
+"""The package layout's rules: no import cycles (counted over every import, lazy and type-only ones too),
+no module over 400 lines, a thin root, and the cycle counter itself finds the cycles it is meant to."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "import_cycles.py"
+
+
+def _counter():
+    spec = importlib.util.spec_from_file_location("import_cycles", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    assert spec.loader is not None
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _write(pkg: Path, files: dict[str, str]) -> None:
+    for name, text in files.items():
+        f = pkg / name
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_text(text)
+
+
+def test_counter_finds_lazy_type_checking_and_relative_cycles(tmp_path: Path) -> None:
+    pkg = tmp_path / "kvlm"
+    _write(pkg, {
+        "__init__.py": "",
+        "a.py": "def f():\n    from kvlm.b import g\n",  # lazy: inside a function
+        "b.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from kvlm import a\n",  # type-only
+        "sub/__init__.py": "",
+        "sub/x.py": "from . import y\n",  # relative
+        "sub/y.py": "from kvlm.sub.x import thing\n",
+        "c.py": "import kvlm.a\n",  # points at a cycle, is not in one
+    })
+    ic = _counter()
+    found = ic.cycles(ic.import_graph(pkg))
+    assert sorted(found) == [["kvlm.a", "kvlm.b"], ["kvlm.sub.x", "kvlm.sub.y"]]
+
+
+def test_counter_is_quiet_on_a_tree_without_cycles(tmp_path: Path) -> None:
+    pkg = tmp_path / "kvlm"
+    _write(pkg, {"__init__.py": "from kvlm.a import f\n", "a.py": "import kvlm.b\n", "b.py": "import os\n"})
+    ic = _counter()
+    assert ic.cycles(ic.import_graph(pkg)) == []
+
+
+def test_kvlm_has_no_import_cycles() -> None:
+    r = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, check=False)
+    assert r.returncode == 0, r.stdout
+    assert ", 0 import cycles" in r.stdout
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "kvlm").rglob("*.py")), ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_module_over_400_lines(path: Path) -> None:
+    assert len(path.read_text().splitlines()) <= 400
+
+
+def test_root_package_is_thin() -> None:
+    mods = sorted(p.name for p in (ROOT / "kvlm").glob("*.py") if p.name not in ("__init__.py", "__main__.py"))
+    assert len(mods) <= 10, mods
