@@ -1,3 +1,5 @@
+"""`python -m kvlm`: the `kvlm` command."""
+
 from kvlm.cli.main import run
 
 run()

@@ -66,3 +66,14 @@ def test_no_module_over_400_lines(path: Path) -> None:
 def test_root_package_is_thin() -> None:
     mods = sorted(p.name for p in (ROOT / "kvlm").glob("*.py") if p.name not in ("__init__.py", "__main__.py"))
     assert len(mods) <= 10, mods
+
+
+def test_architecture_package_map_is_current() -> None:
+    """ARCHITECTURE.md's module table is `scripts/package_map.py`'s output for today's tree."""
+    spec = importlib.util.spec_from_file_location("package_map", ROOT / "scripts" / "package_map.py")
+    mod = importlib.util.module_from_spec(spec)
+    assert spec.loader is not None
+    spec.loader.exec_module(mod)
+    text = (ROOT / "ARCHITECTURE.md").read_text()
+    block = text.split(mod.BEGIN, 1)[1].split(mod.END, 1)[0].strip()
+    assert block == mod.package_map(), "ARCHITECTURE.md is stale: run python scripts/package_map.py --write"
