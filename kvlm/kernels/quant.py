@@ -48,10 +48,8 @@ _INT8_ISAS = frozenset({native.ISAS.index("avx2"), native.ISAS.index("avx512"), 
 _TYPE_IDS = {t: int(t) for t in NATIVE_TYPES}  # ggml type id, as the C++ side takes it
 GEMV_MAX_ROWS = 8  # float32 activations: up to this many rows use the row kernel, more dequantize + BLAS
 # Int8 activations: up to this many rows use the int8 kernel, more "fake-quantize x, dequantize a
-# tile, BLAS". Measured here (AMD EPYC, AVX-512 VNNI, 2 threads, 2026-12-01, docs/int8_activations.md)
-# the AVX-512 panel kernel is 2.6x to 3.4x float32 BLAS on pre-dequantized weights at M = 512 (the
-# earlier row kernel matched it), so it takes every M (bit-identical rows in any chunk); lower it on a
-# CPU where BLAS wins.
+# tile, BLAS". The AVX-512 panel kernel outruns float32 BLAS at prefill sizes (docs/int8_activations.md
+# has the measurement), so it takes every M: a row's bits are the same in any chunk.
 INT8_ROW_MAX_ROWS = 1 << 20
 TILE_BYTES = 8 << 20  # float32 bytes of one dequantized weight tile: big enough for BLAS to run at full speed
 

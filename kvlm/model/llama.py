@@ -104,7 +104,7 @@ def _shape(t: Any) -> tuple[int, ...]:
 class Linear(nn.Linear):
     """nn.Linear without its random init: the engine builds the model on the meta device and
     `load_weights` replaces every weight, while kaiming_uniform_ on meta still runs through torch's
-    decompositions (~90 ms for the default model's 121 projections at every start)."""
+    decompositions at every start (docs/startup.md)."""
 
     def reset_parameters(self) -> None:
         pass
