@@ -5,6 +5,7 @@ A thin loop over `Engine.add_request()` and `Engine.step()`: it knows nothing ab
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from collections.abc import Iterator, Sequence
@@ -13,6 +14,7 @@ from typing import Any, Union
 from kvlm.config import EngineConfig
 from kvlm.engine.engine import Engine
 from kvlm.errors import ParameterError
+from kvlm.exactness import ExactReport, first_difference
 from kvlm.kv_cache.snapshot import SnapshotInfo
 from kvlm.outputs import RequestOutput, StreamDelta
 from kvlm.request import Request
@@ -119,6 +121,48 @@ class LLM:
         finally:
             if not req.is_finished:  # the consumer stopped early (or raised): free the request
                 eng.abort(req.request_id)
+
+    def check_exact(self, prompts: PromptType | Sequence[PromptType], params: SamplingParams | None = None,
+                    others: Sequence[PromptType] = ()) -> ExactReport:
+        """Run `prompts` along several paths and report the first token whose id or logprobs differ.
+
+        The reference is each prompt alone on this engine (prefix cache emptied first, so nothing is
+        reused). Compared against it, bit for bit: all prompts together inside a batch with `others`
+        (default: three unrelated prompts, so steps mix prefill chunks and decodes), and each prompt alone
+        on a second engine with the same configuration but no KV cache (every step recomputes). Greedy, or
+        seeded sampling: a path's tokens then depend only on its logits. Logprobs (top 5 at least) are
+        compared too, as floats with `==`."""
+        base = params or SamplingParams()
+        if base.temperature > 0 and base.seed is None:
+            raise ParameterError("seed", "check_exact needs greedy sampling or a seed: unseeded samples differ")
+        sp = dataclasses.replace(base, logprobs=max(base.logprobs or 0, 5))
+        items = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+        eng = self.llm_engine
+
+        def alone(llm: LLM) -> list[RequestOutput]:
+            outs = []
+            for p in items:
+                llm.llm_engine.reset_prefix_cache()
+                outs += llm.generate([p], sp, use_tqdm=False)
+            return outs
+
+        ref = alone(self)
+        fill = list(others) or [{"prompt_token_ids": [(7 * j + 3 * i) % 200 + 10 for j in range(9 + 23 * i)]}
+                                for i in range(3)]
+        eng.reset_prefix_cache()
+        batch = self.generate(fill[:1] + items + fill[1:], [SamplingParams(temperature=0, max_tokens=sp.max_tokens,
+                                                                           ignore_eos=True)]
+                              + [sp] * len(items) + [SamplingParams(temperature=0, max_tokens=9)] * (len(fill) - 1),
+                              use_tqdm=False)[1 : 1 + len(items)]
+        cfg = dataclasses.asdict(eng.config)
+        recompute = LLM(eng.model_path, quiet=True, **{**cfg, "enable_kv_cache": False})
+        runs = {"inside a batch": batch, "no KV cache": alone(recompute)}
+        n = sum(len(o.outputs[0].token_ids) for o in ref)
+        for path, outs in runs.items():
+            d = first_difference(path, ref, outs)
+            if d is not None:
+                return ExactReport(tuple(runs), n, d)
+        return ExactReport(tuple(runs), n, None)
 
     def save_prefix(self, prompt: PromptType, path: str | os.PathLike) -> SnapshotInfo:
         """Save the K/V of `prompt`'s full blocks to a safetensors file (see `kvlm.kv_cache.snapshot`)."""

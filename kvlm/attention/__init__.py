@@ -1,11 +1,13 @@
 """Attention over one engine step's rows, planned as prefill or decode.
 
 `metadata.py`: `AttentionMetadata` and `StepKind`, built once per step by the model runner.
-`prefill.py`: steps that carry prompt chunks (PREFILL, MIXED).
-`decode.py`: steps of one row per sequence (DECODE): gathered, length-grouped or paged in place.
+`prefill.py`: reference for steps that carry prompt chunks (PREFILL, MIXED).
+`decode.py`: reference for steps of one row per sequence (DECODE): gathered, length-grouped.
+`paged.py`: the one native computation for every row of every step, in place over the cache's blocks.
 
-`attention()` picks between the first two by the step's kind; the model calls it after the KV cache
-has stored the step's K/V and handed back each sequence's context.
+With the native kernels the model calls `paged.paged_attention` for every step. The reference (no
+native build, or CUDA) calls `attention()`, which picks prefill or decode by the step's kind, after the
+KV cache has stored the step's K/V and handed back each sequence's context.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Attention for DECODE steps: one query row per sequence, over its whole cached context.
 
-Three ways, all the same attention: `decode_attention` over K/V gathered per sequence (SDPA, the
-reference; each K/V head's query group folded into the query-length axis, so GQA never repeats K/V),
-the same in groups of similar length (`plan_length_groups`), and `paged_decode_attention`, which reads
-the paged cache's blocks in place with the native kernel (no gather, no padding).
+The reference path (no native kernels, or CUDA): `decode_attention` over K/V gathered per sequence
+(SDPA; each K/V head's query group folded into the query-length axis, so GQA never repeats K/V), in
+groups of similar length where that saves padding (`plan_length_groups`). With the native kernels
+decode rows attend in place like every other row (`paged.py`).
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ import torch
 import torch.nn.functional as F
 
 from kvlm.attention.metadata import AttentionMetadata
-from kvlm.kernels import paged_decode_attention as _paged_kernel
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
@@ -26,16 +25,6 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: At
     mask = None if meta.attn_mask is None else meta.attn_mask[:, :, :1, :]  # (B, 1, 1, L) key padding
     out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
     return out.reshape(T, nh * D)
-
-
-def paged_decode_attention(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor, meta: AttentionMetadata,
-                           scale: float) -> torch.Tensor:
-    """Decode attention over the paged blocks in place: q (B, n_heads, D) after the step's K/V were
-    written; k_blocks, v_blocks: one layer's pools (num_blocks, block_size, kv_heads, D). Reads only each
-    sequence's first seq_lens[b] slots, all written, so the untouched pool never matters. -> (B, n_heads*D)."""
-    assert meta.paged_decode and meta.seq_lens_tensor is not None
-    out = _paged_kernel(q, k_blocks, v_blocks, meta.block_tables, meta.seq_lens_tensor, scale)
-    return out.reshape(q.shape[0], -1)
 
 
 def plan_length_groups(seq_lens: list[int], max_groups: int = 4, group_cost: int = 1024) -> list[list[int]]:

@@ -2,9 +2,9 @@
 
 Built once per step by the model runner (`engine/model_runner.py`: `prepare_prefill` / `prepare_decode`)
 and passed explicitly through the model; nothing here is global. `kind` names the plan: a step whose
-sequences each feed one row (decode) is attended differently from one that carries prompt chunks
-(prefill, or a mixed step of prompt chunks and decode rows); `paged_decode` says whether decode rows read
-the paged blocks in place.
+sequences each feed one row (decode) or one that carries prompt chunks (prefill, or a mixed step of
+prompt chunks and decode rows). `in_place` says that every row attends over the cache's blocks with the
+one native computation (attention/paged.py); without it the reference attends by plan.
 """
 
 from __future__ import annotations
@@ -30,16 +30,19 @@ class AttentionMetadata:
     kind: StepKind
     positions: torch.Tensor  # (T,) int64: position of each token in its sequence
     slot_mapping: torch.Tensor  # (T,) int64: flat cache slot (block * block_size + offset) of each token
-    block_tables: torch.Tensor  # (B, max_blocks) int64 (int32 when paged_decode), padded with 0
+    block_tables: torch.Tensor  # (B, max_blocks) int64 (int32 when in_place), padded with 0
     query_lens: tuple[int, ...]  # new tokens per sequence (host ints: they shape tensors)
     seq_lens: tuple[int, ...]  # context length per sequence after this step (cached + new)
     q_pad_index: torch.Tensor | None  # (T,) int64: row of each token in the (B * max_query_len) padded layout
     attn_mask: torch.Tensor | None  # (B, 1, max_query_len, max_seq_len) bool, True = may attend; None = not needed
     logits_indices: torch.Tensor  # (N,) int64: flat rows whose logits we need (a sequence's last token)
-    # DECODE steps on the paged cache with the native kernels: attention reads each sequence's blocks in
-    # place (attention.decode.paged_decode_attention) with seq_lens as a (B,) int32 tensor.
-    paged_decode: bool = False
-    seq_lens_tensor: torch.Tensor | None = None  # (B,) int32, only when paged_decode
+    # With the native kernels every row attends in place over the cache's blocks (attention.paged): row t
+    # reads sequence row_seq[t]'s first row_ctx[t] cached tokens (its position + 1), so its bits depend
+    # on its query and those K/V only, never on the rest of the step.
+    in_place: bool = False
+    row_seq: torch.Tensor | None = None  # (T,) int32: each row's sequence (its row in block_tables)
+    row_ctx: torch.Tensor | None = None  # (T,) int32: each row's context length (position + 1)
+    seq_lens_tensor: torch.Tensor | None = None  # (B,) int32 seq_lens, for the fused decode step
     # DECODE batches of sequences with very different lengths are attended in groups of similar length,
     # so that short sequences are not padded to the longest (attention.decode.plan_length_groups). Each
     # group is a metadata of its own whose `rows` are its tokens' rows in this batch.

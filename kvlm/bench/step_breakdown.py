@@ -67,8 +67,8 @@ class TimedKVCache:
         self.write(layer, k, v, meta)
         return self.fetch(layer, meta)
 
-    def blocks(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.inner.blocks(layer)
+    def blocks(self, layer: int, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.inner.blocks(layer, meta)
 
 
 def _time_module(module: nn.Module, clock: _Clock, parts: tuple[str, ...], starts: list[float]) -> list[Any]:

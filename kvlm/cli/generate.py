@@ -24,6 +24,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--system", default=None, help="system message (with --chat)")
     s.add_argument("--stats", action="store_true", help="print generation stats on stderr")
     s.add_argument("--json", action="store_true", help="print one JSON document instead of streaming")
+    s.add_argument("--check-exact", action="store_true",
+                   help="run the prompt(s) alone, inside a batch with other prompts and without the KV cache, and "
+                        "say whether every token and logprob is bit-identical (else the first step and path that "
+                        "differ); exit 1 if not")
     add_prefix_snapshot_flag(s)
     add_sampling_args(s)
     add_engine_args(s)
@@ -89,6 +93,11 @@ def cmd_generate(a: argparse.Namespace) -> int:
             return {"prompt_token_ids": llm.render_chat(msgs)}
         return text
 
+    if a.check_exact:
+        prompts = _file_prompts(a, as_input) if a.prompts_file else [as_input(a.prompt)]
+        report = llm.check_exact(prompts, params)
+        print(f"kvlm: {report}")
+        return 0 if report.identical else 1
     if a.prompts_file:
         return _generate_batch(llm, a, params, as_input)
     if a.json:
@@ -110,7 +119,8 @@ def cmd_generate(a: argparse.Namespace) -> int:
     return 0
 
 
-def _generate_batch(llm: Any, a: argparse.Namespace, params: Any, as_input: Any) -> int:
+def _file_prompts(a: argparse.Namespace, as_input: Any) -> list[Any]:
+    """--prompts-file: one prompt per line, or JSONL with 'prompt' or 'prompt_token_ids'."""
     lines = [ln for ln in Path(a.prompts_file).read_text().splitlines() if ln.strip()]
     prompts = []
     for i, ln in enumerate(lines, 1):
@@ -122,7 +132,11 @@ def _generate_batch(llm: Any, a: argparse.Namespace, params: Any, as_input: Any)
             prompts.append(as_input(obj["prompt"]) if "prompt" in obj else obj)
         else:
             prompts.append(as_input(ln))
-    outs = llm.generate(prompts, params)
+    return prompts
+
+
+def _generate_batch(llm: Any, a: argparse.Namespace, params: Any, as_input: Any) -> int:
+    outs = llm.generate(_file_prompts(a, as_input), params)
     for o in outs:
         c = o.outputs[0]
         if a.json:

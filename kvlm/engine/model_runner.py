@@ -86,18 +86,22 @@ class ModelRunner:
         # Work done, counted as it happens (benchmarks check their closed forms against these):
         self.num_tokens_processed = 0  # tokens fed through the model
         self.num_context_tokens = 0  # sum over those tokens of their context length (attention work)
-        # Decode steps read the paged blocks in place when the native kernels are built (no gather, no
-        # padding, so no length groups either); else gather + SDPA, the reference.
-        self.paged_decode = isinstance(kv_cache, PagedKVCache) and device.type == "cpu" and _native_kernels()
-        # Decode-only steps run every layer in one native call where the model allows (fused_decode.py).
-        self.fused = FusedDecoder.create(model, kv_cache) if self.paged_decode else None
+        # With the native kernels built, every row of every step attends in place over the cache's blocks
+        # (attention/paged.py: one computation for prefill, decode, mixed and recompute rows); else K/V
+        # are gathered per sequence and attended by SDPA, the reference.
+        self.in_place = device.type == "cpu" and _native_kernels()
+        # DECODE steps on the paged cache run every layer in one native call where the model allows
+        # (model/fused_decode.py), with the same per-row attention.
+        self.fused = FusedDecoder.create(model, kv_cache) if self.in_place else None
 
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, AttentionMetadata, list[Request]]:
         """Flat input ids (T,) and the step's metadata; also the requests that sample this step.
 
         Every scheduled token becomes one row, requests laid out in order. A step whose requests each
         bring one row is planned as decode (`prepare_decode`); one that carries prompt chunks as
-        prefill (`prepare_prefill`, which also takes the decode rows of a mixed step)."""
+        prefill (`prepare_prefill`, which also takes the decode rows of a mixed step). With the native
+        kernels every row then attends in place over the cache (`meta.in_place`): one computation for
+        every row, whatever the plan."""
         rows = _StepRows.collect(batch, self.kv_cache.block_size)
         if all(n == 1 for n in rows.query_lens):
             meta = self.prepare_decode(rows)
@@ -106,11 +110,14 @@ class ModelRunner:
         return torch.tensor(rows.ids, device=self.device), meta, rows.samplers
 
     def prepare_prefill(self, rows: _StepRows) -> AttentionMetadata:
-        """PREFILL (every request brings a prompt chunk) or MIXED (chunks and decode rows): K/V gathered
-        per sequence, attended with a causal mask offset by each chunk's cached history."""
+        """PREFILL (every request brings a prompt chunk) or MIXED (chunks and decode rows). In place: row t
+        of a chunk attends its sequence's first position + 1 cached tokens. Reference: K/V gathered per
+        sequence, attended with a causal mask offset by each chunk's cached history."""
         dev, B = self.device, len(rows.query_lens)
         is_prompt = [start < req.num_prompt_tokens for req, start in zip(rows.requests, rows.starts)]
         kind = StepKind.PREFILL if all(is_prompt) else StepKind.MIXED
+        if self.in_place:
+            return self._metadata(rows, kind, in_place=True)
         q_pad_index = mask = None
         if B > 1:
             max_q = max(rows.query_lens)
@@ -122,13 +129,12 @@ class ModelRunner:
         return self._metadata(rows, kind, q_pad_index=q_pad_index, attn_mask=mask)
 
     def prepare_decode(self, rows: _StepRows) -> AttentionMetadata:
-        """DECODE: one row per request. On the paged cache with native kernels attention reads the blocks
-        in place; otherwise K/V are gathered per sequence, in groups of similar length when that saves
-        padding (`plan_length_groups`)."""
+        """DECODE: one row per request. In place: each row attends its whole cached context (and a paged
+        step may run as one fused native call). Reference: K/V gathered per sequence, in groups of similar
+        length when that saves padding (`plan_length_groups`)."""
         dev, B = self.device, len(rows.query_lens)
-        if self.paged_decode:
-            return self._metadata(rows, StepKind.DECODE, paged_decode=True,
-                                  seq_lens_tensor=torch.tensor(rows.seq_lens, dtype=torch.int32, device=dev))
+        if self.in_place:
+            return self._metadata(rows, StepKind.DECODE, in_place=True)
         mask = q_pad_index = None
         if B > 1:  # key padding for the gathered contexts; the pad index is the identity (one row each)
             mask = build_attn_mask(rows.query_lens, rows.seq_lens, dev)
@@ -141,21 +147,28 @@ class ModelRunner:
         return self._metadata(rows, StepKind.DECODE, q_pad_index=q_pad_index, attn_mask=mask, groups=groups)
 
     def _metadata(self, rows: _StepRows, kind: StepKind, *, q_pad_index: torch.Tensor | None = None,
-                  attn_mask: torch.Tensor | None = None, paged_decode: bool = False,
-                  seq_lens_tensor: torch.Tensor | None = None,
+                  attn_mask: torch.Tensor | None = None, in_place: bool = False,
                   groups: tuple[AttentionMetadata, ...] = ()) -> AttentionMetadata:
         dev = self.device
+        row_seq = row_ctx = seq_lens_tensor = None
+        if in_place:  # int32, as the native kernels take them
+            row_seq = torch.tensor([b for b, n in enumerate(rows.query_lens) for _ in range(n)], dtype=torch.int32,
+                                   device=dev)
+            row_ctx = torch.tensor(rows.positions, dtype=torch.int32, device=dev) + 1
+            seq_lens_tensor = torch.tensor(rows.seq_lens, dtype=torch.int32, device=dev)
         return AttentionMetadata(
             kind=kind,
             positions=torch.tensor(rows.positions, device=dev),
             slot_mapping=torch.tensor(rows.slots, device=dev),
-            block_tables=torch.tensor(rows.tables, dtype=torch.int32 if paged_decode else torch.int64, device=dev),
+            block_tables=torch.tensor(rows.tables, dtype=torch.int32 if in_place else torch.int64, device=dev),
             query_lens=tuple(rows.query_lens),
             seq_lens=tuple(rows.seq_lens),
             q_pad_index=q_pad_index,
             attn_mask=attn_mask,
             logits_indices=torch.tensor(rows.logits_rows, device=dev),
-            paged_decode=paged_decode,
+            in_place=in_place,
+            row_seq=row_seq,
+            row_ctx=row_ctx,
             seq_lens_tensor=seq_lens_tensor,
             groups=groups,
         )
@@ -181,7 +194,7 @@ class ModelRunner:
         self.num_tokens_processed += len(input_ids)
         # A chunk of q tokens ending at sequence length s has contexts s-q+1 .. s.
         self.num_context_tokens += sum(q * s - q * (q - 1) // 2 for q, s in zip(meta.query_lens, meta.seq_lens))
-        if self.fused is not None and meta.paged_decode:
+        if self.fused is not None and meta.in_place and meta.kind is StepKind.DECODE:
             hidden = self.fused(input_ids, meta, self.kv_cache)  # (B, hidden), all layers in one native call
         else:
             hidden = self.model(input_ids, meta.positions, self.kv_cache, meta)  # (T, hidden)

@@ -51,10 +51,10 @@ class KVCache(Protocol):
         """Bytes of K/V storage allocated (all layers)."""
         ...
 
-    def blocks(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer's K and V pools as blocks, (num_blocks, block_size, kv_heads, D) each, for attention
-        that reads them in place (`attention.decode.paged_decode_attention`). Only the paged cache has
-        them; the runner plans `paged_decode` steps only on it, and the others raise TypeError."""
+    def blocks(self, layer: int, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """After `write`: the layer's K and V as blocks, (num_blocks, block_size, kv_heads, D) each, and the
+        (B, max_blocks) int32 table of each of meta's sequences into them, for attention that reads every
+        row's context in place (`attention.paged.paged_attention`)."""
         ...
 
 
@@ -73,13 +73,11 @@ def _rounded(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x if x.dtype == dtype else x.to(dtype).to(x.dtype)
 
 
-def _no_blocks(cache: object) -> TypeError:
-    return TypeError(f"{type(cache).__name__} has no paged blocks to attend over in place")
-
-
 class NoKVCache:
-    """Stores nothing: each step must carry each sequence's whole history (recompute mode). K/V are
-    rounded to `dtype`, as a cache of that type would store them."""
+    """Stores nothing between steps: each step must carry each sequence's whole history (recompute mode).
+    K/V are rounded to `dtype`, as a cache of that type would store them. For in-place attention the step's
+    K/V are laid out as one block per sequence, (B, max_seq_len, kv_heads, D), which lives until the next
+    write: the same values at the same positions a cache would hold, so every row computes the same."""
 
     block_size = 1 << 30
     num_blocks = 1 << 30
@@ -93,13 +91,23 @@ class NoKVCache:
             k, v = _rounded(k, self.dtype), _rounded(v, self.dtype)
         self._kv = (k, v)  # only until fetch(): the current step's tokens are the whole context
 
+    def blocks(self, layer: int, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        assert meta.query_lens == meta.seq_lens and meta.row_seq is not None, \
+            "NoKVCache needs every sequence recomputed from position 0"
+        k, v = self._kv
+        dtype = self.dtype or k.dtype
+        B, L = meta.num_seqs, meta.max_seq_len
+        kb = k.new_zeros(B, L, *k.shape[1:], dtype=dtype)  # zeros: untouched slots are never NaN
+        vb = torch.zeros_like(kb)
+        rows, pos = meta.row_seq.long(), meta.positions
+        kb[rows, pos] = k.to(dtype)
+        vb[rows, pos] = v.to(dtype)
+        return kb, vb, torch.arange(B, dtype=torch.int32, device=k.device)[:, None]
+
     def fetch(self, layer: int, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         assert meta.query_lens == meta.seq_lens, "NoKVCache needs every sequence recomputed from position 0"
         k, v = self._kv
         return _pad_new_tokens(k, meta), _pad_new_tokens(v, meta)
-
-    def blocks(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        raise _no_blocks(self)
 
     def update_and_fetch(self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata):
         self.write(layer, k, v, meta)
@@ -207,38 +215,39 @@ class PagedKVCache(_LayerStorage):
             kc.index_copy_(0, idx, k[layer].to(device=kc.device, dtype=kc.dtype))
             vc.index_copy_(0, idx, v[layer].to(device=vc.device, dtype=vc.dtype))
 
-    def blocks(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.k[layer], self.v[layer]  # (num_blocks, block_size, kv_heads, D) each
+    def blocks(self, layer: int, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.k[layer], self.v[layer], meta.block_tables  # pools (num_blocks, block_size, kv_heads, D)
 
 
 class ContiguousKVCache(_LayerStorage):
-    """One max_len row per sequence: k[layer], v[layer] are (max_seqs, kv_heads, max_len, D).
+    """One max_len row per sequence: k[layer], v[layer] are (max_seqs, max_len, kv_heads, D).
 
-    Slots are numbered like a paged cache whose block is a whole row (block_size = max_len), so the same
-    block manager and slot mapping drive it.
+    It is a paged cache whose block is a whole row (block_size = max_len): the same block manager, slot
+    mapping and in-place attention drive it; only a lone sequence's fetch differs (a view, no gather).
     """
 
     def __init__(self, num_layers: int, max_seqs: int, max_len: int, kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device, compute_dtype: torch.dtype | None = None) -> None:
-        super().__init__(num_layers, (max_seqs, kv_heads, max_len, head_dim), dtype, device, compute_dtype)
+        super().__init__(num_layers, (max_seqs, max_len, kv_heads, head_dim), dtype, device, compute_dtype)
         self.block_size, self.num_blocks = max_len, max_seqs
 
-    def blocks(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        raise _no_blocks(self)  # rows are (kv_heads, max_len, D): not the paged kernel's layout
+    def blocks(self, layer: int, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.k[layer], self.v[layer], meta.block_tables  # (max_seqs, max_len, kv_heads, D): one block a row
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
         row = meta.slot_mapping // self.block_size
         off = meta.slot_mapping % self.block_size
-        self.k[layer][row, :, off] = k.to(self.k[layer].dtype)  # (T, kvh, D) into (row, :, off)
-        self.v[layer][row, :, off] = v.to(self.v[layer].dtype)
+        self.k[layer][row, off] = k.to(self.k[layer].dtype)  # (T, kvh, D) into (row, off)
+        self.v[layer][row, off] = v.to(self.v[layer].dtype)
 
     def fetch(self, layer: int, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         kc, vc = self.k[layer], self.v[layer]
         L = meta.max_seq_len
         if meta.num_seqs == 1:
             r = int(meta.block_tables[0, 0])  # the runner builds block tables on the host
-            return self._as_compute(kc[r : r + 1, :, :L], vc[r : r + 1, :, :L])  # views: no copy (same dtype)
-        rows = meta.block_tables[:, 0]
-        kk, vv = kc[rows, :, :L], vc[rows, :, :L]  # advanced indexing: copies we may zero
+            # views, no copy (same dtype): (1, L, kvh, D) -> (1, kvh, L, D)
+            return self._as_compute(kc[r : r + 1, :L].transpose(1, 2), vc[r : r + 1, :L].transpose(1, 2))
+        rows = meta.block_tables[:, 0].long()
+        kk, vv = kc[rows, :L].transpose(1, 2), vc[rows, :L].transpose(1, 2)  # advanced indexing: copies we may zero
         _zero_padding(kk, vv, meta.seq_lens)
         return self._as_compute(kk, vv)

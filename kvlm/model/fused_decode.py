@@ -109,7 +109,7 @@ class FusedDecoder:
 
     def __call__(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_cache: PagedKVCache) -> torch.Tensor:
         """input_ids (B,) of a decode-only step -> final hidden states (B, hidden) float32."""
-        assert meta.paged_decode and meta.seq_lens_tensor is not None
+        assert meta.in_place and meta.seq_lens_tensor is not None
         x = self.model.model.embed_tokens(input_ids).float().contiguous()  # (B, hidden)
         if self._out.shape != x.shape:
             self._out = torch.empty_like(x)

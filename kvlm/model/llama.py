@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 from kvlm.attention import attention
-from kvlm.attention.decode import paged_decode_attention
 from kvlm.attention.metadata import AttentionMetadata
+from kvlm.attention.paged import paged_attention
 from kvlm.config import ModelConfig
 from kvlm.errors import ModelLoadError
 from kvlm.kernels import QuantTensor
@@ -111,9 +111,10 @@ class Linear(nn.Linear):
 
 
 class Attention(nn.Module):
-    """One layer's attention over the cache: store the step's K/V first, then attend, as the step's plan
-    says (`meta`): over the paged blocks in place (decode on the paged cache), group by group
-    (length-grouped decode), or over each sequence's context fetched from the cache. No parameters."""
+    """One layer's attention over the cache: store the step's K/V first, then attend. With the native
+    kernels every row attends over the cache's blocks in place (`meta.in_place`); the reference attends
+    over each sequence's context fetched from the cache, by plan (prefill, decode, length groups).
+    No parameters."""
 
     def __init__(self, layer_idx: int, scale: float) -> None:
         super().__init__()
@@ -123,10 +124,10 @@ class Attention(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         """q: (T, n_heads, D); k, v: (T, kv_heads, D) the step's new rows. Returns (T, n_heads * D)."""
         layer = self.layer_idx
-        if meta.paged_decode:
+        if meta.in_place:  # every row over the cache's blocks: one computation for every step's rows
             kv_cache.write(layer, k, v, meta)
-            k_blocks, v_blocks = kv_cache.blocks(layer)
-            return paged_decode_attention(q, k_blocks, v_blocks, meta, self.scale)
+            k_blocks, v_blocks, tables = kv_cache.blocks(layer, meta)
+            return paged_attention(q, k_blocks, v_blocks, tables, meta, self.scale)
         if not meta.groups:
             kk, vv = kv_cache.update_and_fetch(layer, k, v, meta)  # (B, kvh, L, D)
             return attention(q, kk, vv, meta, self.scale)

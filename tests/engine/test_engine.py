@@ -211,10 +211,10 @@ def test_length_grouped_decode_attention_changes_nothing(tiny_gguf: Path) -> Non
     cfg = EngineConfig(block_size=8, max_num_batched_tokens=64)
     plain = Engine(tiny_gguf, cfg, quiet=True)
     plain.runner.min_group_batch = 1 << 30
-    plain.runner.paged_decode = grouped_paged_decode = False  # groups serve the gather path only
+    plain.runner.in_place = False  # groups serve the reference (gather) path only
     ref, lref = run_engine(plain, prompts)
     grouped = Engine(tiny_gguf, cfg, quiet=True)
-    grouped.runner.paged_decode = grouped_paged_decode
+    grouped.runner.in_place = False
     grouped.runner.group_cost = 0  # split whenever it saves any padding
     seen_groups = []
     build = grouped.runner.prepare

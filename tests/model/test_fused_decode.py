@@ -43,8 +43,8 @@ def _decode_meta(lens: list[int], tables: list[list[int]], block_size: int) -> A
         kind=StepKind.DECODE, positions=torch.tensor(pos), slot_mapping=torch.tensor(slots),
         block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
         query_lens=(1,) * len(lens), seq_lens=tuple(lens), q_pad_index=None, attn_mask=None,
-        logits_indices=torch.arange(len(lens)), paged_decode=True,
-        seq_lens_tensor=torch.tensor(lens, dtype=torch.int32))
+        logits_indices=torch.arange(len(lens)), in_place=True, row_seq=torch.arange(len(lens), dtype=torch.int32),
+        row_ctx=torch.tensor(lens, dtype=torch.int32), seq_lens_tensor=torch.tensor(lens, dtype=torch.int32))
 
 
 def _fill(engine: Engine, seed: int) -> None:

@@ -118,17 +118,17 @@ def test_engine_equivalences_on_the_quantized_path(quant_gguf: Path) -> None:
     assert {i: r.output_token_ids for i, r in enumerate(reqs)} == free_run
 
 
-def test_paged_decode_kernel_equals_gather_path(tiny_gguf: Path) -> None:
-    """Decode steps reading the paged blocks in place (kernels.paged_decode_attention) give the tokens
-    of gather + SDPA, logits within float32 rounding, on a batch of very different lengths."""
+def test_in_place_attention_equals_gather_path(tiny_gguf: Path) -> None:
+    """Every row attending in place over the paged blocks (attention.paged) gives the tokens of the
+    reference gather + SDPA, logits within float32 rounding, on a batch of very different lengths."""
     prompts = random_prompts(7, 5, lo=2, hi=90)
     cfg = EngineConfig(block_size=8, max_num_batched_tokens=64)
     gather = Engine(tiny_gguf, cfg, quiet=True)
-    gather.runner.paged_decode = False
+    gather.runner.in_place = False
     ref, lref = run_engine(gather, prompts)
     inplace = Engine(tiny_gguf, cfg, quiet=True)
-    if not inplace.runner.paged_decode:
-        pytest.skip("native kernels not built here: decode attention is the gather reference")
+    if not inplace.runner.in_place:
+        pytest.skip("native kernels not built here: attention is the gather reference")
     out, lout = run_engine(inplace, prompts)
     assert out == ref
     for i in ref:

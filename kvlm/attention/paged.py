@@ -1,0 +1,30 @@
+"""The one attention computation: every query row over its sequence's cached K/V, read in place.
+
+Prefill rows, prefill chunks after cached blocks, decode rows, the rows of a mixed step and the rows
+of a no-cache recompute are all computed here, after the step's K/V were written to the cache. Row t
+of a step attends the first `row_ctx[t]` (its position + 1) tokens of sequence `row_seq[t]`, read
+through that sequence's block table, with the native kernel's fixed order (online softmax over
+128-token chunks in position order, `kernels/paged_attention.py`). So a row's output bits depend only
+on its query and on the K/V at positions 0..p as the cache stores them: never on how many rows,
+sequences or chunks share the step, nor on the thread count. A prefill row reads exactly what a later
+decode of the same position reads.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvlm.attention.metadata import AttentionMetadata
+from kvlm.kernels import paged_decode_attention
+
+
+def paged_attention(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor, block_tables: torch.Tensor,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q (T, n_heads, D); k_blocks, v_blocks (num_blocks, block_size, kv_heads, D); block_tables (B, max_blocks)
+    int32, one row per sequence of `meta`. Returns (T, n_heads * D)."""
+    assert meta.in_place and meta.row_seq is not None and meta.row_ctx is not None
+    # Each row is the decode kernel's single query at its own context length: the same arithmetic as
+    # decoding that token alone. (Rows of one sequence share its table row.)
+    tables = block_tables if meta.is_decode else block_tables.index_select(0, meta.row_seq)
+    out = paged_decode_attention(q, k_blocks, v_blocks, tables, meta.row_ctx, scale)
+    return out.reshape(q.shape[0], -1)
