@@ -60,6 +60,6 @@ def first_difference(path: str, ref: list[RequestOutput], other: list[RequestOut
             db = lb[k] if k < len(lb) else None
             if ta != tb or da != db:
                 lpa = None if da is None or ta is None else da.get(ta)
-                lpb = None if db is None else db.get(ta if ta is not None else tb, db.get(tb) if tb is not None else None)
+                lpb = None if db is None else db.get(ta, db.get(tb)) if ta is not None else db.get(tb)
                 return ExactDifference(path, i, k, ta, tb, lpa, lpb)
     return None
