@@ -21,10 +21,12 @@ Paths by row count M:
   at a time; each output's arithmetic is fixed, so a row's result is bit-identical alone, in a batch or in
   a prefill chunk. Above the limit: fake-quantize x (the same int8 values), dequantize a
   weight tile, BLAS: the same numerics up to the float32 summation order.
-- float32 activations: the row kernel for M <= GEMV_MAX_ROWS, else dequantize a tile of weight rows
-  (TILE_BYTES of float32) and multiply with BLAS (`x @ tile.T`).
-Where BLAS takes over, results differ from the row kernel's in the last bits (summation order), not in
-meaning; the engine's equivalences (cache == no cache, alone == batch) hold token for token.
+- float32 activations: the row kernel for M <= GEMV_MAX_ROWS (every M by default), whose outputs each
+  sum in a fixed order, so rows are bit-identical in any batch or chunk too. Above a lowered limit:
+  dequantize a tile of weight rows (TILE_BYTES of float32) and multiply with BLAS (`x @ tile.T`), whose
+  rows differ from the row kernel's in the last bits (summation order): then cached and recomputed
+  logits agree only to float32 rounding. Prefill on these formats pays for the invariance: the row
+  kernel decodes the weights once per 8 rows of x (K-quants move to int8 kernels next).
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ NATIVE_TYPES = frozenset({
 INT8_ACT_TYPES = frozenset({GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0})
 _INT8_ISAS = frozenset({native.ISAS.index("avx2"), native.ISAS.index("avx512"), native.ISAS.index("avx512-vnni")})
 _TYPE_IDS = {t: int(t) for t in NATIVE_TYPES}  # ggml type id, as the C++ side takes it
-GEMV_MAX_ROWS = 8  # float32 activations: up to this many rows use the row kernel, more dequantize + BLAS
+GEMV_MAX_ROWS = 1 << 20  # float32 activations: up to this many rows use the row kernel, more dequantize + BLAS
 # Int8 activations: up to this many rows use the int8 kernel, more "fake-quantize x, dequantize a
 # tile, BLAS". The AVX-512 panel kernel outruns float32 BLAS at prefill sizes (docs/int8_activations.md
 # has the measurement), so it takes every M: a row's bits are the same in any chunk.

@@ -15,11 +15,15 @@ GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
 def run_engine(engine: Engine, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] = GREEDY,
-               order: list[int] | None = None) -> tuple[dict[int, list[int]], dict[int, list[torch.Tensor]]]:
-    """Run prompts to completion; returns tokens and per-step logits keyed by prompt index."""
+               order: list[int] | None = None,
+               requests: list | None = None) -> tuple[dict[int, list[int]], dict[int, list[torch.Tensor]]]:
+    """Run prompts to completion; returns tokens and per-step logits keyed by prompt index. `requests`,
+    if given, receives the Request objects (for their metrics)."""
     plist = params if isinstance(params, list) else [params] * len(prompts)
     order = order if order is not None else list(range(len(prompts)))
     reqs = {i: engine.add_request(prompts[i], plist[i]) for i in order}
+    if requests is not None:
+        requests.extend(reqs[i] for i in sorted(reqs))
     logits: dict[int, list[torch.Tensor]] = {i: [] for i in reqs}
     index = {r.request_id: i for i, r in reqs.items()}
     engine.mixed_steps = 0  # steps that ran a prefill chunk together with another request's decode

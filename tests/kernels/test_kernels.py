@@ -29,9 +29,8 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
 from quantize import random_blocks  # noqa: E402  (tests/helpers)
 
-from kvlm.kernels import native, paged_decode_attention
+from kvlm.kernels import native, paged_decode_attention, quant
 from kvlm.kernels.quant import (
-    GEMV_MAX_ROWS,
     INT8_ACT_TYPES,
     QuantTensor,
     dequantize,
@@ -45,6 +44,8 @@ from kvlm.kernels.reference import (
     qmatmul_int8_ref,
     qmatmul_ref,
 )
+
+ROWS = 8  # the row kernel decodes a weight block once for up to this many rows of x
 
 FORMATS = [T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K, T.F16, T.BF16, T.F32]
 ROUNDED = {T.Q4_1, T.Q4_K, T.Q5_K}  # q * d + m: fused here, two roundings in the reference
@@ -98,7 +99,7 @@ def test_int8_activations_within_their_rounding(qtype: T, isa: str) -> None:
     assert kernel_path(qtype) == f"{isa}+int8"
     k = 96
     w = random_blocks(qtype, 45, k, seed=14)
-    x = torch.randn(GEMV_MAX_ROWS, k, generator=torch.Generator().manual_seed(15))
+    x = torch.randn(ROWS, k, generator=torch.Generator().manual_seed(15))
     x[0, :32] = 0.0  # an all-zero activation block (scale 0)
     got = qmatmul(x, w)
     step = x.abs().reshape(x.shape[0], -1, 32).amax(-1, keepdim=True) / 127  # (M, K/32, 1) int8 scale
@@ -106,7 +107,7 @@ def test_int8_activations_within_their_rounding(qtype: T, isa: str) -> None:
     bound = 0.5001 * (step.squeeze(-1).double() @ wabs.T) + matmul_bound(x, w)
     err = (got.double() - qmatmul_ref(x, w).double()).abs()
     assert (err <= bound).all(), f"max error {err.max():.3g}"
-    for i in (0, 3, GEMV_MAX_ROWS - 1):
+    for i in (0, 3, ROWS - 1):
         assert torch.equal(qmatmul(x[i:i + 1], w), got[i:i + 1])
 
 
@@ -163,12 +164,17 @@ def test_dequantize_matches_reference(qtype: T, isa: str) -> None:
         assert torch.equal(torch.signbit(got), torch.signbit(ref))
 
 
+@pytest.mark.parametrize("tiled", [False, True], ids=["row-kernel", "tiled-blas"])
 @pytest.mark.parametrize("qtype", FORMATS, ids=lambda t: t.name)
-def test_qmatmul_matches_reference(qtype: T, isa: str, threads: int) -> None:
+def test_qmatmul_matches_reference(qtype: T, isa: str, threads: int, tiled: bool,
+                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    if tiled:  # the dequantize-a-tile + BLAS path, reachable by lowering the limit
+        monkeypatch.setattr(quant, "GEMV_MAX_ROWS", ROWS)
+        monkeypatch.setattr(quant, "INT8_ROW_MAX_ROWS", ROWS)
     k = row_length(qtype)
     w = random_blocks(qtype, 45, k, seed=2)  # N = 45: not a multiple of any block or vector width
     gen = torch.Generator().manual_seed(3)
-    for m in (1, 2, 3, 5, 7, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1, 33, 64):  # row kernel, then tiled BLAS path
+    for m in (1, 2, 3, 5, 7, ROWS, ROWS + 1, 33, 64):
         x = torch.randn(m, k, generator=gen)
         ref, bound = reference(x, w, isa)
         err = (qmatmul(x, w).double() - ref.double()).abs()
@@ -184,18 +190,20 @@ def test_qmatmul_keeps_leading_dims(isa: str) -> None:
 
 @pytest.mark.parametrize("qtype", FORMATS, ids=lambda t: t.name)
 def test_row_result_independent_of_batch_and_threads(qtype: T, isa: str) -> None:
-    """Decode alone == the same decode in a batch, bit for bit, at any thread count."""
+    """A row alone == the same row in a batch of any size (decode batches, prefill chunks), bit for bit,
+    at any thread count: every format's default path is row-invariant."""
     k = row_length(qtype)
     w = random_blocks(qtype, 300, k, seed=5)
-    x = torch.randn(GEMV_MAX_ROWS, k, generator=torch.Generator().manual_seed(6))
+    x = torch.randn(41, k, generator=torch.Generator().manual_seed(6))
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
         batch = qmatmul(x, w)
         torch.set_num_threads(1)
-        for i in range(GEMV_MAX_ROWS):
+        for i in range(x.shape[0]):
             assert torch.equal(qmatmul(x[i:i + 1], w), batch[i:i + 1]), f"row {i}"
         assert torch.equal(qmatmul(x[5:11], w), batch[5:11])
+        assert torch.equal(qmatmul(x[3:36], w), batch[3:36])
     finally:
         torch.set_num_threads(before)
 
@@ -358,7 +366,7 @@ def test_paged_attention_rejects_bad_block_table(isa: str) -> None:
         paged_decode_attention(q, kc, vc, tables, seq_lens, 0.125)
 
 
-@pytest.mark.parametrize("m", [1, GEMV_MAX_ROWS + 3])
+@pytest.mark.parametrize("m", [1, ROWS + 3])
 def test_out_buffers_receive_the_result(isa: str, m: int) -> None:
     w = random_blocks(T.Q4_1, 20, 64, seed=11)
     x = torch.randn(m, 64)
@@ -487,7 +495,7 @@ def test_f32_activations_opt_out(isa: str, monkeypatch: pytest.MonkeyPatch) -> N
     try:
         assert kernel_path(T.Q4_1) == isa
         w = random_blocks(T.Q4_1, 45, 96, seed=25)
-        for m in (1, GEMV_MAX_ROWS + 1):
+        for m in (1, ROWS + 1):
             x = torch.randn(m, 96)
             err = (qmatmul(x, w).double() - qmatmul_ref(x, w).double()).abs()
             assert (err <= matmul_bound(x, w)).all()
