@@ -3,7 +3,7 @@
 Two experiments on the same random prompt of P tokens and the same prompt extended by E tokens:
 
 1. Causal (the real engine): run the prompt as one request and read its K/V for all P positions from
-   the engine's contiguous cache (`engine.kv_cache.k[layer][row, :, :P]`, row 0 = the only row of a
+   the engine's contiguous cache (`engine.kv_cache.k[layer][row, :P]`, row 0 = the only row of a
    one-sequence cache, read right after the request finishes, before anything overwrites it); then run prompt + extension
    as a fresh request and read the same P positions again. Under the causal mask position p sees only
    positions <= p, so appending tokens cannot change anything at p: the max abs difference per layer
@@ -81,8 +81,9 @@ def engine_kv(engine: Any, ids: list[int], n: int) -> tuple[list[torch.Tensor], 
         engine.step()
     row = 0  # freed when the request finished, but nothing has overwritten it yet
     cache = engine.kv_cache
-    ks = [cache.k[layer][row, :, :n].clone() for layer in range(len(cache.k))]
-    vs = [cache.v[layer][row, :, :n].clone() for layer in range(len(cache.v))]
+    # rows are (max_len, kv_heads, D): positions 0..n-1 as (kv_heads, n, D)
+    ks = [cache.k[layer][row, :n].transpose(0, 1).clone() for layer in range(len(cache.k))]
+    vs = [cache.v[layer][row, :n].transpose(0, 1).clone() for layer in range(len(cache.v))]
     return ks, vs
 
 
