@@ -1,19 +1,24 @@
-"""Benchmarks: commands whose last line of output is one JSON document (`kvlm bench ...`)."""
+"""Benchmarks: commands whose last line of output is one JSON document (`kvlm bench ...`).
+
+Each command is a module of this package ending with `BENCH = Bench(...)` (`common.py`: its flags, run,
+table and plot); this file only lists them. The modules are imported when the `bench` subcommands are
+built, which `kvlm.cli.main` does only for a `kvlm bench ...` command line: several import torch.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 
 BENCH_HELP = "benchmarks (each ends with one JSON line)"
+# In the order `kvlm bench --help` lists them.
+COMMANDS = ("decode", "throughput", "waste", "invariance", "latency", "compare", "prefix", "serve", "kernels")
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
-    from kvlm.bench import compare, decode, invariance, latency, prefix, serve, throughput, waste
+    from kvlm.bench.common import register
 
     p = sub.add_parser("bench", help=BENCH_HELP)
     bsub = p.add_subparsers(dest="bench", required=True)
-    for module in (decode, throughput, waste, invariance, latency, compare, prefix, serve):
-        module.add_parser(bsub)
-    from kvlm.bench import kernels as kernels_bench  # `kvlm bench kernels`
-
-    kernels_bench.add_parser(bsub)
+    for name in COMMANDS:
+        register(bsub, importlib.import_module(f"kvlm.bench.{name}").BENCH)

@@ -29,10 +29,24 @@ import importlib.util
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kvlm.bench.plotting import run_header
+from kvlm.bench.common import (
+    DEFAULT_MODEL,
+    KV_CACHE_DTYPES,
+    Bench,
+    add_model_args,
+    hf_times,
+    kvlm_times,
+    load_hf,
+    log,
+    prompt_ids,
+    run_header,
+    standalone,
+)
+from kvlm.bench.plotting import new_figure, save_figure
 
 WORKER = Path(__file__).with_name("llama_cpp_worker.py")
 CHAT = [{"role": "user", "content": "Write a short story about a robot who learns to paint."}]
@@ -85,12 +99,10 @@ class _Kvlm:
                        kv_cache_dtype=kv_cache_dtype, enable_prefix_caching=False)
 
     def measure(self, spec: dict[str, Any]) -> dict[str, Any]:
-        from kvlm.bench.decode import _kvlm_run
-
-        prefill_s = _kvlm_run(self.llm, spec["prefill_ids"], 1)[0]
+        prefill_s = kvlm_times(self.llm, spec["prefill_ids"], 1)[0]
         return {"prefill_tokens_per_s": len(spec["prefill_ids"]) / prefill_s,
-                "decode_tokens_per_s": _kvlm_run(self.llm, spec["decode_ids"], spec["gen_tokens"])[1] or 0.0,
-                "context_decode": [{"context": len(ids), "tokens_per_s": _kvlm_run(self.llm, ids, gen)[1] or 0.0}
+                "decode_tokens_per_s": kvlm_times(self.llm, spec["decode_ids"], spec["gen_tokens"])[1] or 0.0,
+                "context_decode": [{"context": len(ids), "tokens_per_s": kvlm_times(self.llm, ids, gen)[1] or 0.0}
                                    for ids, gen in spec["contexts"]]}
 
 
@@ -117,18 +129,14 @@ class _HF:
     """Hugging Face transformers, float32, on the same GGUF (prefill and batch-1 decode only)."""
 
     def __init__(self, path: Path, threads: int) -> None:
-        from kvlm.bench.decode import _load_hf
-
-        self.model = _load_hf(path, threads)
+        self.model = load_hf(path, threads)
         if self.model is None:
             raise ImportError("transformers is not installed")
 
     def measure(self, spec: dict[str, Any]) -> dict[str, Any]:
-        from kvlm.bench.decode import _hf_times
-
-        t1 = _hf_times(self.model, spec["prefill_ids"], 1)[0]
+        t1 = hf_times(self.model, spec["prefill_ids"], 1)[0]
         return {"prefill_tokens_per_s": len(spec["prefill_ids"]) / t1,
-                "decode_tokens_per_s": _hf_times(self.model, spec["decode_ids"], spec["gen_tokens"])[1],
+                "decode_tokens_per_s": hf_times(self.model, spec["decode_ids"], spec["gen_tokens"])[1],
                 "context_decode": []}
 
 
@@ -151,103 +159,132 @@ def _best(a: dict[str, Any] | None, b: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def run(model: str = "smollm2-135m", threads: int = 2, prompt_len: int = 512, decode_prompt_len: int = 32,
-        gen_tokens: int = 128, contexts: tuple[int, ...] = (128, 512, 1024, 2048), context_gen: int = 32,
-        repeats: int = 2, llama_python: str | None = None, llama_cpp: bool = True, hf: bool = False,
-        whole: bool = True, log: Any = print, kv_cache_dtype: str = "auto") -> dict[str, Any]:
+class _Lineup:
+    """The engines of one run and their result columns, in the order the table lists them. A peer that is
+    absent or fails is skipped (its column says why) and the run goes on; kvlm failing is an error."""
+
+    def __init__(self, log: Callable[[str], None]) -> None:
+        self.engines: dict[str, Any] = {}
+        self.results: dict[str, dict[str, Any]] = {}
+        self.log = log
+
+    def add(self, key: str, engine: Any, **info: Any) -> None:
+        self.engines[key] = engine
+        self.results[key] = {"name": NAMES[key], "status": "ok", **info}
+
+    def skip(self, key: str, reason: str) -> None:
+        self.engines.pop(key, None)
+        self.results[key] = {"name": NAMES[key], "status": "skipped", "reason": reason}
+        self.log(f"  {NAMES[key]}: skipped: {reason}")
+
+
+def _lineup(model: str, path: Path, threads: int, max_len: int, kv_cache_dtype: str, llama_python: str | None,
+            llama_cpp: bool, hf: bool, log: Callable[[str], None]) -> _Lineup:
+    """kvlm (auto and float32) in this process, then each peer that is asked for and can run."""
+    line = _Lineup(log)
+    line.add("kvlm", _Kvlm(model, threads, max_len, "auto", kv_cache_dtype))
+    line.add("kvlm_float32", _Kvlm(model, threads, max_len, "float32"))
+    if kv_cache_dtype != "auto":
+        line.results["kvlm"]["name"] = f"kvlm (--dtype auto, KV {kv_cache_dtype})"
+    if not llama_cpp:
+        line.skip("llama_cpp", "disabled by flag")
+    elif llama_python is None:
+        line.skip("llama_cpp", "not installed (pip install llama-cpp-python, or pass --llama-python)")
+    elif path.suffix != ".gguf":
+        line.skip("llama_cpp", f"{path.name} is not a GGUF file")
+    else:
+        try:
+            peer = _LlamaCpp(llama_python, path)
+            line.add("llama_cpp", peer, version=peer.version)
+        except (ImportError, OSError, subprocess.SubprocessError) as e:
+            line.skip("llama_cpp", f"{type(e).__name__}: {e}")
+    if hf:
+        try:
+            line.add("hf", _HF(path, threads))
+        except Exception as e:  # noqa: BLE001 (a peer that cannot read this file is a skipped column)
+            line.skip("hf", f"{type(e).__name__}: {e}")
+    return line
+
+
+def _measure_rounds(line: _Lineup, spec: dict[str, Any], repeats: int, threads: int) -> None:
+    """Prefill, decode and decode-vs-context of every engine, round-robin, best per engine kept; then the
+    in-process models are freed, before the whole-process runs."""
     import torch
 
-    from kvlm.bench.decode import _prompt_ids
+    for key in ("kvlm", "kvlm_float32"):  # warm-up: thread pools, first-call allocations
+        line.engines[key].llm.generate([{"prompt_token_ids": spec["decode_ids"][:8]}], use_tqdm=False)
+    best: dict[str, dict[str, Any] | None] = {k: None for k in line.engines}
+    for r in range(repeats):
+        for key in list(line.engines):
+            torch.set_num_threads(threads)  # a peer may have changed the process-wide setting
+            try:
+                best[key] = _best(best[key], line.engines[key].measure(spec))
+            except Exception as e:
+                if key.startswith("kvlm"):
+                    raise
+                line.skip(key, f"{type(e).__name__}: {e}")
+        line.log(f"  round {r + 1}/{repeats}: " + ", ".join(
+            f"{k} prefill {v['prefill_tokens_per_s']:.0f}, decode {v['decode_tokens_per_s']:.1f} tok/s"
+            for k, v in best.items() if v is not None and k in line.engines))
+    for key in line.engines:
+        line.results[key].update(best[key] or {})
+    line.engines.pop("hf", None)
+    for key in ("kvlm", "kvlm_float32"):
+        line.engines[key] = None  # freed before timing whole processes; the keys stay: those runs time them
+    gc.collect()
+
+
+def _whole_rounds(line: _Lineup, path: Path, threads: int, chat_text: str, gen_tokens: int,
+                  llama_python: str | None, kv_cache_dtype: str, repeats: int) -> None:
+    """Each engine as a cold process (load + chat prompt + gen_tokens + exit): min wall time, max peak RSS."""
+    whole = ("kvlm", "kvlm_float32", "llama_cpp")
+    results = line.results
+    for r in range(repeats):
+        for key in [k for k in whole if k in line.engines]:
+            try:
+                wall, rss = run_timed(_whole_cmd(key, path, threads, chat_text, gen_tokens, llama_python,
+                                                 kv_cache_dtype))
+            except (RuntimeError, OSError) as e:
+                if key.startswith("kvlm"):
+                    raise
+                line.skip(key, f"whole process: {e}")
+                continue
+            res = results[key]
+            res["whole_process_s"] = min(res.get("whole_process_s", wall), wall)
+            res["peak_rss_bytes"] = max(res.get("peak_rss_bytes", 0), rss)
+        line.log(f"  whole process {r + 1}/{repeats}: " + ", ".join(
+            f"{k} {results[k]['whole_process_s']:.2f} s {results[k]['peak_rss_bytes'] / 2**20:.0f} MiB"
+            for k in whole if "whole_process_s" in results.get(k, {})))
+
+
+def run(model: str = DEFAULT_MODEL, threads: int = 2, prompt_len: int = 512, decode_prompt_len: int = 32,
+        gen_tokens: int = 128, contexts: tuple[int, ...] = (128, 512, 1024, 2048), context_gen: int = 32,
+        repeats: int = 2, llama_python: str | None = None, llama_cpp: bool = True, hf: bool = False,
+        whole: bool = True, log: Callable[[str], None] = log, kv_cache_dtype: str = "auto") -> dict[str, Any]:
+    import torch
+
     from kvlm.loader import resolve_model
 
     torch.set_num_threads(threads)
     path = resolve_model(model, quiet=True)
     max_len = max(prompt_len + 1, decode_prompt_len + gen_tokens, max(contexts, default=0) + context_gen) + 8
-    engines: dict[str, Any] = {"kvlm": _Kvlm(model, threads, max_len, "auto", kv_cache_dtype),
-                               "kvlm_float32": _Kvlm(model, threads, max_len, "float32")}
-    tok = engines["kvlm"].llm.tokenizer
-    vocab = engines["kvlm"].llm.llm_engine.model_config.vocab_size
-    spec = {"threads": threads, "n_ctx": max_len, "gen_tokens": gen_tokens,
-            "prefill_ids": _prompt_ids(vocab, prompt_len), "decode_ids": _prompt_ids(vocab, decode_prompt_len, seed=1),
-            "contexts": [[_prompt_ids(vocab, c, seed=c), context_gen] for c in contexts]}
-    chat_text = tok.apply_chat_template(CHAT)
-    results: dict[str, dict[str, Any]] = {k: {"name": NAMES[k], "status": "ok"} for k in engines}
-    if kv_cache_dtype != "auto":
-        results["kvlm"]["name"] = f"kvlm (--dtype auto, KV {kv_cache_dtype})"
-
-    def skip(key: str, reason: str) -> None:
-        engines.pop(key, None)
-        results[key] = {"name": NAMES[key], "status": "skipped", "reason": reason}
-        log(f"  {NAMES[key]}: skipped: {reason}")
-
     llama_python = llama_python or default_llama_python()
-    if not llama_cpp:
-        skip("llama_cpp", "disabled by flag")
-    elif llama_python is None:
-        skip("llama_cpp", "not installed (pip install llama-cpp-python, or pass --llama-python)")
-    elif path.suffix != ".gguf":
-        skip("llama_cpp", f"{path.name} is not a GGUF file")
-    else:
-        try:
-            engines["llama_cpp"] = _LlamaCpp(llama_python, path)
-            results["llama_cpp"] = {"name": NAMES["llama_cpp"], "status": "ok",
-                                    "version": engines["llama_cpp"].version}
-        except (ImportError, OSError, subprocess.SubprocessError) as e:
-            skip("llama_cpp", f"{type(e).__name__}: {e}")
-    if hf:
-        try:
-            engines["hf"] = _HF(path, threads)
-            results["hf"] = {"name": NAMES["hf"], "status": "ok"}
-        except Exception as e:  # noqa: BLE001 (a peer that cannot read this file is a skipped column)
-            skip("hf", f"{type(e).__name__}: {e}")
-    for key in ("kvlm", "kvlm_float32"):  # warm-up: thread pools, first-call allocations
-        engines[key].llm.generate([{"prompt_token_ids": spec["decode_ids"][:8]}], use_tqdm=False)
-
-    best: dict[str, dict[str, Any] | None] = {k: None for k in engines}
-    for r in range(repeats):
-        for key in list(engines):
-            torch.set_num_threads(threads)  # a peer may have changed the process-wide setting
-            try:
-                best[key] = _best(best[key], engines[key].measure(spec))
-            except Exception as e:
-                if key.startswith("kvlm"):
-                    raise
-                skip(key, f"{type(e).__name__}: {e}")
-        log(f"  round {r + 1}/{repeats}: " + ", ".join(
-            f"{k} prefill {v['prefill_tokens_per_s']:.0f}, decode {v['decode_tokens_per_s']:.1f} tok/s"
-            for k, v in best.items() if v is not None and k in engines))
-    for key in engines:
-        results[key].update(best[key] or {})
-    hf_engine = engines.pop("hf", None)
-    del hf_engine
-    for key in ("kvlm", "kvlm_float32"):
-        engines[key] = None  # free the in-process models before timing whole processes
-    gc.collect()
-
+    line = _lineup(model, path, threads, max_len, kv_cache_dtype, llama_python, llama_cpp, hf, log)
+    vocab = line.engines["kvlm"].llm.llm_engine.model_config.vocab_size
+    spec = {"threads": threads, "n_ctx": max_len, "gen_tokens": gen_tokens,
+            "prefill_ids": prompt_ids(vocab, prompt_len), "decode_ids": prompt_ids(vocab, decode_prompt_len, seed=1),
+            "contexts": [[prompt_ids(vocab, c, seed=c), context_gen] for c in contexts]}
+    chat_text = line.engines["kvlm"].llm.tokenizer.apply_chat_template(CHAT)
+    _measure_rounds(line, spec, repeats, threads)
     if whole:
-        for r in range(repeats):
-            for key in [k for k in ("kvlm", "kvlm_float32", "llama_cpp") if k in engines]:
-                try:
-                    wall, rss = run_timed(_whole_cmd(key, path, threads, chat_text, gen_tokens, llama_python,
-                                                     kv_cache_dtype))
-                except (RuntimeError, OSError) as e:
-                    if key.startswith("kvlm"):
-                        raise
-                    skip(key, f"whole process: {e}")
-                    continue
-                res = results[key]
-                res["whole_process_s"] = min(res.get("whole_process_s", wall), wall)
-                res["peak_rss_bytes"] = max(res.get("peak_rss_bytes", 0), rss)
-            log(f"  whole process {r + 1}/{repeats}: " + ", ".join(
-                f"{k} {results[k]['whole_process_s']:.2f} s {results[k]['peak_rss_bytes'] / 2**20:.0f} MiB"
-                for k in ("kvlm", "kvlm_float32", "llama_cpp") if "whole_process_s" in results.get(k, {})))
+        _whole_rounds(line, path, threads, chat_text, gen_tokens, llama_python, kv_cache_dtype, repeats)
 
-    _ratios(results)
+    _ratios(line.results)
     doc = run_header("compare", model, threads)
     doc.update({"model_file": path.name, "prompt_len": prompt_len, "decode_prompt_len": decode_prompt_len,
                 "gen_tokens": gen_tokens, "contexts": list(contexts), "context_gen": context_gen,
                 "kv_cache_dtype": kv_cache_dtype,
-                "repeats": repeats, "engines": results})
+                "repeats": repeats, "engines": line.results})
     return doc
 
 
@@ -264,6 +301,21 @@ def _ratios(results: dict[str, dict[str, Any]]) -> None:
         for x, y in zip(k.get("context_decode", []), r.get("context_decode", [])):
             ratios[f"decode_at_{x['context']}"] = x["tokens_per_s"] / y["tokens_per_s"]
         r["kvlm_over_this"] = ratios
+
+
+def plot(d: dict[str, Any], path: str) -> str:
+    """Decode tokens/s against context length, one line per engine that measured it."""
+    fig, ax = new_figure(width=6.0, height=3.6)
+    for r in d["engines"].values():
+        pts = r.get("context_decode") or []
+        if r["status"] == "ok" and pts:
+            ax.plot([p["context"] for p in pts], [p["tokens_per_s"] for p in pts], marker="o", label=r["name"])
+    ax.set(xlabel="context (tokens)", ylabel="decode tokens/s (batch 1)",
+           title=f"{d['model_file']}, {d['threads']} threads")
+    ax.set_ylim(bottom=0)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
+    return save_figure(fig, path)
 
 
 def print_table(d: dict[str, Any]) -> None:
@@ -292,32 +344,8 @@ def print_table(d: dict[str, Any]) -> None:
                                                      for k, v in rat.items()))
 
 
-def plot(d: dict[str, Any], path: str) -> str:
-    """Decode tokens/s against context length, one line per engine that measured it."""
-    from kvlm.bench.plotting import new_figure, save_figure
-
-    fig, ax = new_figure(width=6.0, height=3.6)
-    for r in d["engines"].values():
-        pts = r.get("context_decode") or []
-        if r["status"] == "ok" and pts:
-            ax.plot([p["context"] for p in pts], [p["tokens_per_s"] for p in pts], marker="o", label=r["name"])
-    ax.set(xlabel="context (tokens)", ylabel="decode tokens/s (batch 1)",
-           title=f"{d['model_file']}, {d['threads']} threads")
-    ax.set_ylim(bottom=0)
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=7)
-    return save_figure(fig, path)
-
-
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("compare", help="kvlm vs llama.cpp (and the float32 reference path) on the same GGUF")
-    _add_args(p)
-    p.set_defaults(func=main_args)
-
-
-def _add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", nargs="?", default="smollm2-135m")
-    p.add_argument("--threads", type=int, default=2)
+def add_args(p: argparse.ArgumentParser) -> None:
+    add_model_args(p)
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--decode-prompt-len", type=int, default=32)
     p.add_argument("--gen-tokens", type=int, default=128)
@@ -329,26 +357,22 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp")
     p.add_argument("--hf", action="store_true", help="also run Hugging Face transformers (float32)")
     p.add_argument("--no-whole-process", action="store_true", help="skip the whole-process runs")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                    help="kvlm's K/V type (llama.cpp stores float16 by default; kvlm's auto is float32 on CPU)")
     p.add_argument("--plot", metavar="FILE", help="PNG of decode tokens/s vs context")
 
 
-def main_args(a: argparse.Namespace) -> int:
-    log = lambda s: print(s, file=sys.stderr, flush=True)
+def run_args(a: argparse.Namespace) -> dict[str, Any]:
     if a.llama_python is not None and not Path(a.llama_python).exists():
         raise ValueError(f"--llama-python: no such file {a.llama_python}")
-    d = run(a.model, a.threads, a.prompt_len, a.decode_prompt_len, a.gen_tokens, tuple(a.contexts), a.context_gen,
-            a.repeats, a.llama_python, not a.no_llama_cpp, a.hf, not a.no_whole_process, log=log,
-            kv_cache_dtype=a.kv_cache_dtype)
-    if a.plot:
-        d["plot"] = plot(d, a.plot)
-    print_table(d)
-    print(json.dumps(d))
-    return 0
+    return run(a.model, threads=a.threads, prompt_len=a.prompt_len, decode_prompt_len=a.decode_prompt_len,
+               gen_tokens=a.gen_tokens, contexts=tuple(a.contexts), context_gen=a.context_gen, repeats=a.repeats,
+               llama_python=a.llama_python, llama_cpp=not a.no_llama_cpp, hf=a.hf, whole=not a.no_whole_process,
+               kv_cache_dtype=a.kv_cache_dtype)
 
+
+BENCH = Bench("compare", "kvlm vs llama.cpp (and the float32 reference path) on the same GGUF", add_args, run_args,
+              print_table, plot)
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(prog="python -m kvlm.bench.compare")
-    _add_args(parser)
-    raise SystemExit(main_args(parser.parse_args()))
+    standalone(BENCH)

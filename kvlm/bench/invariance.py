@@ -4,8 +4,8 @@ Two experiments on the same random prompt of P tokens and the same prompt extend
 
 1. Causal (the real engine): run the prompt as one request and read its K/V for all P positions from
    the engine's contiguous cache (`engine.kv_cache.k[layer][row, :P]`, row 0 = the only row of a
-   one-sequence cache, read right after the request finishes, before anything overwrites it); then run prompt + extension
-   as a fresh request and read the same P positions again. Under the causal mask position p sees only
+   one-sequence cache, read right after the request finishes, before anything overwrites it); then run
+   prompt + extension as a fresh request and read the same P positions again. Under the causal mask position p sees only
    positions <= p, so appending tokens cannot change anything at p: the max abs difference per layer
    is 0 up to float noise (the longer pass may block its matmuls differently).
 2. Non-causal (our own forward pass, not an engine mode): the same model with an `AttentionMetadata`
@@ -19,12 +19,12 @@ Two experiments on the same random prompt of P tokens and the same prompt extend
 from __future__ import annotations
 
 import argparse
-import json
 from typing import Any
 
 import torch
 
-from kvlm.bench.plotting import run_header
+from kvlm.bench.common import DEFAULT_MODEL, Bench, add_model_args, prompt_ids, run_header, standalone
+from kvlm.bench.plotting import new_figure, save_figure
 
 
 class CapturingCache:
@@ -40,7 +40,8 @@ class CapturingCache:
         self.k: dict[int, torch.Tensor] = {}
         self.v: dict[int, torch.Tensor] = {}
 
-    def update_and_fetch(self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def update_and_fetch(self, layer: int, k: torch.Tensor, v: torch.Tensor,
+                         meta: Any) -> tuple[torch.Tensor, torch.Tensor]:
         assert meta.num_seqs == 1 and meta.query_lens == meta.seq_lens, "one sequence, whole context at once"
         self.k[layer], self.v[layer] = k.clone(), v.clone()
         return k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
@@ -91,9 +92,8 @@ def _maxdiff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).abs().max())
 
 
-def run(model: str = "smollm2-135m", threads: int = 2, prompt_len: int = 32, extra_len: int = 32,
+def run(model: str = DEFAULT_MODEL, threads: int = 2, prompt_len: int = 32, extra_len: int = 32,
         seed: int = 0) -> dict[str, Any]:
-    from kvlm.bench.decode import _prompt_ids
     from kvlm.config import EngineConfig
     from kvlm.engine.engine import Engine
 
@@ -102,7 +102,7 @@ def run(model: str = "smollm2-135m", threads: int = 2, prompt_len: int = 32, ext
     engine = Engine(model, EngineConfig(kv_cache_layout="contiguous", max_num_seqs=1, num_threads=threads,
                                         max_model_len=P + E + 1), quiet=True)
     cfg = engine.model_config
-    long_ids = _prompt_ids(cfg.vocab_size, P + E, seed=seed)
+    long_ids = prompt_ids(cfg.vocab_size, P + E, seed=seed)
     short_ids = long_ids[:P]
 
     k1, v1 = engine_kv(engine, short_ids, P)
@@ -136,27 +136,7 @@ def run(model: str = "smollm2-135m", threads: int = 2, prompt_len: int = 32, ext
     return doc
 
 
-def print_table(d: dict[str, Any]) -> None:
-    P, E = d["prompt_len"], d["extra_len"]
-    print(f"{d['model']}: K/V of positions 0..{P - 1} computed from {P} tokens vs from {P} + {E} tokens "
-          f"(max |difference| per layer)")
-    print(f"{'layer':>5s} {'cache K':>10s} {'cache V':>10s} {'causal K':>10s} {'causal V':>10s} "
-          f"{'no mask K':>10s} {'no mask V':>10s} {'max |K|':>8s}")
-    for r in d["layers"]:
-        print(f"{r['layer']:5d} {r['cache_k_diff']:10.2e} {r['cache_v_diff']:10.2e} {r['causal_k_diff']:10.2e} "
-              f"{r['causal_v_diff']:10.2e} {r['noncausal_k_diff']:10.2e} {r['noncausal_v_diff']:10.2e} {r['k_scale']:8.2f}")
-    print("cache: the engine's cached K/V of two requests; causal / no mask: our own forward pass with the causal "
-          "mask / an all-True mask")
-    print(f"causal: history K/V unchanged by later tokens (max diff {d['causal_max_diff']:.2e}), so caching them is exact")
-    nm = d["noncausal_min_diff_layers_1plus"]
-    print(f"without the mask: layer 0 still matches ({d['noncausal_layer0_max_diff']:.2e}: it sees only the token "
-          f"and its position), layers >= 1 change (smallest max diff {'-' if nm is None else format(nm, '.2e')}): "
-          f"a cache would go stale")
-
-
 def plot(d: dict[str, Any], path: str) -> str:
-    from kvlm.bench.plotting import new_figure, save_figure
-
     floor = 1e-12  # exact zeros cannot sit on a log axis: draw them at the floor
     fig, ax = new_figure(width=8.0, height=3.2)
     rows = d["layers"]
@@ -177,31 +157,40 @@ def plot(d: dict[str, Any], path: str) -> str:
     return save_figure(fig, path)
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("invariance", help="history K/V never change under the causal mask (and do without it)")
-    _add_args(p)
-    p.set_defaults(func=main_args)
+def print_table(d: dict[str, Any]) -> None:
+    P, E = d["prompt_len"], d["extra_len"]
+    print(f"{d['model']}: K/V of positions 0..{P - 1} computed from {P} tokens vs from {P} + {E} tokens "
+          f"(max |difference| per layer)")
+    print(f"{'layer':>5s} {'cache K':>10s} {'cache V':>10s} {'causal K':>10s} {'causal V':>10s} "
+          f"{'no mask K':>10s} {'no mask V':>10s} {'max |K|':>8s}")
+    for r in d["layers"]:
+        print(f"{r['layer']:5d} {r['cache_k_diff']:10.2e} {r['cache_v_diff']:10.2e} {r['causal_k_diff']:10.2e} "
+              f"{r['causal_v_diff']:10.2e} {r['noncausal_k_diff']:10.2e} {r['noncausal_v_diff']:10.2e} "
+              f"{r['k_scale']:8.2f}")
+    print("cache: the engine's cached K/V of two requests; causal / no mask: our own forward pass with the causal "
+          "mask / an all-True mask")
+    print(f"causal: history K/V unchanged by later tokens (max diff {d['causal_max_diff']:.2e}), "
+          "so caching them is exact")
+    nm = d["noncausal_min_diff_layers_1plus"]
+    print(f"without the mask: layer 0 still matches ({d['noncausal_layer0_max_diff']:.2e}: it sees only the token "
+          f"and its position), layers >= 1 change (smallest max diff {'-' if nm is None else format(nm, '.2e')}): "
+          f"a cache would go stale")
 
 
-def _add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", nargs="?", default="smollm2-135m")
-    p.add_argument("--threads", type=int, default=2)
+def add_args(p: argparse.ArgumentParser) -> None:
+    add_model_args(p)
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--extra-len", type=int, default=32, help="tokens appended for the second run")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plot", metavar="FILE", help="write a PNG: bar chart per layer, log scale")
 
 
-def main_args(a: argparse.Namespace) -> int:
-    d = run(a.model, a.threads, a.prompt_len, a.extra_len, a.seed)
-    if a.plot:
-        d["plot"] = plot(d, a.plot)
-    print_table(d)
-    print(json.dumps(d))
-    return 0
+def run_args(a: argparse.Namespace) -> dict[str, Any]:
+    return run(a.model, threads=a.threads, prompt_len=a.prompt_len, extra_len=a.extra_len, seed=a.seed)
 
+
+BENCH = Bench("invariance", "history K/V never change under the causal mask (and do without it)", add_args,
+              run_args, print_table, plot)
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(prog="python -m kvlm.bench.invariance")
-    _add_args(parser)
-    raise SystemExit(main_args(parser.parse_args()))
+    standalone(BENCH)

@@ -14,7 +14,6 @@ second. The last line is one JSON document.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from dataclasses import dataclass
 
@@ -22,7 +21,7 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
-from kvlm.bench.plotting import cpu_name
+from kvlm.bench.common import Bench, cpu_name, standalone
 from kvlm.kernels import native
 from kvlm.kernels.paged_attention import paged_decode_attention
 from kvlm.kernels.quant import dequantize, qmatmul
@@ -161,7 +160,8 @@ def run(formats: list[str], rows: list[int], threads: int | None, min_s: float,
     cpu = cpu_name()
     print(f"# kvlm kernels: path {native.active_isa()}, {torch.get_num_threads()} threads, {cpu}, "
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
-    print(f"{'format':6} {'N x K':>12} {'M':>4} {'qmatmul ms':>11} {'GB/s':>7} {'f32 ms':>9} {'GB/s':>7} {'speedup':>8}")
+    print(f"{'format':6} {'N x K':>12} {'M':>4} {'qmatmul ms':>11} {'GB/s':>7} {'f32 ms':>9} {'GB/s':>7} "
+          f"{'speedup':>8}")
     results = []
     with torch.inference_mode():
         for name in formats:
@@ -179,13 +179,7 @@ def run(formats: list[str], rows: list[int], threads: int | None, min_s: float,
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "results": results, "attention": attention}
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("kernels", help="quantized matmul kernels vs float32 torch.matmul (GB/s, speedup)")
-    _add_args(p)
-    p.set_defaults(func=_main)
-
-
-def _add_args(p: argparse.ArgumentParser) -> None:
+def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--formats", default=",".join(FORMATS), help="comma-separated GGUF types (default %(default)s)")
     p.add_argument("--rows", default=",".join(map(str, ROWS)), help="values of M (default %(default)s)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
@@ -200,43 +194,46 @@ def _add_args(p: argparse.ArgumentParser) -> None:
                    help="attention re-reads one cache (CPU-cache hot) instead of one per layer in turn")
 
 
-def _main(a: argparse.Namespace) -> int:
+def _positive_ints(text: str, flag: str) -> list[int]:
+    """A comma-separated flag value as positive integers; ValueError naming the flag."""
+    try:
+        ints = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise ValueError(f"{flag} must be comma-separated integers, got {text!r}") from None
+    if any(v < 1 for v in ints):
+        raise ValueError(f"{flag} must be positive")
+    return ints
+
+
+def _shapes(text: str | None) -> tuple[tuple[int, ...], ...]:
+    """--shapes (N x K pairs, comma-separated) or, when not given, the default model's."""
+    if not text:
+        return SHAPES
+    try:
+        shapes = tuple(tuple(int(v) for v in sh.lower().split("x", 1)) for sh in text.split(","))
+    except ValueError:
+        raise ValueError(f"--shapes must be comma-separated NxK pairs, got {text!r}") from None
+    if any(len(sh) != 2 or min(sh) < 1 for sh in shapes):
+        raise ValueError(f"--shapes must be comma-separated NxK pairs of positive integers, got {text!r}")
+    return shapes
+
+
+def run_args(a: argparse.Namespace) -> dict:
     formats = [f.strip().upper() for f in a.formats.split(",") if f.strip()]
     unknown = [f for f in formats if f not in GGMLQuantizationType.__members__]
     if unknown or not formats:
         raise ValueError(f"--formats: unknown GGUF type(s) {', '.join(unknown) or '(none given)'}")
-    try:
-        rows = [int(r) for r in a.rows.split(",")]
-    except ValueError:
-        raise ValueError(f"--rows must be comma-separated integers, got {a.rows!r}") from None
-    if any(r < 1 for r in rows):
-        raise ValueError("--rows must be positive")
-    try:
-        attn_threads = ([int(n) for n in a.attention_threads.split(",")] if a.attention_threads
-                        else sorted({1, a.threads or torch.get_num_threads()}))
-    except ValueError:
-        raise ValueError(f"--attention-threads must be comma-separated integers, got {a.attention_threads!r}") from None
-    if any(n < 1 for n in attn_threads):
-        raise ValueError("--attention-threads must be positive")
-    try:
-        shapes = (tuple(tuple(int(v) for v in sh.lower().split("x", 1)) for sh in a.shapes.split(","))
-                  if a.shapes else SHAPES)
-    except ValueError:
-        raise ValueError(f"--shapes must be comma-separated NxK pairs, got {a.shapes!r}") from None
-    if any(len(sh) != 2 or min(sh) < 1 for sh in shapes):
-        raise ValueError(f"--shapes must be comma-separated NxK pairs of positive integers, got {a.shapes!r}")
-    if a.attention_only:
-        formats = []
-    if a.no_attention:
-        attn_threads = []
-    print(json.dumps(run(formats, rows, a.threads, a.min_seconds, attn_threads, cold=not a.hot, shapes=shapes)))
-    return 0
+    rows = _positive_ints(a.rows, "--rows")
+    default_attn = ",".join(str(n) for n in sorted({1, a.threads or torch.get_num_threads()}))
+    attn_threads = _positive_ints(a.attention_threads or default_attn, "--attention-threads")
+    shapes = _shapes(a.shapes)
+    return run([] if a.attention_only else formats, rows, a.threads, a.min_seconds,
+               [] if a.no_attention else attn_threads, cold=not a.hot, shapes=shapes)
 
+
+# No print_table: `run` prints each row as it is measured (a full run takes minutes).
+BENCH = Bench("kernels", "quantized matmul kernels vs float32 torch.matmul (GB/s, speedup)", add_args, run_args, None,
+              description=__doc__.splitlines()[0])
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(prog="python -m kvlm.bench.kernels", description=__doc__.splitlines()[0])
-    _add_args(parser)
-    try:
-        raise SystemExit(_main(parser.parse_args()))
-    except ValueError as e:
-        parser.exit(2, f"kvlm: error: {e}\n")
+    standalone(BENCH)

@@ -25,13 +25,24 @@ write, other ops in the forward, sampling and host time, seconds per step.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
-from kvlm.bench.plotting import fmt_bytes, run_header
+from kvlm.bench.common import (
+    DEFAULT_MODEL,
+    KV_CACHE_DTYPES,
+    Bench,
+    add_model_args,
+    kvlm_times,
+    log,
+    prompt_ids,
+    run_header,
+    standalone,
+)
+from kvlm.bench.plotting import fmt_bytes, new_figure, save_figure
+from kvlm.config import DTYPES
 
 
 def _sync(device: Any) -> None:
@@ -103,13 +114,12 @@ def engine_weight_bytes(model: Any) -> int:
     return total
 
 
-def run(model: str = "smollm2-135m", threads: int = 2, prompt_lens: tuple[int, ...] = (32, 64, 128, 256, 512),
+def run(model: str = DEFAULT_MODEL, threads: int = 2, prompt_lens: tuple[int, ...] = (32, 64, 128, 256, 512),
         contexts: tuple[int, ...] = (64, 256, 512, 1024), decode_steps: int = 24, repeats: int = 2,
-        copy_mib: int = 256, matmul_n: int = 2048, dtype: str = "auto", log: Any = print,
+        copy_mib: int = 256, matmul_n: int = 2048, dtype: str = "auto", log: Callable[[str], None] = log,
         kv_cache_dtype: str = "auto") -> dict[str, Any]:
     import torch
 
-    from kvlm.bench.decode import _kvlm_run, _prompt_ids
     from kvlm.bench.step_breakdown import decode_breakdown
     from kvlm.bench.waste import forward_flops
     from kvlm.llm import LLM
@@ -126,12 +136,12 @@ def run(model: str = "smollm2-135m", threads: int = 2, prompt_lens: tuple[int, .
     cfg = eng.model_config
     kv_tok = eng.kv_bytes_per_token
     wbytes = engine_weight_bytes(eng.model)
-    _kvlm_run(llm, _prompt_ids(cfg.vocab_size, 16), 4)  # warm-up
+    kvlm_times(llm, prompt_ids(cfg.vocab_size, 16), 4)  # warm-up
 
     prefill = []
     for P in prompt_lens:
-        ids = _prompt_ids(cfg.vocab_size, P, seed=P)
-        ttft = min(_kvlm_run(llm, ids, 1)[0] for _ in range(repeats))
+        ids = prompt_ids(cfg.vocab_size, P, seed=P)
+        ttft = min(kvlm_times(llm, ids, 1)[0] for _ in range(repeats))
         flops = forward_flops(cfg, P, P * (P + 1) // 2)
         nbytes = wbytes + P * kv_tok
         prefill.append({"prompt_len": P, "ttft_s": ttft, "tokens_per_s": P / ttft, "flops": flops,
@@ -141,7 +151,7 @@ def run(model: str = "smollm2-135m", threads: int = 2, prompt_lens: tuple[int, .
 
     decode = []
     for C in contexts:
-        ids = _prompt_ids(cfg.vocab_size, C, seed=C)
+        ids = prompt_ids(cfg.vocab_size, C, seed=C)
         tpt = statistics.median(_decode_step_times(llm, ids, decode_steps))  # robust to the odd slow step
         split = decode_breakdown(llm, ids, decode_steps)["parts_s"]
         ctx = C + (decode_steps + 1) / 2  # mean context of the timed steps: C+1 .. C+decode_steps
@@ -166,6 +176,35 @@ def run(model: str = "smollm2-135m", threads: int = 2, prompt_lens: tuple[int, .
         "prefill": prefill, "decode": decode,
     })
     return doc
+
+
+def plot(d: dict[str, Any], path: str) -> str:
+    fig, ax = new_figure(width=7.0, height=4.0)
+    bw, peak = d["memory_bandwidth_gb_per_s"], d["peak_gflops_per_s"]
+    xs = [r["intensity"] for r in d["prefill"] + d["decode"]]
+    lo, hi = min(xs + [d["ridge_intensity"]]) / 4, max(xs + [d["ridge_intensity"]]) * 4
+    ridge = d["ridge_intensity"]
+    ax.plot([lo, ridge, hi], [bw * lo, peak, peak], "k-", lw=1.5, label="roofline (measured)")
+    ax.plot([ridge, hi], [bw * ridge, bw * hi], "k:", lw=1, label=f"memory {bw:.1f} GB/s (copy)")
+    ax.plot([lo, ridge], [peak, peak], "k--", lw=1, label=f"compute {peak:.0f} GFLOP/s (matmul)")
+    ax.scatter([r["intensity"] for r in d["prefill"]], [r["gflops_per_s"] for r in d["prefill"]],
+               marker="o", label="prefill (prompt length)", zorder=3)
+    for r in d["prefill"]:
+        ax.annotate(str(r["prompt_len"]), (r["intensity"], r["gflops_per_s"]), fontsize=7,
+                    xytext=(3, -9), textcoords="offset points")
+    ax.scatter([r["intensity"] for r in d["decode"]], [r["gflops_per_s"] for r in d["decode"]],
+               marker="s", label="decode (context)", zorder=3)
+    for i, r in enumerate(d["decode"]):  # all decode points share ~0.5 FLOP/byte: stagger their labels
+        ax.annotate(f"ctx {r['context']}", (r["intensity"], r["gflops_per_s"]), fontsize=7,
+                    xytext=(8, 9 * (i - len(d["decode"]) / 2)), textcoords="offset points",
+                    arrowprops={"arrowstyle": "-", "lw": 0.5})
+    ys = [r["gflops_per_s"] for r in d["prefill"] + d["decode"]]
+    ax.set(xscale="log", yscale="log", xlim=(lo, hi), ylim=(min(ys + [bw * lo]) / 3, peak * 3),
+           xlabel="arithmetic intensity (FLOP/byte)",
+           ylabel="GFLOP/s", title=f"{d['model']}: prefill vs decode, {d['threads']} threads")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, loc="best")
+    return save_figure(fig, path)
 
 
 def print_table(d: dict[str, Any]) -> None:
@@ -201,69 +240,27 @@ def print_table(d: dict[str, Any]) -> None:
         print(f"{r['context']:7d} " + " ".join(f"{b[p] * 1e3:9.2f}" for p in PARTS))
 
 
-def plot(d: dict[str, Any], path: str) -> str:
-    from kvlm.bench.plotting import new_figure, save_figure
-
-    fig, ax = new_figure(width=7.0, height=4.0)
-    bw, peak = d["memory_bandwidth_gb_per_s"], d["peak_gflops_per_s"]
-    xs = [r["intensity"] for r in d["prefill"] + d["decode"]]
-    lo, hi = min(xs + [d["ridge_intensity"]]) / 4, max(xs + [d["ridge_intensity"]]) * 4
-    ridge = d["ridge_intensity"]
-    ax.plot([lo, ridge, hi], [bw * lo, peak, peak], "k-", lw=1.5, label="roofline (measured)")
-    ax.plot([ridge, hi], [bw * ridge, bw * hi], "k:", lw=1, label=f"memory {bw:.1f} GB/s (copy)")
-    ax.plot([lo, ridge], [peak, peak], "k--", lw=1, label=f"compute {peak:.0f} GFLOP/s (matmul)")
-    ax.scatter([r["intensity"] for r in d["prefill"]], [r["gflops_per_s"] for r in d["prefill"]],
-               marker="o", label="prefill (prompt length)", zorder=3)
-    for r in d["prefill"]:
-        ax.annotate(str(r["prompt_len"]), (r["intensity"], r["gflops_per_s"]), fontsize=7,
-                    xytext=(3, -9), textcoords="offset points")
-    ax.scatter([r["intensity"] for r in d["decode"]], [r["gflops_per_s"] for r in d["decode"]],
-               marker="s", label="decode (context)", zorder=3)
-    for i, r in enumerate(d["decode"]):  # all decode points share ~0.5 FLOP/byte: stagger their labels
-        ax.annotate(f"ctx {r['context']}", (r["intensity"], r["gflops_per_s"]), fontsize=7,
-                    xytext=(8, 9 * (i - len(d["decode"]) / 2)), textcoords="offset points",
-                    arrowprops={"arrowstyle": "-", "lw": 0.5})
-    ys = [r["gflops_per_s"] for r in d["prefill"] + d["decode"]]
-    ax.set(xscale="log", yscale="log", xlim=(lo, hi), ylim=(min(ys + [bw * lo]) / 3, peak * 3),
-           xlabel="arithmetic intensity (FLOP/byte)",
-           ylabel="GFLOP/s", title=f"{d['model']}: prefill vs decode, {d['threads']} threads")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7, loc="best")
-    return save_figure(fig, path)
-
-
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("latency", help="TTFT vs prompt length, time per token vs context, on a measured roofline")
-    _add_args(p)
-    p.set_defaults(func=main_args)
-
-
-def _add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", nargs="?", default="smollm2-135m")
-    p.add_argument("--threads", type=int, default=2)
+def add_args(p: argparse.ArgumentParser) -> None:
+    add_model_args(p)
     p.add_argument("--prompt-lens", type=int, nargs="+", default=[32, 64, 128, 256, 512])
     p.add_argument("--contexts", type=int, nargs="+", default=[64, 256, 512, 1024])
     p.add_argument("--decode-steps", type=int, default=24, help="timed decode steps per context (median)")
     p.add_argument("--repeats", type=int, default=2, help="prefill runs per prompt length (best kept)")
     p.add_argument("--copy-mib", type=int, default=256, help="tensor size of the bandwidth test")
     p.add_argument("--matmul-n", type=int, default=2048, help="matrix size of the compute test")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+    p.add_argument("--dtype", default="auto", choices=DTYPES)
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
     p.add_argument("--plot", metavar="FILE", help="write a roofline PNG")
 
 
-def main_args(a: argparse.Namespace) -> int:
-    log = lambda s: print(s, file=sys.stderr, flush=True)
-    d = run(a.model, a.threads, tuple(a.prompt_lens), tuple(a.contexts), a.decode_steps, a.repeats,
-            a.copy_mib, a.matmul_n, a.dtype, log=log, kv_cache_dtype=a.kv_cache_dtype)
-    if a.plot:
-        d["plot"] = plot(d, a.plot)
-    print_table(d)
-    print(json.dumps(d))
-    return 0
+def run_args(a: argparse.Namespace) -> dict[str, Any]:
+    return run(a.model, threads=a.threads, prompt_lens=tuple(a.prompt_lens), contexts=tuple(a.contexts),
+               decode_steps=a.decode_steps, repeats=a.repeats, copy_mib=a.copy_mib, matmul_n=a.matmul_n,
+               dtype=a.dtype, kv_cache_dtype=a.kv_cache_dtype)
 
+
+BENCH = Bench("latency", "TTFT vs prompt length, time per token vs context, on a measured roofline", add_args,
+              run_args, print_table, plot)
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(prog="python -m kvlm.bench.latency")
-    _add_args(parser)
-    raise SystemExit(main_args(parser.parse_args()))
+    standalone(BENCH)

@@ -1,5 +1,6 @@
-"""What the KV-cache benchmarks (`waste`, `invariance`, `latency`, `compare`, `kv-size --plot`) share:
-the run header every JSON document carries (date, CPU, threads, torch) and small matplotlib helpers.
+"""The figures of the benchmarks' `--plot` (and `kvlm kv-size --plot`): a small matplotlib figure, its
+PNG, and `fmt_bytes` for the tables beside them. The run header and the rest of what the benchmarks
+share live in `common.py`.
 
 matplotlib is imported only inside `new_figure()`, with the non-interactive Agg backend, so the
 commands run (and their tests pass) without a display, and `kvlm --help` never pays for the import.
@@ -8,33 +9,10 @@ Figures are small (about 8 x 3.2 inches at 100 dpi) so that each PNG stays well 
 
 from __future__ import annotations
 
-import platform
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 DPI = 100
-
-
-def cpu_name() -> str:
-    """The CPU model from /proc/cpuinfo; `platform.processor()` is empty on most Linux systems."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def run_header(bench: str, model: str, threads: int) -> dict[str, Any]:
-    """The fields every bench JSON starts with (read back by scripts/make_benchmarks_md.py)."""
-    import torch
-
-    return {"bench": bench, "model": str(model), "threads": threads,
-            "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"), "cpu": cpu_name(),
-            "torch": torch.__version__}
 
 
 def new_figure(ncols: int = 1, width: float = 8.0, height: float = 3.2) -> tuple[Any, Any]:

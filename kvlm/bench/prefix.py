@@ -6,25 +6,27 @@
 (b) chat: a 10-turn greedy chat, with and without reuse: tokens prefilled and seconds per turn (with
     reuse each turn prefills only its new tokens), and whether both give the same replies.
 (c) snapshot: the K/V of a 2048-token prefix loaded from a safetensors snapshot vs recomputed.
-Each part prints a table; the output ends with one JSON line (the part's, or all three under one
-header); `--plot FILE` draws (a) and (b) in one PNG.
+Once the parts have run, each prints its table (from the document, so a saved JSON can be printed
+again); the output ends with one JSON line (the part's, or all three under one header); `--plot FILE`
+draws (a) and (b) in one PNG.
 `--explain PROMPT_A PROMPT_B` runs A then B and prints why B reused less of A than it shares (if so).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from kvlm.bench.plotting import new_figure, run_header, save_figure
+from kvlm.bench.common import Bench, add_model_args, run_header, standalone
+from kvlm.bench.plotting import new_figure, save_figure
 
 PARAGRAPH = ("You are a careful assistant for a small hardware shop. Answer in one short sentence, be polite, "
              "never invent prices, and when you do not know something say so plainly. The shop sells cables, "
              "adapters, keyboards, mice, monitors and spare parts, and it is open from nine to six. ")
+PARTS = ("shared", "chat", "snapshot")  # (a), (b), (c)
 CHAT_TURNS = ["Hi! What is a KV cache?", "Why does it make decoding faster?", "How much memory does it take?",
               "What is paging in this context?", "And what is prefix caching?", "Give me an example workload.",
               "What happens when the cache is full?", "Is the result exactly the same?",
@@ -161,9 +163,22 @@ def explain(model: str, threads: int, a: str, b: str, chat: bool, block_size: in
             "block_size": block_size, "miss": m.prefix_miss}
 
 
-def plot(shared: dict[str, Any] | None, chat: dict[str, Any] | None, path: str) -> str:
+def parts_of(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The parts a document holds, in run order: all three under `bench: prefix`, else the one `--part`
+    ran (none for `--explain`)."""
+    if doc["bench"] == "prefix":
+        return {k: doc[k] for k in PARTS if k in doc}
+    name = doc["bench"].removeprefix("prefix-")
+    return {name: doc} if name in PARTS else {}
+
+
+def plot(doc: dict[str, Any], path: str) -> str | None:
     """One PNG: (a) tokens prefilled and TTFT, caching off vs on; (b) tokens prefilled and seconds per
-    chat turn, with and without reuse (the panels of the parts that ran)."""
+    chat turn, with and without reuse (the panels of the parts that ran). None when neither ran."""
+    parts = parts_of(doc)
+    shared, chat = parts.get("shared"), parts.get("chat")
+    if shared is None and chat is None:
+        return None
     panels = (2 if shared is not None else 0) + (2 if chat is not None else 0)
     fig, axes = new_figure(panels, width=4.0 * panels)
     axes = axes if isinstance(axes, list) else [axes]
@@ -196,7 +211,8 @@ def plot(shared: dict[str, Any] | None, chat: dict[str, Any] | None, path: str) 
 
 def print_shared(d: dict[str, Any]) -> None:
     print(f"(a) {d['num_requests']} requests sharing a {d['system_tokens']}-token system prompt")
-    print(f"{'prefix caching':16s} {'prefilled':>10s} {'TTFT p50':>9s} {'TTFT p90':>9s} {'total s':>8s} {'out tok/s':>9s}")
+    print(f"{'prefix caching':16s} {'prefilled':>10s} {'TTFT p50':>9s} {'TTFT p90':>9s} {'total s':>8s} "
+          f"{'out tok/s':>9s}")
     for m in ("off", "on"):
         r = d[m]
         print(f"{m:16s} {r['prefilled_tokens']:10d} {r['ttft_p50_s']:9.3f} {r['ttft_p90_s']:9.3f} "
@@ -220,45 +236,50 @@ def print_snapshot(d: dict[str, Any]) -> None:
           f"{d['load_speedup']:.1f}x; TTFT after load {d['ttft_after_load_s']:.3f} s; same tokens: {d['same_tokens']}")
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("prefix", help="prefix cache: shared system prompt, multi-turn chat, KV snapshot load")
-    p.add_argument("model", nargs="?", default="smollm2-135m")
-    p.add_argument("--part", choices=["all", "shared", "chat", "snapshot"], default="all")
+def print_table(doc: dict[str, Any]) -> None:
+    if doc["bench"] == "prefix-explain":
+        print(f"B: {doc['prompt_tokens']} prompt tokens, {doc['cached_tokens']} reused from A's cache")
+        print(f"why not more: {doc['miss'] or 'nothing was missed (B reused all it shares with A in whole blocks)'}")
+        return
+    printers = {"shared": print_shared, "chat": print_chat, "snapshot": print_snapshot}
+    for name, part in parts_of(doc).items():
+        printers[name](part)
+    if "plot" in doc:
+        print(f"plot: {doc['plot']}")
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--part", choices=["all", *PARTS], default="all")
     p.add_argument("--num-requests", type=int, default=32)
     p.add_argument("--system-len", type=int, default=1024, help="tokens of the shared system prompt")
     p.add_argument("--max-tokens", type=int, default=16, help="output tokens per request in (a)")
     p.add_argument("--turns", type=int, default=10)
     p.add_argument("--turn-tokens", type=int, default=48, help="max output tokens per chat turn in (b)")
     p.add_argument("--snapshot-len", type=int, default=2048, help="tokens of the snapshot prefix in (c)")
-    p.add_argument("--threads", type=int, default=2)
+    add_model_args(p)  # MODEL and --threads: here, so that --help keeps --threads after --snapshot-len
     p.add_argument("--plot", metavar="FILE", default=None, help="write a PNG of (a) and (b)")
     p.add_argument("--explain", nargs=2, metavar=("PROMPT_A", "PROMPT_B"), default=None,
                    help="run A then B and print why B reused less of the cache than it shares with A")
     p.add_argument("--chat", action="store_true", help="with --explain: render each prompt as a chat user turn")
     p.add_argument("--block-size", type=int, default=16, help="with --explain")
-    p.set_defaults(func=main_args)
 
 
-def main_args(a: argparse.Namespace) -> int:
+def run_args(a: argparse.Namespace) -> dict[str, Any]:
+    """--explain's document, the one part's, or all three parts under one header."""
     if a.explain:
-        d = explain(a.model, a.threads, a.explain[0], a.explain[1], a.chat, a.block_size)
-        print(f"B: {d['prompt_tokens']} prompt tokens, {d['cached_tokens']} reused from A's cache")
-        print(f"why not more: {d['miss'] or 'nothing was missed (B reused all it shares with A in whole blocks)'}")
-        print(json.dumps(d))
-        return 0
+        return explain(a.model, a.threads, a.explain[0], a.explain[1], a.chat, a.block_size)
     parts: dict[str, Any] = {}
     if a.part in ("all", "shared"):
         parts["shared"] = run_shared(a.model, a.threads, a.num_requests, a.system_len, a.max_tokens)
-        print_shared(parts["shared"])
     if a.part in ("all", "chat"):
         parts["chat"] = run_chat(a.model, a.threads, a.turns, a.turn_tokens)
-        print_chat(parts["chat"])
     if a.part in ("all", "snapshot"):
         parts["snapshot"] = run_snapshot(a.model, a.threads, a.snapshot_len)
-        print_snapshot(parts["snapshot"])
-    doc = parts[a.part] if a.part != "all" else {**run_header("prefix", a.model, a.threads), **parts}
-    if a.plot and ("shared" in parts or "chat" in parts):
-        doc["plot"] = plot(parts.get("shared"), parts.get("chat"), a.plot)
-        print(f"plot: {doc['plot']}")
-    print(json.dumps(doc))
-    return 0
+    return parts[a.part] if a.part != "all" else {**run_header("prefix", a.model, a.threads), **parts}
+
+
+BENCH = Bench("prefix", "prefix cache: shared system prompt, multi-turn chat, KV snapshot load", add_args, run_args,
+              print_table, plot)
+
+if __name__ == "__main__":
+    standalone(BENCH)

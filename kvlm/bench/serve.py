@@ -16,14 +16,14 @@ import asyncio
 import json
 import random
 import statistics
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from kvlm.bench.plotting import run_header
+from kvlm.bench.common import Bench, log, run_header, standalone
+from kvlm.bench.plotting import new_figure
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
@@ -155,10 +155,10 @@ def check_loopback(url: str) -> str:
     return url.rstrip("/")
 
 
-def plot(runs: list[dict[str, Any]], path: str, title: str) -> str:
-    from kvlm.bench.plotting import new_figure
-
-    runs = [r for r in runs if r["completed"]]
+def plot(doc: dict[str, Any], path: str) -> str:
+    """TTFT and E2EL percentiles against the request rate each run achieved."""
+    title = f"kvlm serve {doc['model']}: latency vs request rate ({doc['cpu']}, {doc['date']})"
+    runs = [r for r in doc["runs"] if r["completed"]]
     xs = [r["request_throughput"] for r in runs]  # achieved rate (an "inf" offered rate has no x of its own)
     fig, axes = new_figure(ncols=2)
     for ax, metric in zip(axes, ("ttft", "e2el")):
@@ -174,7 +174,19 @@ def plot(runs: list[dict[str, Any]], path: str, title: str) -> str:
     return path
 
 
+def check_flags(a: argparse.Namespace) -> None:
+    """The limits argparse cannot express: a usage error (exit 2) before anything is imported or sent."""
+    for name in ("num_prompts", "max_duration"):
+        if getattr(a, name) <= 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be positive")
+    if a.max_concurrency is not None and a.max_concurrency < 1:
+        raise ValueError("--max-concurrency must be >= 1")
+    if any(r <= 0 for r in a.request_rate or ()):
+        raise ValueError("--request-rate must be positive (inf for all at once)")
+
+
 def run(a: argparse.Namespace) -> dict[str, Any]:
+    check_flags(a)
     import logging
 
     import httpx
@@ -198,10 +210,10 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     for rate in rates:
         d = asyncio.run(run_load(url, model, prompts, outs, a.max_concurrency, rate, a.seed, a.max_duration))
         runs.append(d)
-        print(f"rate {rate:g} req/s, concurrency {a.max_concurrency}: {d['completed']} ok, {d['failed']} failed, "
-              f"{d['output_throughput']:.1f} output tok/s, TTFT p50 {d['median_ttft_ms']:.1f} ms "
-              f"p99 {d['p99_ttft_ms']:.1f} ms, TPOT p50 {d['median_tpot_ms']:.1f} ms, "
-              f"E2EL p50 {d['median_e2el_ms']:.0f} ms", file=sys.stderr)
+        log(f"rate {rate:g} req/s, concurrency {a.max_concurrency}: {d['completed']} ok, {d['failed']} failed, "
+            f"{d['output_throughput']:.1f} output tok/s, TTFT p50 {d['median_ttft_ms']:.1f} ms "
+            f"p99 {d['p99_ttft_ms']:.1f} ms, TPOT p50 {d['median_tpot_ms']:.1f} ms, "
+            f"E2EL p50 {d['median_e2el_ms']:.0f} ms")
     doc = {**run_header("serve", model, a.threads), "url": url, "num_prompts": len(prompts),
            "input_len": a.input_len, "output_len": a.output_len, "seed": a.seed, "runs": runs}
     if a.compare_offline:
@@ -210,16 +222,12 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         off = offline(models[0]["root"], prompts, outs, a.offline_max_num_seqs, a.threads)
         doc["offline"] = off
         doc["throughput_ratio"] = runs[0]["output_throughput"] / off["output_throughput"]
-        print(f"offline (same prompts, this process): {off['output_throughput']:.1f} output tok/s, "
-              f"TTFT p50 {off['median_ttft_ms']:.1f} ms; server/offline throughput {doc['throughput_ratio']:.2f}",
-              file=sys.stderr)
-    if a.plot:
-        doc["plot"] = plot(runs, a.plot, f"kvlm serve {model}: latency vs request rate ({doc['cpu']}, {doc['date']})")
+        log(f"offline (same prompts, this process): {off['output_throughput']:.1f} output tok/s, "
+            f"TTFT p50 {off['median_ttft_ms']:.1f} ms; server/offline throughput {doc['throughput_ratio']:.2f}")
     return doc
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("serve", help="load a running `kvlm serve` (TTFT, TPOT, ITL, E2EL; vllm bench serve names)")
+def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", default="http://127.0.0.1:8000", help="the server (loopback only)")
     p.add_argument("--model", default=None, help="model name to send (default: the server's first)")
     p.add_argument("--num-prompts", type=int, default=32)
@@ -235,16 +243,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--offline-max-num-seqs", type=int, default=16, help="engine seats offline (the server's default)")
     p.add_argument("--threads", type=int, default=2, help="torch threads for --compare-offline")
     p.add_argument("--plot", metavar="FILE", help="PNG of TTFT and E2EL percentiles against request rate")
-    p.set_defaults(func=main_args)
 
 
-def main_args(a: argparse.Namespace) -> int:
-    for name in ("num_prompts", "max_duration"):
-        if getattr(a, name) <= 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be positive")
-    if a.max_concurrency is not None and a.max_concurrency < 1:
-        raise ValueError("--max-concurrency must be >= 1")
-    if any(r <= 0 for r in a.request_rate or ()):
-        raise ValueError("--request-rate must be positive (inf for all at once)")
-    print(json.dumps(run(a)))
-    return 0
+# No table: each rate's summary goes to stderr as its run ends, the document to stdout.
+BENCH = Bench("serve", "load a running `kvlm serve` (TTFT, TPOT, ITL, E2EL; vllm bench serve names)", add_args, run,
+              None, plot)
+
+if __name__ == "__main__":
+    standalone(BENCH)

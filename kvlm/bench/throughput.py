@@ -10,17 +10,28 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import random
-import resource
-import sys
 import time
-from datetime import UTC, datetime
 from typing import Any
 
 import torch
 
-from kvlm.bench.plotting import cpu_name
+from kvlm.bench.common import (
+    DEFAULT_MODEL,
+    KV_CACHE_DTYPES,
+    Bench,
+    add_model_args,
+    dtype_choices,
+    load_hf,
+    log,
+    peak_rss_mib,
+    run_header,
+    standalone,
+)
+
+# The compute dtypes throughput has always offered: auto (quantized GGUF weights) and the two dense paths
+# it compares them with.
+THROUGHPUT_DTYPES = dtype_choices("auto", "float32", "bfloat16")
 
 
 def make_workload(n: int, vocab: int, in_range: tuple[int, int], out_range: tuple[int, int],
@@ -30,6 +41,12 @@ def make_workload(n: int, vocab: int, in_range: tuple[int, int], out_range: tupl
     return prompts, [rng.randint(*out_range) for _ in range(n)]
 
 
+def _rates(seconds: float, n_out: int, prompts: list[list[int]]) -> dict[str, float]:
+    """Wall time, output tokens/s and (prompt + output) tokens/s of one run over `prompts`."""
+    return {"seconds": seconds, "output_tokens_per_s": n_out / seconds,
+            "total_tokens_per_s": (n_out + sum(map(len, prompts))) / seconds}
+
+
 def run_kvlm_batched(llm: Any, prompts: list[list[int]], outs: list[int]) -> dict[str, Any]:
     """All requests at once through the engine; tracks peak blocks and paging waste per step."""
     from kvlm.sampling_params import SamplingParams
@@ -37,7 +54,8 @@ def run_kvlm_batched(llm: Any, prompts: list[list[int]], outs: list[int]) -> dic
     eng = llm.llm_engine
     bm, bpt = eng.block_manager, eng.kv_bytes_per_token
     t0 = time.perf_counter()
-    reqs = [eng.add_request(p, SamplingParams(temperature=0, max_tokens=o, ignore_eos=True)) for p, o in zip(prompts, outs)]
+    reqs = [eng.add_request(p, SamplingParams(temperature=0, max_tokens=o, ignore_eos=True))
+            for p, o in zip(prompts, outs)]
     peak_blocks = peak_running = 0
     max_waste_per_req = 0.0
     while eng.has_unfinished:
@@ -46,13 +64,15 @@ def run_kvlm_batched(llm: Any, prompts: list[list[int]], outs: list[int]) -> dic
         peak_blocks = max(peak_blocks, bm.num_used_blocks)
         peak_running = max(peak_running, len(running))
         for r in running:  # allocated minus filled slots, in blocks
-            max_waste_per_req = max(max_waste_per_req, (len(r.block_table) * bm.block_size - r.num_computed_tokens) / bm.block_size)
+            waste = (len(r.block_table) * bm.block_size - r.num_computed_tokens) / bm.block_size
+            max_waste_per_req = max(max_waste_per_req, waste)
     dt = time.perf_counter() - t0
     n_out = sum(r.num_output_tokens for r in reqs)
     assert n_out == sum(outs)
-    return {"seconds": dt, "output_tokens_per_s": n_out / dt, "total_tokens_per_s": (n_out + sum(map(len, prompts))) / dt,
-            "peak_kv_blocks": peak_blocks, "peak_kv_bytes": peak_blocks * bm.block_size * bpt, "peak_running": peak_running,
-            "max_waste_blocks_per_request": max_waste_per_req, "preemptions": sum(r.metrics.num_preemptions for r in reqs),
+    return {**_rates(dt, n_out, prompts), "peak_kv_blocks": peak_blocks,
+            "peak_kv_bytes": peak_blocks * bm.block_size * bpt, "peak_running": peak_running,
+            "max_waste_blocks_per_request": max_waste_per_req,
+            "preemptions": sum(r.metrics.num_preemptions for r in reqs),
             "kv_pool_bytes": eng.kv_cache.nbytes, "steps": eng.num_steps}
 
 
@@ -62,21 +82,20 @@ def run_kvlm_sequential(llm: Any, prompts: list[list[int]], outs: list[int]) -> 
     t0 = time.perf_counter()
     n_out = 0
     for p, o in zip(prompts, outs):
-        r = llm.generate({"prompt_token_ids": p}, SamplingParams(temperature=0, max_tokens=o, ignore_eos=True), use_tqdm=False)
+        params = SamplingParams(temperature=0, max_tokens=o, ignore_eos=True)
+        r = llm.generate({"prompt_token_ids": p}, params, use_tqdm=False)
         n_out += len(r[0].outputs[0].token_ids)
-    dt = time.perf_counter() - t0
-    return {"seconds": dt, "output_tokens_per_s": n_out / dt, "total_tokens_per_s": (n_out + sum(map(len, prompts))) / dt}
+    return _rates(time.perf_counter() - t0, n_out, prompts)
 
 
-def run_hf_padded(model_path: Any, prompts: list[list[int]], outs: list[int], batch_size: int) -> dict[str, Any] | None:
+def run_hf_padded(model_path: Any, prompts: list[list[int]], outs: list[int],
+                  batch_size: int) -> dict[str, Any] | None:
     """HF generate on left-padded batches; every row runs to the batch's longest output, only each
     request's own output tokens count as useful."""
-    from kvlm.bench.decode import _load_hf
-
     try:
-        model = _load_hf(model_path, torch.get_num_threads())
+        model = load_hf(model_path, torch.get_num_threads())
     except Exception as e:  # transformers without gguf support, etc.
-        print(f"skipping Hugging Face comparison: {e}", file=sys.stderr)
+        log(f"skipping Hugging Face comparison: {e}")
         return None
     if model is None:
         return None
@@ -92,12 +111,10 @@ def run_hf_padded(model_path: Any, prompts: list[list[int]], outs: list[int], ba
         with torch.inference_mode():
             model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max(os_), min_new_tokens=max(os_),
                            do_sample=False, pad_token_id=0)
-    dt = time.perf_counter() - t0
-    n_out = sum(outs)
-    return {"seconds": dt, "output_tokens_per_s": n_out / dt, "total_tokens_per_s": (n_out + sum(map(len, prompts))) / dt}
+    return _rates(time.perf_counter() - t0, sum(outs), prompts)
 
 
-def run(model: str = "smollm2-135m", num_prompts: int = 32, in_range: tuple[int, int] = (64, 512),
+def run(model: str = DEFAULT_MODEL, num_prompts: int = 32, in_range: tuple[int, int] = (64, 512),
         out_range: tuple[int, int] = (64, 256), seed: int = 0, threads: int = 2, max_num_seqs: int = 32,
         max_num_batched_tokens: int = 2048, sequential: bool = True, compare_hf: bool = True,
         dtype: str = "auto", baseline_dtype: str | None = None, kv_cache_dtype: str = "auto") -> dict[str, Any]:
@@ -110,7 +127,7 @@ def run(model: str = "smollm2-135m", num_prompts: int = 32, in_range: tuple[int,
     llm.generate({"prompt_token_ids": prompts[0][:16]}, use_tqdm=False)  # warm-up
     batched = run_kvlm_batched(llm, prompts, outs)
     seq = run_kvlm_sequential(llm, prompts, outs) if sequential else None
-    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # before any second model loads
+    peak_rss = peak_rss_mib()  # before any second model loads
     base = None
     if baseline_dtype:  # the same continuous-batching run on another dtype (e.g. the float32 path), same process
         del llm
@@ -121,19 +138,19 @@ def run(model: str = "smollm2-135m", num_prompts: int = 32, in_range: tuple[int,
         base = run_kvlm_batched(llm, prompts, outs)
         base["dtype"] = baseline_dtype
     hf = run_hf_padded(llm.llm_engine.model_path, prompts, outs, max_num_seqs) if compare_hf else None
-    return {
-        "bench": "throughput", "model": model, "dtype": dtype, "kv_cache_dtype": kv_cache_dtype, "threads": threads,
-        "date": datetime.now(UTC).strftime("%Y-%m-%d"), "cpu": cpu_name(),
-        "device": str(llm.llm_engine.device), "torch": torch.__version__, "num_prompts": num_prompts,
-        "prompt_len_range": list(in_range), "output_len_range": list(out_range), "seed": seed,
-        "prompt_tokens": sum(map(len, prompts)), "output_tokens": sum(outs),
+    doc = run_header("throughput", model, threads)
+    doc.update({
+        "dtype": dtype, "kv_cache_dtype": kv_cache_dtype, "device": str(llm.llm_engine.device),
+        "num_prompts": num_prompts, "prompt_len_range": list(in_range), "output_len_range": list(out_range),
+        "seed": seed, "prompt_tokens": sum(map(len, prompts)), "output_tokens": sum(outs),
         "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
         "kvlm_batched": batched, "kvlm_sequential": seq, "hf_padded_batched": hf, "kvlm_batched_baseline": base,
         "vs_baseline": batched["output_tokens_per_s"] / base["output_tokens_per_s"] if base else None,
         "batching_speedup": batched["output_tokens_per_s"] / seq["output_tokens_per_s"] if seq else None,
         "vs_hf": batched["output_tokens_per_s"] / hf["output_tokens_per_s"] if hf else None,
         "peak_rss_mib": round(peak_rss, 1),  # of the main run (before the baseline or HF load)
-    }
+    })
+    return doc
 
 
 def print_table(d: dict[str, Any]) -> None:
@@ -150,8 +167,9 @@ def print_table(d: dict[str, Any]) -> None:
         if r:
             print(f"{name:40s} {r['output_tokens_per_s']:12.1f} {r['total_tokens_per_s']:12.1f} {r['seconds']:9.1f}")
     b = d["kvlm_batched"]
-    print(f"peak KV: {b['peak_kv_blocks']} blocks ({b['peak_kv_bytes'] / 2**20:.1f} MiB), peak running {b['peak_running']}, "
-          f"max paging waste {b['max_waste_blocks_per_request']:.2f} block/request, preemptions {b['preemptions']}")
+    print(f"peak KV: {b['peak_kv_blocks']} blocks ({b['peak_kv_bytes'] / 2**20:.1f} MiB), "
+          f"peak running {b['peak_running']}, max paging waste {b['max_waste_blocks_per_request']:.2f} block/request, "
+          f"preemptions {b['preemptions']}")
     if d["batching_speedup"]:
         print(f"continuous batching vs one at a time: {d['batching_speedup']:.2f}x")
     if d.get("vs_baseline"):
@@ -161,39 +179,33 @@ def print_table(d: dict[str, Any]) -> None:
         print(f"continuous batching vs HF padded batching: {d['vs_hf']:.2f}x")
 
 
-def _add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", nargs="?", default="smollm2-135m")
+def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--input-len", type=int, nargs=2, default=[64, 512], metavar=("MIN", "MAX"))
     p.add_argument("--output-len", type=int, nargs=2, default=[64, 256], metavar=("MIN", "MAX"))
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=2)
+    add_model_args(p)  # MODEL and --threads: here, so that --help keeps listing --threads after --seed
     p.add_argument("--max-num-seqs", type=int, default=32, help="also the HF batch size")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
-    p.add_argument("--baseline-dtype", default=None, choices=["auto", "float32", "bfloat16"],
+    p.add_argument("--dtype", default="auto", choices=THROUGHPUT_DTYPES)
+    p.add_argument("--baseline-dtype", default=None, choices=THROUGHPUT_DTYPES,
                    help="also run continuous batching with this dtype (e.g. float32) and report the ratio")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                    help="K/V element type of the main run (the baseline keeps its dtype's)")
     p.add_argument("--no-sequential", action="store_true", help="skip the one-request-at-a-time run")
     p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face comparison")
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("throughput", help="continuous batching vs one at a time vs HF padded batching")
-    _add_args(p)
-    p.set_defaults(func=main_args)
+def run_args(a: argparse.Namespace) -> dict[str, Any]:
+    return run(a.model, num_prompts=a.num_prompts, in_range=tuple(a.input_len), out_range=tuple(a.output_len),
+               seed=a.seed, threads=a.threads, max_num_seqs=a.max_num_seqs,
+               max_num_batched_tokens=a.max_num_batched_tokens, sequential=not a.no_sequential,
+               compare_hf=not a.no_hf, dtype=a.dtype, baseline_dtype=a.baseline_dtype,
+               kv_cache_dtype=a.kv_cache_dtype)
 
 
-def main_args(a: argparse.Namespace) -> int:
-    d = run(a.model, a.num_prompts, tuple(a.input_len), tuple(a.output_len), a.seed, a.threads, a.max_num_seqs,
-            a.max_num_batched_tokens, not a.no_sequential, not a.no_hf, a.dtype, a.baseline_dtype, a.kv_cache_dtype)
-    print_table(d)
-    print(json.dumps(d))
-    return 0
-
+BENCH = Bench("throughput", "continuous batching vs one at a time vs HF padded batching", add_args, run_args,
+              print_table)
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(prog="python -m kvlm.bench.throughput")
-    _add_args(parser)
-    raise SystemExit(main_args(parser.parse_args()))
+    standalone(BENCH)

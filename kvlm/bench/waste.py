@@ -28,12 +28,20 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
-import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
-from kvlm.bench.plotting import fmt_bytes, run_header
+from kvlm.bench.common import (
+    DEFAULT_MODEL,
+    Bench,
+    add_model_args,
+    log,
+    prompt_ids,
+    run_header,
+    standalone,
+)
+from kvlm.bench.plotting import fmt_bytes, new_figure, save_figure
 
 
 def forward_flops(cfg: Any, num_tokens: int, context_sum: int) -> float:
@@ -74,12 +82,11 @@ def timed_generation(llm: Any, ids: list[int], max_tokens: int,
     return req.output_token_ids[: len(times)], times
 
 
-def run(model: str = "smollm2-135m", threads: int = 2, prompt_len: int = 16,
+def run(model: str = DEFAULT_MODEL, threads: int = 2, prompt_len: int = 16,
         lengths: tuple[int, ...] = (16, 32, 64, 128, 256), repeats: int = 1, no_cache_seconds: float = 75.0,
-        log: Any = print) -> dict[str, Any]:
+        log: Callable[[str], None] = log) -> dict[str, Any]:
     import torch
 
-    from kvlm.bench.decode import _prompt_ids
     from kvlm.llm import LLM
 
     lengths = tuple(sorted({1, *lengths}))  # n = 1 is the break-even point: always measured
@@ -89,7 +96,7 @@ def run(model: str = "smollm2-135m", threads: int = 2, prompt_len: int = 16,
               max_model_len=prompt_len + n_max + 1)
     eng = llm.llm_engine
     cfg = eng.model_config
-    ids = _prompt_ids(cfg.vocab_size, prompt_len)
+    ids = prompt_ids(cfg.vocab_size, prompt_len)
     kv_per_token = eng.kv_bytes_per_token
     # kvlm holds the weights in the engine dtype (float32 by default: GGUF is dequantized at load)
     weight_bytes = cfg.num_parameters * (torch.finfo(eng.dtype).bits // 8)
@@ -150,6 +157,25 @@ def run(model: str = "smollm2-135m", threads: int = 2, prompt_len: int = 16,
     return doc
 
 
+def plot(d: dict[str, Any], path: str) -> str:
+    fig, (ax1, ax2) = new_figure(ncols=2)
+    rows = d["rows"]
+    ns = [r["n"] for r in rows]
+    ax1.plot(ns, [r["seconds_cache"] for r in rows], "o-", label="KV cache")
+    meas = [r for r in rows if r["seconds_no_cache"] is not None]
+    ax1.plot([r["n"] for r in meas], [r["seconds_no_cache"] for r in meas], "s-", label="no cache")
+    ax1.set(xscale="log", yscale="log", xlabel="generated tokens n", ylabel="seconds (measured)",
+            title="time to generate n tokens")
+    ax2.plot(ns, [r["tokens_cache"] for r in rows], "o-", label="KV cache: P + n - 1")
+    ax2.plot(ns, [r["tokens_no_cache"] for r in rows], "s-", label="no cache: nP + n(n-1)/2")
+    ax2.set(xscale="log", yscale="log", xlabel="generated tokens n", ylabel="tokens processed",
+            title=f"model work (prompt P = {d['prompt_len']})")
+    for ax in (ax1, ax2):
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    return save_figure(fig, path)
+
+
 def print_table(d: dict[str, Any]) -> None:
     def f(x: Any, spec: str) -> str:
         return "-" if x is None else format(x, spec)
@@ -180,36 +206,8 @@ def print_table(d: dict[str, Any]) -> None:
     print(f"generated tokens identical with and without the cache: {'yes' if d['all_identical'] else 'NO'}")
 
 
-def plot(d: dict[str, Any], path: str) -> str:
-    from kvlm.bench.plotting import new_figure, save_figure
-
-    fig, (ax1, ax2) = new_figure(ncols=2)
-    rows = d["rows"]
-    ns = [r["n"] for r in rows]
-    ax1.plot(ns, [r["seconds_cache"] for r in rows], "o-", label="KV cache")
-    meas = [r for r in rows if r["seconds_no_cache"] is not None]
-    ax1.plot([r["n"] for r in meas], [r["seconds_no_cache"] for r in meas], "s-", label="no cache")
-    ax1.set(xscale="log", yscale="log", xlabel="generated tokens n", ylabel="seconds (measured)",
-            title="time to generate n tokens")
-    ax2.plot(ns, [r["tokens_cache"] for r in rows], "o-", label="KV cache: P + n - 1")
-    ax2.plot(ns, [r["tokens_no_cache"] for r in rows], "s-", label="no cache: nP + n(n-1)/2")
-    ax2.set(xscale="log", yscale="log", xlabel="generated tokens n", ylabel="tokens processed",
-            title=f"model work (prompt P = {d['prompt_len']})")
-    for ax in (ax1, ax2):
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
-    return save_figure(fig, path)
-
-
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("waste", help="tokens, FLOPs and seconds with vs without the KV cache per output length")
-    _add_args(p)
-    p.set_defaults(func=main_args)
-
-
-def _add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", nargs="?", default="smollm2-135m")
-    p.add_argument("--threads", type=int, default=2)
+def add_args(p: argparse.ArgumentParser) -> None:
+    add_model_args(p)
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--lengths", type=int, nargs="+", default=[16, 32, 64, 128, 256],
                    help="output lengths n (n = 1 is always added)")
@@ -219,17 +217,13 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", metavar="FILE", help="write a PNG: seconds and tokens processed vs n")
 
 
-def main_args(a: argparse.Namespace) -> int:
-    log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
-    d = run(a.model, a.threads, a.prompt_len, tuple(a.lengths), a.repeats, a.no_cache_seconds, log=log)
-    if a.plot:
-        d["plot"] = plot(d, a.plot)
-    print_table(d)
-    print(json.dumps(d))
-    return 0
+def run_args(a: argparse.Namespace) -> dict[str, Any]:
+    return run(a.model, threads=a.threads, prompt_len=a.prompt_len, lengths=tuple(a.lengths), repeats=a.repeats,
+               no_cache_seconds=a.no_cache_seconds)
 
+
+BENCH = Bench("waste", "tokens, FLOPs and seconds with vs without the KV cache per output length", add_args,
+              run_args, print_table, plot)
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(prog="python -m kvlm.bench.waste")
-    _add_args(parser)
-    raise SystemExit(main_args(parser.parse_args()))
+    standalone(BENCH)

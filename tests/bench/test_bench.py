@@ -103,9 +103,10 @@ def test_tokens_processed_formula_matches_the_runner_count(tiny_gguf: Path, cach
 
 
 def test_forward_flops_formula() -> None:
+    from tiny_models import tiny_config
+
     from kvlm.bench.waste import forward_flops, tokens_processed
     from kvlm.config import ModelConfig
-    from tiny_models import tiny_config
 
     cfg = ModelConfig.from_hf_dict(tiny_config())
     T, ctx = tokens_processed(5, 3, cache=True)
@@ -151,7 +152,8 @@ def test_latency(tiny_gguf: Path, tmp_path: Path, capsys: pytest.CaptureFixture[
     assert [r["context"] for r in d["decode"]] == [8, 32]
     for r in d["decode"]:
         assert r["time_per_token_s"] > 0 and r["gb_per_s"] > 0
-        assert r["bytes_per_token"] == pytest.approx(d["weight_bytes_read"] + r["mean_context"] * d["kv_bytes_per_token"])
+        expected = d["weight_bytes_read"] + r["mean_context"] * d["kv_bytes_per_token"]
+        assert r["bytes_per_token"] == pytest.approx(expected)
         b = r["breakdown_s"]  # weights, attention, KV write, other ops, sampling, host: all measured, >= 0
         assert set(b) == {"weights", "attention", "kv_write", "other_ops", "sampling", "host"}
         assert min(b.values()) >= 0 and b["weights"] > 0 and b["attention"] > 0 and b["kv_write"] > 0
