@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_runs import GREEDY, random_prompts, run_engine, small_bytes
+from engine_runs import GREEDY, assert_same_logits, random_prompts, run_engine, small_bytes
 
 from kvlm import LLM, EngineConfig, SamplingParams
 from kvlm.engine.engine import Engine
@@ -27,8 +27,7 @@ def test_cached_decode_equals_full_recompute(tiny_gguf: Path) -> None:
     full, lf = run_engine(nocache_engine, prompts)
     assert cached == full
     assert len(lc[0]) == len(lf[0]) == GREEDY.max_tokens
-    for a, b in zip(lc[0], lf[0]):
-        torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
+    assert_same_logits(lc[0], lf[0])
 
 
 @pytest.mark.parametrize("block_size", [4, 16])
@@ -42,7 +41,7 @@ def test_layouts_agree(tiny_gguf: Path, block_size: int) -> None:
     out, lout = run_engine(paged, prompts)
     assert out == ref
     for i in ref:
-        torch.testing.assert_close(torch.stack(lout[i]), torch.stack(lref[i]), atol=1e-4, rtol=0)
+        assert_same_logits(lout[i], lref[i])
 
 
 @pytest.mark.parametrize("batch,seed", [(2, 0), (5, 1), (9, 2), (16, 3)])
@@ -59,7 +58,7 @@ def test_alone_equals_in_batch(tiny_gguf: Path, batch: int, seed: int) -> None:
     batched, lb = run_engine(engine, prompts)
     assert engine.mixed_steps > 0 or batch == 2
     assert batched[target] == alone[0]
-    torch.testing.assert_close(torch.stack(lb[target]), torch.stack(la[0]), atol=1e-4, rtol=0)
+    assert_same_logits(lb[target], la[0])
 
 
 def test_preemption_changes_nothing(tiny_gguf: Path) -> None:

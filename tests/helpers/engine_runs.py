@@ -55,3 +55,17 @@ def small_bytes(path: Path) -> int:
     from kvlm.loader import load_config
 
     return int(load_config(path).kv_bytes_per_token(4))
+
+
+def assert_same_logits(a: list[torch.Tensor] | torch.Tensor, b: list[torch.Tensor] | torch.Tensor) -> None:
+    """Equal bits on the native path (every row's computation is fixed: the engine's promise); within
+    float32 rounding on the reference path (no native build), whose SDPA and BLAS calls change their
+    summation order with the step's shape."""
+    from kvlm.kernels import native
+
+    a = torch.stack(a) if isinstance(a, list) else a
+    b = torch.stack(b) if isinstance(b, list) else b
+    if native.active_isa() == "reference":
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
+    else:
+        assert torch.equal(a, b), f"logits differ (max |diff| {float((a - b).abs().max()):.3g})"

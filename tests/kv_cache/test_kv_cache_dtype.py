@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_runs import random_prompts, run_engine
+from engine_runs import assert_same_logits, random_prompts, run_engine
 from tiny_models import tiny_config, write_tiny_gguf
 
 from kvlm import EngineConfig
@@ -52,8 +52,13 @@ def test_half_pool_holds_half_the_bytes(tiny_gguf: Path) -> None:
 
 
 def _logits_close(a: dict, b: dict, atol: float) -> None:
+    """Every path reads K/V as the cache stores them, so with the native kernels the bits agree; on the
+    reference path a float32 rounding difference between step shapes becomes a half-precision ulp."""
     for i, rows in a.items():
-        torch.testing.assert_close(torch.stack(rows), torch.stack(b[i]), atol=atol, rtol=0)
+        if native.active_isa() == "reference":
+            torch.testing.assert_close(torch.stack(rows), torch.stack(b[i]), atol=atol, rtol=0)
+        else:
+            assert_same_logits(rows, b[i])
 
 
 @pytest.mark.parametrize("kv", ["float16", "bfloat16"])
@@ -82,7 +87,7 @@ def test_paged_equals_contiguous_and_alone_equals_batch(tiny_gguf: Path, kv: str
         alone, la = run_engine(Engine(tiny_gguf, EngineConfig(kv_cache_dtype=kv, block_size=8), quiet=True),
                                [prompts[i]])
         assert batched[i] == alone[0] == paged[i]
-        torch.testing.assert_close(torch.stack(lb[i]), torch.stack(la[0]), atol=ATOL[kv], rtol=0)
+        _logits_close({0: lb[i]}, {0: la[0]}, ATOL[kv])
 
 
 @pytest.mark.skipif(not native.available(), reason="native kernels not built here")

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from engine_runs import assert_same_logits
 
 from kvlm import LLM, SamplingParams
 from kvlm.errors import SnapshotError
@@ -52,7 +53,7 @@ def test_round_trip_equals_recompute(tiny_gguf: Path, snapshot: Path) -> None:
     tokens, logits, cached = greedy_with_logits(llm, PROMPT)
     assert cached == 40
     assert tokens == ref_tokens
-    torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=0)
+    assert_same_logits(logits, ref_logits)
     again = llm.load_prefix(snapshot)  # already cached: nothing written
     assert again.blocks_loaded == 0
     llm.llm_engine.block_manager.check([])
