@@ -359,34 +359,53 @@ int dequant(int qtype, const uint8_t* w, int64_t rs, int64_t K, float* out, int6
 
 // exp(x) for x <= 0 (scores minus their running max), Cephes-style: n = round(x / ln 2), a degree-6
 // polynomial on the remainder, times 2^n; about 2 ulp. Below -87.3 (where expf underflows) it is 0.
-KVLM_INLINE v16 exp_neg(v16 x) {
-    const v16 lo = splat(-87.33654f);
-    i16v under = x < lo;
+// One body for every vector width (v16; v8 on the AVX2 path, where a v16 lives in two registers): the
+// same operations on each lane, so the same bits. `bc` broadcasts a float to x's type.
+typedef int32_t i8v __attribute__((vector_size(32)));
+KVLM_INLINE v16 bc(v16, float f) { return splat(f); }
+KVLM_INLINE v8 bc(v8, float f) { return (v8){f, f, f, f, f, f, f, f}; }
+template <class V, class I>
+KVLM_INLINE V exp_neg_v(V x) {
+    const V lo = bc(x, -87.33654f);
+    I under = x < lo;
     x = under ? lo : x;
-    v16 fx = x * 1.44269504088896341f + 0.5f;
-    v16 nf = __builtin_convertvector(__builtin_convertvector(fx, i16v), v16);
+    V fx = x * 1.44269504088896341f + 0.5f;
+    V nf = __builtin_convertvector(__builtin_convertvector(fx, I), V);
     nf = (nf > fx) ? nf - 1.0f : nf;  // floor
     x = x - nf * 0.693359375f;
     x = x - nf * -2.12194440e-4f;
-    v16 z = x * x;
-    v16 y = splat(1.9875691500E-4f);
+    V z = x * x;
+    V y = bc(x, 1.9875691500E-4f);
     y = y * x + 1.3981999507E-3f;
     y = y * x + 8.3334519073E-3f;
     y = y * x + 4.1665795894E-2f;
     y = y * x + 1.6666665459E-1f;
     y = y * x + 5.0000001201E-1f;
     y = y * z + x + 1.0f;
-    i16v e = (__builtin_convertvector(nf, i16v) + 127) << 23;
-    v16 p;
+    I e = (__builtin_convertvector(nf, I) + 127) << 23;
+    V p;
     memcpy(&p, &e, sizeof p);
     y = y * p;
-    return under ? splat(0.0f) : y;
+    return under ? bc(x, 0.0f) : y;
 }
+KVLM_INLINE v16 exp_neg(v16 x) { return exp_neg_v<v16, i16v>(x); }
 
 // K/V cache element types: 16 consecutive elements -> 16 floats.
+#if defined(KVLM_AVX2)
+// AVX2 works on 8-lane halves where it can (load8: 8 consecutive elements): GCC keeps arrays of v16 (two
+// ymm each) on the stack and moves them through general registers, several times slower.
+typedef float v8u __attribute__((vector_size(32), aligned(4)));
+KVLM_INLINE v8 ld8(const float* p) { return *(const v8u*)p; }
+KVLM_INLINE void st8(float* p, v8 v) { *(v8u*)p = v; }
+KVLM_INLINE v8 splat8(float f) { return (v8){f, f, f, f, f, f, f, f}; }
+#endif
+
 struct KvF32 {
     typedef float T;
     KVLM_INLINE v16 load(const T* p) { return ld(p); }
+#if defined(KVLM_AVX2)
+    KVLM_INLINE v8 load8(const T* p) { return ld8(p); }
+#endif
 };
 struct KvF16 {
     typedef uint16_t T;
@@ -400,6 +419,9 @@ struct KvF16 {
         return half_to_float(__builtin_convertvector(*(const h16u*)p, u16v));
 #endif
     }
+#if defined(KVLM_AVX2)
+    KVLM_INLINE v8 load8(const T* p) { return (v8)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
+#endif
 };
 struct KvBF16 {
     typedef uint16_t T;
@@ -409,6 +431,11 @@ struct KvBF16 {
         memcpy(&r, &u, sizeof r);
         return r;
     }
+#if defined(KVLM_AVX2)
+    KVLM_INLINE v8 load8(const T* p) {  // the same bits: each u16 widened, shifted into the high half
+        return (v8)_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+    }
+#endif
 };
 
 // Sums of 16 vectors at once: lane t of the result is the sum of the lanes of x[t]. AVX-512: a fixed
@@ -450,6 +477,20 @@ KVLM_INLINE v16 sum16(const v16u* x) {
     return out;
 #endif
 }
+
+#if defined(KVLM_AVX2)
+// sum16 of 16 dots given as halves (lo[t]: lanes 0..7 of token t's dot, hi[t]: lanes 8..15), the same
+// tree as the AVX2 sum16 above (whose first step adds the halves); r[0] = tokens 0..7, r[1] = 8..15.
+KVLM_INLINE void sum16_halves(const v8* lo, const v8* hi, __m256* r) {
+    for (int half = 0; half < 2; half++) {
+        __m256 h[8];
+        for (int i = 0; i < 8; i++) h[i] = (__m256)(lo[8 * half + i] + hi[8 * half + i]);
+        __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(h[0], h[1]), _mm256_hadd_ps(h[2], h[3]));
+        __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(h[4], h[5]), _mm256_hadd_ps(h[6], h[7]));
+        r[half] = _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+    }
+}
+#endif
 
 KVLM_INLINE v16 vmax(v16 a, v16 b) { return a > b ? a : b; }
 
@@ -517,6 +558,29 @@ KVLM_INLINE void attn_k_pairs(const KvlmPagedAttn* a, const typename E::T* kg, c
         sp[p] = pr.r->sc + pr.h * CH + 16 * grp;
         nt[p] = pr.r->n - 16 * grp < 16 ? pr.r->n - 16 * grp : 16;
     }
+#if defined(KVLM_AVX2)
+    if constexpr (NV != 0) {  // in 8-lane halves: lane j of a dot is lane j % 8 of half j / 8, same products
+        for (int p = 0; p < P; p++) {
+            v8 qv[2 * NV], lo[16], hi[16];
+            for (int k = 0; k < 2 * NV; k++) qv[k] = ld8(qp[p] + 8 * k);
+            for (int i = 0; i < 16; i++) {
+                v8 sl = (v8){}, sh = (v8){};
+                for (int k = 0; k < NV; k++) {
+                    sl += qv[2 * k] * E::load8(kg + off[i] + 16 * k);
+                    sh += qv[2 * k + 1] * E::load8(kg + off[i] + 16 * k + 8);
+                }
+                lo[i] = sl;
+                hi[i] = sh;
+            }
+            __m256 r[2];
+            sum16_halves(lo, hi, r);
+            st8(sp[p], (v8)r[0] * splat8(a->scale));
+            st8(sp[p] + 8, (v8)r[1] * splat8(a->scale));
+            for (int64_t i = nt[p]; i < 16; i++) sp[p][i] = -__builtin_inff();
+        }
+        return;
+    }
+#endif
     v16 dots[P][16];
     if (NV) {
         v16 qv[P][NV ? NV : 1];
@@ -657,6 +721,22 @@ KVLM_INLINE void attn_v_pairs(const KvlmPagedAttn* a, const typename E::T* vg, c
         nt[p] = pr.r->n - 16 * grp < 16 ? pr.r->n - 16 * grp : 16;
         ntmin = nt[p] < ntmin ? nt[p] : ntmin;
     }
+#if defined(KVLM_AVX2)
+    if constexpr (NV != 0) {  // 8-lane registers, 64 columns at a time (the columns of acc are independent)
+        constexpr int W = 2 * NV < 8 ? 2 * NV : 8;
+        for (int p = 0; p < P; p++)
+            for (int64_t c = 0; c < D; c += 8 * W) {
+                v8 acc[W];
+                for (int k = 0; k < W; k++) acc[k] = ld8(ap[p] + c + 8 * k);
+                for (int64_t i = 0; i < nt[p]; i++) {
+                    const v8 pi = splat8(pp[p][i]);
+                    for (int k = 0; k < W; k++) acc[k] += pi * E::load8(vg + off[i] + c + 8 * k);
+                }
+                for (int k = 0; k < W; k++) st8(ap[p] + c + 8 * k, acc[k]);
+            }
+        return;
+    }
+#endif
     if (NV) {
         v16 acc[P][NV ? NV : 1];
         for (int p = 0; p < P; p++)
@@ -730,6 +810,35 @@ void attn_chunk(const KvlmPagedAttn* a, const int32_t* tab, int64_t t0, AttnRow*
         const int64_t ng = (rows[j].n + 15) / 16;
         for (int64_t h = 0; h < H; h++) {
             float* s = rows[j].sc + h * CH;
+#if defined(KVLM_AVX2)
+            {  // the same in 8-lane halves: lanes 0..7 and 8..15 of each group, max and sum trees unchanged
+                v8 m0 = bc(v8{}, -__builtin_inff()), m1 = m0;
+                for (int64_t grp = 0; grp < ng; grp++) {
+                    const v8 x0 = ld8(s + 16 * grp), x1 = ld8(s + 16 * grp + 8);
+                    m0 = m0 > x0 ? m0 : x0;
+                    m1 = m1 > x1 ? m1 : x1;
+                }
+                float mh = m0[0];  // hmax: lanes 0 .. 15 in order
+                for (int i = 1; i < 8; i++) mh = m0[i] > mh ? m0[i] : mh;
+                for (int i = 0; i < 8; i++) mh = m1[i] > mh ? m1[i] : mh;
+                v8 l0 = (v8){}, l1 = (v8){};
+                for (int64_t grp = 0; grp < ng; grp++) {
+                    const v8 p0 = exp_neg_v<v8, i8v>(ld8(s + 16 * grp) - mh);
+                    const v8 p1 = exp_neg_v<v8, i8v>(ld8(s + 16 * grp + 8) - mh);
+                    st8(s + 16 * grp, p0);
+                    st8(s + 16 * grp + 8, p1);
+                    l0 += p0;
+                    l1 += p1;
+                }
+                // hsum: lanes i and i + 8, then i and i + 4, ...
+                const v8 b = l0 + l1;
+                const v4 c = __builtin_shufflevector(b, b, 0, 1, 2, 3) + __builtin_shufflevector(b, b, 4, 5, 6, 7);
+                const v2 d = __builtin_shufflevector(c, c, 0, 1) + __builtin_shufflevector(c, c, 2, 3);
+                rows[j].mx[h] = mh;
+                rows[j].den[h] = d[0] + d[1];
+                continue;
+            }
+#endif
             v16 m = splat(-__builtin_inff());
             for (int64_t grp = 0; grp < ng; grp++) m = vmax(m, ld(s + 16 * grp));
             const float mh = hmax(m);
