@@ -7,16 +7,16 @@ the case of one row per sequence), whatever rows share the call, their order or 
 of one sequence are tiled (up to 16 rows against each 16-token K/V group, which is then read once per
 tile) while each row keeps the one-row arithmetic; see kernels.h, KvlmPagedAttn.
 
-`paged_decode_attention` is one query token per sequence (decode) against that sequence's cached
-tokens, with grouped-query attention (query head h uses K/V head h // (H / kv_heads)). The native
-kernel walks each sequence's blocks directly (no gather copy), keeps a running max and denominator
-(online softmax) and runs in parallel over (sequence, 128-token chunk) work items that each read whole
-blocks (all kv heads); the chunks' softmax states are combined in chunk order, so a sequence's result
-is bit-identical alone, in any batch and at any thread count. Its reference gathers the blocks and
-calls SDPA (`reference.paged_decode_attention_ref`); the reference also serves inputs the kernel does
-not take (non-CPU, q not float32, head_dim not a multiple of 16, or a non-contiguous cache). The cache
-may hold float32, float16 or bfloat16 (half the bytes to read per token); q and the result are float32
-and the arithmetic is float32.
+`paged_decode_attention` is one query token per sequence (decode), the same kernel with one row per
+tile. Grouped-query attention: query head h uses K/V head h // (H / kv_heads). The native kernel walks
+each sequence's blocks directly (no gather copy), keeps a running max and denominator (online softmax)
+and runs in parallel over (row tile, 128-token chunk) work items that each read whole blocks (all kv
+heads); a row's chunks, at multiples of 128 of its own length, are combined in chunk order, so its
+result depends on nothing else in the call. The references gather the blocks and call SDPA
+(`reference.paged_attention_ref`, `reference.paged_decode_attention_ref`); they also serve inputs the
+kernel does not take (no native build, non-CPU, q not float32, head_dim not a multiple of 16, or a
+non-contiguous cache). The cache may hold float32, float16 or bfloat16 (half the bytes to read per
+token); q and the result are float32 and the arithmetic is float32.
 """
 
 from __future__ import annotations

@@ -522,13 +522,11 @@ struct AttnRow {
 };
 
 // (row, head) pairs per register block: the K pass keeps P pairs' q (P * NV vectors) and one token's K
-// (NV); the V pass P pairs' acc (P * NV) and one token's V (NV). AVX-512 has 32 vector registers, AVX2
-// 16 of half the width (a v16 is two), the baseline 16 of a quarter. The arithmetic of each pair is the
-// same for any P.
+// (NV); the V pass P pairs' acc (P * NV) and one token's V (NV). AVX-512 has 32 vector registers; AVX2
+// (16 of half the width, worked in halves below) and the baseline take one pair at a time. The
+// arithmetic of each pair is the same for any P.
 #if defined(KVLM_AVX512)
 constexpr int ATTN_KP = 2, ATTN_VP = 4;
-#elif defined(KVLM_AVX2)
-constexpr int ATTN_KP = 1, ATTN_VP = 1;
 #else
 constexpr int ATTN_KP = 1, ATTN_VP = 1;
 #endif
