@@ -2,13 +2,15 @@
 
 `quant_tensor.py`: `QuantTensor`, a weight kept in its GGUF block format.
 `quant.py`: `qmatmul` / `dequantize` on it.
-`paged_attention.py`: `paged_decode_attention`, decode attention over the paged KV cache in place.
+`paged_attention.py`: `paged_attention` (query rows of any sequences) and its one-row-per-sequence case
+`paged_decode_attention`, attention over the paged KV cache in place. (`kvlm.kernels.paged_attention` as an
+attribute is that function; the module is `sys.modules["kvlm.kernels.paged_attention"]`, e.g. to monkeypatch.)
 `reference.py`: the reference implementations every fast path is tested against.
 `native.py`: builds and loads the C++ kernels (`csrc/`) at first use and picks the ISA path.
 """
 
-from kvlm.kernels.paged_attention import paged_decode_attention
+from kvlm.kernels.paged_attention import paged_attention, paged_decode_attention
 from kvlm.kernels.quant import dequantize, kernel_path, qmatmul
 from kvlm.kernels.quant_tensor import QuantTensor
 
-__all__ = ["QuantTensor", "dequantize", "kernel_path", "paged_decode_attention", "qmatmul"]
+__all__ = ["QuantTensor", "dequantize", "kernel_path", "paged_attention", "paged_decode_attention", "qmatmul"]

@@ -179,6 +179,7 @@ class NativeOps:
     fake_quantize_act: Any
     dequantize: Any
     paged_decode_attention: Any
+    paged_attention: Any
     decode_plan_create: Any
     decode_plan_free: Any
     decode_step: Any
@@ -194,7 +195,7 @@ def ops() -> NativeOps | None:
         return None
     ns = torch.ops.kvlm_kernels
     return NativeOps(ns.qmatmul.default, ns.qmatmul_i8.default, ns.fake_quantize_act.default, ns.dequantize.default,
-                     ns.paged_decode_attention.default, ns.decode_plan_create.default,
+                     ns.paged_decode_attention.default, ns.paged_attention.default, ns.decode_plan_create.default,
                      ns.decode_plan_free.default, ns.decode_step.default, ns.rms_norm.default,
                      ns.silu_mul.default, ns.rope.default)
 

@@ -1,15 +1,22 @@
-"""Decode attention that reads the paged KV cache in place through the block table.
+"""Attention that reads the paged KV cache in place through the block table.
 
-`paged_decode_attention` is one query token per sequence (decode) against that sequence's cached
-tokens, with grouped-query attention (query head h uses K/V head h // (H / kv_heads)). The native
-kernel walks each sequence's blocks directly (no gather copy), keeps a running max and denominator
-(online softmax) and runs in parallel over (sequence, 128-token chunk) work items that each read whole
-blocks (all kv heads); the chunks' softmax states are combined in chunk order, so a sequence's result
-is bit-identical alone, in any batch and at any thread count. Its reference gathers the blocks and
-calls SDPA (`reference.paged_decode_attention_ref`); the reference also serves inputs the kernel does
-not take (non-CPU, q not float32, head_dim not a multiple of 16, or a non-contiguous cache). The cache
-may hold float32, float16 or bfloat16 (half the bytes to read per token); q and the result are float32
-and the arithmetic is float32.
+`paged_attention` takes query rows of any sequences (prefill rows, prefill chunks after cached blocks,
+decode rows, mixed steps): row t attends the first ctx_lens[t] cached tokens of sequence seq_ids[t], and
+its result is bit-identical to decoding that row alone with L = ctx_lens[t] (`paged_decode_attention`,
+the case of one row per sequence), whatever rows share the call, their order or the thread count. Rows
+of one sequence are tiled (up to 16 rows against each 16-token K/V group, which is then read once per
+tile) while each row keeps the one-row arithmetic; see kernels.h, KvlmPagedAttn.
+
+`paged_decode_attention` is one query token per sequence (decode), the same kernel with one row per
+tile. Grouped-query attention: query head h uses K/V head h // (H / kv_heads). The native kernel walks
+each sequence's blocks directly (no gather copy), keeps a running max and denominator (online softmax)
+and runs in parallel over (row tile, 128-token chunk) work items that each read whole blocks (all kv
+heads); a row's chunks, at multiples of 128 of its own length, are combined in chunk order, so its
+result depends on nothing else in the call. The references gather the blocks and call SDPA
+(`reference.paged_attention_ref`, `reference.paged_decode_attention_ref`); they also serve inputs the
+kernel does not take (no native build, non-CPU, q not float32, head_dim not a multiple of 16, or a
+non-contiguous cache). The cache may hold float32, float16 or bfloat16 (half the bytes to read per
+token); q and the result are float32 and the arithmetic is float32.
 """
 
 from __future__ import annotations
@@ -17,9 +24,47 @@ from __future__ import annotations
 import torch
 
 from kvlm.kernels import native
-from kvlm.kernels.reference import paged_decode_attention_ref
+from kvlm.kernels.reference import paged_attention_ref, paged_decode_attention_ref
 
 KV_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # cache element types the kernel reads directly
+
+
+def _native(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> str | None:
+    """The ISA path that takes these tensors, or None where the reference must serve them."""
+    isa = native.active_isa()
+    fast = (isa != "reference" and q.device.type == "cpu" and k_cache.device.type == "cpu"
+            and q.dtype == torch.float32 and k_cache.dtype == v_cache.dtype and k_cache.dtype in KV_DTYPES
+            and q.shape[-1] % 16 == 0 and k_cache.is_contiguous() and v_cache.is_contiguous())
+    return isa if fast else None
+
+
+def _check_out(q: torch.Tensor, out: torch.Tensor | None) -> None:
+    if out is not None and (out.dtype != torch.float32 or not out.is_contiguous() or out.shape != q.shape):
+        raise ValueError(f"out must be a contiguous float32 tensor of shape {tuple(q.shape)}")
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                    seq_ids: torch.Tensor, ctx_lens: torch.Tensor, scale: float,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """q (T, H, D); k_cache, v_cache (num_blocks, block_size, kv_heads, D); block_tables (B, max_blocks)
+    int32; seq_ids (T,) int32, the block table row of each query row; ctx_lens (T,) int32, the cached
+    tokens row t attends (its position + 1 for causal attention; 0 gives zeros) -> (T, H, D).
+
+    Row t's bits equal `paged_decode_attention(q[t:t+1], k_cache, v_cache, block_tables[s:s+1],
+    ctx_lens[t:t+1], scale)` with s = seq_ids[t]. `out` (contiguous float32, q's shape), if given,
+    receives the result."""
+    _check_out(q, out)
+    isa = _native(q, k_cache, v_cache)
+    if isa is None:
+        y = paged_attention_ref(q, k_cache, v_cache, block_tables, seq_ids, ctx_lens, scale)
+        return y if out is None else out.copy_(y)
+    q = q.contiguous()
+    if out is None:
+        out = torch.empty_like(q)
+    native.ops().paged_attention(
+        q, k_cache, v_cache, block_tables.to(torch.int32).contiguous(), seq_ids.to(torch.int32).contiguous(),
+        ctx_lens.to(torch.int32).contiguous(), float(scale), native.isa_id(isa), out)
+    return out
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -28,14 +73,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     """q (B, H, D); k_cache, v_cache (num_blocks, block_size, kv_heads, D); block_tables (B, max_blocks)
     int32; seq_lens (B,) int32 -> (B, H, D). Sequence b attends over its first seq_lens[b] cached tokens,
     token t living in block block_tables[b, t // block_size] at slot t % block_size. A sequence of
-    length 0 gives zeros. `out` (contiguous float32, q's shape), if given, receives the result."""
-    if out is not None and (out.dtype != torch.float32 or not out.is_contiguous() or out.shape != q.shape):
-        raise ValueError(f"out must be a contiguous float32 tensor of shape {tuple(q.shape)}")
-    isa = native.active_isa()
-    fast = (isa != "reference" and q.device.type == "cpu" and k_cache.device.type == "cpu"
-            and q.dtype == torch.float32 and k_cache.dtype == v_cache.dtype and k_cache.dtype in KV_DTYPES
-            and q.shape[-1] % 16 == 0 and k_cache.is_contiguous() and v_cache.is_contiguous())
-    if not fast:
+    length 0 gives zeros. `out` (contiguous float32, q's shape), if given, receives the result. The same
+    kernel as `paged_attention` with seq_ids = 0 .. B - 1 (one tile per sequence)."""
+    _check_out(q, out)
+    isa = _native(q, k_cache, v_cache)
+    if isa is None:
         y = paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale)
         return y if out is None else out.copy_(y)
     q = q.contiguous()

@@ -82,6 +82,40 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     return out.to(q.dtype)
 
 
+def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                        seq_ids: torch.Tensor, ctx_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Query rows of any sequences: gather each sequence's blocks once, then SDPA of its rows with a
+    per-row key mask (row t sees tokens < ctx_lens[t]), each K/V head's query heads folded together.
+
+    q (T, H, D); caches (num_blocks, block_size, kv_heads, D) of any float type; block_tables (B,
+    max_blocks); seq_ids, ctx_lens (T,) -> (T, H, D) in q's dtype, computed in float32; zeros for a row
+    with ctx_lens 0.
+    """
+    import torch.nn.functional as F
+
+    t_rows, heads, d = q.shape
+    _, block_size, kv_heads, _ = k_cache.shape
+    group = heads // kv_heads
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    seq_ids = seq_ids.to(device=q.device, dtype=torch.long)
+    lens = ctx_lens.to(device=q.device, dtype=torch.long)
+    for s in torch.unique(seq_ids).tolist():
+        rows = torch.nonzero((seq_ids == s) & (lens > 0)).flatten()
+        if rows.numel() == 0:
+            continue
+        length = int(lens[rows].max())
+        blocks = block_tables[s, : (length + block_size - 1) // block_size].long()
+        k = k_cache[blocks].float().reshape(-1, kv_heads, d)[:length].transpose(0, 1)  # (kv_heads, L, D)
+        v = v_cache[blocks].float().reshape(-1, kv_heads, d)[:length].transpose(0, 1)
+        n = rows.numel()
+        # (kv_heads, group * n, D): query head h = g * group + i uses K/V head g; row-major (i, row).
+        qg = q[rows].float().reshape(n, kv_heads, group, d).permute(1, 2, 0, 3).reshape(kv_heads, group * n, d)
+        mask = torch.arange(length, device=q.device)[None, :] < lens[rows][:, None]  # (n, L)
+        o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask.repeat(group, 1), scale=scale)
+        out[rows] = o.reshape(kv_heads, group, n, d).permute(2, 0, 1, 3).reshape(n, heads, d)
+    return out.to(q.dtype)
+
+
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x / sqrt(mean(x^2, -1) + eps) * weight (torch's fused rms_norm)."""
     return torch.nn.functional.rms_norm(x, weight.shape, weight, eps)

@@ -259,7 +259,8 @@ def no_attention_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(*args, **kwargs):
         raise AssertionError("paged_decode_attention fell back to the reference")
 
-    monkeypatch.setattr("kvlm.kernels.paged_attention.paged_decode_attention_ref", refuse)
+    # The module itself: kvlm.kernels.paged_attention as an attribute is the function of that name.
+    monkeypatch.setattr(sys.modules["kvlm.kernels.paged_attention"], "paged_decode_attention_ref", refuse)
 
 
 def _paged_case(seed: int, lens: list[int], heads: int, kv_heads: int, d: int = 64, block_size: int = 16):

@@ -26,9 +26,19 @@ bool matmul(const KvlmKernels* t, int qtype, const uint8_t* w, int64_t rs, int64
 // Whether `matmul` with ACT_INT8 runs the int8 kernel for this type here (else it uses float32 activations).
 bool has_int8(const KvlmKernels* t, int qtype);
 
-// out (B, H, D) = decode attention of q (B, H, D) over each sequence's seq_lens[b] cached tokens,
-// read through block_tables (B, MB) from caches (num_blocks, BS, KVH, D) of kv_dtype (ggml id).
-// The caller has checked the tables. Returns false for an unsupported kv_dtype.
+// out (T, H, D) = attention of the query rows q (T, H, D): row t over the first ctx_lens[t] cached tokens
+// of the sequence whose block table is row seq_ids[t] of block_tables (B, MB) (seq_ids NULL: row t),
+// caches (num_blocks, BS, KVH, D) of kv_dtype (ggml id). Row t's bits are those of a decode of that row
+// alone with L = ctx_lens[t], at any T, row order, mix of sequences and thread count (KvlmPagedAttn);
+// rows of one sequence are tiled so each K/V group is read once per tile. The caller has checked the
+// tables. Returns false for an unsupported kv_dtype.
+bool paged_attention_rows(const KvlmKernels* t, int kv_dtype, const float* q, const void* k_cache,
+                          const void* v_cache, const int32_t* block_tables, const int32_t* seq_ids,
+                          const int32_t* ctx_lens, float* out, int64_t T, int64_t H, int64_t KVH, int64_t D,
+                          int64_t BS, int64_t MB, float scale);
+
+// Decode: out (B, H, D) = attention of q (B, H, D), sequence b over its seq_lens[b] cached tokens through
+// block table row b; paged_attention_rows with seq_ids = 0 .. B - 1.
 bool paged_attention(const KvlmKernels* t, int kv_dtype, const float* q, const void* k_cache, const void* v_cache,
                      const int32_t* block_tables, const int32_t* seq_lens, float* out, int64_t B, int64_t H,
                      int64_t KVH, int64_t D, int64_t BS, int64_t MB, float scale);

@@ -10,28 +10,48 @@ extern "C" {
 // ggml type ids of the formats the kernels read (weights; F32/F16/BF16 also as KV cache element types).
 enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_BF16 = 30 };
 
-// One paged decode attention call, split into work items of `chunk` tokens (a multiple of 16): item i
-// is chunk items[2i + 1] (tokens chunk*c .. chunk*c + chunk - 1) of sequence items[2i], all of its kv
-// heads. q (B, H, D) and out float32; caches (num_blocks, block_size, kv_heads, D) of kv_dtype (ggml
-// ids: 0 float32, 1 float16, 30 bfloat16); block_tables (B, max_blocks); D % 16 == 0.
-// A sequence of one chunk writes out directly. A longer one writes its partial softmax state to
-// part + i * H * (D + 2) (acc (H, D), then max (H), then denominator (H)) and decrements pending[b]
-// (set to its chunk count by the caller); the item that brings it to 0 combines the chunks in chunk
-// order, so the result depends on the sequence alone, not on threads or batch.
+// One paged attention call over T query rows (kvlm::paged_attention_rows in ops.cpp builds it). Row t
+// is one query token, q (T, H, D) float32, of the sequence whose block table is row seq_ids[t] of
+// block_tables (B, max_blocks) (seq_ids NULL: row t reads table t), attending its first ctx_lens[t]
+// cached tokens; out (T, H, D) float32. Caches (num_blocks, block_size, kv_heads, D) of kv_dtype (ggml
+// ids: 0 float32, 1 float16, 30 bfloat16); D % 16 == 0; query head h uses kv head h / (H / kv_heads).
+//
+// Exactness contract: every row is computed as if it were decoded alone with L = ctx_lens[t]: its
+// tokens split into chunks of `chunk` (a multiple of 16) at multiples of `chunk`, each chunk in groups of
+// 16 tokens (q . K with lane k % 16 accumulating in increasing k, the ISA's fixed sum16 tree, times
+// scale; tokens >= L masked to -inf), the chunk's own softmax (max, exp, lane sums) and p * V in token
+// order; L <= chunk normalizes straight into out, a longer row combines its chunks' states in chunk
+// order (attn_combine). Nothing of that depends on which rows share the call, their order, the tiling
+// or the thread split, so a row's bits are the same alone, in any batch, at any thread count.
+//
+// Tiling (the speed for prefill rows, which share their sequence's K/V): `order` lists the rows grouped
+// by sequence, by ascending ctx_len within one; tile k is rows order[tiles[2k] .. tiles[2k] + tiles[2k+1])
+// (at most KVLM_ATTN_TILE rows of one sequence). Work item i is chunk items[2i + 1] of tile items[2i]:
+// every row of the tile with tokens in that chunk, all heads, so each 16-token K/V group is read from
+// memory once per tile. A tile whose longest row has one chunk writes out directly. Otherwise each item
+// writes the partial softmax states of its multi-chunk rows, row j of the tile and chunk c at
+// part + (part_first[k] + j * nc + c) * H * (D + 2) (acc (H, D), then max (H), then denominator (H)),
+// nc the tile's chunk count, and decrements pending[k] (set to nc by the caller); the item that brings
+// it to 0 combines those rows.
+enum { KVLM_ATTN_TILE = 16 };  // rows per tile
+
 typedef struct KvlmPagedAttn {
     int kv_dtype;
     const float* q;
     const void* k_cache;
     const void* v_cache;
     const int32_t* block_tables;
-    const int32_t* seq_lens;
+    const int32_t* seq_ids;   // (T,) or NULL
+    const int32_t* ctx_lens;  // (T,)
     float* out;
     int64_t H, kv_heads, D, block_size, max_blocks, chunk;
     float scale;
-    const int32_t* items;  // (n_items, 2): sequence, chunk index
-    const int32_t* first;  // (B,): the item index of each sequence's chunk 0
-    float* part;           // (n_items, H, D + 2)
-    int32_t* pending;      // (B,)
+    const int32_t* order;       // (T,)
+    const int32_t* tiles;       // (n_tiles, 2): first index into order, rows
+    const int32_t* items;       // (n_items, 2): tile, chunk index
+    const int64_t* part_first;  // (n_tiles,): index of the tile's first partial state
+    float* part;                // (sum over multi-chunk tiles of rows * nc, H, D + 2)
+    int32_t* pending;           // (n_tiles,)
 } KvlmPagedAttn;
 
 typedef struct KvlmKernels {
@@ -42,8 +62,8 @@ typedef struct KvlmKernels {
     // out[n - n0, :] = dequantized row n for n in [n0, n1); out rows are `ldo` floats apart.
     int (*dequant)(int qtype, const uint8_t* w, int64_t row_stride, int64_t K, float* out, int64_t ldo,
                    int64_t n0, int64_t n1);
-    // Decode attention for work items [i0, i1) of a->items (see KvlmPagedAttn); `scores` is this thread's
-    // scratch of a->H * (a->chunk + 2 + 256) floats. Returns 0, or -1 for an unsupported kv_dtype.
+    // Paged attention for work items [i0, i1) of a->items (see KvlmPagedAttn); `scores` is this thread's
+    // scratch of KVLM_ATTN_TILE * a->H * (a->chunk + 2) floats. Returns 0, or -1 for an unsupported kv_dtype.
     int (*paged_attn)(const struct KvlmPagedAttn* a, float* scores, int64_t i0, int64_t i1);
     // Int8-activation matmul (Q4_0, Q4_1, Q8_0; NULL where the ISA lacks it, kernels_int8.h): x is first
     // quantized per 32-element block by quantize_act (xq (M, K) int8, xd (M, K/32, 8) the block scale

@@ -359,34 +359,53 @@ int dequant(int qtype, const uint8_t* w, int64_t rs, int64_t K, float* out, int6
 
 // exp(x) for x <= 0 (scores minus their running max), Cephes-style: n = round(x / ln 2), a degree-6
 // polynomial on the remainder, times 2^n; about 2 ulp. Below -87.3 (where expf underflows) it is 0.
-KVLM_INLINE v16 exp_neg(v16 x) {
-    const v16 lo = splat(-87.33654f);
-    i16v under = x < lo;
+// One body for every vector width (v16; v8 on the AVX2 path, where a v16 lives in two registers): the
+// same operations on each lane, so the same bits. `bc` broadcasts a float to x's type.
+typedef int32_t i8v __attribute__((vector_size(32)));
+KVLM_INLINE v16 bc(v16, float f) { return splat(f); }
+KVLM_INLINE v8 bc(v8, float f) { return (v8){f, f, f, f, f, f, f, f}; }
+template <class V, class I>
+KVLM_INLINE V exp_neg_v(V x) {
+    const V lo = bc(x, -87.33654f);
+    I under = x < lo;
     x = under ? lo : x;
-    v16 fx = x * 1.44269504088896341f + 0.5f;
-    v16 nf = __builtin_convertvector(__builtin_convertvector(fx, i16v), v16);
+    V fx = x * 1.44269504088896341f + 0.5f;
+    V nf = __builtin_convertvector(__builtin_convertvector(fx, I), V);
     nf = (nf > fx) ? nf - 1.0f : nf;  // floor
     x = x - nf * 0.693359375f;
     x = x - nf * -2.12194440e-4f;
-    v16 z = x * x;
-    v16 y = splat(1.9875691500E-4f);
+    V z = x * x;
+    V y = bc(x, 1.9875691500E-4f);
     y = y * x + 1.3981999507E-3f;
     y = y * x + 8.3334519073E-3f;
     y = y * x + 4.1665795894E-2f;
     y = y * x + 1.6666665459E-1f;
     y = y * x + 5.0000001201E-1f;
     y = y * z + x + 1.0f;
-    i16v e = (__builtin_convertvector(nf, i16v) + 127) << 23;
-    v16 p;
+    I e = (__builtin_convertvector(nf, I) + 127) << 23;
+    V p;
     memcpy(&p, &e, sizeof p);
     y = y * p;
-    return under ? splat(0.0f) : y;
+    return under ? bc(x, 0.0f) : y;
 }
+KVLM_INLINE v16 exp_neg(v16 x) { return exp_neg_v<v16, i16v>(x); }
 
 // K/V cache element types: 16 consecutive elements -> 16 floats.
+#if defined(KVLM_AVX2)
+// AVX2 works on 8-lane halves where it can (load8: 8 consecutive elements): GCC keeps arrays of v16 (two
+// ymm each) on the stack and moves them through general registers, several times slower.
+typedef float v8u __attribute__((vector_size(32), aligned(4)));
+KVLM_INLINE v8 ld8(const float* p) { return *(const v8u*)p; }
+KVLM_INLINE void st8(float* p, v8 v) { *(v8u*)p = v; }
+KVLM_INLINE v8 splat8(float f) { return (v8){f, f, f, f, f, f, f, f}; }
+#endif
+
 struct KvF32 {
     typedef float T;
     KVLM_INLINE v16 load(const T* p) { return ld(p); }
+#if defined(KVLM_AVX2)
+    KVLM_INLINE v8 load8(const T* p) { return ld8(p); }
+#endif
 };
 struct KvF16 {
     typedef uint16_t T;
@@ -400,6 +419,9 @@ struct KvF16 {
         return half_to_float(__builtin_convertvector(*(const h16u*)p, u16v));
 #endif
     }
+#if defined(KVLM_AVX2)
+    KVLM_INLINE v8 load8(const T* p) { return (v8)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
+#endif
 };
 struct KvBF16 {
     typedef uint16_t T;
@@ -409,6 +431,11 @@ struct KvBF16 {
         memcpy(&r, &u, sizeof r);
         return r;
     }
+#if defined(KVLM_AVX2)
+    KVLM_INLINE v8 load8(const T* p) {  // the same bits: each u16 widened, shifted into the high half
+        return (v8)_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+    }
+#endif
 };
 
 // Sums of 16 vectors at once: lane t of the result is the sum of the lanes of x[t]. AVX-512: a fixed
@@ -451,6 +478,20 @@ KVLM_INLINE v16 sum16(const v16u* x) {
 #endif
 }
 
+#if defined(KVLM_AVX2)
+// sum16 of 16 dots given as halves (lo[t]: lanes 0..7 of token t's dot, hi[t]: lanes 8..15), the same
+// tree as the AVX2 sum16 above (whose first step adds the halves); r[0] = tokens 0..7, r[1] = 8..15.
+KVLM_INLINE void sum16_halves(const v8* lo, const v8* hi, __m256* r) {
+    for (int half = 0; half < 2; half++) {
+        __m256 h[8];
+        for (int i = 0; i < 8; i++) h[i] = (__m256)(lo[8 * half + i] + hi[8 * half + i]);
+        __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(h[0], h[1]), _mm256_hadd_ps(h[2], h[3]));
+        __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(h[4], h[5]), _mm256_hadd_ps(h[6], h[7]));
+        r[half] = _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+    }
+}
+#endif
+
 KVLM_INLINE v16 vmax(v16 a, v16 b) { return a > b ? a : b; }
 
 KVLM_INLINE float hmax(v16 a) {
@@ -469,101 +510,365 @@ KVLM_INLINE void token_rows(const int32_t* tab, int64_t BS, int64_t row, int64_t
     }
 }
 
-// One work item: tokens [t0, t1) of sequence b, every head. Two passes over the chunk, K then V, each
-// streaming whole blocks (all kv heads of a token are one contiguous row): scores of all H heads into
-// sc (H, chunk), softmax of the chunk, then acc (H, D) += p * V. Each K/V row is fetched from memory once
-// and reused from L1 by the G query heads of its kv head. NV = D / 16 if fixed at compile time, else 0.
+// One query row's share of a work item: tokens [t0, t0 + n) of its chunk (n <= chunk; n = 0 only for an
+// empty row), and where its results go.
+struct AttnRow {
+    const float* q;  // (H, D)
+    float* acc;      // (H, D): the row's out (a one-chunk row) or its partial state for this chunk
+    float* mx;       // (H,) the chunk's max score per head
+    float* den;      // (H,) the chunk's sum of exp(score - max) per head
+    float* sc;       // (H, chunk) scores, then exp(score - max)
+    int64_t n;
+};
+
+// (row, head) pairs per register block: the K pass keeps P pairs' q (P * NV vectors) and one token's K
+// (NV); the V pass P pairs' acc (P * NV) and one token's V (NV). AVX-512 has 32 vector registers; AVX2
+// (16 of half the width, worked in halves below) and the baseline take one pair at a time. The
+// arithmetic of each pair is the same for any P.
+#if defined(KVLM_AVX512)
+constexpr int ATTN_KP = 2, ATTN_VP = 4;
+#else
+constexpr int ATTN_KP = 1, ATTN_VP = 1;
+#endif
+
+// The (row, head) pairs of one kv head g over rows j0 .. nr - 1, in order: (j0, g G), (j0, g G + 1), ...,
+// (j0 + 1, g G), ...; `next` steps to the following pair (no division in the loops).
+struct AttnPairs {
+    const AttnRow* r;
+    int64_t h, h0, h1;
+    inline __attribute__((always_inline)) void next() {
+        if (++h == h1) h = h0, r++;
+    }
+};
+
+// K pass, one 16-token group (cache element offsets `off`) against P (row, head) pairs of kv head g:
+// scores s[i] = scale * q[h] . K[token i, g], lane k % 16 of the dot accumulating in increasing k, then
+// sum16; tokens at or past the row's n masked to -inf. kg = the cache plus g * D.
+template <class E, int NV, int P>
+KVLM_INLINE void attn_k_pairs(const KvlmPagedAttn* a, const typename E::T* kg, const int64_t* off, AttnPairs& pr,
+                              int64_t grp) {
+    const int64_t D = a->D, CH = a->chunk, nv = NV ? NV : D / 16;
+    const float* qp[P];
+    float* sp[P];
+    int64_t nt[P];
+    for (int p = 0; p < P; p++, pr.next()) {
+        qp[p] = pr.r->q + pr.h * D;
+        sp[p] = pr.r->sc + pr.h * CH + 16 * grp;
+        nt[p] = pr.r->n - 16 * grp < 16 ? pr.r->n - 16 * grp : 16;
+    }
+#if defined(KVLM_AVX2)
+    if constexpr (NV != 0) {  // in 8-lane halves: lane j of a dot is lane j % 8 of half j / 8, same products
+        for (int p = 0; p < P; p++) {
+            v8 qv[2 * NV], lo[16], hi[16];
+            for (int k = 0; k < 2 * NV; k++) qv[k] = ld8(qp[p] + 8 * k);
+            for (int i = 0; i < 16; i++) {
+                v8 sl = (v8){}, sh = (v8){};
+                for (int k = 0; k < NV; k++) {
+                    sl += qv[2 * k] * E::load8(kg + off[i] + 16 * k);
+                    sh += qv[2 * k + 1] * E::load8(kg + off[i] + 16 * k + 8);
+                }
+                lo[i] = sl;
+                hi[i] = sh;
+            }
+            __m256 r[2];
+            sum16_halves(lo, hi, r);
+            st8(sp[p], (v8)r[0] * splat8(a->scale));
+            st8(sp[p] + 8, (v8)r[1] * splat8(a->scale));
+            for (int64_t i = nt[p]; i < 16; i++) sp[p][i] = -__builtin_inff();
+        }
+        return;
+    }
+#endif
+    v16 dots[P][16];
+    if (NV) {
+        v16 qv[P][NV ? NV : 1];
+        for (int p = 0; p < P; p++)
+            for (int k = 0; k < NV; k++) qv[p][k] = ld(qp[p] + 16 * k);
+        for (int i = 0; i < 16; i++) {
+            v16 kv[NV ? NV : 1];
+            for (int k = 0; k < NV; k++) kv[k] = E::load(kg + off[i] + 16 * k);
+            for (int p = 0; p < P; p++) {
+                v16 s = (v16){};
+                for (int k = 0; k < NV; k++) s += qv[p][k] * kv[k];
+                dots[p][i] = s;
+            }
+        }
+    } else {
+        for (int i = 0; i < 16; i++)
+            for (int p = 0; p < P; p++) {
+                v16 s = (v16){};
+                for (int64_t k = 0; k < nv; k++) s += ld(qp[p] + 16 * k) * E::load(kg + off[i] + 16 * k);
+                dots[p][i] = s;
+            }
+    }
+    for (int p = 0; p < P; p++) {
+        v16 s = sum16((const v16u*)dots[p]) * splat(a->scale);
+        for (int64_t i = nt[p]; i < 16; i++) s[i] = -__builtin_inff();
+        st(sp[p], s);
+    }
+}
+
+#if defined(KVLM_AVX512)
+// The K pass with tokens on the lanes, for groups shared by many (row, head) pairs (AVX-512 only). The
+// direct form above computes lane j of a dot, A_j = sum_k q[16k + j] * K[16k + j] (k increasing), for
+// one token, then sum16 adds the 16 lanes in a fixed tree. Here the group's K rows are transposed once
+// (kt[d] = dim d of the 16 tokens) and A_j is computed for the 16 tokens at once, the same products in
+// the same order, and the tree is the same adds between whole vectors:
+// ((A0 + A8) + (A4 + A12)) + ((A2 + A10) + (A6 + A14)), plus the same of A1, A3, ..., added last (the
+// AVX-512 sum16, halves then quarters, ...). Same bits, no per-token horizontal sums.
+constexpr int ATTN_LP = 4;          // pairs per register block
+constexpr int64_t ATTN_LANES_MIN = 8;  // pairs of a kv head that make the transpose worth it
+
+// out[c] = column c of the 16 x 16 block in[0 .. 15] (rows), the classic 4-stage shuffle network.
+KVLM_INLINE void transpose16(const v16* in, v16* out) {
+    __m512 r[16], t[16];
+    for (int i = 0; i < 16; i++) r[i] = (__m512)in[i];
+    for (int i = 0; i < 8; i++) {  // per 128-bit lane: (r0[0] r1[0] r0[1] r1[1]), (r0[2] r1[2] r0[3] r1[3])
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {  // r[4i + c], lane L: rows 4i .. 4i + 3 of column 4L + c
+        r[4 * i] = (__m512)_mm512_unpacklo_pd((__m512d)t[4 * i], (__m512d)t[4 * i + 2]);
+        r[4 * i + 1] = (__m512)_mm512_unpackhi_pd((__m512d)t[4 * i], (__m512d)t[4 * i + 2]);
+        r[4 * i + 2] = (__m512)_mm512_unpacklo_pd((__m512d)t[4 * i + 1], (__m512d)t[4 * i + 3]);
+        r[4 * i + 3] = (__m512)_mm512_unpackhi_pd((__m512d)t[4 * i + 1], (__m512d)t[4 * i + 3]);
+    }
+    for (int c = 0; c < 4; c++) {  // lanes: (rows 0-3 | 4-7 or 8-11 | 12-15) of columns c, c + 8 or c + 4, c + 12
+        t[c] = _mm512_shuffle_f32x4(r[c], r[4 + c], 0x88);
+        t[4 + c] = _mm512_shuffle_f32x4(r[c], r[4 + c], 0xdd);
+        t[8 + c] = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0x88);
+        t[12 + c] = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0xdd);
+    }
+    for (int c = 0; c < 4; c++) {
+        out[c] = (v16)_mm512_shuffle_f32x4(t[c], t[8 + c], 0x88);
+        out[c + 8] = (v16)_mm512_shuffle_f32x4(t[c], t[8 + c], 0xdd);
+        out[c + 4] = (v16)_mm512_shuffle_f32x4(t[4 + c], t[12 + c], 0x88);
+        out[c + 12] = (v16)_mm512_shuffle_f32x4(t[4 + c], t[12 + c], 0xdd);
+    }
+}
+
+// kt (16 NV) = the group's K rows of kv head g transposed: kt[d] lane i = K[token i, g][d].
 template <class E, int NV>
-void attn_chunk(const KvlmPagedAttn* a, int64_t b, int64_t t0, int64_t t1, float* sc, v16u* dots, float* acc,
-                float* mx, float* den) {
+KVLM_INLINE void attn_k_transpose(const typename E::T* kg, const int64_t* off, v16* kt) {
+    for (int k = 0; k < NV; k++) {
+        v16 rowk[16];
+        for (int i = 0; i < 16; i++) rowk[i] = E::load(kg + off[i] + 16 * k);
+        transpose16(rowk, kt + 16 * k);
+    }
+}
+
+// o[p] = A_j of pair p for the 16 tokens (lane i: token i).
+template <int NV, int P>
+KVLM_INLINE void attn_k_leaf(const v16* kt, const float* const* qp, int j, v16* o) {
+    for (int p = 0; p < P; p++) o[p] = (v16){};
+    for (int k = 0; k < NV; k++) {
+        const v16 kv = kt[16 * k + j];
+        for (int p = 0; p < P; p++) o[p] += splat(qp[p][16 * k + j]) * kv;
+    }
+}
+
+// c[p] = (A_j + A_{j+8}) + (A_{j+4} + A_{j+12}) of pair p.
+template <int NV, int P>
+KVLM_INLINE void attn_k_quad(const v16* kt, const float* const* qp, int j, v16* c) {
+    v16 x[P], y[P], b[P];
+    attn_k_leaf<NV, P>(kt, qp, j, x);
+    attn_k_leaf<NV, P>(kt, qp, j + 8, y);
+    for (int p = 0; p < P; p++) b[p] = x[p] + y[p];
+    attn_k_leaf<NV, P>(kt, qp, j + 4, x);
+    attn_k_leaf<NV, P>(kt, qp, j + 12, y);
+    for (int p = 0; p < P; p++) c[p] = b[p] + (x[p] + y[p]);
+}
+
+template <int NV, int P>
+KVLM_INLINE void attn_k_lanes(const KvlmPagedAttn* a, const v16* kt, AttnPairs& pr, int64_t grp) {
+    const int64_t D = a->D, CH = a->chunk;
+    const float* qp[P];
+    float* sp[P];
+    int64_t nt[P];
+    for (int p = 0; p < P; p++, pr.next()) {
+        qp[p] = pr.r->q + pr.h * D;
+        sp[p] = pr.r->sc + pr.h * CH + 16 * grp;
+        nt[p] = pr.r->n - 16 * grp < 16 ? pr.r->n - 16 * grp : 16;
+    }
+    v16 c0[P], c1[P], d0[P];
+    attn_k_quad<NV, P>(kt, qp, 0, c0);
+    attn_k_quad<NV, P>(kt, qp, 2, c1);
+    for (int p = 0; p < P; p++) d0[p] = c0[p] + c1[p];  // D_0 = C_0 + C_2
+    attn_k_quad<NV, P>(kt, qp, 1, c0);
+    attn_k_quad<NV, P>(kt, qp, 3, c1);
+    for (int p = 0; p < P; p++) {
+        v16 s = (d0[p] + (c0[p] + c1[p])) * splat(a->scale);  // D_0 + D_1, D_1 = C_1 + C_3
+        for (int64_t i = nt[p]; i < 16; i++) s[i] = -__builtin_inff();
+        st(sp[p], s);
+    }
+}
+#endif
+
+// V pass, one 16-token group against P (row, head) pairs of kv head g: acc[h] += p[i] * V[token i, g] for
+// i < the row's tokens in the group, in token order. vg = the cache plus g * D.
+template <class E, int NV, int P>
+KVLM_INLINE void attn_v_pairs(const KvlmPagedAttn* a, const typename E::T* vg, const int64_t* off, AttnPairs& pr,
+                              int64_t grp) {
+    const int64_t D = a->D, CH = a->chunk, nv = NV ? NV : D / 16;
+    const float* pp[P];
+    float* ap[P];
+    int64_t nt[P], ntmin = 16;
+    for (int p = 0; p < P; p++, pr.next()) {
+        pp[p] = pr.r->sc + pr.h * CH + 16 * grp;
+        ap[p] = pr.r->acc + pr.h * D;
+        nt[p] = pr.r->n - 16 * grp < 16 ? pr.r->n - 16 * grp : 16;
+        ntmin = nt[p] < ntmin ? nt[p] : ntmin;
+    }
+#if defined(KVLM_AVX2)
+    if constexpr (NV != 0) {  // 8-lane registers, 64 columns at a time (the columns of acc are independent)
+        constexpr int W = 2 * NV < 8 ? 2 * NV : 8;
+        for (int p = 0; p < P; p++)
+            for (int64_t c = 0; c < D; c += 8 * W) {
+                v8 acc[W];
+                for (int k = 0; k < W; k++) acc[k] = ld8(ap[p] + c + 8 * k);
+                for (int64_t i = 0; i < nt[p]; i++) {
+                    const v8 pi = splat8(pp[p][i]);
+                    for (int k = 0; k < W; k++) acc[k] += pi * E::load8(vg + off[i] + c + 8 * k);
+                }
+                for (int k = 0; k < W; k++) st8(ap[p] + c + 8 * k, acc[k]);
+            }
+        return;
+    }
+#endif
+    if (NV) {
+        v16 acc[P][NV ? NV : 1];
+        for (int p = 0; p < P; p++)
+            for (int k = 0; k < NV; k++) acc[p][k] = ld(ap[p] + 16 * k);
+        int64_t i = 0;
+        for (; i < ntmin; i++) {  // tokens of every pair: each V row loaded once
+            v16 vv[NV ? NV : 1];
+            for (int k = 0; k < NV; k++) vv[k] = E::load(vg + off[i] + 16 * k);
+            for (int p = 0; p < P; p++) {
+                const v16 pi = splat(pp[p][i]);
+                for (int k = 0; k < NV; k++) acc[p][k] += pi * vv[k];
+            }
+        }
+        for (int p = 0; p < P; p++)  // a shorter row's last group ends before the others'
+            for (int64_t t = i; t < nt[p]; t++) {
+                const v16 pi = splat(pp[p][t]);
+                for (int k = 0; k < NV; k++) acc[p][k] += pi * E::load(vg + off[t] + 16 * k);
+            }
+        for (int p = 0; p < P; p++)
+            for (int k = 0; k < NV; k++) st(ap[p] + 16 * k, acc[p][k]);
+    } else {
+        for (int p = 0; p < P; p++)
+            for (int64_t k = 0; k < nv; k++) {
+                v16 r = ld(ap[p] + 16 * k);
+                for (int64_t i = 0; i < nt[p]; i++) r += splat(pp[p][i]) * E::load(vg + off[i] + 16 * k);
+                st(ap[p] + 16 * k, r);
+            }
+    }
+}
+
+// One work item: rows[0 .. nr) of one sequence (block table `tab`), by ascending n, over the chunk that
+// starts at token t0, every head. Two passes, K then V, each streaming the chunk's 16-token groups front
+// to back (all kv heads of a token are one contiguous row, what the hardware prefetchers follow); a
+// group's K or V rows come from memory once and from L1 for every further (row, head) pair. Per row:
+// scores of all H heads into sc (H, chunk), the chunk's softmax, then acc (H, D) = sum p * V. A row takes
+// part in a group only while it has tokens there (n > 16 * grp); rows sorted by n make those a suffix.
+// NV = D / 16 if fixed at compile time, else 0.
+template <class E, int NV>
+void attn_chunk(const KvlmPagedAttn* a, const int32_t* tab, int64_t t0, AttnRow* rows, int64_t nr) {
     typedef typename E::T T;
-    const int64_t H = a->H, KVH = a->kv_heads, D = a->D, BS = a->block_size, CH = a->chunk, G = H / KVH;
-    const int64_t nv = NV ? NV : D / 16, row = KVH * D, n = t1 - t0, ngrp = (n + 15) / 16;
+    const int64_t H = a->H, KVH = a->kv_heads, D = a->D, CH = a->chunk, G = H / KVH, row = KVH * D;
+    const int64_t nmax = rows[nr - 1].n, ngrp = (nmax + 15) / 16;
     const T* kc = (const T*)a->k_cache;
     const T* vc = (const T*)a->v_cache;
-    const int32_t* tab = a->block_tables + b * a->max_blocks;
-    const float* qb = a->q + b * H * D;
-    const v16 NEG_INF = splat(-__builtin_inff());
     int64_t off[16];
-    // K pass: sc[h, 16 * grp + i] = scale * q[h] . K[token t0 + 16 * grp + i, h / G]. Token-major, so each
-    // block is read front to back once (what the hardware prefetchers follow); dots (H, 16) in scratch.
-    for (int64_t grp = 0; grp < ngrp; grp++) {
-        const int64_t nt = n - 16 * grp < 16 ? n - 16 * grp : 16;
-        token_rows(tab, BS, row, t0 + 16 * grp, t1, off);
-        for (int i = 0; i < 16; i++) {
-            const T* kr = kc + off[i];
-            for (int64_t g = 0; g < KVH; g++) {
-                if (NV) {
-                    v16 kv[NV ? NV : 1];
-                    for (int k = 0; k < NV; k++) kv[k] = E::load(kr + g * D + 16 * k);
-                    for (int64_t h = g * G; h < g * G + G; h++) {
-                        v16 s = (v16){};
-                        for (int k = 0; k < NV; k++) s += ld(qb + h * D + 16 * k) * kv[k];
-                        dots[h * 16 + i] = s;
-                    }
-                } else {
-                    for (int64_t h = g * G; h < g * G + G; h++) {
-                        v16 s = (v16){};
-                        for (int64_t k = 0; k < nv; k++) s += ld(qb + h * D + 16 * k) * E::load(kr + g * D + 16 * k);
-                        dots[h * 16 + i] = s;
-                    }
+    // K pass. Offsets cover the longest row's tokens (the others mask what lies past their own n).
+    for (int64_t grp = 0, j0 = 0; grp < ngrp; grp++) {
+        while (rows[j0].n <= 16 * grp) j0++;
+        token_rows(tab, a->block_size, row, t0 + 16 * grp, t0 + nmax, off);
+        const int64_t np = (nr - j0) * G;
+        for (int64_t g = 0; g < KVH; g++) {
+            AttnPairs pr{rows + j0, g * G, g * G, g * G + G};
+            int64_t u = 0;
+#if defined(KVLM_AVX512)
+            if constexpr (NV != 0) {
+                if (np >= ATTN_LANES_MIN) {
+                    v16 kt[16 * (NV ? NV : 1)];
+                    attn_k_transpose<E, NV>(kc + g * D, off, kt);
+                    for (; u + ATTN_LP <= np; u += ATTN_LP) attn_k_lanes<NV, ATTN_LP>(a, kt, pr, grp);
+                    for (; u < np; u++) attn_k_lanes<NV, 1>(a, kt, pr, grp);
                 }
             }
-        }
-        for (int64_t h = 0; h < H; h++) {
-            v16 s = sum16(dots + h * 16) * splat(a->scale);
-            for (int64_t i = nt; i < 16; i++) s[i] = -__builtin_inff();
-            st(sc + h * CH + 16 * grp, s);
+#endif
+            for (; u + ATTN_KP <= np; u += ATTN_KP) attn_k_pairs<E, NV, ATTN_KP>(a, kc + g * D, off, pr, grp);
+            for (; u < np; u++) attn_k_pairs<E, NV, 1>(a, kc + g * D, off, pr, grp);
         }
     }
-    // Softmax of the chunk: p = exp(s - max) in place, den = sum p (lanes, then one fixed-order sum).
-    for (int64_t h = 0; h < H; h++) {
-        float* s = sc + h * CH;
-        v16 m = NEG_INF;
-        for (int64_t grp = 0; grp < ngrp; grp++) m = vmax(m, ld(s + 16 * grp));
-        const float mh = hmax(m);
-        v16 l = (v16){};
-        for (int64_t grp = 0; grp < ngrp; grp++) {
-            v16 p = exp_neg(ld(s + 16 * grp) - mh);
-            st(s + 16 * grp, p);
-            l += p;
-        }
-        mx[h] = mh;
-        den[h] = hsum(l);
-    }
-    // V pass: acc[h] = sum_t p[h, t] * V[t, h / G], 16 tokens at a time: acc[h] stays in registers over
-    // the group, whose V rows (one block for block size 16) the first head brings into L1 for the others.
-    for (int64_t i = 0; i < H * D; i++) acc[i] = 0.0f;
-    for (int64_t grp = 0; grp < ngrp; grp++) {
-        const int64_t nt = n - 16 * grp < 16 ? n - 16 * grp : 16;
-        token_rows(tab, BS, row, t0 + 16 * grp, t1, off);
+    // Softmax of the chunk, per row and head: p = exp(s - max) in place, den = sum p (lanes, then one
+    // fixed-order sum). An empty row (n = 0) gets max -inf, den 0.
+    for (int64_t j = 0; j < nr; j++) {
+        const int64_t ng = (rows[j].n + 15) / 16;
         for (int64_t h = 0; h < H; h++) {
-            const float* p = sc + h * CH + 16 * grp;
-            const T* vg = vc + (h / G) * D;
-            float* ah = acc + h * D;
-            if (NV) {
-                v16 r[NV ? NV : 1];
-                for (int k = 0; k < NV; k++) r[k] = ld(ah + 16 * k);
-                for (int64_t i = 0; i < nt; i++) {
-                    const v16 pi = splat(p[i]);
-                    for (int k = 0; k < NV; k++) r[k] += pi * E::load(vg + off[i] + 16 * k);
+            float* s = rows[j].sc + h * CH;
+#if defined(KVLM_AVX2)
+            {  // the same in 8-lane halves: lanes 0..7 and 8..15 of each group, max and sum trees unchanged
+                v8 m0 = bc(v8{}, -__builtin_inff()), m1 = m0;
+                for (int64_t grp = 0; grp < ng; grp++) {
+                    const v8 x0 = ld8(s + 16 * grp), x1 = ld8(s + 16 * grp + 8);
+                    m0 = m0 > x0 ? m0 : x0;
+                    m1 = m1 > x1 ? m1 : x1;
                 }
-                for (int k = 0; k < NV; k++) st(ah + 16 * k, r[k]);
-            } else {
-                for (int64_t k = 0; k < nv; k++) {
-                    v16 r = ld(ah + 16 * k);
-                    for (int64_t i = 0; i < nt; i++) r += splat(p[i]) * E::load(vg + off[i] + 16 * k);
-                    st(ah + 16 * k, r);
+                float mh = m0[0];  // hmax: lanes 0 .. 15 in order
+                for (int i = 1; i < 8; i++) mh = m0[i] > mh ? m0[i] : mh;
+                for (int i = 0; i < 8; i++) mh = m1[i] > mh ? m1[i] : mh;
+                v8 l0 = (v8){}, l1 = (v8){};
+                for (int64_t grp = 0; grp < ng; grp++) {
+                    const v8 p0 = exp_neg_v<v8, i8v>(ld8(s + 16 * grp) - mh);
+                    const v8 p1 = exp_neg_v<v8, i8v>(ld8(s + 16 * grp + 8) - mh);
+                    st8(s + 16 * grp, p0);
+                    st8(s + 16 * grp + 8, p1);
+                    l0 += p0;
+                    l1 += p1;
                 }
+                // hsum: lanes i and i + 8, then i and i + 4, ...
+                const v8 b = l0 + l1;
+                const v4 c = __builtin_shufflevector(b, b, 0, 1, 2, 3) + __builtin_shufflevector(b, b, 4, 5, 6, 7);
+                const v2 d = __builtin_shufflevector(c, c, 0, 1) + __builtin_shufflevector(c, c, 2, 3);
+                rows[j].mx[h] = mh;
+                rows[j].den[h] = d[0] + d[1];
+                continue;
             }
+#endif
+            v16 m = splat(-__builtin_inff());
+            for (int64_t grp = 0; grp < ng; grp++) m = vmax(m, ld(s + 16 * grp));
+            const float mh = hmax(m);
+            v16 l = (v16){};
+            for (int64_t grp = 0; grp < ng; grp++) {
+                v16 p = exp_neg(ld(s + 16 * grp) - mh);
+                st(s + 16 * grp, p);
+                l += p;
+            }
+            rows[j].mx[h] = mh;
+            rows[j].den[h] = hsum(l);
+        }
+        for (int64_t i = 0; i < H * D; i++) rows[j].acc[i] = 0.0f;
+    }
+    // V pass: acc stays in registers over a group, for ATTN_VP (row, head) pairs sharing each V row.
+    for (int64_t grp = 0, j0 = 0; grp < ngrp; grp++) {
+        while (rows[j0].n <= 16 * grp) j0++;
+        token_rows(tab, a->block_size, row, t0 + 16 * grp, t0 + nmax, off);
+        const int64_t np = (nr - j0) * G;
+        for (int64_t g = 0; g < KVH; g++) {
+            AttnPairs pr{rows + j0, g * G, g * G, g * G + G};
+            int64_t u = 0;
+            for (; u + ATTN_VP <= np; u += ATTN_VP) attn_v_pairs<E, NV, ATTN_VP>(a, vc + g * D, off, pr, grp);
+            for (; u < np; u++) attn_v_pairs<E, NV, 1>(a, vc + g * D, off, pr, grp);
         }
     }
 }
 
-// out[b] from the partial states of its nc chunks (part rows of H * (D + 2)), in chunk order.
-KVLM_INLINE void attn_combine(const KvlmPagedAttn* a, int64_t b, int64_t nc) {
-    const int64_t H = a->H, D = a->D, stride = H * (D + 2);
-    const float* p0 = a->part + a->first[b] * stride;
+// out (H, D) of one row from the partial states of its nc chunks (p0: nc states of H * (D + 2) floats),
+// in chunk order.
+KVLM_INLINE void attn_combine(const float* p0, int64_t nc, float* out, int64_t H, int64_t D) {
+    const int64_t stride = H * (D + 2);
     for (int64_t h = 0; h < H; h++) {
         float m = -__builtin_inff();
         for (int64_t c = 0; c < nc; c++) {
@@ -571,7 +876,7 @@ KVLM_INLINE void attn_combine(const KvlmPagedAttn* a, int64_t b, int64_t nc) {
             m = mc > m ? mc : m;
         }
         float l = 0.0f;
-        float* o = a->out + (b * a->H + h) * D;
+        float* o = out + h * D;
         for (int64_t i = 0; i < D; i++) o[i] = 0.0f;
         for (int64_t c = 0; c < nc; c++) {
             const float* pc = p0 + c * stride;
@@ -585,26 +890,51 @@ KVLM_INLINE void attn_combine(const KvlmPagedAttn* a, int64_t b, int64_t nc) {
 }
 
 template <class E, int NV>
-void paged_attn_t(const KvlmPagedAttn* a, float* sc, int64_t i0, int64_t i1) {
+void paged_attn_t(const KvlmPagedAttn* a, float* scratch, int64_t i0, int64_t i1) {
     const int64_t H = a->H, D = a->D, CH = a->chunk, stride = H * (D + 2);
-    v16u* dots = (v16u*)(sc + H * (CH + 2));  // (H, 16) vectors of per-token dot products
+    AttnRow rows[KVLM_ATTN_TILE];
     for (int64_t it = i0; it < i1; it++) {
-        const int64_t b = a->items[2 * it], c = a->items[2 * it + 1], L = a->seq_lens[b];
-        const int64_t t0 = c * CH, t1 = t0 + CH < L ? t0 + CH : L;
-        if (L <= CH) {  // one chunk: normalize straight into out
-            float* o = a->out + b * H * D;
-            float* mx = sc + H * CH;  // scratch past the scores
-            attn_chunk<E, NV>(a, b, t0, t1, sc, dots, o, mx, mx + H);
-            for (int64_t h = 0; h < H; h++) {
-                const v16 inv = splat(mx[H + h] > 0.0f ? 1.0f / mx[H + h] : 0.0f);  // L = 0: zeros
-                for (int64_t k = 0; k < D; k += 16) st(o + h * D + k, ld(o + h * D + k) * inv);
+        const int64_t k = a->items[2 * it], c = a->items[2 * it + 1], t0 = c * CH;
+        const int32_t* tr = a->order + a->tiles[2 * k];
+        const int64_t R = a->tiles[2 * k + 1];
+        const int64_t Lmax = a->ctx_lens[tr[R - 1]], nc = Lmax > CH ? (Lmax + CH - 1) / CH : 1;
+        const int64_t s0 = a->seq_ids ? a->seq_ids[tr[0]] : tr[0];
+        // The tile's rows with tokens in this chunk (chunk 0: all, empty ones too): a suffix by ascending L.
+        int64_t j0 = 0;
+        if (c > 0)
+            while (a->ctx_lens[tr[j0]] <= t0) j0++;
+        for (int64_t j = j0; j < R; j++) {
+            const int64_t t = tr[j], L = a->ctx_lens[t];
+            AttnRow& r = rows[j - j0];
+            r.q = a->q + t * H * D;
+            r.sc = scratch + (j - j0) * H * CH;
+            r.n = L - t0 < CH ? L - t0 : CH;
+            if (L <= CH) {  // one chunk: normalized straight into out below
+                r.acc = a->out + t * H * D;
+                r.mx = scratch + KVLM_ATTN_TILE * H * CH + (j - j0) * 2 * H;
+            } else {
+                r.acc = a->part + (a->part_first[k] + j * nc + c) * stride;
+                r.mx = r.acc + H * D;
             }
-            continue;
+            r.den = r.mx + H;
         }
-        float* p = a->part + it * stride;
-        attn_chunk<E, NV>(a, b, t0, t1, sc, dots, p, p + H * D, p + H * D + H);
-        // Release our partial; the last chunk of the sequence to finish acquires all of them and combines.
-        if (__atomic_sub_fetch(&a->pending[b], 1, __ATOMIC_ACQ_REL) == 0) attn_combine(a, b, (L + CH - 1) / CH);
+        attn_chunk<E, NV>(a, a->block_tables + s0 * a->max_blocks, t0, rows, R - j0);
+        for (int64_t j = 0; j < R - j0; j++) {
+            if (a->ctx_lens[tr[j0 + j]] > CH) continue;
+            float* o = rows[j].acc;
+            for (int64_t h = 0; h < H; h++) {
+                const v16 inv = splat(rows[j].den[h] > 0.0f ? 1.0f / rows[j].den[h] : 0.0f);  // L = 0: zeros
+                for (int64_t i = 0; i < D; i += 16) st(o + h * D + i, ld(o + h * D + i) * inv);
+            }
+        }
+        if (nc == 1) continue;
+        // Release our partials; the tile's last chunk to finish acquires all of them and combines.
+        if (__atomic_sub_fetch(&a->pending[k], 1, __ATOMIC_ACQ_REL) != 0) continue;
+        for (int64_t j = 0; j < R; j++) {
+            const int64_t t = tr[j], L = a->ctx_lens[t];
+            if (L > CH) attn_combine(a->part + (a->part_first[k] + j * nc) * stride, (L + CH - 1) / CH,
+                                     a->out + t * H * D, H, D);
+        }
     }
 }
 

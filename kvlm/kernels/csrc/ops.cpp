@@ -88,37 +88,115 @@ bool matmul(const KvlmKernels* t, int qtype, const uint8_t* w, int64_t rs, int64
     return ok;
 }
 
-// Work items of ATTN_CHUNK tokens per sequence (a constant: chunk boundaries, hence every sum's order,
-// depend on the sequence's length only), all in one parallel loop; see KvlmPagedAttn for the combine.
-// The item list and partial states live in this thread's buffers, which only grow.
+// Work items of ATTN_CHUNK tokens per row tile (a constant: chunk boundaries, hence every sum's order,
+// depend on the row's context length only), all in one parallel loop; see KvlmPagedAttn for the tiles and
+// the combine. The plan (row order, tiles, items) and the partial states live in this thread's buffers,
+// which only grow.
 constexpr int64_t ATTN_CHUNK = 128;
+// Partial states alive at once, in floats: a call whose multi-chunk tiles need more runs in waves of
+// whole tiles, each its own parallel loop over the same buffer (long prefills: rows x chunks x H x D).
+constexpr int64_t ATTN_PART_CAP = int64_t{8} << 20;
+
+bool paged_attention_rows(const KvlmKernels* t, int kv_dtype, const float* q, const void* k_cache,
+                          const void* v_cache, const int32_t* block_tables, const int32_t* seq_ids,
+                          const int32_t* ctx_lens, float* out, int64_t T, int64_t H, int64_t KVH, int64_t D,
+                          int64_t BS, int64_t MB, float scale) {
+    if (kv_dtype != T_F32 && kv_dtype != T_F16 && kv_dtype != T_BF16) return false;
+    if (T == 0) return true;
+    thread_local std::vector<int32_t> order, tiles, items, pending;
+    thread_local std::vector<int64_t> part_first, item_first, cost, bound;
+    thread_local std::vector<float> part;
+    auto seq = [&](int64_t r) -> int64_t { return seq_ids ? seq_ids[r] : r; };
+    // Rows grouped by sequence, by ascending context length within one (the order tiles need; any order
+    // gives the same bits). Decode (one row per sequence, in order) and causal prefill are sorted already.
+    order.resize(T);
+    for (int64_t r = 0; r < T; r++) order[r] = static_cast<int32_t>(r);
+    auto before = [&](int32_t x, int32_t y) {
+        return seq(x) != seq(y) ? seq(x) < seq(y) : (ctx_lens[x] != ctx_lens[y] ? ctx_lens[x] < ctx_lens[y] : x < y);
+    };
+    if (!std::is_sorted(order.begin(), order.end(), before)) std::sort(order.begin(), order.end(), before);
+    // Tiles: each sequence's rows in ceil(n / KVLM_ATTN_TILE) tiles of near-equal size; per tile its chunk
+    // count (its longest row's; L = 0: one, empty) and items, one per chunk.
+    tiles.clear();
+    items.clear();
+    pending.clear();
+    part_first.clear();
+    item_first.clear();
+    cost.clear();
+    for (int64_t r0 = 0; r0 < T;) {
+        int64_t r1 = r0 + 1;
+        while (r1 < T && seq(order[r1]) == seq(order[r0])) r1++;
+        const int64_t n = r1 - r0, nt = (n + KVLM_ATTN_TILE - 1) / KVLM_ATTN_TILE;
+        for (int64_t i = 0, first = r0; i < nt; i++) {
+            const int64_t rows = n / nt + (i < n % nt ? 1 : 0);
+            const int64_t k = static_cast<int64_t>(pending.size());
+            const int64_t lmax = ctx_lens[order[first + rows - 1]];
+            const int64_t nc = std::max<int64_t>(1, (lmax + ATTN_CHUNK - 1) / ATTN_CHUNK);
+            tiles.push_back(static_cast<int32_t>(first)), tiles.push_back(static_cast<int32_t>(rows));
+            pending.push_back(static_cast<int32_t>(nc));
+            part_first.push_back(nc > 1 ? rows * nc : 0);  // this tile's partial states (offsets set per wave)
+            item_first.push_back(static_cast<int64_t>(items.size() / 2));
+            for (int64_t c = 0; c < nc; c++) {
+                int64_t w = 0;  // the item's cost: its rows' tokens (16-token groups) plus a per-row overhead
+                for (int64_t j = first; j < first + rows; j++) {
+                    const int64_t len = ctx_lens[order[j]] - c * ATTN_CHUNK;
+                    if (len > 0 || c == 0) w += (std::min(ATTN_CHUNK, std::max<int64_t>(len, 0)) + 15) / 16 * 16 + 32;
+                }
+                items.push_back(static_cast<int32_t>(k)), items.push_back(static_cast<int32_t>(c));
+                cost.push_back(w);
+            }
+            first += rows;
+        }
+        r0 = r1;
+    }
+    const int64_t n_tiles = static_cast<int64_t>(pending.size());
+    item_first.push_back(static_cast<int64_t>(items.size() / 2));
+    const int64_t stride = H * (D + 2);
+    const int64_t nthreads = std::max<int64_t>(1, at::get_num_threads());
+    std::atomic<bool> ok{true};
+    for (int64_t k0 = 0; k0 < n_tiles;) {
+        // A wave: tiles k0 .. k1 - 1, their partial states from the start of `part`.
+        int64_t k1 = k0, used = 0;
+        while (k1 < n_tiles && (k1 == k0 || (used + part_first[k1]) * stride <= ATTN_PART_CAP)) {
+            const int64_t need = part_first[k1];
+            part_first[k1] = used;
+            used += need;
+            k1++;
+        }
+        if (part.size() < static_cast<size_t>(used * stride)) part.resize(used * stride);
+        const int64_t i0 = item_first[k0], i1 = item_first[k1];
+        // Threads take contiguous runs of items of about equal cost (a tile's chunks stay together, so its
+        // partial states are mostly combined from the cache that wrote them).
+        int64_t total = 0;
+        for (int64_t i = i0; i < i1; i++) total += cost[i];
+        const int64_t parts = std::min<int64_t>(nthreads, i1 - i0);
+        bound.assign(parts + 1, i1);
+        bound[0] = i0;
+        for (int64_t i = i0, p = 1, acc = 0; i < i1 && p < parts; i++) {
+            acc += cost[i];
+            while (p < parts && acc * parts >= total * p) bound[p++] = i + 1;
+        }
+        const KvlmPagedAttn a{kv_dtype, q, k_cache, v_cache, block_tables, seq_ids, ctx_lens, out, H, KVH, D, BS, MB,
+                              ATTN_CHUNK, scale, order.data(), tiles.data(), items.data(), part_first.data(),
+                              part.data(), pending.data()};
+        const int64_t* bnd = bound.data();  // (a thread_local's name would mean each worker's own vector)
+        at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
+            thread_local std::vector<float> scratch;  // (KVLM_ATTN_TILE, H, ATTN_CHUNK) scores, (KVLM_ATTN_TILE, 2 H)
+            const size_t need = static_cast<size_t>(KVLM_ATTN_TILE * H * (ATTN_CHUNK + 2));
+            if (scratch.size() < need) scratch.resize(need);
+            for (int64_t p = p0; p < p1; p++)
+                if (bnd[p] < bnd[p + 1] && t->paged_attn(&a, scratch.data(), bnd[p], bnd[p + 1])) ok = false;
+        });
+        k0 = k1;
+    }
+    return ok;
+}
 
 bool paged_attention(const KvlmKernels* t, int kv_dtype, const float* q, const void* k_cache, const void* v_cache,
                      const int32_t* block_tables, const int32_t* seq_lens, float* out, int64_t B, int64_t H,
                      int64_t KVH, int64_t D, int64_t BS, int64_t MB, float scale) {
-    if (kv_dtype != T_F32 && kv_dtype != T_F16 && kv_dtype != T_BF16) return false;
-    thread_local std::vector<int32_t> items, first, pending;
-    thread_local std::vector<float> part;
-    items.clear();
-    first.resize(B);
-    pending.resize(B);
-    for (int64_t b = 0; b < B; b++) {
-        const int64_t nc = std::max<int64_t>(1, (seq_lens[b] + ATTN_CHUNK - 1) / ATTN_CHUNK);  // L = 0: one, empty
-        first[b] = static_cast<int32_t>(items.size() / 2);
-        pending[b] = static_cast<int32_t>(nc);
-        for (int64_t c = 0; c < nc; c++) items.push_back(static_cast<int32_t>(b)), items.push_back(static_cast<int32_t>(c));
-    }
-    const int64_t n = static_cast<int64_t>(items.size() / 2);
-    if (part.size() < static_cast<size_t>(n * H * (D + 2))) part.resize(n * H * (D + 2));
-    const KvlmPagedAttn a{kv_dtype, q, k_cache, v_cache, block_tables, seq_lens, out, H, KVH, D, BS, MB, ATTN_CHUNK,
-                          scale, items.data(), first.data(), part.data(), pending.data()};
-    std::atomic<bool> ok{true};
-    at::parallel_for(0, n, 1, [&](int64_t i0, int64_t i1) {
-        thread_local std::vector<float> scores;  // (H, ATTN_CHUNK) scores, 2 H floats, (H, 16, 16) dot products
-        if (scores.size() < static_cast<size_t>(H * (ATTN_CHUNK + 2 + 256))) scores.resize(H * (ATTN_CHUNK + 2 + 256));
-        if (t->paged_attn(&a, scores.data(), i0, i1)) ok = false;
-    });
-    return ok;
+    return paged_attention_rows(t, kv_dtype, q, k_cache, v_cache, block_tables, nullptr, seq_lens, out, B, H, KVH, D,
+                                BS, MB, scale);
 }
 
 }  // namespace kvlm
@@ -196,39 +274,84 @@ void dequantize(const at::Tensor& w, int64_t qtype, int64_t K, int64_t isa, cons
     TORCH_CHECK(rc == 0, "kvlm kernels: no kernel for ggml type ", qtype);
 }
 
-void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                            const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, int64_t isa,
-                            const at::Tensor& out) {
-    TORCH_CHECK(q.scalar_type() == at::kFloat && q.dim() == 3 && q.is_contiguous(), "q must be contiguous float32 (B, H, D)");
+void check_caches(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& out) {
+    TORCH_CHECK(q.scalar_type() == at::kFloat && q.dim() == 3 && q.is_contiguous(), "q must be contiguous float32 (T, H, D)");
     const auto kv_type = k_cache.scalar_type();
     TORCH_CHECK((kv_type == at::kFloat || kv_type == at::kHalf || kv_type == at::kBFloat16) && k_cache.dim() == 4 &&
                     k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
                     v_cache.scalar_type() == kv_type && v_cache.is_contiguous(),
                 "k/v caches must be contiguous float32, float16 or bfloat16 (num_blocks, block_size, kv_heads, D)");
-    const int kv_dtype = kv_type == at::kFloat ? 0 : (kv_type == at::kHalf ? 1 : 30);  // ggml type ids
+    TORCH_CHECK(k_cache.size(3) == q.size(2) && q.size(2) % 16 == 0 && q.size(1) % k_cache.size(2) == 0,
+                "paged attention: inconsistent shapes");
+    TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.sizes() == q.sizes(), "bad out tensor");
+}
+
+int kv_dtype_id(const at::Tensor& k_cache) {  // ggml type ids
+    const auto kv_type = k_cache.scalar_type();
+    return kv_type == at::kFloat ? 0 : (kv_type == at::kHalf ? 1 : 30);
+}
+
+// The kernel trusts the tables: check once here that sequence b's first max_len[b] tokens lie in its
+// block table and in the cache (B * blocks ints).
+void check_tables(const int32_t* bt, const int64_t* max_len, int64_t B, int64_t MB, int64_t BS, int64_t num_blocks) {
+    for (int64_t b = 0; b < B; b++) {
+        TORCH_CHECK(max_len[b] <= MB * BS, "sequence ", b, ": ", max_len[b], " tokens exceed its block table");
+        for (int64_t j = 0; j * BS < max_len[b]; j++)
+            TORCH_CHECK(bt[b * MB + j] >= 0 && bt[b * MB + j] < num_blocks, "block_tables[", b, ", ", j,
+                        "] = ", bt[b * MB + j], " is outside the cache");
+    }
+}
+
+void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, int64_t isa,
+                            const at::Tensor& out) {
+    check_caches(q, k_cache, v_cache, out);
     TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 && block_tables.is_contiguous() &&
                     seq_lens.scalar_type() == at::kInt && seq_lens.dim() == 1 && seq_lens.is_contiguous(),
                 "block_tables (B, max_blocks) and seq_lens (B,) must be contiguous int32");
     const int64_t B = q.size(0), H = q.size(1), D = q.size(2), BS = k_cache.size(1), KVH = k_cache.size(2);
-    TORCH_CHECK(k_cache.size(3) == D && D % 16 == 0 && H % KVH == 0 && block_tables.size(0) == B &&
-                    seq_lens.size(0) == B, "paged attention: inconsistent shapes");
-    TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.sizes() == q.sizes(), "bad out tensor");
-    const KvlmKernels* t = table(isa);
-    const float* qp = q.const_data_ptr<float>();
-    const void* kp = k_cache.const_data_ptr();
-    const void* vp = v_cache.const_data_ptr();
+    TORCH_CHECK(block_tables.size(0) == B && seq_lens.size(0) == B, "paged attention: inconsistent shapes");
     const int32_t* bt = block_tables.const_data_ptr<int32_t>();
     const int32_t* lens = seq_lens.const_data_ptr<int32_t>();
-    float* op = out.mutable_data_ptr<float>();
-    const int64_t MB = block_tables.size(1), num_blocks = k_cache.size(0);
-    for (int64_t b = 0; b < B; b++) {  // the kernel trusts the tables: check them once here (B * blocks ints)
-        TORCH_CHECK(lens[b] >= 0 && lens[b] <= MB * BS, "seq_lens[", b, "] = ", lens[b], " exceeds its block table");
-        for (int64_t j = 0; j * BS < lens[b]; j++)
-            TORCH_CHECK(bt[b * MB + j] >= 0 && bt[b * MB + j] < num_blocks, "block_tables[", b, ", ", j,
-                        "] = ", bt[b * MB + j], " is outside the cache");
+    const int64_t MB = block_tables.size(1);
+    std::vector<int64_t> max_len(B);
+    for (int64_t b = 0; b < B; b++) {
+        TORCH_CHECK(lens[b] >= 0, "seq_lens[", b, "] = ", lens[b], " is negative");
+        max_len[b] = lens[b];
     }
-    const bool ok = kvlm::paged_attention(t, kv_dtype, qp, kp, vp, bt, lens, op, B, H, KVH, D, BS, MB,
-                                          static_cast<float>(scale));
+    check_tables(bt, max_len.data(), B, MB, BS, k_cache.size(0));
+    const bool ok = kvlm::paged_attention(table(isa), kv_dtype_id(k_cache), q.const_data_ptr<float>(),
+                                          k_cache.const_data_ptr(), v_cache.const_data_ptr(), bt, lens,
+                                          out.mutable_data_ptr<float>(), B, H, KVH, D, BS, MB, static_cast<float>(scale));
+    TORCH_CHECK(ok, "kvlm kernels: unsupported KV cache dtype");
+}
+
+// Any query rows: row t attends the first ctx_lens[t] tokens of the sequence in block_tables row seq_ids[t].
+void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                     const at::Tensor& block_tables, const at::Tensor& seq_ids, const at::Tensor& ctx_lens,
+                     double scale, int64_t isa, const at::Tensor& out) {
+    check_caches(q, k_cache, v_cache, out);
+    TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 && block_tables.is_contiguous() &&
+                    seq_ids.scalar_type() == at::kInt && seq_ids.dim() == 1 && seq_ids.is_contiguous() &&
+                    ctx_lens.scalar_type() == at::kInt && ctx_lens.dim() == 1 && ctx_lens.is_contiguous(),
+                "block_tables (B, max_blocks), seq_ids (T,) and ctx_lens (T,) must be contiguous int32");
+    const int64_t T = q.size(0), H = q.size(1), D = q.size(2), BS = k_cache.size(1), KVH = k_cache.size(2);
+    const int64_t B = block_tables.size(0), MB = block_tables.size(1);
+    TORCH_CHECK(seq_ids.size(0) == T && ctx_lens.size(0) == T, "paged attention: seq_ids and ctx_lens need one entry per query row");
+    const int32_t* bt = block_tables.const_data_ptr<int32_t>();
+    const int32_t* sid = seq_ids.const_data_ptr<int32_t>();
+    const int32_t* lens = ctx_lens.const_data_ptr<int32_t>();
+    std::vector<int64_t> max_len(B, 0);
+    for (int64_t r = 0; r < T; r++) {
+        TORCH_CHECK(sid[r] >= 0 && sid[r] < B, "seq_ids[", r, "] = ", sid[r], " is outside block_tables (", B, " rows)");
+        TORCH_CHECK(lens[r] >= 0, "ctx_lens[", r, "] = ", lens[r], " is negative");
+        max_len[sid[r]] = std::max<int64_t>(max_len[sid[r]], lens[r]);
+    }
+    check_tables(bt, max_len.data(), B, MB, BS, k_cache.size(0));
+    const bool ok = kvlm::paged_attention_rows(table(isa), kv_dtype_id(k_cache), q.const_data_ptr<float>(),
+                                               k_cache.const_data_ptr(), v_cache.const_data_ptr(), bt, sid, lens,
+                                               out.mutable_data_ptr<float>(), T, H, KVH, D, BS, MB,
+                                               static_cast<float>(scale));
     TORCH_CHECK(ok, "kvlm kernels: unsupported KV cache dtype");
 }
 
@@ -242,4 +365,6 @@ TORCH_LIBRARY(kvlm_kernels, m) {
     m.def("dequantize(Tensor w, int qtype, int K, int isa, Tensor(a!) out) -> ()", &dequantize);
     m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
           "float scale, int isa, Tensor(a!) out) -> ()", &paged_decode_attention);
+    m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_ids, "
+          "Tensor ctx_lens, float scale, int isa, Tensor(a!) out) -> ()", &paged_attention);
 }
