@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from kvlm.attention.metadata import AttentionMetadata
-from kvlm.kernels import paged_decode_attention
+from kvlm.kernels import paged_attention as _kernel
 
 
 def paged_attention(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor, block_tables: torch.Tensor,
@@ -23,8 +23,7 @@ def paged_attention(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Ten
     """q (T, n_heads, D); k_blocks, v_blocks (num_blocks, block_size, kv_heads, D); block_tables (B, max_blocks)
     int32, one row per sequence of `meta`. Returns (T, n_heads * D)."""
     assert meta.in_place and meta.row_seq is not None and meta.row_ctx is not None
-    # Each row is the decode kernel's single query at its own context length: the same arithmetic as
-    # decoding that token alone. (Rows of one sequence share its table row.)
-    tables = block_tables if meta.is_decode else block_tables.index_select(0, meta.row_seq)
-    out = paged_decode_attention(q, k_blocks, v_blocks, tables, meta.row_ctx, scale)
+    # Each row's bits are the decode kernel's for that single query at its own context length (the
+    # kernel tiles the rows of one sequence against each K/V group, without changing any row's order).
+    out = _kernel(q, k_blocks, v_blocks, block_tables, meta.row_seq, meta.row_ctx, scale)
     return out.reshape(q.shape[0], -1)
