@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvlm.config import ModelConfig
 from kvlm.errors import ModelLoadError, TokenizerError
@@ -51,10 +51,25 @@ def load_checkpoint(path: str | os.PathLike,
             from kvlm.tokenizer.tokenizer import Tokenizer
 
             config, state = load_hf_dir(p)
+            if quantized:  # 2-D weights on the native row kernel (fixed order per output: row-invariant)
+                state = {k: _as_f32_blocks(v) if v.ndim == 2 else v for k, v in state.items()}
             tokenizer = Tokenizer.from_hf_dir(p)
     except TokenizerError as e:
         raise ModelLoadError(f"{p}: bad tokenizer: {e}") from None
     return config, state, tokenizer
+
+
+def _as_f32_blocks(w: torch.Tensor) -> Any:
+    """A dense float32 (N, K) weight as an F32 `QuantTensor` over the same bytes: the default path then
+    multiplies it with the native row kernel, whose rows are bit-identical in any batch or chunk, instead
+    of BLAS (which stays the `--dtype float32` reference)."""
+    import torch
+
+    from kvlm.kernels.ggml_types import GGMLQuantizationType
+    from kvlm.kernels.quant_tensor import QuantTensor
+
+    w = w.float().contiguous()
+    return QuantTensor(w.view(torch.uint8).reshape(w.shape[0], -1), GGMLQuantizationType.F32, tuple(w.shape))
 
 
 def load_config(path: str | os.PathLike) -> ModelConfig:

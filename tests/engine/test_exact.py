@@ -3,7 +3,7 @@
 A token's logits must have the same bits cached or recomputed, alone or in any batch, chunked or whole,
 paged or contiguous, from the prefix cache or computed, preempted or not, at 1 or 2 threads. Here on tiny
 random models written in each format (K-quants need 256-wide rows: a wider tiny model, synthetic
-blocks), compared with `torch.equal` on every step's float32 logits. Needs the native kernels: the
+blocks) and as a safetensors folder, compared with `torch.equal` on every step's float32 logits. Needs the native kernels: the
 reference path (no build) is exact against transformers, not across step shapes.
 """
 
@@ -16,13 +16,13 @@ import pytest
 import torch
 from engine_runs import random_prompts, run_engine
 from quantize import can_quantize, synthetic_quantize
-from tiny_models import tiny_config, write_tiny_gguf
+from tiny_models import tiny_config, write_tiny_gguf, write_tiny_hf_dir
 
 from kvlm import EngineConfig, SamplingParams
 from kvlm.engine.engine import Engine
 from kvlm.kernels import native
 
-FORMATS = ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16", "F32"]
+FORMATS = ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16", "F32", "safetensors"]
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 SEEDED = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=12, ignore_eos=True)
 
@@ -32,6 +32,8 @@ def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     if native.active_isa() == "reference":
         pytest.skip("the native kernels are not built here: exactness across step shapes needs them")
     fmt = request.param
+    if fmt == "safetensors":  # an HF folder: float32 weights, on the native row kernel under --dtype auto
+        return write_tiny_hf_dir(tmp_path_factory.mktemp("exact") / "hf", tiny_config(tie_word_embeddings=False))
     qtype = gguf.GGMLQuantizationType[fmt]
     kquant = fmt.endswith("_K")
     cfg = (tiny_config(hidden_size=256, intermediate_size=256, head_dim=64, tie_word_embeddings=False) if kquant
