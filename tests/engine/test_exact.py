@@ -2,9 +2,9 @@
 
 A token's logits must have the same bits cached or recomputed, alone or in any batch, chunked or whole,
 paged or contiguous, from the prefix cache or computed, preempted or not, at 1 or 2 threads. Here on tiny
-random models written in each format (K-quants need 256-wide rows: a wider tiny model, synthetic
-blocks) and as a safetensors folder, compared with `torch.equal` on every step's float32 logits. Needs the native kernels: the
-reference path (no build) is exact against transformers, not across step shapes.
+random models written in each format (K-quants need 256-wide rows: a wider tiny model, synthetic blocks) and
+as a safetensors folder, compared with `torch.equal` on every step's float32 logits. Needs the native
+kernels: the reference path (no build) is exact against transformers, not across step shapes.
 """
 
 from __future__ import annotations

@@ -86,7 +86,8 @@ def _mixed_rows(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     rows += [(3, int(n)) for n in torch.randint(0, 41, (20,), generator=gen)]
     perm = torch.randperm(len(rows), generator=gen)
     rows = [rows[i] for i in perm]
-    return (torch.tensor([s for s, _ in rows], dtype=torch.int32), torch.tensor([n for _, n in rows], dtype=torch.int32))
+    return (torch.tensor([s for s, _ in rows], dtype=torch.int32),
+            torch.tensor([n for _, n in rows], dtype=torch.int32))
 
 
 def _one_row_each(q, k_cache, v_cache, tables, seq_ids, ctx_lens, scale) -> torch.Tensor:
