@@ -53,18 +53,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     Row t's bits equal `paged_decode_attention(q[t:t+1], k_cache, v_cache, block_tables[s:s+1],
     ctx_lens[t:t+1], scale)` with s = seq_ids[t]. `out` (contiguous float32, q's shape), if given,
     receives the result."""
-    _check_out(q, out)
-    isa = _native(q, k_cache, v_cache)
-    if isa is None:
-        y = paged_attention_ref(q, k_cache, v_cache, block_tables, seq_ids, ctx_lens, scale)
-        return y if out is None else out.copy_(y)
-    q = q.contiguous()
-    if out is None:
-        out = torch.empty_like(q)
-    native.ops().paged_attention(
-        q, k_cache, v_cache, block_tables.to(torch.int32).contiguous(), seq_ids.to(torch.int32).contiguous(),
-        ctx_lens.to(torch.int32).contiguous(), float(scale), native.isa_id(isa), out)
-    return out
+    return _call("paged_attention", paged_attention_ref, q, k_cache, v_cache, out, scale,
+                 block_tables, seq_ids, ctx_lens)
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -75,15 +65,22 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     token t living in block block_tables[b, t // block_size] at slot t % block_size. A sequence of
     length 0 gives zeros. `out` (contiguous float32, q's shape), if given, receives the result. The same
     kernel as `paged_attention` with seq_ids = 0 .. B - 1 (one tile per sequence)."""
+    return _call("paged_decode_attention", paged_decode_attention_ref, q, k_cache, v_cache, out, scale,
+                 block_tables, seq_lens)
+
+
+def _call(op: str, ref, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor | None,
+          scale: float, *index: torch.Tensor) -> torch.Tensor:
+    """The native op `op` where it takes these inputs, else `ref`; `index` are the int32 tensors (block
+    tables, then the per-row or per-sequence ids / lengths) in the op's order."""
     _check_out(q, out)
     isa = _native(q, k_cache, v_cache)
     if isa is None:
-        y = paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale)
+        y = ref(q, k_cache, v_cache, *index, scale)
         return y if out is None else out.copy_(y)
     q = q.contiguous()
     if out is None:
         out = torch.empty_like(q)
-    native.ops().paged_decode_attention(
-        q, k_cache, v_cache, block_tables.to(torch.int32).contiguous(), seq_lens.to(torch.int32).contiguous(),
-        float(scale), native.isa_id(isa), out)
+    getattr(native.ops(), op)(q, k_cache, v_cache, *(x.to(torch.int32).contiguous() for x in index), float(scale),
+                              native.isa_id(isa), out)
     return out

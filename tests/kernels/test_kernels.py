@@ -77,18 +77,6 @@ def built() -> bool:
     return native.available()
 
 
-@pytest.fixture
-def force_isa(monkeypatch: pytest.MonkeyPatch):
-    """force_isa(path): set KVLM_KERNEL_ISA for this test (read once per process, so refreshed)."""
-    def force(path: str) -> None:
-        monkeypatch.setenv(native.ENV_ISA, path)
-        native.refresh()
-
-    yield force
-    monkeypatch.undo()
-    native.refresh()
-
-
 @pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q8_0], ids=lambda t: t.name)
 def test_int8_activations_within_their_rounding(qtype: T, isa: str) -> None:
     """Int8 activations (the default here) against float32 activations: error bounded by the

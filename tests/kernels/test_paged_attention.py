@@ -26,18 +26,6 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 TOL = {"rtol": 2e-5, "atol": 2e-5}
 
 
-@pytest.fixture
-def force_isa(monkeypatch: pytest.MonkeyPatch):
-    """force_isa(path): set KVLM_KERNEL_ISA for this test (read once per process, so refreshed)."""
-    def force(path: str) -> None:
-        monkeypatch.setenv(native.ENV_ISA, path)
-        native.refresh()
-
-    yield force
-    monkeypatch.undo()
-    native.refresh()
-
-
 @pytest.fixture(params=ISAS)
 def isa(request: pytest.FixtureRequest, force_isa) -> str:
     if not native.available():

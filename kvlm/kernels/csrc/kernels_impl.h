@@ -542,6 +542,18 @@ struct AttnPairs {
 };
 
 // K pass, one 16-token group (cache element offsets `off`) against P (row, head) pairs of kv head g:
+// The next P (row, head) pairs of `pr` for 16-token group `grp`: each pair's query, where its scores go,
+// and how many of the group's tokens its row attends (the rest are masked).
+template <int P>
+KVLM_INLINE void attn_pair_ptrs(AttnPairs& pr, int64_t D, int64_t CH, int64_t grp, const float** qp, float** sp,
+                                int64_t* nt) {
+    for (int p = 0; p < P; p++, pr.next()) {
+        qp[p] = pr.r->q + pr.h * D;
+        sp[p] = pr.r->sc + pr.h * CH + 16 * grp;
+        nt[p] = pr.r->n - 16 * grp < 16 ? pr.r->n - 16 * grp : 16;
+    }
+}
+
 // scores s[i] = scale * q[h] . K[token i, g], lane k % 16 of the dot accumulating in increasing k, then
 // sum16; tokens at or past the row's n masked to -inf. kg = the cache plus g * D.
 template <class E, int NV, int P>
@@ -551,11 +563,7 @@ KVLM_INLINE void attn_k_pairs(const KvlmPagedAttn* a, const typename E::T* kg, c
     const float* qp[P];
     float* sp[P];
     int64_t nt[P];
-    for (int p = 0; p < P; p++, pr.next()) {
-        qp[p] = pr.r->q + pr.h * D;
-        sp[p] = pr.r->sc + pr.h * CH + 16 * grp;
-        nt[p] = pr.r->n - 16 * grp < 16 ? pr.r->n - 16 * grp : 16;
-    }
+    attn_pair_ptrs<P>(pr, D, CH, grp, qp, sp, nt);
 #if defined(KVLM_AVX2)
     if constexpr (NV != 0) {  // in 8-lane halves: lane j of a dot is lane j % 8 of half j / 8, same products
         for (int p = 0; p < P; p++) {
@@ -685,11 +693,7 @@ KVLM_INLINE void attn_k_lanes(const KvlmPagedAttn* a, const v16* kt, AttnPairs& 
     const float* qp[P];
     float* sp[P];
     int64_t nt[P];
-    for (int p = 0; p < P; p++, pr.next()) {
-        qp[p] = pr.r->q + pr.h * D;
-        sp[p] = pr.r->sc + pr.h * CH + 16 * grp;
-        nt[p] = pr.r->n - 16 * grp < 16 ? pr.r->n - 16 * grp : 16;
-    }
+    attn_pair_ptrs<P>(pr, D, CH, grp, qp, sp, nt);
     v16 c0[P], c1[P], d0[P];
     attn_k_quad<NV, P>(kt, qp, 0, c0);
     attn_k_quad<NV, P>(kt, qp, 2, c1);
