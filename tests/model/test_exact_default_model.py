@@ -103,3 +103,6 @@ def test_seeded_sampling_bit_identical(setup, smollm2_gguf: Path) -> None:
     _check("seeded, in a batch", ref, llm.generate(prompts[:6], SEEDED, use_tqdm=False))
     chunked = LLM(str(smollm2_gguf), num_threads=2, max_num_batched_tokens=7)
     _check("seeded, chunked", ref, chunked.generate(prompts[:6], SEEDED, use_tqdm=False))
+    nocache = LLM(str(smollm2_gguf), num_threads=2, enable_kv_cache=False)
+    short = SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=16, ignore_eos=True, logprobs=5)
+    _check("seeded, no KV cache", [_truncate(o, 16) for o in ref], nocache.generate(prompts[:6], short, use_tqdm=False))
