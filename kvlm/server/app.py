@@ -277,11 +277,14 @@ def create_app(completion: CompletionServing, chat: ChatServing, aengine: AsyncE
         r = parse(ChatCompletionRequest, await read_json(request, max_body_bytes))
         return await respond(request, chat.chat(r, request.scope["kvlm.request_id"]))
 
+    # "root" is the model's file (or folder) name: an absolute path would tell every client the server's layout.
+    root = Path(engine.model_path).name
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         created = int(time.time())
         return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": created, "owned_by": "kvlm", "root": str(engine.model_path),
+            {"id": name, "object": "model", "created": created, "owned_by": "kvlm", "root": root,
              "max_model_len": chat.max_model_len} for name in chat.opts.served_model_names]}
 
     @app.get("/health")

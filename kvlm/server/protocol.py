@@ -13,6 +13,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 TokenId = Annotated[int, Field(ge=0)]
 
+# `/v1/completions` without max_tokens generates this many tokens, as OpenAI's API and vLLM do. Chat has no
+# such default: it may run to the end of the context (vLLM's behaviour), see `OpenAIServing._check_prompt`.
+COMPLETION_DEFAULT_MAX_TOKENS = 16
+
 
 class APIError(Exception):
     """An error the client caused (or may retry): becomes `{"error": {message, type, param, code}}`."""
@@ -69,6 +73,8 @@ class _Sampling(_Request):
 
 
 class CompletionRequest(_Sampling):
+    """max_tokens None (absent or null): `COMPLETION_DEFAULT_MAX_TOKENS`, fewer where the context has less room."""
+
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
     logprobs: int | None = None
     echo: bool = False

@@ -120,17 +120,19 @@ class OpenAIServing:
             out[tid] = max(-100.0, min(100.0, float(v)))
         return out
 
-    def _check_prompt(self, ids: list[int], max_tokens: int | None, param: str) -> int:
-        """The max_tokens to use (default: the rest of the context), and vLLM's rule that prompt + max_tokens
-        must fit the context (the engine would stop at the context's end instead), in vLLM's wording. The
-        prompt's ids are the engine's check (`_submit`)."""
+    def _check_prompt(self, ids: list[int], max_tokens: int | None, param: str, default: int | None = None) -> int:
+        """The max_tokens to use, and vLLM's rule that prompt + max_tokens must fit the context (the engine
+        would stop at the context's end instead), in vLLM's wording. Without max_tokens: `default` tokens
+        (completions: 16), or the rest of the context when that is less or when `default` is None (chat).
+        A default is never refused for not fitting: the client did not ask for it. The prompt's ids are the
+        engine's check (`_submit`)."""
         n, m = self.max_model_len, len(ids)
         if m >= n:
             raise bad_request(
                 f"This model's maximum context length is {n} tokens. However, your request has {m} input tokens. "
                 "Please reduce the length of the input messages.", param, "context_length_exceeded")
         if max_tokens is None:
-            return n - m
+            return n - m if default is None else min(default, n - m)
         if max_tokens < 1:
             raise bad_request(f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
         if m + max_tokens > n:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
-from kvlm.server.protocol import CompletionRequest, bad_request
+from kvlm.server.protocol import COMPLETION_DEFAULT_MAX_TOKENS, CompletionRequest, bad_request
 from kvlm.server.serving import OpenAIServing, SSEStream, _Call, _Choice, sse
 
 
@@ -37,7 +37,7 @@ class CompletionServing(OpenAIServing):
             specs, prompt_ids = [], []
             for pi, p in enumerate(prompts):
                 ids = self.tokenizer.encode(p) if isinstance(p, str) else p
-                mt = self._check_prompt(ids, r.max_tokens, "prompt")
+                mt = self._check_prompt(ids, r.max_tokens, "prompt", COMPLETION_DEFAULT_MAX_TOKENS)
                 prompt_ids.append(ids)
                 for i in range(r.n):
                     plp = r.logprobs if r.echo and r.logprobs is not None else None

@@ -39,6 +39,9 @@ def test_models_lists_served_names_with_context(client, tiny_server):
     assert ids == ["tiny", "tiny-alias"]
     raw = httpx.get(tiny_server.url + "/v1/models").json()
     assert raw["data"][0]["max_model_len"] == 256
+    # The model's file name, never where it lies on the server's disk.
+    assert [m["root"] for m in raw["data"]] == ["tiny.gguf", "tiny.gguf"]
+    assert str(tiny_server.model_path.parent) not in httpx.get(tiny_server.url + "/v1/models").text
     assert httpx.get(tiny_server.url + "/version").json()["version"]
 
 
@@ -52,6 +55,26 @@ def test_completion_stream_equals_non_stream(client):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens == 12
     assert full.usage.prompt_tokens_details.cached_tokens == 0
     assert all(c.choices[0].text for c in chunks[:-2] if c.choices), "content chunks are never empty"
+
+
+def test_completion_without_max_tokens_generates_16(client):
+    # OpenAI's and vLLM's default for /v1/completions; the tiny model's context is 256 tokens.
+    kw = dict(model="tiny", prompt="hello world", temperature=0, extra_body={"ignore_eos": True})
+    r = client.completions.create(**kw)
+    assert r.usage.completion_tokens == 16 and r.choices[0].finish_reason == "length"
+    chunks = [c for c in client.completions.create(**kw, stream=True) if c.choices]
+    assert "".join(c.choices[0].text for c in chunks) == r.choices[0].text
+
+
+def test_completion_default_max_tokens_shrinks_to_the_room_left(client):
+    r = client.completions.create(model="tiny", prompt=[104] * 250, temperature=0, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 6 and r.choices[0].finish_reason == "length"
+
+
+def test_chat_without_max_tokens_runs_to_the_context(client):
+    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], temperature=0,
+                                       extra_body={"ignore_eos": True})
+    assert r.usage.prompt_tokens + r.usage.completion_tokens == 256 and r.choices[0].finish_reason == "length"
 
 
 def test_chat_sync_and_async_stream(client, aclient):
