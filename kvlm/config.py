@@ -171,6 +171,17 @@ class EngineConfig:
         if self.device is not None:
             self._check_device()
 
+    @property
+    def compute_dtype_name(self) -> str:
+        """The activations' element type by name: `dtype`, "auto" being float32 (on every device)."""
+        return "float32" if self.dtype == "auto" else self.dtype
+
+    @property
+    def kv_cache_dtype_name(self) -> str:
+        """The KV cache's element type by name: `kv_cache_dtype`, "auto" being the compute dtype. Torch-free,
+        so `kvlm kv-size` sizes the cache the engine would make (`Engine.kv_cache_dtype` is this, as a torch dtype)."""
+        return self.compute_dtype_name if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
+
     def _check_device(self) -> None:
         """"cpu", "cuda" or "cuda:N", and CUDA must be there when asked for."""
         import torch

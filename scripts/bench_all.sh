@@ -27,7 +27,7 @@ run throughput  bench throughput "$MODEL" --threads "$THREADS" --baseline-dtype 
 run waste       bench waste "$MODEL" --threads "$THREADS" --plot docs/img/waste.png
 run invariance  bench invariance "$MODEL" --threads "$THREADS" --plot docs/img/invariance.png
 run latency     bench latency "$MODEL" --threads "$THREADS" --plot docs/img/roofline.png
-run kv_size     kv-size "$MODEL" --compare-known --plot docs/img/kv_size.png
+run kv_size     kv-size "$MODEL" --dtype float16 --compare-known --plot docs/img/kv_size.png
 # LLAMA_PYTHON: an interpreter with llama-cpp-python, when it lives in another environment.
 run compare     bench compare "$MODEL" --threads "$THREADS" --plot docs/img/compare_context.png \
     ${LLAMA_PYTHON:+--llama-python "$LLAMA_PYTHON"}

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from kvlm.errors import KvlmError
-from kvlm.kv_cache.sizing import DTYPE_BYTES, known_summary, kv_size
+from kvlm.kv_cache.sizing import DTYPE_BYTES, describe_dtype, engine_kv_dtype, known_summary, kv_size
 
 
 def add_pull_parser(sub: argparse._SubParsersAction) -> None:
@@ -30,7 +30,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--config", help="a Hugging Face config.json instead of a model")
     s.add_argument("--context", type=int, default=4096)
     s.add_argument("--batch", type=int, default=1)
-    s.add_argument("--dtype", default="float16", choices=sorted(DTYPE_BYTES))
+    s.add_argument("--dtype", default=engine_kv_dtype(), choices=sorted(DTYPE_BYTES),
+                   help="K/V element type to size (default %(default)s: what the engine stores by default, "
+                        "--kv-cache-dtype auto; float16 is llama.cpp's default)")
     s.add_argument("--json", action="store_true")
     s.add_argument("--plot", metavar="FILE", help="write a PNG: KV memory vs context (MHA/GQA/MQA, dtypes, crossover "
                    "with the weights); the text output then ends with the JSON line")
@@ -109,6 +111,7 @@ def cmd_kv_size(a: argparse.Namespace) -> int:
         return 0
     print(f"KV cache = 2 x {c.num_hidden_layers} layers x {c.num_key_value_heads} kv heads x {c.head_dim} dims "
           f"x {b:g} B")
+    print(f"  dtype:            {describe_dtype(a.dtype)}")
     print(f"  per token:        {per_tok:,.0f} B ({per_tok / 1024:.1f} KiB)")
     print(f"  {a.batch} x {a.context} tokens: {total:,.0f} B ({total / 2**20:.1f} MiB)")
     print(f"  MHA equivalent ({c.num_attention_heads} kv heads): {mha:,.0f} B/token, {total_mha / 2**20:.1f} MiB "

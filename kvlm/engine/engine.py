@@ -50,7 +50,7 @@ def resolve_kv_cache_dtype(cfg: EngineConfig, dtype: torch.dtype) -> torch.dtype
     differences between a prefill's and a decode's arithmetic (where a kernel's bits depend on the
     number of rows) into one-ulp float16 differences (~5e-4 relative), so cached and recomputed logits
     would agree only to ~1e-3 instead of ~1e-6. It is a flag: `--kv-cache-dtype float16`."""
-    return dtype if cfg.kv_cache_dtype == "auto" else _TORCH_DTYPES[cfg.kv_cache_dtype]
+    return dtype if cfg.kv_cache_dtype == "auto" else _TORCH_DTYPES[cfg.kv_cache_dtype_name]
 
 
 class Engine:

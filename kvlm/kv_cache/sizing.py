@@ -18,11 +18,28 @@ import math
 from importlib import resources
 from typing import Any
 
-from kvlm.config import ModelConfig
+from kvlm.config import DTYPES, EngineConfig, ModelConfig
 
 # Bytes per element by the names `kvlm kv-size --dtype` accepts.
 DTYPE_BYTES: dict[str, float] = {"float32": 4.0, "fp32": 4.0, "float16": 2.0, "fp16": 2.0, "bfloat16": 2.0,
                                  "bf16": 2.0, "int8": 1.0, "int4": 0.5}
+_SPELLINGS = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+
+
+def engine_kv_dtype() -> str:
+    """The KV element type the engine stores with its default config (`--kv-cache-dtype auto`: the compute
+    dtype, float32): `kvlm kv-size`'s default, so that its numbers are the pool the engine would make."""
+    return EngineConfig().kv_cache_dtype_name
+
+
+def describe_dtype(dtype: str) -> str:
+    """What `kvlm kv-size` says about the dtype it sized with, relative to what the engine stores."""
+    name, default = _SPELLINGS.get(dtype, dtype), engine_kv_dtype()
+    if name == default:
+        return f"{dtype}, the engine's default KV cache dtype (--kv-cache-dtype auto: the compute dtype)"
+    if name in DTYPES:
+        return f"{dtype}, as --kv-cache-dtype {name} stores it (the engine's default is {default})"
+    return f"{dtype}, a dtype the engine does not store K/V in (its default is {default})"
 
 
 def known_configs() -> dict[str, ModelConfig]:
@@ -60,7 +77,8 @@ def kv_size(c: ModelConfig, dtype: str, context: int, batch: int) -> dict[str, A
     per_tok = c.kv_bytes_per_token(b)
     mha = c.kv_bytes_per_token(b, kv_heads=c.num_attention_heads)
     return {"layers": c.num_hidden_layers, "kv_heads": c.num_key_value_heads, "attention_heads": c.num_attention_heads,
-            "head_dim": c.head_dim, "dtype": dtype, "context": context, "batch": batch,
+            "head_dim": c.head_dim, "dtype": dtype, "engine_default_dtype": engine_kv_dtype(),
+            "context": context, "batch": batch,
             "bytes_per_token": per_tok, "total_bytes": per_tok * context * batch, "mha_bytes_per_token": mha,
             "mha_total_bytes": mha * context * batch, "gqa_saving": 1 - per_tok / mha,
             "parameters": c.num_parameters, "weight_bytes": c.num_parameters * b,  # weights in the cache's dtype

@@ -50,6 +50,9 @@ def commands(model: Path, files: dict[str, Path]) -> dict[str, list[str]]:
                     "--dtype", "float16", "--json"],
         "kv_text": ["kv-size", "--config", str(files["config"]), "--context", "1024", "--batch", "2",
                     "--dtype", "float16"],
+        "kv_default": ["kv-size", "--config", str(files["config"]), "--context", "1024", "--json"],
+        "kv_default_text": ["kv-size", "--config", str(files["config"]), "--context", "1024"],
+        "kv_tiny_default": ["-q", "kv-size", m, "--json"],
         "help": ["--help"],
         # user errors
         "err_missing": gen[:2] + [str(files["missing"]), "hi"],
@@ -255,6 +258,28 @@ def test_kv_size_text(runs) -> None:
     assert "GQA saves 75%" in p.stdout
     assert "131,072 B" in p.stdout  # per token
     assert f"{131072 * 1024 * 2:,} B" in p.stdout  # 2 x 1024 tokens
+
+
+def test_kv_size_text_names_the_dtype(runs) -> None:
+    p = runs("kv_text")
+    want = "dtype:            float16, as --kv-cache-dtype float16 stores it (the engine's default is float32)"
+    assert want in p.stdout
+
+
+def test_kv_size_defaults_to_the_engines_kv_dtype(runs, tiny_gguf) -> None:
+    doc = ok_json(runs("kv_default"))
+    assert (doc["dtype"], doc["engine_default_dtype"]) == ("float32", "float32")
+    assert doc["bytes_per_token"] == 2 * 32 * 8 * 128 * 4  # Llama-3-8B in float32
+    p = runs("kv_default_text")
+    assert p.returncode == 0, p.stderr
+    assert "x 4 B" in p.stdout and "262,144 B" in p.stdout
+    assert "float32, the engine's default KV cache dtype" in p.stdout
+    # The default sizes the pool the engine really makes with its default config.
+    from kvlm.engine.engine import Engine
+
+    engine = Engine(tiny_gguf, quiet=True)
+    assert ok_json(runs("kv_tiny_default"))["bytes_per_token"] == engine.kv_bytes_per_token
+    assert str(engine.kv_cache_dtype) == "torch." + doc["engine_default_dtype"]
 
 
 def test_help(runs) -> None:
