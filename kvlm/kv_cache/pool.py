@@ -83,12 +83,16 @@ def make_kv_cache(cfg: EngineConfig, mc: ModelConfig, max_model_len: int, kv_byt
 
 def describe_kv_pool(cfg: EngineConfig, cache: KVCache, bm: BlockManager, max_model_len: int,
                      kv_bytes_per_token: int) -> str:
-    """One log line: blocks, tokens, bytes and the concurrency the pool allows at full context."""
+    """One log line: blocks, tokens, the bytes reserved and resident now, and the concurrency the pool allows
+    at full context. Reserved, not resident: the tensors are allocated untouched (`storage._LayerStorage`),
+    so on CPU memory becomes resident as tokens are written; saying "1024 MiB" alone reads as RAM taken."""
     if not cfg.enable_kv_cache:
         return "kvlm: KV cache disabled: every step recomputes the whole sequence"
     tokens = bm.num_blocks * bm.block_size
     conc = tokens // max_model_len
+    resident = getattr(cache, "resident_bytes", None)
+    now = "unknown" if resident is None else f"{resident / 2**20:.1f} MiB"
+    grows = "" if resident is not None and resident >= cache.nbytes else " (it grows as tokens are written)"
     return (f"kvlm: KV cache ({cfg.kv_cache_layout}): {bm.num_blocks} blocks x {bm.block_size} "
-            f"tokens = {tokens} tokens, {cache.nbytes / 2**20:.1f} MiB "
-            f"({kv_bytes_per_token} B/token); max concurrency at full context "
-            f"({max_model_len} tokens): {conc}")
+            f"tokens = {tokens} tokens ({kv_bytes_per_token} B/token), {cache.nbytes / 2**20:.1f} MiB reserved, "
+            f"{now} resident now{grows}; max concurrency at full context ({max_model_len} tokens): {conc}")

@@ -21,6 +21,8 @@ The cache knows tensors and slots; it does not know requests, blocks' owners or 
 
 from __future__ import annotations
 
+import ctypes
+import os
 from typing import Protocol
 
 import torch
@@ -128,6 +130,34 @@ def _zero_padding(kk: torch.Tensor, vv: torch.Tensor, seq_lens: tuple[int, ...])
     vv.masked_fill_(pad, 0)
 
 
+def resident_bytes(tensors: list[torch.Tensor]) -> int | None:
+    """Bytes of these tensors' memory that is resident now: all of it on CUDA (device memory is committed
+    when allocated), the pages in RAM on CPU (Linux `mincore(2)`), None where that cannot be asked."""
+    if not tensors:
+        return 0
+    if tensors[0].device.type != "cpu":
+        return sum(t.untyped_storage().nbytes() for t in tensors)
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        mincore, page = libc.mincore, os.sysconf("SC_PAGE_SIZE")
+    except (OSError, AttributeError, ValueError):
+        return None
+    mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    total = 0
+    for t in tensors:
+        size = t.untyped_storage().nbytes()
+        if size == 0:
+            continue
+        start = t.untyped_storage().data_ptr() & ~(page - 1)  # mincore wants a page-aligned start
+        length = t.untyped_storage().data_ptr() + size - start
+        vec = (ctypes.c_ubyte * -(-length // page))()
+        if mincore(start, length, vec) != 0:
+            return None
+        pages = bytes(vec)
+        total += (len(pages) - pages.count(0)) * page  # bit 0 set: resident (the other bits are reserved)
+    return total
+
+
 class _LayerStorage:
     """K and V tensors of one shape per layer, and update_and_fetch as write then fetch.
 
@@ -150,6 +180,11 @@ class _LayerStorage:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    @property
+    def resident_bytes(self) -> int | None:
+        """How much of `nbytes` is in memory now (see `resident_bytes`); None where it cannot be told."""
+        return resident_bytes(self.k + self.v)
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
         raise NotImplementedError

@@ -86,3 +86,34 @@ def test_unwritten_slots_never_reach_attention() -> None:
             outs.append(out)
     assert torch.equal(outs[0], outs[2]) and torch.equal(outs[1], outs[3])
     torch.testing.assert_close(outs[0], outs[1])
+
+
+def test_resident_bytes_counts_the_pages_written() -> None:
+    cache = PagedKVCache(2, 2048, 16, 4, 64, torch.float32, torch.device("cpu"))  # 128 MiB reserved
+    assert cache.resident_bytes is not None and cache.resident_bytes < (1 << 20)
+    T = 32 * 16  # 32 blocks of 4 KiB per layer and tensor: 512 KiB in all
+    meta = AttentionMetadata(kind=StepKind.PREFILL, positions=torch.arange(T), slot_mapping=torch.arange(T),
+                             block_tables=torch.arange(32)[None], query_lens=(T,), seq_lens=(T,),
+                             q_pad_index=None, attn_mask=None, logits_indices=torch.tensor([T - 1]))
+    k = torch.randn(T, 4, 64)
+    for layer in range(2):
+        cache.write(layer, k, k, meta)
+    written = 2 * 2 * T * 4 * 64 * 4
+    # Transparent huge pages may make up to 2 MiB resident per touched tensor.
+    assert written <= cache.resident_bytes <= written + 4 * (2 << 20)
+
+
+def _resident_mib(line: str) -> float:
+    return float(line.split(" reserved, ")[1].split(" MiB resident now")[0])
+
+
+def test_pool_log_line_says_reserved_and_resident(tiny_gguf) -> None:
+    from kvlm import LLM, SamplingParams
+
+    llm = LLM(str(tiny_gguf), kv_cache_memory=64 << 20, quiet=True)
+    engine = llm.llm_engine
+    line = engine.describe_cache()
+    assert f"{engine.kv_cache.nbytes / 2**20:.1f} MiB reserved" in line
+    assert _resident_mib(line) < 8 and "(it grows as tokens are written)" in line  # 64 MiB, nothing written yet
+    llm.generate([{"prompt_token_ids": list(range(1, 200))}], SamplingParams(max_tokens=4), use_tqdm=False)
+    assert _resident_mib(engine.describe_cache()) > _resident_mib(line)  # said now, not at start
