@@ -15,26 +15,52 @@ from kvlm.config import DTYPES, EngineConfig, parse_bytes
 from kvlm.sampling_params import SamplingParams
 
 
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """argparse's help, with every option's default shown (like `ArgumentDefaultsHelpFormatter`): a help text
+    that says its default itself is kept, an on/off flag gets "(default: off)", any other gets
+    "(default: VALUE)" from the parser's own default, so the text cannot drift from the code. A default of
+    None must be explained in the help text ("default: cuda when available"); tests/cli checks every flag."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        optional_positional = not action.option_strings and action.nargs in ("?", "*")
+        if (not action.option_strings and not optional_positional) or action.default is argparse.SUPPRESS \
+                or "default" in text.lower():
+            return action.help
+        if action.nargs == 0:  # store_true / store_false
+            return f"{text} (default: off)".strip()
+        if action.default is None:
+            return action.help
+        return f"{text} (default: %(default)s)".strip()
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--dtype", default="auto", choices=DTYPES,
-                   help="auto (default): GGUF weights computed on in their stored formats, float32 activations "
-                        "and KV cache; float32/bfloat16/float16: dense weights (float32 is the exact reference)")
+                   help="auto: on CPU, GGUF weights computed on in their stored formats (Q4_0/Q4_1/Q8_0 with "
+                        "int8-quantized activations on AVX2/AVX-512, the other formats and safetensors with float32 "
+                        "ones), on CUDA float32 dense weights; float32/bfloat16/float16: dense weights and "
+                        "activations in that dtype (float32 is the exact reference path)")
     g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    g.add_argument("--threads", type=int, default=None, help="CPU threads for PyTorch")
-    g.add_argument("--max-model-len", type=int, default=None, help="context length to allow (default min(model, 4096))")
+    g.add_argument("--threads", type=int, default=None, help="CPU threads for PyTorch (default: PyTorch's own choice)")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="context length to allow (default: the model's, at most 4096)")
     g.add_argument("--no-kv-cache", action="store_true",
                    help="recompute the whole sequence every step (same tokens, slower)")
-    g.add_argument("--kv-cache-layout", default="paged", choices=["paged", "contiguous"])
+    g.add_argument("--kv-cache-layout", default="paged", choices=["paged", "contiguous"],
+                   help="paged: blocks from a shared pool (prefix caching, preemption); contiguous: one row of "
+                        "--max-model-len slots per sequence")
     g.add_argument("--kv-cache-dtype", default="auto", choices=DTYPES,
-                   help="K/V element type (auto: the compute dtype; float16 halves KV memory and attention reads)")
+                   help="K/V element type (auto: the compute dtype, float32; float16 halves KV memory and "
+                        "attention reads)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     g.add_argument("--max-num-seqs", type=int, default=16, help="requests running at once")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="tokens per engine step (prefill chunk budget)")
     g.add_argument("--kv-cache-memory", default=None,
                    help="KV pool size: bytes (2GiB, 512MB, or a bare whole number of bytes) or a share of the "
-                        "memory available now (30%%); more than 90%% of it is refused")
+                        "memory available now (30%%); more than 90%% of it is refused (default: --max-num-seqs "
+                        "sequences at full context, at most a quarter of available memory and, on CPU, 1 GiB)")
     g.add_argument("--no-prefix-caching", action="store_true",
                    help="do not reuse cached K/V blocks of earlier requests with the same beginning")
 
@@ -55,19 +81,25 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 256) -> None:
     g = p.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=max_tokens)
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--repetition-penalty", type=float, default=1.0)
-    g.add_argument("--presence-penalty", type=float, default=0.0)
-    g.add_argument("--frequency-penalty", type=float, default=0.0)
-    g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    g.add_argument("--stop-token-ids", type=int, nargs="+", default=None)
-    g.add_argument("--ignore-eos", action="store_true")
-    g.add_argument("--logprobs", type=int, default=None, help="return this many top logprobs per token (with --json)")
+    g.add_argument("--max-tokens", type=int, default=max_tokens, help="tokens to generate at most")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = all)")
+    g.add_argument("--top-p", type=float, default=1.0, help="keep the smallest set with this probability (1 = all)")
+    g.add_argument("--min-p", type=float, default=0.0,
+                   help="drop tokens below this share of the top probability (0 = off)")
+    g.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="penalize tokens seen in prompt or output, HF semantics (1 = off)")
+    g.add_argument("--presence-penalty", type=float, default=0.0,
+                   help="subtract it from every token already output (0 = off)")
+    g.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="subtract it x the count of each token already output (0 = off)")
+    g.add_argument("--seed", type=int, default=None, help="per-request seed (default: none, unseeded)")
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable; default: none)")
+    g.add_argument("--stop-token-ids", type=int, nargs="+", default=None,
+                   help="token ids that end generation besides EOS (default: none)")
+    g.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
+    g.add_argument("--logprobs", type=int, default=None,
+                   help="return this many top logprobs per token (with --json; default: none)")
 
 
 def sampling_params_from_args(a: argparse.Namespace) -> SamplingParams:

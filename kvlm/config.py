@@ -124,7 +124,8 @@ class EngineConfig:
     """
 
     device: str | None = None  # None: "cuda" when available, else "cpu"
-    # "auto": float32 activations, GGUF weights kept quantized on CPU; float32 etc.: dense weights.
+    # "auto": on CPU, GGUF weights kept in their stored formats (Q4_0/Q4_1/Q8_0 matmuls quantize activations
+    # to int8 on AVX2/AVX-512, the rest compute in float32); float32 etc. (and any GPU): dense weights.
     dtype: Dtype = "auto"
     enable_kv_cache: bool = True
     # "auto": the compute dtype (float32 on CPU). float16 / bfloat16 store K/V in half the bytes (as

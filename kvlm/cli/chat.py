@@ -12,8 +12,8 @@ from kvlm.cli.snapshot import add_prefix_snapshot_flag, load_prefix_snapshot
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     s = sub.add_parser("chat", help="interactive multi-turn chat; earlier turns are reused from the prefix cache")
-    s.add_argument("model", nargs="?", default="smollm2-135m")
-    s.add_argument("--system", default=None)
+    s.add_argument("model", nargs="?", default="smollm2-135m", help="model alias, .gguf file or HF folder")
+    s.add_argument("--system", default=None, help="system message (default: none)")
     s.add_argument("--stats", action="store_true", help="also say why a turn reused less than it could have")
     add_prefix_snapshot_flag(s)
     add_sampling_args(s, max_tokens=512)

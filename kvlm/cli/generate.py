@@ -19,9 +19,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     s = sub.add_parser("generate", help="generate text from a prompt (streams to stdout)")
     s.add_argument("inputs", nargs="*", metavar="[MODEL] PROMPT",
                    help="model alias or path (default smollm2-135m when only PROMPT is given), then the prompt")
-    s.add_argument("--prompts-file", help="one prompt per line, or JSONL with 'prompt' or 'prompt_token_ids'")
+    s.add_argument("--prompts-file",
+                   help="one prompt per line, or JSONL with 'prompt' or 'prompt_token_ids' (default: none)")
     s.add_argument("--chat", action="store_true", help="apply the model's chat template")
-    s.add_argument("--system", default=None, help="system message (with --chat)")
+    s.add_argument("--system", default=None, help="system message (with --chat; default: none)")
     s.add_argument("--stats", action="store_true", help="print generation stats on stderr")
     s.add_argument("--json", action="store_true", help="print one JSON document instead of streaming")
     s.add_argument("--check-exact", action="store_true",

@@ -13,7 +13,7 @@ from kvlm.kv_cache.sizing import DTYPE_BYTES, describe_dtype, engine_kv_dtype, k
 
 def add_pull_parser(sub: argparse._SubParsersAction) -> None:
     s = sub.add_parser("pull", help="fetch a named model into $KVLM_HOME")
-    s.add_argument("model", nargs="?", default="smollm2-135m")
+    s.add_argument("model", nargs="?", default="smollm2-135m", help="model alias (default: %(default)s)")
     s.add_argument("--force", action="store_true", help="download again even if present")
     s.set_defaults(func=cmd_pull)
 
@@ -21,21 +21,22 @@ def add_pull_parser(sub: argparse._SubParsersAction) -> None:
 def add_parsers(sub: argparse._SubParsersAction) -> None:
     """`info` and `kv-size`."""
     s = sub.add_parser("info", help="architecture, parameters, context length, KV bytes per token")
-    s.add_argument("model", nargs="?", default="smollm2-135m")
-    s.add_argument("--json", action="store_true")
+    s.add_argument("model", nargs="?", default="smollm2-135m",
+                   help="model alias, .gguf file or HF folder (default: %(default)s)")
+    s.add_argument("--json", action="store_true", help="print one JSON document")
     s.set_defaults(func=cmd_info)
 
     s = sub.add_parser("kv-size", help="KV cache memory for a model, context and batch")
-    s.add_argument("model", nargs="?")
-    s.add_argument("--config", help="a Hugging Face config.json instead of a model")
-    s.add_argument("--context", type=int, default=4096)
-    s.add_argument("--batch", type=int, default=1)
+    s.add_argument("model", nargs="?", help="model alias, .gguf file or HF folder (default: none; give it or --config)")
+    s.add_argument("--config", help="a Hugging Face config.json instead of a model (default: none)")
+    s.add_argument("--context", type=int, default=4096, help="tokens per sequence")
+    s.add_argument("--batch", type=int, default=1, help="sequences")
     s.add_argument("--dtype", default=engine_kv_dtype(), choices=sorted(DTYPE_BYTES),
                    help="K/V element type to size (default %(default)s: what the engine stores by default, "
                         "--kv-cache-dtype auto; float16 is llama.cpp's default)")
-    s.add_argument("--json", action="store_true")
+    s.add_argument("--json", action="store_true", help="print one JSON document")
     s.add_argument("--plot", metavar="FILE", help="write a PNG: KV memory vs context (MHA/GQA/MQA, dtypes, crossover "
-                   "with the weights); the text output then ends with the JSON line")
+                   "with the weights); the text output then ends with the JSON line (default: none)")
     s.add_argument("--compare-known", action="store_true",
                    help="also show the shipped reference models (Llama-3-8B/70B, Qwen2.5-7B, Mistral-7B, SmolLM2-135M)")
     s.set_defaults(func=cmd_kv_size)

@@ -13,15 +13,20 @@ import argparse
 import logging
 import os
 import sys
-from typing import NoReturn
+from typing import Any, NoReturn
 
+from kvlm.args import DefaultsHelpFormatter
 from kvlm.cli import chat, generate, info, serve, snapshot
 from kvlm.errors import KvlmError
 
 
 class _Parser(argparse.ArgumentParser):
     """argparse with our error contract: one line `kvlm: error: ...` on stderr and exit 2 (no usage dump;
-    `--help` still shows it). Subcommand parsers inherit the class."""
+    `--help` still shows it), and every option's default in `--help`. Subcommand parsers inherit the class."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", DefaultsHelpFormatter)  # every flag's help shows its default
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         print(f"kvlm: error: {message} (see `{self.prog} --help`)", file=sys.stderr)

@@ -27,17 +27,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("model", nargs="?", default="smollm2-135m", help="model alias, .gguf file or HF folder")
     g = s.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--port", type=int, default=8000, help="port to listen on")
     g.add_argument("--served-model-name", action="append", default=None,
                    help="name clients use in 'model' (repeatable; default: the alias or file name)")
-    g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or env KVLM_API_KEY)")
+    g.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' (or env KVLM_API_KEY; default: none, no key)")
     g.add_argument("--max-queued-requests", type=int, default=None,
                    help="answer 503 when this many requests wait for a seat (default: unbounded)")
     g.add_argument("--max-logprobs", type=int, default=20, help="cap on logprobs / top_logprobs")
     g.add_argument("--max-n", type=int, default=16, help="cap on n (completions per prompt)")
     g.add_argument("--max-body-bytes", type=int, default=2_000_000, help="larger request bodies get 413")
-    g.add_argument("--root-path", default="", help="URL prefix when behind a proxy")
-    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    g.add_argument("--root-path", default="", help="URL prefix when behind a proxy (default: none)")
+    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="server log level")
     g.add_argument("--log-requests", action="store_true", help="log each request's id and route (never its text)")
     add_engine_args(s)
     add_prefix_snapshot_flag(s)

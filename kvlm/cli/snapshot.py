@@ -20,7 +20,8 @@ if TYPE_CHECKING:
 
 def add_prefix_snapshot_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefix-snapshot", metavar="FILE", default=None,
-                   help="load a KV snapshot (from `kvlm cache save`) into the prefix cache before serving prompts")
+                   help="load a KV snapshot (from `kvlm cache save`) into the prefix cache before serving prompts "
+                        "(default: none)")
 
 
 def load_prefix_snapshot(engine: Engine, path: str | None, quiet: bool = False) -> None:
