@@ -6,8 +6,9 @@ sources, the compiler flags, the compiler and the torch and Python versions. A f
 parallel processes (pytest workers) build once and the others wait; later processes only load the
 shared library (milliseconds). Computing that key runs `c++ --version` and reads every source, so a
 stamp (`ext/stamps/<sources' sizes and mtimes>`) remembers it: a start with unchanged sources only
-stats them. Where the compiler, headers or build fail, one warning is logged and
-every kernel uses its pure-PyTorch reference: never a crash.
+stats them. Where the compiler, headers or build fail, one line is logged (what is missing, that every
+kernel then runs its much slower pure-PyTorch reference, how to fix it) and torch's own warnings about the
+compiler are held back: never a crash, never a block of someone else's advice.
 
 The path is the best one this CPU supports (`avx512-vnni` > `avx512` > `avx2` > `scalar`; `avx512-vnni` is
 `avx512` plus vpdpbusd in the int8 kernels), or the one forced by
@@ -24,10 +25,13 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -132,22 +136,78 @@ def _build_and_load() -> None:
     _write_stamp(key)
 
 
+class BuildUnavailable(RuntimeError):
+    """Why the extension cannot be built here, as the one line `available()` logs (no traceback)."""
+
+
+_FALLBACK = "every kernel runs its PyTorch reference instead, much slower"
+
+
+def _check_compiler() -> None:
+    """Fail fast, in words, where `$CXX` (default `c++`) is missing or cannot compile one line of C++:
+    torch's build would otherwise log a warning block about 'compatible compilers' and then a ninja error."""
+    cxx = os.environ.get("CXX", "c++")
+    fix = "install one (Debian/Ubuntu: apt install g++) or point CXX at one"
+    if shutil.which(cxx) is None:
+        raise BuildUnavailable(f"no C++ compiler ({cxx} not found): {_FALLBACK}; to fix it, {fix}")
+    try:
+        r = subprocess.run([cxx, "-x", "c++", "-fsyntax-only", "-"], input="int main() { return 0; }\n",
+                           check=False, capture_output=True, text=True, timeout=60)
+        why = (r.stderr.strip().splitlines() or [f"exit status {r.returncode}"])[0][:200] if r.returncode else ""
+    except (OSError, subprocess.SubprocessError) as e:
+        why = str(e)[:200]
+    if why:
+        raise BuildUnavailable(f"the C++ compiler {cxx} does not work ({why}): {_FALLBACK}; to fix it, {fix}")
+
+
+@contextmanager
+def _quiet_torch_build() -> Iterator[None]:
+    """Hold back torch.utils.cpp_extension's warnings (a compiler it does not recognise by name, say):
+    a build that fails says why in one line of ours, and one that works needs no advice."""
+    torch_log = logging.getLogger("torch.utils.cpp_extension")
+    level = torch_log.level
+    torch_log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        torch_log.setLevel(level)
+
+
+def _first_error(output: str) -> str:
+    """The compiler's first `error:` line in a failed build's output (gcc and clang both write
+    `file:line:col: error: ...` or `fatal error: ...`), else the output's last line."""
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    errors = [line for line in lines if re.search(r"\berror:", line)]
+    return (errors[0] if errors else lines[-1] if lines else "no output")[:300]
+
+
 def _compile(name: str, build_dir: Path) -> None:
     from torch.utils import cpp_extension
 
     if shutil.which("ninja") is None:
-        raise RuntimeError("ninja is not installed (pip install ninja)")
+        raise BuildUnavailable(f"ninja is not installed: {_FALLBACK}; to fix it, pip install ninja")
+    _check_compiler()
     logger.info("kvlm: compiling the native kernels once into %s (about a minute)", build_dir)
-    cpp_extension.load(
-        name=name,
-        sources=[str(_CSRC / s) for s in _SOURCES],
-        extra_cflags=list(_CFLAGS),
-        extra_ldflags=list(_LDFLAGS),
-        extra_include_paths=[str(_CSRC)],
-        build_directory=str(build_dir),
-        is_python_module=False,
-        verbose=False,
-    )
+    try:
+        with _quiet_torch_build():
+            cpp_extension.load(
+                name=name,
+                sources=[str(_CSRC / s) for s in _SOURCES],
+                extra_cflags=list(_CFLAGS),
+                extra_ldflags=list(_LDFLAGS),
+                extra_include_paths=[str(_CSRC)],
+                build_directory=str(build_dir),
+                is_python_module=False,
+                verbose=False,
+            )
+    except Exception as e:  # noqa: BLE001 - keep the whole output for whoever fixes it; say one line here
+        log = build_dir / "build-error.log"
+        try:
+            log.write_text(str(e))
+        except OSError:
+            log = build_dir
+        raise BuildUnavailable(f"the native kernels failed to build ({_first_error(str(e))}; full output in {log}): "
+                               f"{_FALLBACK}") from e
 
 
 _load_lock = threading.Lock()
@@ -164,9 +224,12 @@ def available() -> bool:
         with _load_lock:
             _build_and_load()
         return True
-    except Exception as e:  # noqa: BLE001 - any build or load failure means: use the reference
+    except BuildUnavailable as e:
+        logger.warning("kvlm: %s", e)
+        return False
+    except Exception as e:  # noqa: BLE001 - any other build or load failure means: use the reference
         first = (str(e).strip().splitlines() or [type(e).__name__])[-1][:300]
-        logger.warning("kvlm: native kernels unavailable (%s); using the PyTorch reference kernels", first)
+        logger.warning("kvlm: the native kernels could not be loaded (%s): %s", first, _FALLBACK)
         return False
 
 
