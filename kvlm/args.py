@@ -63,6 +63,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "sequences at full context, at most a quarter of available memory and, on CPU, 1 GiB)")
     g.add_argument("--no-prefix-caching", action="store_true",
                    help="do not reuse cached K/V blocks of earlier requests with the same beginning")
+    g.add_argument("--no-adaptive-threads", action="store_true",
+                   help="always use --threads threads; by default the engine uses fewer while other programs "
+                        "keep cores busy (spinning threads slow a shared CPU down many times)")
 
 
 def engine_kwargs_from_args(a: argparse.Namespace) -> dict[str, Any]:
@@ -72,7 +75,7 @@ def engine_kwargs_from_args(a: argparse.Namespace) -> dict[str, Any]:
                 enable_kv_cache=not a.no_kv_cache, kv_cache_layout=a.kv_cache_layout,
                 kv_cache_dtype=a.kv_cache_dtype, block_size=a.block_size,
                 max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens, kv_cache_memory=mem,
-                enable_prefix_caching=not a.no_prefix_caching)
+                enable_prefix_caching=not a.no_prefix_caching, adaptive_threads=not a.no_adaptive_threads)
 
 
 def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:

@@ -140,6 +140,8 @@ class EngineConfig:
     kv_cache_memory: int | float | None = None
     num_threads: int | None = None
     enable_prefix_caching: bool = True  # share cached full blocks across requests (paged layout only)
+    # CPU: run on the cores other processes leave free, re-checked every half second (engine/threads.py)
+    adaptive_threads: bool = True
 
     def __post_init__(self) -> None:
         def bad(name: str, rule: str) -> ParameterError:
@@ -162,8 +164,9 @@ class EngineConfig:
                 raise bad(name, "must be " + ", ".join(DTYPES[:-1]) + " or " + DTYPES[-1])
         if self.kv_cache_layout not in ("paged", "contiguous"):
             raise bad("kv_cache_layout", "must be 'paged' or 'contiguous'")
-        if not isinstance(self.enable_kv_cache, bool):
-            raise bad("enable_kv_cache", "must be true or false")
+        for name in ("enable_kv_cache", "adaptive_threads"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, "must be true or false")
         m = self.kv_cache_memory
         if isinstance(m, float) and not (math.isfinite(m) and 0 < m <= 1):
             raise bad("kv_cache_memory", "as a fraction of available memory must be in (0, 1]")

@@ -10,13 +10,15 @@ imports this module while building the parser, and `kvlm --help` must not pay fo
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import platform
 import resource
+import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -184,3 +186,18 @@ def hf_times(model: Any, ids: list[int], max_tokens: int) -> tuple[float, float]
         model.generate(x, max_new_tokens=max_tokens, min_new_tokens=max_tokens, **kw)
         tn = time.perf_counter() - t
     return t1, (max_tokens - 1) / max(tn - t1, 1e-9)
+
+
+@contextlib.contextmanager
+def background_load(n: int) -> Iterator[None]:
+    """`n` CPU-bound processes beside the benchmark (a busy laptop, a shared server), stopped after it."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    try:
+        if procs:
+            time.sleep(0.5)  # let them reach the scheduler
+        yield
+    finally:
+        for pr in procs:
+            pr.kill()
+        for pr in procs:
+            pr.wait()

@@ -18,6 +18,7 @@ from kvlm.bench.common import (
     DEFAULT_MODEL,
     Bench,
     add_model_args,
+    background_load,
     dtype_choices,
     hf_times,
     kvlm_times,
@@ -35,11 +36,12 @@ DECODE_DTYPES = dtype_choices("float32", "bfloat16")
 
 def run(model: str = DEFAULT_MODEL, threads: int = 2, prompt_len: int = 512, decode_prompt_len: int = 32,
         gen_tokens: int = 128, no_cache_tokens: int = 32, repeats: int = 3, dtype: str = "float32",
-        compare_hf: bool = True, log: Callable[[str], None] = log) -> dict[str, Any]:
+        compare_hf: bool = True, log: Callable[[str], None] = log, adaptive_threads: bool = True) -> dict[str, Any]:
     from kvlm.llm import LLM
 
     torch.set_num_threads(threads)
-    llm = LLM(model, dtype=dtype, num_threads=threads, max_num_seqs=1, kv_cache_layout="contiguous")
+    llm = LLM(model, dtype=dtype, num_threads=threads, max_num_seqs=1, kv_cache_layout="contiguous",
+              adaptive_threads=adaptive_threads)
     vocab = llm.llm_engine.model_config.vocab_size
     long_ids, short_ids = prompt_ids(vocab, prompt_len), prompt_ids(vocab, decode_prompt_len, seed=1)
     kvlm_times(llm, short_ids, 4)  # warm-up
@@ -67,7 +69,8 @@ def run(model: str = DEFAULT_MODEL, threads: int = 2, prompt_len: int = 512, dec
     del llm
     gc.collect()
 
-    nc = LLM(model, dtype=dtype, num_threads=threads, max_num_seqs=1, enable_kv_cache=False)
+    nc = LLM(model, dtype=dtype, num_threads=threads, max_num_seqs=1, enable_kv_cache=False,
+             adaptive_threads=adaptive_threads)
     nocache = max(kvlm_times(nc, short_ids, no_cache_tokens)[1] or 0.0 for _ in range(repeats))
     del nc
 
@@ -82,6 +85,7 @@ def run(model: str = DEFAULT_MODEL, threads: int = 2, prompt_len: int = 512, dec
         "hf_prefill_tokens_per_s": best["hf_prefill"], "hf_decode_tokens_per_s": best["hf_decode"],
         "decode_vs_hf": best["decode"] / best["hf_decode"] if best["hf_decode"] else None,
         "peak_rss_mib": round(peak_rss_mib(), 1), "peak_rss_kvlm_only_mib": peak_kvlm,
+        "adaptive_threads": adaptive_threads,
     })
     return doc
 
@@ -108,13 +112,23 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dtype", default="float32", choices=DECODE_DTYPES)
     p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face comparison")
+    p.add_argument("--background-load", type=int, default=0, metavar="N",
+                   help="run N CPU-bound processes beside the benchmark (a shared machine), stopped afterwards")
+    p.add_argument("--no-adaptive-threads", action="store_true",
+                   help="keep --threads threads even while other processes hold cores")
 
 
 def run_args(a: argparse.Namespace) -> dict[str, Any]:
     # No --decode-prompt-len here (compare has one): decode always times its tokens after `run`'s
     # default 32-token prompt.
-    return run(a.model, threads=a.threads, prompt_len=a.prompt_len, gen_tokens=a.gen_tokens,
-               no_cache_tokens=a.no_cache_tokens, repeats=a.repeats, dtype=a.dtype, compare_hf=not a.no_hf)
+    if a.background_load < 0:
+        raise ValueError("--background-load must be >= 0")
+    with background_load(a.background_load):
+        doc = run(a.model, threads=a.threads, prompt_len=a.prompt_len, gen_tokens=a.gen_tokens,
+                  no_cache_tokens=a.no_cache_tokens, repeats=a.repeats, dtype=a.dtype, compare_hf=not a.no_hf,
+                  adaptive_threads=not a.no_adaptive_threads)
+    doc["background_load"] = a.background_load
+    return doc
 
 
 BENCH = Bench("decode", "prefill/decode tokens/s with and without the KV cache, vs HF transformers",

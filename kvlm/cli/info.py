@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -58,7 +59,10 @@ def cmd_info(a: argparse.Namespace) -> int:
             "layers": c.num_hidden_layers, "hidden_size": c.hidden_size, "attention_heads": c.num_attention_heads,
             "kv_heads": c.num_key_value_heads, "head_dim": c.head_dim, "vocab_size": c.vocab_size,
             "context_length": c.max_position_embeddings, "kv_bytes_per_token_fp32": int(c.kv_bytes_per_token(4)),
-            "kv_bytes_per_token_fp16": int(c.kv_bytes_per_token(2))}
+            "kv_bytes_per_token_fp16": int(c.kv_bytes_per_token(2)),
+            "cpu_cores": os.cpu_count() or 1,
+            "threading": "torch's thread count (--threads), adaptive: fewer while other processes keep cores "
+                         "busy, re-checked every 0.5 s (--no-adaptive-threads to fix it)"}
     formats = _weight_formats(path)
     if formats:
         info["weight_formats"] = formats

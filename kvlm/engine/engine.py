@@ -22,6 +22,7 @@ from kvlm.config import DTYPES, EngineConfig, ModelConfig
 from kvlm.engine.model_runner import ModelRunner, StepResult
 from kvlm.engine.output_processor import OutputProcessor
 from kvlm.engine.scheduler import ScheduledBatch, Scheduler
+from kvlm.engine.threads import ThreadGovernor
 from kvlm.errors import ParameterError, PromptTooLongError
 from kvlm.kv_cache import snapshot as kv_snapshot
 from kvlm.kv_cache.pool import describe_kv_pool, make_kv_cache
@@ -86,6 +87,9 @@ class Engine:
         self.requests: dict[str, Request] = {}  # live requests by id, for abort()
         self._ids = itertools.count()
         self.num_steps = 0
+        # Fewer threads while other processes hold cores (engine/threads.py); the count never changes bits.
+        self.governor = (ThreadGovernor(torch.get_num_threads()) if cfg.adaptive_threads and self.device.type == "cpu"
+                         else None)
         # The last step's plan and result, kept for inspection (`kvlm bench latency`'s breakdown reads its
         # logits; tests read which tokens each step ran). Two references per step; nothing is copied.
         self.last_batch: ScheduledBatch | None = None
@@ -207,6 +211,8 @@ class Engine:
 
         keep_logits: attach this step's logits to `self.last_result` (tests and benchmarks).
         """
+        if self.governor is not None:
+            self.governor.tick()
         batch = self.scheduler.schedule()
         if batch.is_empty:
             if self.scheduler.waiting:  # cannot happen given the admission check; never spin silently

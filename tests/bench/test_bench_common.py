@@ -80,3 +80,34 @@ def test_standalone_has_the_same_flags_and_error_contract() -> None:
     assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1] == (
         "kvlm: error: --rows must be comma-separated integers, got 'x'")
     assert run("kvlm", "bench", "kernels", "--rows", "x").stderr == bad.stderr
+
+
+def test_background_load_runs_and_stops_its_processes() -> None:
+    import os
+
+    from kvlm.bench.common import background_load
+    from kvlm.engine.threads import read_cpu_sample
+
+    before = read_cpu_sample()
+    with background_load(2):
+        kids = [p for p in os.listdir("/proc") if p.isdigit() and _parent(p) == os.getpid()]
+        assert len(kids) >= 2
+    after = read_cpu_sample()
+    assert before is not None and after is not None and after.busy > before.busy
+    assert all(not os.path.exists(f"/proc/{k}") or _state(k) == "Z" for k in kids)
+
+
+def _parent(pid: str) -> int:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return -1
+
+
+def _state(pid: str) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
