@@ -48,7 +48,8 @@ def test_disconnect_flood_frees_every_block(tiny_gguf):
         assert all(asyncio.run(flood()))
         cut = time.monotonic()
         m = {}
-        while time.monotonic() - cut < 2.0:
+        # Wait for the property, not for a fixed time: on a loaded machine the aborts take longer to land.
+        while time.monotonic() - cut < 30.0:
             m = s.metrics()
             if m["kvlm:num_requests_running"] == 0 and m["kvlm:kv_cache_used_blocks"] == 0 \
                     and m["kvlm:num_requests_waiting"] == 0:
