@@ -12,9 +12,10 @@ names, no local wheels or mirrors):
   index cannot be reached, and it is the same build, 2.13.0+cpu).
 - `pypi-torch.json`: plain `pip install torch==2.13.0` against PyPI alone, the contrast: the CUDA build.
 
-Each report keeps what pip wrote except the packages' long descriptions (`metadata.description`), dropped
-to keep the files small. `manifest.json` holds the date, pip, Python, machine, each command and its outcome.
-Run from the repository root: `python scripts/record_install_reports.py` (a few minutes; needs PyPI).
+Each report keeps what pip wrote except the packages' long descriptions (`metadata.description`), dropped to
+keep the files small, and the local checkout's path, written as `file://<checkout>`. `manifest.json` holds
+the date, pip, Python, machine, each command and its outcome. Run from the repository root: `python
+scripts/record_install_reports.py` (a few minutes; needs PyPI).
 """
 
 from __future__ import annotations
@@ -76,6 +77,8 @@ def _report(python: Path, args: list[str], out: Path, *, fresh: bool) -> dict:
     report = json.loads(out.read_text())
     for item in report["install"]:
         item["metadata"].pop("description", None)
+        if item.get("download_info", {}).get("url", "").startswith("file://"):  # this checkout: no local path
+            item["download_info"]["url"] = "file://<checkout>"
     out.write_text(json.dumps(report, indent=1, sort_keys=True) + "\n")
     outcome["packages"] = len(report["install"])
     return outcome
