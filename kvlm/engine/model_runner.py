@@ -150,15 +150,16 @@ class ModelRunner:
                   attn_mask: torch.Tensor | None = None, in_place: bool = False,
                   groups: tuple[AttentionMetadata, ...] = ()) -> AttentionMetadata:
         dev = self.device
+        positions = torch.tensor(rows.positions, device=dev)
         row_seq = row_ctx = seq_lens_tensor = None
         if in_place:  # int32, as the native kernels take them
-            row_seq = torch.tensor([b for b, n in enumerate(rows.query_lens) for _ in range(n)], dtype=torch.int32,
-                                   device=dev)
-            row_ctx = torch.tensor(rows.positions, dtype=torch.int32, device=dev) + 1
             seq_lens_tensor = torch.tensor(rows.seq_lens, dtype=torch.int32, device=dev)
+            qlens = torch.tensor(rows.query_lens, device=dev)
+            row_seq = torch.repeat_interleave(torch.arange(len(rows.query_lens), dtype=torch.int32, device=dev), qlens)
+            row_ctx = (positions + 1).to(torch.int32)  # causal: row at position p attends p + 1 tokens
         return AttentionMetadata(
             kind=kind,
-            positions=torch.tensor(rows.positions, device=dev),
+            positions=positions,
             slot_mapping=torch.tensor(rows.slots, device=dev),
             block_tables=torch.tensor(rows.tables, dtype=torch.int32 if in_place else torch.int64, device=dev),
             query_lens=tuple(rows.query_lens),
