@@ -114,11 +114,12 @@ def test_sigterm_during_streaming_ends_every_stream_and_exits_0(tiny_gguf):
         t.start()
     started.wait()
     t0 = time.monotonic()
-    code = s.stop(signal.SIGTERM, timeout=10)
+    code = s.stop(signal.SIGTERM, timeout=60)
     elapsed = time.monotonic() - t0
     for t in threads:
         t.join(10)
-    # About 1 s on an idle 2-core machine; the bound leaves room for a machine shared with other jobs.
-    assert code == 0 and elapsed < 10.0, s.log_path.read_text()
+    # About 1 s on an idle 2-core machine. The bound is a hang guard (a server that ignores SIGTERM), not
+    # a speed target: it leaves room for a CI machine shared with other jobs.
+    assert code == 0 and elapsed < 60.0, s.log_path.read_text()
     assert len(endings) == 4 and all(done and finish in ("abort", "length", "error") for finish, done in endings)
     assert "Traceback" not in s.log_path.read_text()
