@@ -15,18 +15,21 @@ from typing import Any, Literal
 
 from kvlm.errors import ParameterError, UnsupportedModelError
 
-# model_type -> architecture class name, for the Llama family we implement with one model file.
+# model_type -> architecture class name: the Llama family (one model file, model/llama.py) and Gemma 3's
+# text model (model/gemma3.py).
 SUPPORTED_MODEL_TYPES: dict[str, str] = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
 }
+SLIDING, FULL = "sliding_attention", "full_attention"  # HF's `layer_types` values
 
 
 @dataclass(slots=True, frozen=True)
 class ModelConfig:
-    """Shape and numerics of a decoder-only Llama-family model (HF field names)."""
+    """Shape and numerics of a decoder-only model of the Llama family or Gemma 3 (HF field names)."""
 
     model_type: str
     vocab_size: int
@@ -46,6 +49,14 @@ class ModelConfig:
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
+    # Gemma 3: per-layer attention ("sliding_attention" layers see the last `sliding_window` tokens,
+    # including their own, with RoPE base `rope_local_base_freq`; "full_attention" layers everything, with
+    # `rope_theta`), the query scale query_pre_attn_scalar ** -0.5 and the MLP's activation.
+    layer_types: tuple[str, ...] | None = None
+    rope_local_base_freq: float | None = None
+    query_pre_attn_scalar: float | None = None
+    hidden_activation: str = "silu"
+    final_logit_softcapping: float | None = None
 
     def __post_init__(self) -> None:
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -61,6 +72,20 @@ class ModelConfig:
         rope_type = (self.rope_scaling or {}).get("rope_type", (self.rope_scaling or {}).get("type", "default"))
         if rope_type not in ("default", "llama3", "linear"):
             raise UnsupportedModelError(f"unsupported RoPE scaling type {rope_type!r}")
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_hidden_layers or set(self.layer_types) - {SLIDING, FULL}:
+                raise UnsupportedModelError(f"layer_types must name {self.num_hidden_layers} layers as "
+                                            f"{SLIDING!r} or {FULL!r}")
+            if SLIDING in self.layer_types and not self.sliding_window:
+                raise UnsupportedModelError("sliding_attention layers need a sliding_window")
+
+    @property
+    def layer_windows(self) -> tuple[int | None, ...] | None:
+        """Per layer, the tokens a query attends (its own included), None for every earlier token; None
+        when the model has no per-layer pattern (then `sliding_window`, if any, caps the context)."""
+        if self.layer_types is None:
+            return None
+        return tuple(self.sliding_window if t == SLIDING else None for t in self.layer_types)
 
     @property
     def architecture(self) -> str:
@@ -73,7 +98,7 @@ class ModelConfig:
         q = self.num_attention_heads * self.head_dim
         attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.attention_bias else 0)
         attn += 2 * self.head_dim if self.qk_norm else 0
-        layer = attn + 3 * h * i + 2 * h
+        layer = attn + 3 * h * i + (4 if self.model_type == "gemma3_text" else 2) * h  # Gemma: sandwich norms
         emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return self.num_hidden_layers * layer + emb + h
 
@@ -92,7 +117,9 @@ class ModelConfig:
             raise UnsupportedModelError(f"unsupported architecture {archs[0]!r} (model_type {d['model_type']!r})")
         heads = int(d["num_attention_heads"])
         known = {f.name for f in dataclasses.fields(cls)}
-        kw = {k: v for k, v in d.items() if k in known}
+        gemma = ("layer_types", "rope_local_base_freq", "query_pre_attn_scalar", "hidden_activation",
+                 "final_logit_softcapping")
+        kw = {k: v for k, v in d.items() if k in known and k not in gemma}  # Gemma's: _gemma3_fields
         kw["num_key_value_heads"] = int(d.get("num_key_value_heads") or heads)
         kw["head_dim"] = int(d.get("head_dim") or d["hidden_size"] // heads)
         kw.setdefault("max_position_embeddings", 2048)
@@ -101,7 +128,31 @@ class ModelConfig:
             kw["attention_bias"] = True
         if not d.get("use_sliding_window", True) and d["model_type"].startswith("qwen"):
             kw["sliding_window"] = None
+        if d["model_type"] == "gemma3_text":
+            kw.update(_gemma3_fields(d, int(d["num_hidden_layers"])))
         return cls(**kw)
+
+
+def _gemma3_fields(d: dict[str, Any], n_layers: int) -> dict[str, Any]:
+    """Gemma 3's config.json as ModelConfig fields. Older configs give `sliding_window_pattern` (every
+    N-th layer full) and `rope_theta`/`rope_local_base_freq`; newer ones `layer_types` and per-type
+    `rope_parameters`. Logit soft-capping inside attention is not implemented (Gemma 3 does not use it)."""
+    if d.get("attn_logit_softcapping") is not None:
+        raise UnsupportedModelError("attention logit soft-capping (attn_logit_softcapping) is not supported")
+    types = d.get("layer_types")
+    if types is None:
+        every = int(d.get("sliding_window_pattern", 6))
+        types = [FULL if (i + 1) % every == 0 else SLIDING for i in range(n_layers)]
+    rope = d.get("rope_parameters") or {}
+    full = rope.get(FULL) or {"rope_theta": d.get("rope_theta", 1_000_000.0)}
+    local = rope.get(SLIDING) or {"rope_theta": d.get("rope_local_base_freq", 10_000.0)}
+    scaling = d.get("rope_scaling") or (full if full.get("rope_type", "default") != "default" else None)
+    return {"layer_types": tuple(types), "rope_theta": float(full["rope_theta"]), "qk_norm": True,
+            "rope_local_base_freq": float(local["rope_theta"]), "rope_scaling": scaling,
+            "query_pre_attn_scalar": float(d.get("query_pre_attn_scalar", d.get("head_dim", 256))),
+            "hidden_activation": d.get("hidden_activation", "gelu_pytorch_tanh"),
+            "tie_word_embeddings": bool(d.get("tie_word_embeddings", True)),
+            "final_logit_softcapping": d.get("final_logit_softcapping")}
 
 
 # The one list of element types, for compute (`EngineConfig.dtype`) and the KV cache (`kv_cache_dtype`):

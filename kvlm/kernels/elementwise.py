@@ -1,4 +1,4 @@
-"""RMSNorm, rotate-half RoPE and SiLU(gate) x up on float32 CPU rows: the native kernels
+"""RMSNorm, rotate-half RoPE, SiLU(gate) x up and GELU(gate) x up on float32 CPU rows: the native kernels
 (`csrc/elementwise.cpp`, the same functions the fused decode step calls) where the extension is built,
 else their PyTorch references (`reference.py`).
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from kvlm.kernels import native
-from kvlm.kernels.reference import rms_norm_ref, rope_ref, silu_mul_ref
+from kvlm.kernels.reference import gelu_tanh_mul_ref, rms_norm_ref, rope_ref, silu_mul_ref
 
 
 def _ops(x: torch.Tensor) -> native.NativeOps | None:
@@ -40,6 +40,16 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return silu_mul_ref(gate_up)
     out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
     ops.silu_mul(gate_up, out)
+    return out
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up (T, 2I) -> gelu_tanh(gate_up[:, :I]) * gate_up[:, I:] (T, I): Gemma's GeGLU."""
+    ops = _ops(gate_up)
+    if ops is None or gate_up.dim() != 2 or not gate_up.is_contiguous():
+        return gelu_tanh_mul_ref(gate_up)
+    out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
+    ops.gelu_tanh_mul(gate_up, out)
     return out
 
 

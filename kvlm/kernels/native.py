@@ -249,6 +249,7 @@ class NativeOps:
     rms_norm: Any
     silu_mul: Any
     rope: Any
+    gelu_tanh_mul: Any
 
 
 @functools.cache
@@ -260,7 +261,7 @@ def ops() -> NativeOps | None:
     return NativeOps(ns.qmatmul.default, ns.qmatmul_i8.default, ns.fake_quantize_act.default, ns.dequantize.default,
                      ns.paged_decode_attention.default, ns.paged_attention.default, ns.decode_plan_create.default,
                      ns.decode_plan_free.default, ns.decode_step.default, ns.rms_norm.default,
-                     ns.silu_mul.default, ns.rope.default)
+                     ns.silu_mul.default, ns.rope.default, ns.gelu_tanh_mul.default)
 
 
 @functools.cache

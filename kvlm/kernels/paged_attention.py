@@ -45,14 +45,20 @@ def _check_out(q: torch.Tensor, out: torch.Tensor | None) -> None:
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     seq_ids: torch.Tensor, ctx_lens: torch.Tensor, scale: float,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
+                    out: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
     """q (T, H, D); k_cache, v_cache (num_blocks, block_size, kv_heads, D); block_tables (B, max_blocks)
     int32; seq_ids (T,) int32, the block table row of each query row; ctx_lens (T,) int32, the cached
     tokens row t attends (its position + 1 for causal attention; 0 gives zeros) -> (T, H, D).
+    window > 0 (a sliding-window layer): row t attends only tokens ctx_lens[t] - window .. ctx_lens[t] - 1.
 
     Row t's bits equal `paged_decode_attention(q[t:t+1], k_cache, v_cache, block_tables[s:s+1],
     ctx_lens[t:t+1], scale)` with s = seq_ids[t]. `out` (contiguous float32, q's shape), if given,
     receives the result."""
+    if window < 0:
+        raise ValueError(f"window must be >= 0 (0: no sliding window), got {window}")
+    if window:
+        return _call("paged_attention", paged_attention_ref, q, k_cache, v_cache, out, scale,
+                     block_tables, seq_ids, ctx_lens, window=window)
     return _call("paged_attention", paged_attention_ref, q, k_cache, v_cache, out, scale,
                  block_tables, seq_ids, ctx_lens)
 
@@ -70,17 +76,18 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 
 def _call(op: str, ref, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor | None,
-          scale: float, *index: torch.Tensor) -> torch.Tensor:
+          scale: float, *index: torch.Tensor, **kw: int) -> torch.Tensor:
     """The native op `op` where it takes these inputs, else `ref`; `index` are the int32 tensors (block
-    tables, then the per-row or per-sequence ids / lengths) in the op's order."""
+    tables, then the per-row or per-sequence ids / lengths) in the op's order; `kw` the op's trailing
+    int options (window)."""
     _check_out(q, out)
     isa = _native(q, k_cache, v_cache)
     if isa is None:
-        y = ref(q, k_cache, v_cache, *index, scale)
+        y = ref(q, k_cache, v_cache, *index, scale, **kw)
         return y if out is None else out.copy_(y)
     q = q.contiguous()
     if out is None:
         out = torch.empty_like(q)
     getattr(native.ops(), op)(q, k_cache, v_cache, *(x.to(torch.int32).contiguous() for x in index), float(scale),
-                              native.isa_id(isa), out)
+                              native.isa_id(isa), out, *kw.values())
     return out

@@ -83,9 +83,10 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                        seq_ids: torch.Tensor, ctx_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                        seq_ids: torch.Tensor, ctx_lens: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
     """Query rows of any sequences: gather each sequence's blocks once, then SDPA of its rows with a
-    per-row key mask (row t sees tokens < ctx_lens[t]), each K/V head's query heads folded together.
+    per-row key mask (row t sees tokens < ctx_lens[t], and with window > 0 none before ctx_lens[t] -
+    window), each K/V head's query heads folded together.
 
     q (T, H, D); caches (num_blocks, block_size, kv_heads, D) of any float type; block_tables (B,
     max_blocks); seq_ids, ctx_lens (T,) -> (T, H, D) in q's dtype, computed in float32; zeros for a row
@@ -110,7 +111,10 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         n = rows.numel()
         # (kv_heads, group * n, D): query head h = g * group + i uses K/V head g; row-major (i, row).
         qg = q[rows].float().reshape(n, kv_heads, group, d).permute(1, 2, 0, 3).reshape(kv_heads, group * n, d)
-        mask = torch.arange(length, device=q.device)[None, :] < lens[rows][:, None]  # (n, L)
+        pos = torch.arange(length, device=q.device)[None, :]
+        mask = pos < lens[rows][:, None]  # (n, L)
+        if window > 0:
+            mask &= pos >= lens[rows][:, None] - window
         o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask.repeat(group, 1), scale=scale)
         out[rows] = o.reshape(kv_heads, group, n, d).permute(2, 0, 1, 3).reshape(n, heads, d)
     return out.to(q.dtype)
@@ -125,6 +129,12 @@ def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
     """(..., 2I) -> silu(first half) * second half."""
     gate, up = gate_up.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up
+
+
+def gelu_tanh_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
+    """(..., 2I) -> gelu(first half, tanh approximation) * second half (HF's gelu_pytorch_tanh)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.gelu(gate, approximate="tanh") * up
 
 
 def rope_ref(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:

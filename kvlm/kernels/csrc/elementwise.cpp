@@ -1,5 +1,5 @@
 // Element-wise kernels (elementwise.h) and their torch ops. Compiled without an ISA pragma: RMSNorm and
-// RoPE are short scalar loops over one row; SiLU x up, the widest, is compiled for AVX-512, AVX2 and the
+// RoPE are short scalar loops over one row; SiLU x up and GELU x up, the widest, are compiled for AVX-512, AVX2 and the
 // baseline with GCC's target_clones and the loader picks the clone the CPU runs.
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
@@ -75,12 +75,33 @@ void silu_mul(const float* g, const float* u, float* a, int64_t n) {
     }
 }
 
+// gelu_tanh_mul 16 at a time: gelu(g) with the tanh approximation, 0.5 g (1 + tanh(u)) for
+// u = sqrt(2 / pi) (g + 0.044715 g^3), written as g / (1 + exp(-2u)) (0.5 (1 + tanh u) is sigmoid(2u)),
+// so it shares exp16 with silu_mul. The tail goes through a zero-padded copy.
+__attribute__((target_clones("avx512f", "avx2", "default")))
+void gelu_tanh_mul(const float* g, const float* u, float* a, int64_t n) {
+    const float c = 1.5957691216057308f;  // 2 sqrt(2 / pi)
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        const v16f gv = *(const v16fu*)(g + i), uv = *(const v16fu*)(u + i);
+        *(v16fu*)(a + i) = gv / (1.0f + exp16(-c * (gv + 0.044715f * gv * gv * gv))) * uv;
+    }
+    if (i < n) {
+        v16f gv = {}, uv = {};
+        std::memcpy(&gv, g + i, sizeof(float) * (n - i));
+        std::memcpy(&uv, u + i, sizeof(float) * (n - i));
+        const v16f av = gv / (1.0f + exp16(-c * (gv + 0.044715f * gv * gv * gv))) * uv;
+        std::memcpy(a + i, &av, sizeof(float) * (n - i));
+    }
+}
+
 }  // namespace kvlm
 
 namespace {
 
 using kvlm::rmsnorm;
 using kvlm::rope;
+using kvlm::gelu_tanh_mul;
 using kvlm::silu_mul;
 
 // ---- The same functions as torch ops (torch.ops.kvlm_kernels.*), for kernels/elementwise.py -------
@@ -115,6 +136,18 @@ void silu_mul_op(const at::Tensor& gu, const at::Tensor& out) {
     }
 }
 
+// out (T, I) = gelu_tanh(gu[:, :I]) * gu[:, I:] for gu (T, 2I) (Gemma's GeGLU).
+void gelu_tanh_mul_op(const at::Tensor& gu, const at::Tensor& out) {
+    const int64_t I = out.size(1);
+    check_f32_rows(gu, 2 * I, "gelu_tanh_mul gu");
+    check_f32_rows(out, I, "gelu_tanh_mul out");
+    TORCH_CHECK(out.size(0) == gu.size(0), "kvlm gelu_tanh_mul: out rows differ");
+    for (int64_t r = 0; r < gu.size(0); r++) {
+        const float* g = gu.const_data_ptr<float>() + r * gu.stride(0);
+        gelu_tanh_mul(g, g + I, out.mutable_data_ptr<float>() + r * out.stride(0), I);
+    }
+}
+
 // out (T, H, D) = RoPE of x (T, H, D) (any row stride, heads D apart) with cos, sin (T, D) per token.
 void rope_op(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& out) {
     TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2),
@@ -137,5 +170,6 @@ void rope_op(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, 
 TORCH_LIBRARY_FRAGMENT(kvlm_kernels, m) {
     m.def("rms_norm(Tensor x, Tensor w, float eps, Tensor(a!) out) -> ()", &rms_norm_op);
     m.def("silu_mul(Tensor gu, Tensor(a!) out) -> ()", &silu_mul_op);
+    m.def("gelu_tanh_mul(Tensor gu, Tensor(a!) out) -> ()", &gelu_tanh_mul_op);
     m.def("rope(Tensor x, Tensor cos, Tensor sin, Tensor(a!) out) -> ()", &rope_op);
 }

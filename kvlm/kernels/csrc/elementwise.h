@@ -19,4 +19,7 @@ void rope(float* x, const float* cos, const float* sin, int64_t D);
 // a[i] = silu(g[i]) * u[i] = g / (1 + exp(-g)) * u over n floats (exp by a polynomial, about 2 ulp).
 void silu_mul(const float* g, const float* u, float* a, int64_t n);
 
+// a[i] = gelu_tanh(g[i]) * u[i] = g / (1 + exp(-2 sqrt(2/pi) (g + 0.044715 g^3))) * u (Gemma's GeGLU).
+void gelu_tanh_mul(const float* g, const float* u, float* a, int64_t n);
+
 }  // namespace kvlm

@@ -23,6 +23,9 @@ enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q8_0 = 8, T_Q4_K = 12, T_
 // order; L <= chunk normalizes straight into out, a longer row combines its chunks' states in chunk
 // order (attn_combine). Nothing of that depends on which rows share the call, their order, the tiling
 // or the thread split, so a row's bits are the same alone, in any batch, at any thread count.
+// A sliding window (window > 0: a row attends its last `window` tokens, positions L - window .. L - 1)
+// masks the positions before L - window to -inf in the row's first live chunk and skips the chunks wholly
+// before it: still a function of the row's query, L and window only.
 //
 // Tiling (the speed for prefill rows, which share their sequence's K/V): `order` lists the rows grouped
 // by sequence, by ascending ctx_len within one; tile k is rows order[tiles[2k] .. tiles[2k] + tiles[2k+1])
@@ -52,6 +55,7 @@ typedef struct KvlmPagedAttn {
     const int64_t* part_first;  // (n_tiles,): index of the tile's first partial state
     float* part;                // (sum over multi-chunk tiles of rows * nc, H, D + 2)
     int32_t* pending;           // (n_tiles,)
+    int64_t window;             // > 0: each row attends only its last `window` tokens (sliding window)
 } KvlmPagedAttn;
 
 typedef struct KvlmKernels {

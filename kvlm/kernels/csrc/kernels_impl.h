@@ -519,6 +519,7 @@ struct AttnRow {
     float* den;      // (H,) the chunk's sum of exp(score - max) per head
     float* sc;       // (H, chunk) scores, then exp(score - max)
     int64_t n;
+    int64_t skip;    // leading tokens of the chunk before the row's sliding window (masked to -inf)
 };
 
 // (row, head) pairs per register block: the K pass keeps P pairs' q (P * NV vectors) and one token's K
@@ -807,9 +808,12 @@ void attn_chunk(const KvlmPagedAttn* a, const int32_t* tab, int64_t t0, AttnRow*
         }
     }
     // Softmax of the chunk, per row and head: p = exp(s - max) in place, den = sum p (lanes, then one
-    // fixed-order sum). An empty row (n = 0) gets max -inf, den 0.
+    // fixed-order sum). An empty row (n = 0) gets max -inf, den 0. Tokens before a sliding window first
+    // become -inf (a row is only here with at least one token of its window in the chunk).
     for (int64_t j = 0; j < nr; j++) {
         const int64_t ng = (rows[j].n + 15) / 16;
+        for (int64_t h = 0; h < H && rows[j].skip > 0; h++)
+            for (int64_t i = 0; i < rows[j].skip; i++) rows[j].sc[h * CH + i] = -__builtin_inff();
         for (int64_t h = 0; h < H; h++) {
             float* s = rows[j].sc + h * CH;
 #if defined(KVLM_AVX2)
@@ -897,47 +901,57 @@ template <class E, int NV>
 void paged_attn_t(const KvlmPagedAttn* a, float* scratch, int64_t i0, int64_t i1) {
     const int64_t H = a->H, D = a->D, CH = a->chunk, stride = H * (D + 2);
     AttnRow rows[KVLM_ATTN_TILE];
+    const int64_t W = a->window;
+    auto first = [&](int64_t L) -> int64_t { return W > 0 && L > W ? L - W : 0; };  // a row's first token
+    // A row's live chunks: those holding tokens of its window (an empty row has one, empty).
+    auto live = [&](int64_t L) -> int64_t { return L <= 0 ? 1 : (L - 1) / CH - first(L) / CH + 1; };
     for (int64_t it = i0; it < i1; it++) {
         const int64_t k = a->items[2 * it], c = a->items[2 * it + 1], t0 = c * CH;
         const int32_t* tr = a->order + a->tiles[2 * k];
         const int64_t R = a->tiles[2 * k + 1];
+        // The tile's chunks: c0 (its shortest row's first live one) .. nc - 1; partial states by c - c0.
         const int64_t Lmax = a->ctx_lens[tr[R - 1]], nc = Lmax > CH ? (Lmax + CH - 1) / CH : 1;
+        const int64_t c0 = first(a->ctx_lens[tr[0]]) / CH, ncl = nc - c0;
         const int64_t s0 = a->seq_ids ? a->seq_ids[tr[0]] : tr[0];
-        // The tile's rows with tokens in this chunk (chunk 0: all, empty ones too): a suffix by ascending L.
-        int64_t j0 = 0;
+        // The tile's rows with tokens of their window in this chunk (chunk 0: all, empty ones too): rows
+        // j0 .. j1 - 1, since L and the window's first token both ascend along the tile.
+        int64_t j0 = 0, j1 = R;
         if (c > 0)
             while (a->ctx_lens[tr[j0]] <= t0) j0++;
-        for (int64_t j = j0; j < R; j++) {
+        while (j1 > j0 && first(a->ctx_lens[tr[j1 - 1]]) >= t0 + CH) j1--;
+        for (int64_t j = j0; j < j1; j++) {
             const int64_t t = tr[j], L = a->ctx_lens[t];
             AttnRow& r = rows[j - j0];
             r.q = a->q + t * H * D;
             r.sc = scratch + (j - j0) * H * CH;
             r.n = L - t0 < CH ? L - t0 : CH;
-            if (L <= CH) {  // one chunk: normalized straight into out below
+            r.skip = first(L) > t0 ? first(L) - t0 : 0;
+            if (live(L) == 1) {  // one chunk: normalized straight into out below
                 r.acc = a->out + t * H * D;
                 r.mx = scratch + KVLM_ATTN_TILE * H * CH + (j - j0) * 2 * H;
             } else {
-                r.acc = a->part + (a->part_first[k] + j * nc + c) * stride;
+                r.acc = a->part + (a->part_first[k] + j * ncl + c - c0) * stride;
                 r.mx = r.acc + H * D;
             }
             r.den = r.mx + H;
         }
-        attn_chunk<E, NV>(a, a->block_tables + s0 * a->max_blocks, t0, rows, R - j0);
-        for (int64_t j = 0; j < R - j0; j++) {
-            if (a->ctx_lens[tr[j0 + j]] > CH) continue;
+        if (j1 > j0) attn_chunk<E, NV>(a, a->block_tables + s0 * a->max_blocks, t0, rows, j1 - j0);
+        for (int64_t j = 0; j < j1 - j0; j++) {
+            if (live(a->ctx_lens[tr[j0 + j]]) > 1) continue;
             float* o = rows[j].acc;
             for (int64_t h = 0; h < H; h++) {
                 const v16 inv = splat(rows[j].den[h] > 0.0f ? 1.0f / rows[j].den[h] : 0.0f);  // L = 0: zeros
                 for (int64_t i = 0; i < D; i += 16) st(o + h * D + i, ld(o + h * D + i) * inv);
             }
         }
-        if (nc == 1) continue;
+        if (ncl == 1) continue;
         // Release our partials; the tile's last chunk to finish acquires all of them and combines.
         if (__atomic_sub_fetch(&a->pending[k], 1, __ATOMIC_ACQ_REL) != 0) continue;
         for (int64_t j = 0; j < R; j++) {
             const int64_t t = tr[j], L = a->ctx_lens[t];
-            if (L > CH) attn_combine(a->part + (a->part_first[k] + j * nc) * stride, (L + CH - 1) / CH,
-                                     a->out + t * H * D, H, D);
+            if (live(L) > 1)
+                attn_combine(a->part + (a->part_first[k] + j * ncl + first(L) / CH - c0) * stride, live(L),
+                             a->out + t * H * D, H, D);
         }
     }
 }

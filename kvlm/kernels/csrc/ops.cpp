@@ -97,10 +97,13 @@ constexpr int64_t ATTN_CHUNK = 128;
 // whole tiles, each its own parallel loop over the same buffer (long prefills: rows x chunks x H x D).
 constexpr int64_t ATTN_PART_CAP = int64_t{8} << 20;
 
+// The first token a row of context length L attends under a sliding window (0: none).
+static int64_t window_start(int64_t L, int64_t window) { return window > 0 && L > window ? L - window : 0; }
+
 bool paged_attention_rows(const KvlmKernels* t, int kv_dtype, const float* q, const void* k_cache,
                           const void* v_cache, const int32_t* block_tables, const int32_t* seq_ids,
                           const int32_t* ctx_lens, float* out, int64_t T, int64_t H, int64_t KVH, int64_t D,
-                          int64_t BS, int64_t MB, float scale) {
+                          int64_t BS, int64_t MB, float scale, int64_t window) {
     if (kv_dtype != T_F32 && kv_dtype != T_F16 && kv_dtype != T_BF16) return false;
     if (T == 0) return true;
     thread_local std::vector<int32_t> order, tiles, items, pending;
@@ -132,14 +135,17 @@ bool paged_attention_rows(const KvlmKernels* t, int kv_dtype, const float* q, co
             const int64_t k = static_cast<int64_t>(pending.size());
             const int64_t lmax = ctx_lens[order[first + rows - 1]];
             const int64_t nc = std::max<int64_t>(1, (lmax + ATTN_CHUNK - 1) / ATTN_CHUNK);
+            // Chunks before the shortest row's window hold no token any row attends (kernels.h).
+            const int64_t c0 = window_start(ctx_lens[order[first]], window) / ATTN_CHUNK;
             tiles.push_back(static_cast<int32_t>(first)), tiles.push_back(static_cast<int32_t>(rows));
-            pending.push_back(static_cast<int32_t>(nc));
-            part_first.push_back(nc > 1 ? rows * nc : 0);  // this tile's partial states (offsets set per wave)
+            pending.push_back(static_cast<int32_t>(nc - c0));
+            part_first.push_back(nc - c0 > 1 ? rows * (nc - c0) : 0);  // its partial states (offsets set per wave)
             item_first.push_back(static_cast<int64_t>(items.size() / 2));
-            for (int64_t c = 0; c < nc; c++) {
+            for (int64_t c = c0; c < nc; c++) {
                 int64_t w = 0;  // the item's cost: its rows' tokens (16-token groups) plus a per-row overhead
                 for (int64_t j = first; j < first + rows; j++) {
-                    const int64_t len = ctx_lens[order[j]] - c * ATTN_CHUNK;
+                    const int64_t L = ctx_lens[order[j]], len = L - c * ATTN_CHUNK;
+                    if (window_start(L, window) >= (c + 1) * ATTN_CHUNK) continue;
                     if (len > 0 || c == 0) w += (std::min(ATTN_CHUNK, std::max<int64_t>(len, 0)) + 15) / 16 * 16 + 32;
                 }
                 items.push_back(static_cast<int32_t>(k)), items.push_back(static_cast<int32_t>(c));
@@ -178,7 +184,7 @@ bool paged_attention_rows(const KvlmKernels* t, int kv_dtype, const float* q, co
         }
         const KvlmPagedAttn a{kv_dtype, q, k_cache, v_cache, block_tables, seq_ids, ctx_lens, out, H, KVH, D, BS, MB,
                               ATTN_CHUNK, scale, order.data(), tiles.data(), items.data(), part_first.data(),
-                              part.data(), pending.data()};
+                              part.data(), pending.data(), window};
         const int64_t* bnd = bound.data();  // (a thread_local's name would mean each worker's own vector)
         at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
             thread_local std::vector<float> scratch;  // (KVLM_ATTN_TILE, H, ATTN_CHUNK) scores, (KVLM_ATTN_TILE, 2 H)
@@ -196,7 +202,7 @@ bool paged_attention(const KvlmKernels* t, int kv_dtype, const float* q, const v
                      const int32_t* block_tables, const int32_t* seq_lens, float* out, int64_t B, int64_t H,
                      int64_t KVH, int64_t D, int64_t BS, int64_t MB, float scale) {
     return paged_attention_rows(t, kv_dtype, q, k_cache, v_cache, block_tables, nullptr, seq_lens, out, B, H, KVH, D,
-                                BS, MB, scale);
+                                BS, MB, scale, 0);
 }
 
 }  // namespace kvlm
@@ -329,8 +335,9 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
 // Any query rows: row t attends the first ctx_lens[t] tokens of the sequence in block_tables row seq_ids[t].
 void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_tables, const at::Tensor& seq_ids, const at::Tensor& ctx_lens,
-                     double scale, int64_t isa, const at::Tensor& out) {
+                     double scale, int64_t isa, const at::Tensor& out, int64_t window) {
     check_caches(q, k_cache, v_cache, out);
+    TORCH_CHECK(window >= 0, "paged attention: window must be >= 0 (0: no sliding window)");
     TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 && block_tables.is_contiguous() &&
                     seq_ids.scalar_type() == at::kInt && seq_ids.dim() == 1 && seq_ids.is_contiguous() &&
                     ctx_lens.scalar_type() == at::kInt && ctx_lens.dim() == 1 && ctx_lens.is_contiguous(),
@@ -351,7 +358,7 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
     const bool ok = kvlm::paged_attention_rows(table(isa), kv_dtype_id(k_cache), q.const_data_ptr<float>(),
                                                k_cache.const_data_ptr(), v_cache.const_data_ptr(), bt, sid, lens,
                                                out.mutable_data_ptr<float>(), T, H, KVH, D, BS, MB,
-                                               static_cast<float>(scale));
+                                               static_cast<float>(scale), window);
     TORCH_CHECK(ok, "kvlm kernels: unsupported KV cache dtype");
 }
 
@@ -366,5 +373,5 @@ TORCH_LIBRARY(kvlm_kernels, m) {
     m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
           "float scale, int isa, Tensor(a!) out) -> ()", &paged_decode_attention);
     m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_ids, "
-          "Tensor ctx_lens, float scale, int isa, Tensor(a!) out) -> ()", &paged_attention);
+          "Tensor ctx_lens, float scale, int isa, Tensor(a!) out, int window=0) -> ()", &paged_attention);
 }
