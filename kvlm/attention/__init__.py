@@ -4,6 +4,7 @@
 `prefill.py`: reference for steps that carry prompt chunks (PREFILL, MIXED).
 `decode.py`: reference for steps of one row per sequence (DECODE): gathered, length-grouped.
 `paged.py`: the one native computation for every row of every step, in place over the cache's blocks.
+`window.py`: reference for sliding-window layers (Gemma 3's local layers), any step.
 
 With the native kernels the model calls `paged.paged_attention` for every step. The reference (no
 native build, or CUDA) calls `attention()`, which picks prefill or decode by the step's kind, after the

@@ -20,6 +20,7 @@ from kvlm.config import ModelConfig
 from kvlm.errors import ParameterError
 from kvlm.loader import load_checkpoint
 from kvlm.loader.mapped_pages import release_unused
+from kvlm.model.gemma3 import Gemma3ForCausalLM
 from kvlm.model.llama import LlamaForCausalLM
 from kvlm.model.quant_layers import weight_ranges
 from kvlm.tokenizer.tokenizer import Tokenizer
@@ -37,13 +38,14 @@ class LoadedModel:
 
 def context_length(requested: int | None, config: ModelConfig) -> int:
     """The context the engine allows: as requested (never above the model's), else min(model, 4096);
-    capped at a sliding window, because attention here is full, which equals sliding-window attention
-    only within the window."""
+    capped at a model-wide sliding window (Mistral-style configs: their layers attend in full here, which
+    equals sliding-window attention only within the window); models with per-layer windows (Gemma 3)
+    attend within each layer's window and are not capped."""
     if requested is not None and requested > config.max_position_embeddings:
         raise ParameterError("max_model_len", f"max_model_len {requested} is greater than the model's "
                              f"maximum context (max_position_embeddings={config.max_position_embeddings})")
     n = requested or min(config.max_position_embeddings, 4096)
-    if config.sliding_window and n > config.sliding_window:
+    if config.sliding_window and config.layer_windows is None and n > config.sliding_window:
         log.warning("kvlm: context capped at the model's sliding window of %d tokens", config.sliding_window)
         n = config.sliding_window
     return n
@@ -55,12 +57,15 @@ def load_model(path: Path, max_model_len: int | None, dtype: torch.dtype, device
     weight is dequantized to `dtype` at load (the dense reference path)."""
     config, state, tokenizer = load_checkpoint(path, quantized=quantized)
     n_ctx = context_length(max_model_len, config)
+    cls = Gemma3ForCausalLM if config.model_type == "gemma3_text" else LlamaForCausalLM
     with torch.device("meta"):  # no random init of weights that load_weights replaces
-        net = LlamaForCausalLM(config, n_ctx)
+        net = cls(config, n_ctx)
     net.load_weights(state)
     del state
     model = net.to(device=device, dtype=dtype).eval()
-    model.rope_cos, model.rope_sin = model.rope_cos.float(), model.rope_sin.float()
+    for name, table in list(model.named_buffers()):  # RoPE tables stay float32 (positions need the precision)
+        if name.startswith("rope_"):
+            setattr(model, name, table.float())
     if device.type == "cpu":
         model.to_input_major()
     if quantized:  # pages of the mapped file read at load but never by the model: out of RSS

@@ -33,7 +33,8 @@ SUPPORTED_TENSOR_TYPES = frozenset(
 )
 
 # GGUF architecture -> HF model_type.
-_ARCH_TO_MODEL_TYPE = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
+_ARCH_TO_MODEL_TYPE = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
+                       "gemma3": "gemma3_text"}
 
 # The one GGUF -> HF name table. Per-layer names are under "blk.{i}." / "model.layers.{i}.".
 _GLOBAL_NAMES = {
@@ -55,16 +56,23 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Gemma 3's four norms per layer: llama.cpp's `ffn_norm` is HF's pre-feedforward norm there.
+_GEMMA3_LAYER_NAMES = {**_LAYER_NAMES, "ffn_norm": "pre_feedforward_layernorm",
+                       "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+# What llama.cpp hard-codes for Gemma 3 and its GGUF files do not carry: every 6th layer attends in full,
+# the others within `attention.sliding_window` with RoPE base 10,000 (llama-model.cpp, LLM_ARCH_GEMMA3).
+GEMMA3_FULL_EVERY, GEMMA3_LOCAL_ROPE_BASE = 6, 10_000.0
 
 
-def gguf_to_hf_name(name: str) -> str | None:
+def gguf_to_hf_name(name: str, arch: str = "llama") -> str | None:
     """Map a GGUF tensor name to its HF name; None for tensors we do not use."""
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
     m = _LAYER_RE.match(name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    names = _GEMMA3_LAYER_NAMES if arch == "gemma3" else _LAYER_NAMES
+    if m and m.group(2) in names:
+        return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
     return None
 
 
@@ -142,6 +150,16 @@ def _config_from_gguf(fields: dict[str, Any], tensor_names: set[str]) -> ModelCo
     rope_scaling = None
     if fields.get(f"{arch}.rope.scaling.type") == "linear":
         rope_scaling = {"rope_type": "linear", "factor": float(fields[f"{arch}.rope.scaling.factor"])}
+    extra: dict[str, Any] = {}
+    if arch == "gemma3":
+        n_layers, head_dim = int(get("block_count")), int(fields.get(f"{arch}.attention.key_length") or hidden // heads)
+        extra = {"layer_types": tuple("full_attention" if (i + 1) % GEMMA3_FULL_EVERY == 0 else "sliding_attention"
+                                      for i in range(n_layers)),
+                 "sliding_window": int(get("attention.sliding_window")),
+                 "rope_local_base_freq": GEMMA3_LOCAL_ROPE_BASE,
+                 # llama.cpp: 1/sqrt(head_dim), except Gemma 3 27B (62 layers): 1/sqrt(hidden / heads)
+                 "query_pre_attn_scalar": float(hidden // heads if n_layers == 62 else head_dim),
+                 "hidden_activation": "gelu_pytorch_tanh"}
     return ModelConfig(
         model_type=_ARCH_TO_MODEL_TYPE[arch],
         vocab_size=int(vocab),
@@ -160,6 +178,7 @@ def _config_from_gguf(fields: dict[str, Any], tensor_names: set[str]) -> ModelCo
         qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
         bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
         eos_token_id=fields.get("tokenizer.ggml.eos_token_id"),
+        **extra,
     )
 
 
@@ -215,8 +234,9 @@ def weight_formats(reader: Any) -> dict[str, dict[str, Any]]:
     from kvlm.kernels import kernel_path
 
     out: dict[str, dict[str, Any]] = {}
+    arch = str(reader.fields.get("general.architecture", "llama"))
     for t in reader.tensors:
-        if gguf_to_hf_name(t.name) is None:
+        if gguf_to_hf_name(t.name, arch) is None:
             continue
         matrix = len(t.shape) == 2
         key = t.tensor_type.name + ("" if matrix else " (1-D)")
@@ -240,8 +260,9 @@ def load_gguf(path: str | os.PathLike,
     config = config_from_gguf(fields, names)
     mapped = file_bytes(reader) if quantized else None
     state: dict[str, Any] = {}
+    arch = fields.get("general.architecture")
     for t in reader.tensors:
-        hf = gguf_to_hf_name(t.name)
+        hf = gguf_to_hf_name(t.name, arch)
         if hf is None:
             continue
         try:
@@ -251,7 +272,7 @@ def load_gguf(path: str | os.PathLike,
                 w = dequantize_tensor(t)
         except (ValueError, AssertionError) as e:
             raise ModelLoadError(f"{path}: cannot read tensor {t.name} ({str(e)[:120]})") from None
-        if fields.get("general.architecture") == "llama":
+        if arch == "llama":
             heads = (config.num_attention_heads if ".q_proj." in hf
                      else config.num_key_value_heads if ".k_proj." in hf else 0)
             if heads:

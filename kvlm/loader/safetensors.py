@@ -53,4 +53,7 @@ def load_hf_dir(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.T
         except (SafetensorError, OSError, ValueError) as e:
             raise ModelLoadError(f"{shard}: corrupt safetensors file ({e})") from None
         state.update({k: v.float() for k, v in tensors.items()})
+    if config.model_type == "gemma3_text":
+        # HF's Gemma norms multiply by (1 + w) and store w; the model (like GGUF files) takes 1 + w.
+        state = {k: v + 1.0 if k.endswith("norm.weight") else v for k, v in state.items()}
     return config, state

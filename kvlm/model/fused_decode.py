@@ -47,6 +47,8 @@ def _eligible(model: torch.nn.Module) -> str | None:
     """Why the fused step cannot run this model (None: it can)."""
     if os.environ.get("KVLM_FUSED_DECODE", "1").strip() == "0":
         return "disabled by KVLM_FUSED_DECODE=0"
+    if not getattr(model, "FUSED_DECODE", False):
+        return "the fused step implements the Llama layer only"
     if native.active_isa() == "reference" or native.ops() is None:
         return "no native kernels"
     if model.model.norm.weight.dtype != torch.float32 or model.model.norm.weight.device.type != "cpu":

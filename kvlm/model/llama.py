@@ -18,6 +18,7 @@ from torch import nn
 from kvlm.attention import attention
 from kvlm.attention.metadata import AttentionMetadata
 from kvlm.attention.paged import paged_attention
+from kvlm.attention.window import windowed_attention
 from kvlm.config import ModelConfig
 from kvlm.errors import ModelLoadError
 from kvlm.kernels import QuantTensor
@@ -116,9 +117,10 @@ class Attention(nn.Module):
     over each sequence's context fetched from the cache, by plan (prefill, decode, length groups).
     No parameters."""
 
-    def __init__(self, layer_idx: int, scale: float) -> None:
+    def __init__(self, layer_idx: int, scale: float, window: int | None = None) -> None:
         super().__init__()
         self.layer_idx, self.scale = layer_idx, scale
+        self.window = window  # a sliding-window layer: each query sees its last `window` tokens
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -127,9 +129,11 @@ class Attention(nn.Module):
         if meta.in_place:  # every row over the cache's blocks: one computation for every step's rows
             kv_cache.write(layer, k, v, meta)
             k_blocks, v_blocks, tables = kv_cache.blocks(layer, meta)
-            return paged_attention(q, k_blocks, v_blocks, tables, meta, self.scale)
-        if not meta.groups:
+            return paged_attention(q, k_blocks, v_blocks, tables, meta, self.scale, window=self.window or 0)
+        if not meta.groups or self.window:
             kk, vv = kv_cache.update_and_fetch(layer, k, v, meta)  # (B, kvh, L, D)
+            if self.window:
+                return windowed_attention(q, kk, vv, meta, self.scale, self.window)
             return attention(q, kk, vv, meta, self.scale)
         # Decode batch split by context length: write once, then attend group by group.
         kv_cache.write(layer, k, v, meta)
@@ -209,6 +213,8 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """forward() -> final hidden states (T, hidden); compute_logits() -> float32 logits for chosen rows."""
 
+    FUSED_DECODE = True  # decode-only steps may run as one native call (model/fused_decode.py)
+
     def __init__(self, config: ModelConfig, max_positions: int) -> None:
         super().__init__()
         self.config = config
@@ -220,20 +226,25 @@ class LlamaForCausalLM(nn.Module):
         self.set_rope(rope_inv_freq(config))
 
     def set_rope(self, inv_freq: torch.Tensor) -> None:
-        # cos/sin tables for every position we may see: (max_positions, D), computed in float32.
+        self.register_rope("", inv_freq)
+
+    def register_rope(self, suffix: str, inv_freq: torch.Tensor) -> None:
+        """Buffers `rope_cos{suffix}`, `rope_sin{suffix}`: cos / signed sin tables for every position we
+        may see, (max_positions, D), computed in float32 (kept float32 whatever the compute dtype)."""
         dev = self.model.norm.weight.device
         if dev.type == "meta":  # built on the meta device: load_weights computes the real tables
             shape = (self.max_positions, 2 * inv_freq.shape[0])
-            self.register_buffer("rope_cos", torch.empty(shape, device=dev), persistent=False)
-            self.register_buffer("rope_sin", torch.empty(shape, device=dev), persistent=False)
+            self.register_buffer("rope_cos" + suffix, torch.empty(shape, device=dev), persistent=False)
+            self.register_buffer("rope_sin" + suffix, torch.empty(shape, device=dev), persistent=False)
             return
         t = torch.arange(self.max_positions, dtype=torch.float32, device=inv_freq.device)  # CPU: see rope_inv_freq
         freqs = torch.outer(t, inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("rope_cos", emb.cos().to(dev), persistent=False)
+        self.register_buffer("rope_cos" + suffix, emb.cos().to(dev), persistent=False)
         sin = emb.sin()
         half = sin.shape[-1] // 2
-        self.register_buffer("rope_sin", torch.cat((-sin[:, :half], sin[:, half:]), -1).to(dev), persistent=False)
+        self.register_buffer("rope_sin" + suffix, torch.cat((-sin[:, :half], sin[:, half:]), -1).to(dev),
+                             persistent=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 
 from kvlm.kernels import native
@@ -17,3 +19,25 @@ def force_isa(monkeypatch: pytest.MonkeyPatch):
     yield force
     monkeypatch.undo()
     native.refresh()
+
+
+# The paged attention tests' fixtures (test_paged_attention.py, test_paged_attention_window.py).
+@pytest.fixture(params=list(native.ISAS))
+def isa(request: pytest.FixtureRequest, force_isa) -> str:
+    if not native.available():
+        pytest.skip("native kernels not built here (test_kernels.py::test_extension_builds says why)")
+    if native.ISAS.index(request.param) > native.ISAS.index(native.best_isa()):
+        pytest.skip(f"this CPU lacks {request.param} (best: {native.best_isa()})")
+    force_isa(request.param)
+    return request.param
+
+
+@pytest.fixture
+def no_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make sure the native kernel, not the reference, is what a test measures."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("paged attention fell back to the reference")
+
+    module = importlib.import_module("kvlm.kernels.paged_attention")  # the attribute of kvlm.kernels is the function
+    monkeypatch.setattr(module, "paged_attention_ref", refuse)
+    monkeypatch.setattr(module, "paged_decode_attention_ref", refuse)

@@ -12,8 +12,6 @@ SDPA with a per-row key mask) and, for causal prefill, against SDPA with is_caus
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -24,27 +22,6 @@ from kvlm.kernels.reference import paged_attention_ref, paged_decode_attention_r
 ISAS = list(native.ISAS)
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 TOL = {"rtol": 2e-5, "atol": 2e-5}
-
-
-@pytest.fixture(params=ISAS)
-def isa(request: pytest.FixtureRequest, force_isa) -> str:
-    if not native.available():
-        pytest.skip("native kernels not built here (test_kernels.py::test_extension_builds says why)")
-    if ISAS.index(request.param) > ISAS.index(native.best_isa()):
-        pytest.skip(f"this CPU lacks {request.param} (best: {native.best_isa()})")
-    force_isa(request.param)
-    return request.param
-
-
-@pytest.fixture
-def no_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Make sure the native kernel, not the reference, is what a test measures."""
-    def refuse(*args, **kwargs):
-        raise AssertionError("paged attention fell back to the reference")
-
-    module = importlib.import_module("kvlm.kernels.paged_attention")  # the attribute of kvlm.kernels is the function
-    monkeypatch.setattr(module, "paged_attention_ref", refuse)
-    monkeypatch.setattr(module, "paged_decode_attention_ref", refuse)
 
 
 def _cache(gen: torch.Generator, seq_lens: list[int], heads: int, kv_heads: int, d: int, block_size: int | None,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from test_paged_attention import _assert_rows_equal, _cache, _with_threads, isa, no_fallback  # noqa: F401
+from test_paged_attention import _assert_rows_equal, _cache, _with_threads
 
 from kvlm.kernels import paged_attention
 from kvlm.kernels.reference import paged_attention_ref
@@ -23,10 +23,12 @@ SEQ_LENS = [1000, 300, 129, 40]
 
 def _rows(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     rows = [(0, n) for n in (1, 100, 127, 128, 129, 255, 256, 257, 600, 1000)] + [(0, n) for n in range(900, 1000)]
-    rows += [(1, n) for n in range(1, 301)] + [(2, 129)] + [(3, int(n)) for n in torch.randint(0, 41, (8,), generator=gen)]
+    rows += [(1, n) for n in range(1, 301)] + [(2, 129)]
+    rows += [(3, int(n)) for n in torch.randint(0, 41, (8,), generator=gen)]
     perm = torch.randperm(len(rows), generator=gen)
     rows = [rows[i] for i in perm]
-    return (torch.tensor([s for s, _ in rows], dtype=torch.int32), torch.tensor([n for _, n in rows], dtype=torch.int32))
+    return (torch.tensor([s for s, _ in rows], dtype=torch.int32),
+            torch.tensor([n for _, n in rows], dtype=torch.int32))
 
 
 def _alone(q, kc, vc, tables, seq_ids, ctx_lens, scale, window) -> torch.Tensor:

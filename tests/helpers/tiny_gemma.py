@@ -1,0 +1,134 @@
+"""Tiny random Gemma 3 text models: an HF config and weights, written as GGUF (the way llama.cpp's
+converter does: `gemma3` names, norms stored as 1 + w, no Q/K permutation) or as a safetensors folder,
+and the same weights in Hugging Face transformers' Gemma3ForCausalLM (built from the config)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tiny_models import VOCAB, byte_level_fields, write_tiny_hf_dir
+
+WINDOW = 8  # small, so that short prompts already reach past the sliding layers' window
+
+
+def gemma3_config(**kw: Any) -> dict[str, Any]:
+    """6 layers (5 sliding, then 1 full: llama.cpp's fixed Gemma 3 pattern), 4 query heads on 1 KV head."""
+    cfg = {
+        "model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"], "vocab_size": VOCAB,
+        "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 6, "num_attention_heads": 4,
+        "num_key_value_heads": 1, "head_dim": 32, "max_position_embeddings": 256, "rms_norm_eps": 1e-6,
+        "sliding_window": WINDOW, "query_pre_attn_scalar": 32, "hidden_activation": "gelu_pytorch_tanh",
+        "layer_types": ["sliding_attention"] * 5 + ["full_attention"],
+        "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+                            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}},
+        "tie_word_embeddings": True, "bos_token_id": VOCAB - 3, "eos_token_id": VOCAB - 2, "pad_token_id": 0,
+        "attn_logit_softcapping": None, "final_logit_softcapping": None, "torch_dtype": "float32",
+    }
+    cfg.update(kw)
+    return cfg
+
+
+def gemma3_state(cfg: dict[str, Any], seed: int = 0) -> dict[str, torch.Tensor]:
+    """HF-named random weights; norms are HF's w (the model multiplies by 1 + w)."""
+    g = torch.Generator().manual_seed(seed)
+    h, i, D = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
+    nh, kvh = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+
+    def r(*shape: int, scale: float = 0.1) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * scale
+
+    sd = {"model.embed_tokens.weight": r(cfg["vocab_size"], h, scale=0.05), "model.norm.weight": r(h)}
+    for L in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{L}."
+        for norm in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                     "post_feedforward_layernorm"):
+            sd[p + norm + ".weight"] = r(h)
+        sd[p + "self_attn.q_proj.weight"] = r(nh * D, h)
+        sd[p + "self_attn.k_proj.weight"] = r(kvh * D, h)
+        sd[p + "self_attn.v_proj.weight"] = r(kvh * D, h)
+        sd[p + "self_attn.o_proj.weight"] = r(h, nh * D)
+        sd[p + "self_attn.q_norm.weight"] = r(D)
+        sd[p + "self_attn.k_norm.weight"] = r(D)
+        sd[p + "mlp.gate_proj.weight"] = r(i, h)
+        sd[p + "mlp.up_proj.weight"] = r(i, h)
+        sd[p + "mlp.down_proj.weight"] = r(h, i)
+    return sd
+
+
+_TO_GGUF = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
+            "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm",
+            "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+            "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+            "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+
+
+def _gguf_name(hf: str) -> str:
+    glob = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
+    if hf in glob:
+        return glob[hf]
+    parts = hf.split(".")
+    return f"blk.{parts[2]}.{_TO_GGUF['.'.join(parts[3:-1])]}.{parts[-1]}"
+
+
+def write_gemma3_gguf(path: Path, cfg: dict[str, Any], state: dict[str, torch.Tensor],
+                      tensor_type: str = "F32") -> Path:
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), "gemma3")
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_rope_freq_base(cfg["rope_parameters"]["full_attention"]["rope_theta"])
+    w.add_key_length(cfg["head_dim"])
+    w.add_value_length(cfg["head_dim"])
+    w.add_sliding_window(cfg["sliding_window"])
+    tok = byte_level_fields()
+    w.add_tokenizer_model(tok["tokenizer.ggml.model"])
+    w.add_tokenizer_pre(tok["tokenizer.ggml.pre"])
+    w.add_token_list(tok["tokenizer.ggml.tokens"])
+    w.add_token_types(tok["tokenizer.ggml.token_type"])
+    w.add_token_merges(tok["tokenizer.ggml.merges"])
+    w.add_bos_token_id(tok["tokenizer.ggml.bos_token_id"])
+    w.add_eos_token_id(tok["tokenizer.ggml.eos_token_id"])
+    qtype = gguf.GGMLQuantizationType[tensor_type]
+    for hf, t in state.items():
+        a = t.float().numpy()
+        if hf.endswith("norm.weight"):
+            a = a + 1.0  # llama.cpp's converter stores Gemma's norm weights as 1 + w
+        if a.ndim == 1 or tensor_type == "F32":
+            w.add_tensor(_gguf_name(hf), a.astype(np.float32))
+        else:
+            q = gguf.quants.quantize(a, qtype)
+            w.add_tensor(_gguf_name(hf), q, raw_shape=q.shape, raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def write_gemma3_hf_dir(path: Path, cfg: dict[str, Any], state: dict[str, torch.Tensor]) -> Path:
+    write_tiny_hf_dir(path, cfg, state)
+    (path / "config.json").write_text(json.dumps(cfg))
+    return path
+
+
+def gemma3_hf_model(cfg: dict[str, Any], state: dict[str, torch.Tensor]) -> Any:
+    import transformers
+
+    c = transformers.Gemma3TextConfig(**{k: v for k, v in cfg.items() if k not in ("model_type", "architectures")})
+    c._attn_implementation = "eager"
+    m = transformers.Gemma3ForCausalLM(c).eval()
+    sd = dict(state)
+    sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
+    missing, unexpected = m.load_state_dict(sd, strict=False)
+    assert not unexpected and all("rotary" in k or "embed_scale" in k for k in missing), (missing, unexpected)
+    return m
