@@ -14,7 +14,7 @@ from pathlib import Path
 import gguf
 import pytest
 import torch
-from engine_runs import random_prompts, run_engine
+from engine_runs import assert_identical, random_prompts, run_engine
 from quantize import can_quantize, synthetic_quantize
 from tiny_models import tiny_config, write_tiny_gguf, write_tiny_hf_dir
 
@@ -48,14 +48,6 @@ def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
 
 def run(path: Path, prompts: list[list[int]], params: SamplingParams = GREEDY, **cfg) -> tuple[dict, dict]:
     return run_engine(Engine(path, EngineConfig(**cfg), quiet=True), prompts, params)
-
-
-def assert_identical(a: tuple[dict, dict], b: tuple[dict, dict], what: str) -> None:
-    (ta, la), (tb, lb) = a, b
-    assert ta == tb, f"{what}: tokens differ"
-    for i in ta:
-        for k, (x, y) in enumerate(zip(la[i], lb[i])):
-            assert torch.equal(x, y), f"{what}: prompt {i}, step {k}: max |diff| {float((x - y).abs().max()):.3g}"
 
 
 def test_equivalences_bit_for_bit(model: Path) -> None:

@@ -57,6 +57,15 @@ def small_bytes(path: Path) -> int:
     return int(load_config(path).kv_bytes_per_token(4))
 
 
+def assert_identical(a: tuple[dict, dict], b: tuple[dict, dict], what: str) -> None:
+    """Two `run_engine` results: the same tokens, and every step's logits with the same bits."""
+    (ta, la), (tb, lb) = a, b
+    assert ta == tb, f"{what}: tokens differ"
+    for i in ta:
+        for k, (x, y) in enumerate(zip(la[i], lb[i])):
+            assert torch.equal(x, y), f"{what}: prompt {i}, step {k}: max |diff| {float((x - y).abs().max()):.3g}"
+
+
 def assert_same_logits(a: list[torch.Tensor] | torch.Tensor, b: list[torch.Tensor] | torch.Tensor) -> None:
     """Equal bits on the native path (every row's computation is fixed: the engine's promise); within
     float32 rounding on the reference path (no native build), whose SDPA and BLAS calls change their

@@ -8,9 +8,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
-from tiny_models import VOCAB, byte_level_fields, write_tiny_hf_dir
+from tiny_models import VOCAB, add_byte_level_vocab, write_tensors, write_tiny_hf_dir
 
 WINDOW = 8  # small, so that short prompts already reach past the sliding layers' window
 
@@ -90,28 +89,10 @@ def write_gemma3_gguf(path: Path, cfg: dict[str, Any], state: dict[str, torch.Te
     w.add_key_length(cfg["head_dim"])
     w.add_value_length(cfg["head_dim"])
     w.add_sliding_window(cfg["sliding_window"])
-    tok = byte_level_fields()
-    w.add_tokenizer_model(tok["tokenizer.ggml.model"])
-    w.add_tokenizer_pre(tok["tokenizer.ggml.pre"])
-    w.add_token_list(tok["tokenizer.ggml.tokens"])
-    w.add_token_types(tok["tokenizer.ggml.token_type"])
-    w.add_token_merges(tok["tokenizer.ggml.merges"])
-    w.add_bos_token_id(tok["tokenizer.ggml.bos_token_id"])
-    w.add_eos_token_id(tok["tokenizer.ggml.eos_token_id"])
-    qtype = gguf.GGMLQuantizationType[tensor_type]
-    for hf, t in state.items():
-        a = t.float().numpy()
-        if hf.endswith("norm.weight"):
-            a = a + 1.0  # llama.cpp's converter stores Gemma's norm weights as 1 + w
-        if a.ndim == 1 or tensor_type == "F32":
-            w.add_tensor(_gguf_name(hf), a.astype(np.float32))
-        else:
-            q = gguf.quants.quantize(a, qtype)
-            w.add_tensor(_gguf_name(hf), q, raw_shape=q.shape, raw_dtype=qtype)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    add_byte_level_vocab(w, chat_template=False)  # like the real file: no template in the GGUF
+    # llama.cpp's converter stores Gemma's norm weights as 1 + w
+    write_tensors(w, ((_gguf_name(hf), t.float().numpy() + (1.0 if hf.endswith("norm.weight") else 0.0))
+                      for hf, t in state.items()), tensor_type)
     return path
 
 

@@ -141,6 +141,22 @@ def write_tiny_gguf(path: Path, cfg: dict[str, Any] | None = None, state: dict[s
     w.add_key_length(cfg["head_dim"])
     w.add_value_length(cfg["head_dim"])
     w.add_vocab_size(cfg["vocab_size"])
+    add_byte_level_vocab(w, fields)
+
+    def tensors() -> Any:
+        for hf, t in state.items():
+            a = t.float().numpy()
+            if arch == "llama" and (".q_proj." in hf or ".k_proj." in hf):
+                heads = cfg["num_attention_heads"] if ".q_proj." in hf else cfg["num_key_value_heads"]
+                a = _permute(a, heads)
+            yield _gguf_name(hf), a
+
+    write_tensors(w, tensors(), tensor_type)
+    return path
+
+
+def add_byte_level_vocab(w: Any, fields: dict[str, Any] | None = None, chat_template: bool = True) -> None:
+    """The byte-level vocab's tokenizer fields into a GGUFWriter (ChatML template unless chat_template=False)."""
     tok = byte_level_fields(**(fields or {}))
     w.add_tokenizer_model(tok["tokenizer.ggml.model"])
     w.add_tokenizer_pre(tok["tokenizer.ggml.pre"])
@@ -149,25 +165,28 @@ def write_tiny_gguf(path: Path, cfg: dict[str, Any] | None = None, state: dict[s
     w.add_token_merges(tok["tokenizer.ggml.merges"])
     w.add_bos_token_id(tok["tokenizer.ggml.bos_token_id"])
     w.add_eos_token_id(tok["tokenizer.ggml.eos_token_id"])
-    w.add_chat_template(tok["tokenizer.chat_template"])
+    if chat_template:
+        w.add_chat_template(tok["tokenizer.chat_template"])
+
+
+def write_tensors(w: Any, tensors: Any, tensor_type: str) -> None:
+    """(GGUF name, float array) pairs in `tensor_type` (1-D ones F32, as llama.cpp keeps norms and biases),
+    then the file."""
+    import gguf
+
     qtype = gguf.GGMLQuantizationType[tensor_type]
-    for hf, t in state.items():
-        a = t.float().numpy()
-        if arch == "llama" and (".q_proj." in hf or ".k_proj." in hf):
-            heads = cfg["num_attention_heads"] if ".q_proj." in hf else cfg["num_key_value_heads"]
-            a = _permute(a, heads)
-        if a.ndim == 1 or tensor_type == "F32":  # norms and biases stay F32, as llama.cpp keeps them
-            w.add_tensor(_gguf_name(hf), a.astype(np.float32))
+    for name, a in tensors:
+        if a.ndim == 1 or tensor_type == "F32":
+            w.add_tensor(name, a.astype(np.float32))
         elif tensor_type == "F16":
-            w.add_tensor(_gguf_name(hf), a.astype(np.float16))
+            w.add_tensor(name, a.astype(np.float16))
         else:
             q = gguf.quants.quantize(a, qtype)
-            w.add_tensor(_gguf_name(hf), q, raw_shape=q.shape, raw_dtype=qtype)
+            w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    return path
 
 
 # -------------------------------------------------------------------------------------- HF folders

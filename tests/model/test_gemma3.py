@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 from deps import need
-from engine_runs import random_prompts, run_engine
+from engine_runs import assert_identical, random_prompts, run_engine
 from tiny_gemma import WINDOW, gemma3_config, gemma3_hf_model, gemma3_state, write_gemma3_gguf, write_gemma3_hf_dir
 
 from kvlm import EngineConfig, SamplingParams
@@ -79,14 +79,6 @@ def test_matches_transformers(model: Path, hf: Any, dtype: str) -> None:
             assert (ours - ref[0]).abs().max().item() < 1e-4, f"prompt {i}, step {step}"
 
 
-def _identical(a: tuple[dict, dict], b: tuple[dict, dict], what: str) -> None:
-    (ta, la), (tb, lb) = a, b
-    assert ta == tb, f"{what}: tokens differ"
-    for i in ta:
-        for k, (x, y) in enumerate(zip(la[i], lb[i])):
-            assert torch.equal(x, y), f"{what}: prompt {i}, step {k}: max |diff| {float((x - y).abs().max()):.3g}"
-
-
 def test_equivalences_bit_for_bit(model: Path) -> None:
     if native.active_isa() == "reference":
         pytest.skip("the native kernels are not built here: exactness across step shapes needs them")
@@ -96,12 +88,12 @@ def test_equivalences_bit_for_bit(model: Path) -> None:
 
     prompts = random_prompts(4, 23, lo=3, hi=50)
     ref = run(prompts, block_size=4)
-    _identical(ref, run(prompts, block_size=4, enable_kv_cache=False), "cache vs no cache")
-    _identical(ref, run(prompts, kv_cache_layout="contiguous"), "paged vs contiguous")
-    _identical(ref, run(prompts, block_size=4, max_num_batched_tokens=7), "chunked prefill")
+    assert_identical(ref, run(prompts, block_size=4, enable_kv_cache=False), "cache vs no cache")
+    assert_identical(ref, run(prompts, kv_cache_layout="contiguous"), "paged vs contiguous")
+    assert_identical(ref, run(prompts, block_size=4, max_num_batched_tokens=7), "chunked prefill")
     for i, p in enumerate(prompts):
         t, lg = run([p], block_size=4)
-        _identical(({i: ref[0][i]}, {i: ref[1][i]}), ({i: t[0]}, {i: lg[0]}), f"alone vs batch (prompt {i})")
+        assert_identical(({i: ref[0][i]}, {i: ref[1][i]}), ({i: t[0]}, {i: lg[0]}), f"alone vs batch (prompt {i})")
     shared = random_prompts(1, 24, lo=30, hi=30)[0]
     with_prefix = [shared + tail for tail in random_prompts(3, 25, lo=2, hi=9)]
     off = run(with_prefix, block_size=4, enable_prefix_caching=False)
@@ -110,4 +102,4 @@ def test_equivalences_bit_for_bit(model: Path) -> None:
     reqs: list = []
     hit = run_engine(eng, with_prefix, GREEDY, requests=reqs)
     assert all(r.metrics.num_cached_tokens >= 28 for r in reqs)
-    _identical(off, hit, "prefix-cache hit vs caching off")
+    assert_identical(off, hit, "prefix-cache hit vs caching off")
