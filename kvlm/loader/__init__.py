@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from kvlm.config import ModelConfig
 from kvlm.errors import ModelLoadError, TokenizerError
 from kvlm.loader.registry import DEFAULT_MODEL, resolve_model
+from kvlm.tokenizer.templates import BUILTIN_TEMPLATES
 
 if TYPE_CHECKING:  # torch and tokenizers load with the model, not with `kvlm kv-size` or `kvlm info`
     import torch
@@ -46,6 +47,8 @@ def load_checkpoint(path: str | os.PathLike,
 
             config, state, fields = load_gguf(gg, quantized=quantized)
             tokenizer = gguf_tokenizer(gg, fields)  # cached next to the model file
+            if tokenizer.chat_template is None and config.model_type in BUILTIN_TEMPLATES:
+                tokenizer.use_builtin_template(*BUILTIN_TEMPLATES[config.model_type])
         else:
             from kvlm.loader.safetensors import load_hf_dir
             from kvlm.tokenizer.tokenizer import Tokenizer

@@ -42,6 +42,7 @@ class Tokenizer:
         self.add_bos_token = add_bos_token and bos_token_id is not None
         self.add_eos_token = add_eos_token and eos_token_id is not None
         self.chat_template = chat_template
+        self.builtin_template = False  # True: the file had none, kvlm's own (tokenizer/templates.py) is used
         self._template: ChatTemplate | None = None  # compiled on first use
         self.special_ids = frozenset(i for i, t in backend.get_added_tokens_decoder().items() if t.special)
         # Byte-fallback pieces (<0xE4>...) decode as one group, so a later byte can change earlier text.
@@ -96,6 +97,13 @@ class Tokenizer:
                    eos_token_id=eos, bos_token=text_of(bos), eos_token=text_of(eos), extra_eos_ids=gen_eos,
                    add_bos_token=bool(add_bos), add_eos_token=bool(add_eos),
                    chat_template=template if isinstance(template, str) else None)
+
+    def use_builtin_template(self, template: str, end_of_turn: str) -> None:
+        """Take a template kvlm ships (for a file without one); generation also stops at `end_of_turn`."""
+        self.chat_template, self._template, self.builtin_template = template, None, True
+        eot = self._backend.token_to_id(end_of_turn)
+        if eot is not None:
+            self.eos_token_ids = self.eos_token_ids | {eot}
 
     # ------------------------------------------------------------------------------------------- use
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
