@@ -62,6 +62,14 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     V = logits.shape[1]
     probs = logits.softmax(-1)
     logits = logits.masked_fill(probs < min_p.unsqueeze(1) * probs.amax(-1, keepdim=True), float("-inf"))
+    if bool((top_k > 0).all()) and int(top_k.max()) * 8 <= V:
+        return _top_k_then_top_p(logits, top_k, top_p)
+    return _sorted_cuts(logits, top_k, top_p)
+
+
+def _sorted_cuts(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """top-k then top-p (after min-p) by one stable ascending sort of the whole vocabulary."""
+    V = logits.shape[1]
     sorted_logits, order = logits.sort(dim=-1, descending=False, stable=True)  # (B, V) ascending
     k = torch.where(top_k > 0, top_k, torch.full_like(top_k, V)).clamp(max=V)
     kth = sorted_logits.gather(1, (V - k).unsqueeze(1))  # (B, 1): the k-th largest logit
@@ -71,6 +79,23 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     drop[:, -1] = False  # the most likely token always stays
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def _top_k_then_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """`filter_logits` after min-p when every row has a small top-k: the same cuts without sorting the
+    vocabulary (262k entries for Gemma). top-k's threshold comes from `topk`; top-p then sorts only the
+    survivors (the k largest and their ties), stably by value over ascending ids, the order the full sort
+    gives them, while every other token is -inf there and adds no mass."""
+    kth = logits.topk(int(top_k.max()), dim=-1).values.gather(1, (top_k - 1).unsqueeze(1))  # (B, 1)
+    keep = logits >= kth
+    out = logits.masked_fill(~keep, float("-inf"))
+    for r in torch.nonzero(top_p < 1).flatten().tolist():
+        ids = torch.nonzero(keep[r]).flatten()  # ascending token ids
+        vals, order = out[r, ids].sort(stable=True)  # ascending; ties keep id order
+        drop = vals.softmax(-1).cumsum(-1) <= 1 - top_p[r]
+        drop[-1] = False  # the most likely token always stays
+        out[r, ids[order[drop]]] = float("-inf")
+    return out
 
 
 def apply_logit_bias(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:

@@ -316,3 +316,16 @@ def test_min_tokens_bans_eos_and_stop_ids_until_reached() -> None:
     assert _sample(logits.clone(), [req], frozenset({1})).token_ids == [3]
     req.token_ids += [3, 3]  # min_tokens reached: EOS allowed again
     assert _sample(logits.clone(), [req], frozenset({1})).token_ids == [1]
+
+
+def test_top_k_fast_path_makes_the_full_sorts_cuts() -> None:
+    """With a small top-k on every row the sampler never sorts the vocabulary; its cuts (ties included:
+    logits on a coarse grid) are the full sort's, with and without top-p."""
+    from kvlm.engine.sampler import _sorted_cuts, _top_k_then_top_p
+
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(6, 4096, generator=g) * 4).round() / 2  # many ties
+    logits[5, :4000] = float("-inf")  # a row that min-p already cut to 96 tokens
+    top_k = torch.tensor([1, 5, 40, 40, 200, 500])
+    for top_p in (torch.ones(6), torch.tensor([0.9, 0.5, 0.95, 0.1, 0.99, 0.8])):
+        assert torch.equal(_top_k_then_top_p(logits, top_k, top_p), _sorted_cuts(logits, top_k, top_p))
