@@ -159,6 +159,24 @@ def test_prefix_routing_sends_a_conversation_back_to_its_cache(server):
     assert all(c >= 64 for c in cached[4:]), cached  # turns 2 and 3 reuse the system prompt's blocks
 
 
+def test_full_replicas_answer_503(server):
+    """2 replicas x 8 running (--max-num-seqs 8) + 16 queued (--max-queued-requests 16): of a burst of 48,
+    the extra ones get 503 with Retry-After at once, as one server does; the admitted ones finish."""
+    body = {"model": "smollm2-135m", "prompt": "Count slowly:", "max_tokens": 24, "temperature": 0,
+            "ignore_eos": True}
+
+    async def burst():
+        async with httpx.AsyncClient(timeout=300, headers=server.headers,
+                                     limits=httpx.Limits(max_connections=64)) as c:
+            return await asyncio.gather(*(c.post(server.url + "/v1/completions", json=body) for _ in range(48)))
+
+    rs = asyncio.run(burst())
+    codes = [r.status_code for r in rs]
+    assert set(codes) == {200, 503} and codes.count(200) >= 32, codes
+    full = next(r for r in rs if r.status_code == 503)
+    assert full.headers["retry-after"] == "1" and full.json()["error"]["type"] == "service_unavailable"
+
+
 def test_replica_killed_mid_run_loses_no_request(server, offline):
     """64 requests (half streamed) at concurrency 8; one replica's process is SIGKILLed after the 12th
     answer. Every request ends: with offline's tokens, or, streamed and already under way, with an error
