@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +22,7 @@ import ray
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
+from kvlm.errors import KvlmError
 from kvlm.serve_ray.client import ReplicaClient
 from kvlm.serve_ray.records import ReplicaInfo
 from kvlm.serve_ray.replica import EngineReplica
@@ -88,16 +90,26 @@ class ReplicaDeployment:
         """Ray up, replicas deployed and ready (each has loaded the model), the first one described."""
         for name in ("ray", "ray.serve"):
             logging.getLogger(name).setLevel(logging.WARNING)
+        # Until uvicorn takes the signals over, SIGTERM/SIGINT unwind to `shutdown()`: by default SIGTERM would
+        # end this process and orphan what Ray started, and Ray's core installs a handler that aborts it.
+        _catch_signals()
         if self.opts.ray_address:
             ray.init(address=self.opts.ray_address, log_to_driver=False, namespace="kvlm",
                      logging_level=logging.WARNING)
         else:
-            ray.init(num_cpus=os.cpu_count() or 1, include_dashboard=False, object_store_memory=OBJECT_STORE_BYTES,
-                     log_to_driver=False, namespace="kvlm", logging_level=logging.WARNING)
+            # "local": a new instance even where `ray start` left one (ray.init() would join that one).
+            ray.init(address="local", num_cpus=os.cpu_count() or 1, include_dashboard=False,
+                     object_store_memory=OBJECT_STORE_BYTES, log_to_driver=False, namespace="kvlm",
+                     logging_level=logging.WARNING)
             self.started_ray = True
+        _catch_signals()  # again: ray.init replaced them
         serve.start(proxy_location="Disabled")
         dep = serve.deployment(EngineReplica).options(**self._deployment_options())
-        serve.run(dep.bind(self.model, self.engine_config), name=APP_NAME, route_prefix=None)
+        try:
+            serve.run(dep.bind(self.model, self.engine_config), name=APP_NAME, route_prefix=None)
+        except RuntimeError as e:  # a replica's constructor failed (no kvlm on a node, the model missing there)
+            raise KvlmError(f"the replicas did not start ({str(e).splitlines()[0]}); every node needs kvlm and "
+                            "the model; Serve's logs are in Ray's session directory, logs/serve/") from None
         self.handle = serve.get_deployment_handle(DEPLOYMENT_NAME, app_name=APP_NAME)
         self.info = self.handle.describe.remote().result(timeout_s=120)
 
@@ -110,9 +122,7 @@ class ReplicaDeployment:
     def shutdown(self) -> None:
         """Idempotent; safe after a failed `start()`."""
         BOOKS.pop(self.book_key, None)
-        if not ray.is_initialized():
-            return
-        if not self.started_ray:  # a shared cluster: remove only what this process deployed, then leave
+        if ray.is_initialized() and not self.started_ray:  # a shared cluster: remove only what we deployed
             try:
                 serve.delete(APP_NAME)
             except Exception as e:  # the cluster is going down too: nothing left to remove
@@ -120,5 +130,15 @@ class ReplicaDeployment:
         # Our own instance: its requests were aborted already (`ReplicaClient.abort_all`), and stopping Ray
         # ends every process it started (GCS, raylet, agents, the Serve controller, the replicas) at once.
         # Serve's own graceful shutdown would wait up to 30 s more, and hangs when a terminal's Ctrl-C
-        # has reached Ray's processes too (they share this process group).
+        # has reached Ray's processes too (they share this process group). Also after a start interrupted
+        # inside ray.init: whatever it had started is stopped.
         ray.shutdown()
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def _catch_signals() -> None:
+    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, _interrupt)
