@@ -49,6 +49,7 @@ class ReplicaClient:
         self.draining = False
         self._in_flight = 0  # engine requests reserved or running, from this process
         self._subs: set[ReplicaSubmission] = set()
+        self._loop: asyncio.AbstractEventLoop | None = None  # the app's, seen at the first submit
 
     # -- what app / serving read ------------------------------------------------------------------------
     def _replica_stats(self) -> list[dict[str, Any]]:
@@ -95,6 +96,7 @@ class ReplicaClient:
         if self.draining:
             self.release(len(specs))
             raise APIError(503, "the server is shutting down", "service_unavailable", None, 503)
+        self._loop = asyncio.get_running_loop()
         sub = ReplicaSubmission(self, specs, stream)
         try:
             await sub.started()
@@ -106,6 +108,10 @@ class ReplicaClient:
     def abort_all(self) -> None:
         """Shutdown: every open request ends at once with `finish_reason="abort"`; new ones get 503."""
         self.draining = True
+        if self._loop is not None:  # called from a signal handler: cancel the tasks on their own loop
+            self._loop.call_soon_threadsafe(self._abort_subs)
+
+    def _abort_subs(self) -> None:
         for sub in list(self._subs):
             sub.abort_all()
 
@@ -164,7 +170,6 @@ class ReplicaSubmission:
 
     async def _pump(self, i: int, spec: tuple[list[int], SamplingParams, str]) -> None:
         """Run engine request i on a replica, retrying on another while nothing reached the client."""
-        from ray.exceptions import RayActorError
         from ray.serve.exceptions import BackPressureError
 
         c = self._client
@@ -208,7 +213,7 @@ class ReplicaSubmission:
                     self._accept(i, APIError(503, "every replica is full; retry later", "service_unavailable",
                                              None, 503, {"Retry-After": "1"}))
                     return
-                except (RayActorError, Exception) as e:  # the replica died or became unreachable
+                except Exception as e:  # RayActorError: the replica died or became unreachable
                     detail = type(e).__name__
                     log.warning("kvlm: request %s lost its replica (%s)", rid, detail)
                 finally:
