@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from kvlm.errors import KvlmError
 
-INSTALL_HINT = "kvlm serve --replicas needs Ray Serve: pip install 'kvlm[ray]' (or pip install 'ray[serve]>=2.40')"
+INSTALL_HINT = "kvlm serve --replicas needs Ray Serve: pip install 'kvlm[ray]' (ray[serve] 2.60.0)"
 
 
 def require_ray() -> None:
