@@ -15,6 +15,7 @@ import functools
 import json
 import platform
 import resource
+import statistics
 import subprocess
 import sys
 import time
@@ -201,3 +202,16 @@ def background_load(n: int) -> Iterator[None]:
             pr.kill()
         for pr in procs:
             pr.wait()
+
+
+def percentiles(xs: list[float], name: str) -> dict[str, float]:
+    """mean / median / p90 / p99 of `xs` (seconds) in ms, under `vllm bench serve`'s key names."""
+    if not xs:
+        return {f"{k}_{name}_ms": float("nan") for k in ("mean", "median", "p90", "p99")}
+    s = sorted(xs)
+
+    def pct(p: float) -> float:
+        return s[min(len(s) - 1, max(0, round(p / 100 * len(s) + 0.5) - 1))]
+
+    return {f"mean_{name}_ms": statistics.fmean(s) * 1e3, f"median_{name}_ms": statistics.median(s) * 1e3,
+            f"p90_{name}_ms": pct(90) * 1e3, f"p99_{name}_ms": pct(99) * 1e3}

@@ -7,6 +7,7 @@ streamed text), ITL (between chunks), TPOT ((latency - TTFT) / (output tokens - 
 and reports mean/p50/p90/p99 under `vllm bench serve`'s names. `--compare-offline` then runs the same
 prompts through `LLM` in this process (batched, and one at a time for TTFT) and reports the ratios.
 Bounded in count (`--num-prompts`) and time (`--max-duration`). The last line is one JSON document.
+`--conversations C --turns T` runs the multi-turn chat workload instead (`bench.conversations`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from kvlm.bench.common import Bench, log, run_header, standalone
+from kvlm.bench.common import Bench, log, percentiles, run_header, standalone
 from kvlm.bench.plotting import new_figure
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
@@ -71,18 +72,6 @@ async def one_request(client: Any, url: str, model: str, prompt: list[int] | str
     except Exception as e:  # connection refused, timeouts: counted as failed, never retried
         res.error = f"{type(e).__name__}: {e}"
     return res
-
-
-def percentiles(xs: list[float], name: str) -> dict[str, float]:
-    if not xs:
-        return {f"{k}_{name}_ms": float("nan") for k in ("mean", "median", "p90", "p99")}
-    s = sorted(xs)
-
-    def pct(p: float) -> float:
-        return s[min(len(s) - 1, max(0, round(p / 100 * len(s) + 0.5) - 1))]
-
-    return {f"mean_{name}_ms": statistics.fmean(s) * 1e3, f"median_{name}_ms": statistics.median(s) * 1e3,
-            f"p90_{name}_ms": pct(90) * 1e3, f"p99_{name}_ms": pct(99) * 1e3}
 
 
 async def run_load(url: str, model: str, prompts: list[Any], outs: list[int], concurrency: int | None,
@@ -183,6 +172,8 @@ def check_flags(a: argparse.Namespace) -> None:
         raise ValueError("--max-concurrency must be >= 1")
     if any(r <= 0 for r in a.request_rate or ()):
         raise ValueError("--request-rate must be positive (inf for all at once)")
+    if a.conversations is not None and (a.conversations < 1 or a.turns < 1):
+        raise ValueError("--conversations and --turns must be >= 1")
 
 
 def run(a: argparse.Namespace) -> dict[str, Any]:
@@ -198,6 +189,10 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     url = check_loopback(a.url)
     models = httpx.get(url + "/v1/models", timeout=10).json()["data"]
     model = a.model or models[0]["id"]
+    if a.conversations:
+        from kvlm.bench.conversations import run_conversations
+
+        return {**run_header("serve", model, a.threads), "url": url, **run_conversations(url, model, a)}
     vocab = httpx.get(url + "/tokenizer_info", timeout=10).json()["vocab_size"]
     if a.prompts_file:
         lines = [ln for ln in Path(a.prompts_file).read_text().splitlines() if ln.strip()][: a.num_prompts]
@@ -243,6 +238,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--offline-max-num-seqs", type=int, default=16, help="engine seats offline (the server's default)")
     p.add_argument("--threads", type=int, default=2, help="torch threads for --compare-offline")
     p.add_argument("--plot", metavar="FILE", help="PNG of TTFT and E2EL percentiles against request rate")
+    m = p.add_argument_group("multi-turn chat (kvlm.bench.conversations): compare routers of --replicas")
+    m.add_argument("--conversations", type=int, default=None,
+                   help="C conversations with their own system prompts, each resending its history every turn, "
+                        "turns sent in shuffled rounds; output tokens per turn: --output-len MIN; concurrency: "
+                        "--max-concurrency (4 if not given) (default: the one-shot workload)")
+    m.add_argument("--turns", type=int, default=6, help="turns per conversation")
+    m.add_argument("--system-words", type=int, default=120, help="filler words in each system prompt")
 
 
 # No table: each rate's summary goes to stderr as its run ends, the document to stdout.

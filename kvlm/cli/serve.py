@@ -41,6 +41,26 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="server log level")
     g.add_argument("--log-requests", action="store_true", help="log each request's id and route (never its text)")
+    r = s.add_argument_group("replicas (Ray Serve; needs pip install 'kvlm[ray]')")
+    r.add_argument("--replicas", type=int, default=None,
+                   help="run N engine replicas (one process each, --threads threads each) on Ray Serve behind this "
+                        "one endpoint (default: one engine in this process, Ray not loaded)")
+    r.add_argument("--min-replicas", type=int, default=None,
+                   help="autoscale on queue length from this many replicas (default: no autoscaling)")
+    r.add_argument("--max-replicas", type=int, default=None,
+                   help="autoscale up to this many replicas (default: --min-replicas)")
+    r.add_argument("--ray-address", default=None,
+                   help="join this Ray cluster (e.g. 10.0.0.1:6379 from `ray start --head`) instead of starting a "
+                        "local Ray instance (default: a local one)")
+    r.add_argument("--router", default="prefix", choices=["prefix", "pow2", "round-robin"],
+                   help="prefix: the replica holding the longest cached prefix of the prompt's KV blocks (power of "
+                        "two choices when it is too busy); pow2: the less busy of two random replicas")
+    r.add_argument("--route-imbalance", type=int, default=4,
+                   help="prefix router: fall back to load when the best replica runs this many more requests "
+                        "than the least busy")
+    r.add_argument("--max-ongoing-requests", type=int, default=None,
+                   help="requests one replica takes at once; more wait for the first free replica "
+                        "(default: --max-num-seqs)")
     add_engine_args(s)
     add_prefix_snapshot_flag(s)
     s.set_defaults(func=cmd_serve)
@@ -60,37 +80,109 @@ def _check_bind(host: str, port: int) -> None:
             raise KvlmError(f"could not start the server on {host}:{port} ({e.strerror})") from None
 
 
-def cmd_serve(a: argparse.Namespace) -> int:
-    import uvicorn
-
-    from kvlm.engine.engine import Engine
-    from kvlm.server.app import create_app
-    from kvlm.server.async_engine import AsyncEngine
-    from kvlm.server.metrics import ServerMetrics
-    from kvlm.server.serving import ServingOptions
-    from kvlm.server.serving_chat import ChatServing
-    from kvlm.server.serving_completion import CompletionServing
-
+def _check_flags(a: argparse.Namespace) -> None:
     for name, low in (("max_logprobs", 0), ("max_n", 1), ("max_body_bytes", 1), ("port", 0)):
         if getattr(a, name) < low:
             raise ValueError(f"--{name.replace('_', '-')} must be >= {low}")
     if a.max_queued_requests is not None and a.max_queued_requests < 0:
         raise ValueError("--max-queued-requests must be >= 0")
+    for name in ("replicas", "min_replicas", "max_replicas", "max_ongoing_requests"):
+        v = getattr(a, name)
+        if v is not None and v < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    if a.min_replicas is not None and a.max_replicas is not None and a.max_replicas < a.min_replicas:
+        raise ValueError("--max-replicas must be >= --min-replicas")
+
+
+def _check_pool(fits: int, max_model_len: int, what: str) -> None:
+    if fits < max_model_len:
+        raise KvlmError(f"{what} holds {fits} tokens, less than one full context ({max_model_len}); "
+                        f"raise --kv-cache-memory or use --max-model-len {fits}")
+
+
+def _replicated(a: argparse.Namespace) -> bool:
+    return any(getattr(a, n) is not None for n in ("replicas", "min_replicas", "max_replicas", "ray_address"))
+
+
+def cmd_serve(a: argparse.Namespace) -> int:
+    from kvlm.engine.engine import Engine
+    from kvlm.server.async_engine import AsyncEngine
+    from kvlm.server.metrics import ServerMetrics
+
+    _check_flags(a)
     level = getattr(logging, a.log_level.upper())
     logging.getLogger("kvlm").setLevel(logging.WARNING if a.quiet else level)
-    keys = [k for k in (a.api_key or os.environ.get("KVLM_API_KEY") or "").split(",") if k]
-
+    if _replicated(a):
+        return _serve_replicas(a)
     _check_bind(a.host, a.port)  # before loading the model: a busy port should fail in a second
     engine = Engine(a.model, engine_config_from_args(a), quiet=a.quiet)
     bm = engine.block_manager
-    if engine.config.enable_kv_cache and bm.num_blocks * bm.block_size < engine.max_model_len:
-        fits = bm.num_blocks * bm.block_size
-        raise KvlmError(f"the KV pool holds {fits} tokens, less than one full context ({engine.max_model_len}); "
-                        f"raise --kv-cache-memory or use --max-model-len {fits}")
+    if engine.config.enable_kv_cache:
+        _check_pool(bm.num_blocks * bm.block_size, engine.max_model_len, "the KV pool")
     load_prefix_snapshot(engine, a.prefix_snapshot, a.quiet)
     names = served_names(a.model, a.served_model_name)
     aengine = AsyncEngine(engine, a.max_queued_requests)
     metrics = ServerMetrics(aengine, names[0])  # takes the loop thread's token / finish hooks
+    ready = (f"max_model_len {engine.max_model_len}; {engine.describe_cache().removeprefix('kvlm: ')}")
+    aengine.start()
+    try:
+        return _run_http(a, engine, aengine, metrics, names, ready)
+    finally:
+        aengine.stop()
+
+
+def _serve_replicas(a: argparse.Namespace) -> int:
+    """`--replicas N` (or autoscaling, or a Ray cluster): the same app in front of Ray Serve replicas."""
+    import dataclasses
+
+    from kvlm.serve_ray import require_ray
+
+    require_ray()  # one line naming the extra, before any Ray import
+    from kvlm.loader.registry import resolve_model
+    from kvlm.serve_ray.launch import ReplicaDeployment, ReplicaOptions
+    from kvlm.serve_ray.metrics import ReplicaMetrics
+
+    if a.prefix_snapshot:
+        raise KvlmError("--prefix-snapshot is not supported with --replicas (each replica has its own cache)")
+    _check_bind(a.host, a.port)
+    resolve_model(a.model, quiet=a.quiet)  # an unknown model fails here in a second, not in N replicas
+    cfg = engine_config_from_args(a)
+    n = a.replicas or a.min_replicas or 1
+    if cfg.num_threads is None:  # share this machine's cores between the replicas
+        cfg = dataclasses.replace(cfg, num_threads=max(1, (os.cpu_count() or 1) // n))
+    opts = ReplicaOptions(replicas=n, min_replicas=a.min_replicas, max_replicas=a.max_replicas,
+                          ray_address=a.ray_address, router=a.router, imbalance_threshold=a.route_imbalance,
+                          max_ongoing_requests=a.max_ongoing_requests or cfg.max_num_seqs,
+                          max_queued_requests=a.max_queued_requests)
+    dep = ReplicaDeployment(a.model, dataclasses.asdict(cfg), opts)
+    try:
+        dep.start()
+        client = dep.client()
+        info = dep.info
+        if cfg.enable_kv_cache:
+            _check_pool(info.num_blocks * info.block_size, info.max_model_len, "a replica's KV pool")
+        names = served_names(a.model, a.served_model_name)
+        metrics = ReplicaMetrics(dep.book, names[0], opts.target)
+        scale = (f"{opts.min_replicas or 1}..{opts.max_replicas or opts.min_replicas} replicas (autoscaling)"
+                 if opts.autoscaling else f"{n} replicas")
+        ready = (f"{scale}, router {a.router}, {cfg.num_threads} threads each; max_model_len {info.max_model_len}; "
+                 f"per replica {info.cache_line.removeprefix('kvlm: ')}")
+        return _run_http(a, info, client, metrics, names, ready)
+    finally:
+        dep.shutdown()
+
+
+def _run_http(a: argparse.Namespace, engine: Any, aengine: Any, metrics: Any, names: list[str], ready: str) -> int:
+    """Serve the OpenAI app on uvicorn until SIGINT/SIGTERM; `engine` is an `Engine` or what replicas
+    described (`ReplicaInfo`), `aengine` an `AsyncEngine` or a `ReplicaClient`."""
+    import uvicorn
+
+    from kvlm.server.app import create_app
+    from kvlm.server.serving import ServingOptions
+    from kvlm.server.serving_chat import ChatServing
+    from kvlm.server.serving_completion import CompletionServing
+
+    keys = [k for k in (a.api_key or os.environ.get("KVLM_API_KEY") or "").split(",") if k]
     opts = ServingOptions(names, max_logprobs=a.max_logprobs, max_n=a.max_n)
     app = create_app(CompletionServing(engine, aengine, opts), ChatServing(engine, aengine, opts), aengine, metrics,
                      keys, a.max_body_bytes, a.root_path, a.log_requests)
@@ -99,8 +191,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
         async def startup(self, *args: Any, **kw: Any) -> None:
             await super().startup(*args, **kw)
             if self.started:
-                print(f"kvlm: serving {names[0]} at http://{a.host}:{a.port}{a.root_path} "
-                      f"(max_model_len {engine.max_model_len}; {engine.describe_cache().removeprefix('kvlm: ')})",
+                print(f"kvlm: serving {names[0]} at http://{a.host}:{a.port}{a.root_path} ({ready})",
                       file=sys.stderr, flush=True)
 
         def handle_exit(self, sig: int, frame: Any) -> None:
@@ -112,13 +203,10 @@ def cmd_serve(a: argparse.Namespace) -> int:
     config = uvicorn.Config(app, host=a.host, port=a.port, log_level=a.log_level, access_log=False,
                             timeout_graceful_shutdown=5, root_path=a.root_path, lifespan="off")
     server = Server(config)
-    aengine.start()
     try:
         server.run()
     except SystemExit:  # uvicorn exits this way when it cannot bind
         pass
-    finally:
-        aengine.stop()
     if not server.started:
         raise KvlmError(f"could not start the server on {a.host}:{a.port} (is the port in use?)")
     return 0

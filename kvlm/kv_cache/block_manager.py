@@ -40,6 +40,19 @@ from kvlm.request import Request
 Parent = tuple[int, int]  # (block id, its registration generation)
 
 
+
+def hash_block(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
+    """sha256(parent hash || token ids as int64): the name of a full block's whole prefix."""
+    return hashlib.sha256(parent_hash + array("q", token_ids).tobytes()).digest()
+
+
+def prefix_block_hashes(root_hash: bytes, token_ids: Sequence[int], block_size: int) -> list[bytes]:
+    """The chain of hashes of `token_ids`' full blocks, starting from `root_hash` (a pool's `root_hash`)."""
+    out: list[bytes] = []
+    for i in range(len(token_ids) // block_size):
+        out.append(hash_block(out[-1] if out else root_hash, token_ids[i * block_size : (i + 1) * block_size]))
+    return out
+
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False) -> None:
         self.num_blocks, self.block_size = num_blocks, block_size
@@ -84,7 +97,11 @@ class BlockManager:
 
     def hash_block(self, parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
         """sha256(parent hash || token ids as int64): the name of a full block's whole prefix."""
-        return hashlib.sha256(parent_hash + array("q", token_ids).tobytes()).digest()
+        return hash_block(parent_hash, token_ids)
+
+    def prompt_block_hashes(self, token_ids: Sequence[int]) -> list[bytes]:
+        """The hashes the prompt's full blocks would have here (what a router compares with a replica's)."""
+        return prefix_block_hashes(self.root_hash, token_ids, self.block_size)
 
     def block_hashes(self, req: Request, num_full: int) -> list[bytes]:
         """`req.block_hashes` extended to its first `num_full` full blocks (token ids never change once

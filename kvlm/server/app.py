@@ -291,7 +291,8 @@ def create_app(completion: CompletionServing, chat: ChatServing, aengine: AsyncE
     async def health() -> Response:
         if aengine.dead is not None:
             return JSONResponse(APIError(503, "the engine stopped", "service_unavailable").body(), 503)
-        return Response(status_code=200)
+        state = aengine.health()  # replicas: (200, "degraded") while one is down, (503, ...) with none up
+        return Response(status_code=200) if state is None else JSONResponse(state[1], state[0])
 
     @app.get("/version")
     async def version() -> dict[str, str]:

@@ -113,6 +113,10 @@ class AsyncEngine:
         self._post(("abort_all",))
 
     # -- what handlers call ----------------------------------------------------------------------------
+    def health(self) -> tuple[int, dict[str, Any]] | None:
+        """None: healthy (a bare 200). Replicas (`serve_ray.client`) report a degraded state here."""
+        return None
+
     @property
     def num_waiting(self) -> int:
         """Requests queued: in the scheduler's queue at the last snapshot, plus submitted but not added."""
@@ -135,10 +139,13 @@ class AsyncEngine:
         with self._lock:
             self._pending -= count
 
-    async def submit(self, specs: list[tuple[list[int], SamplingParams, str]], reserved: int = 0) -> Submission:
+    async def submit(self, specs: list[tuple[list[int], SamplingParams, str]], reserved: int = 0,
+                     stream: bool = True) -> Submission:
         """Start the requests `specs[i] = (prompt ids, params, request id)`; `reserved` of them were
         counted by `reserve()` already. All or none: if the engine refuses one (too long, bad ids), none
-        runs and the engine's error is raised here, before anything was streamed."""
+        runs and the engine's error is raised here, before anything was streamed. `stream` (whether the
+        client sees deltas as they come) matters only to replicas (`serve_ray.client`), which may retry
+        a request elsewhere while nothing of it was shown."""
         if reserved < len(specs):
             self.reserve(len(specs) - reserved)
         loop = asyncio.get_running_loop()

@@ -163,11 +163,11 @@ class OpenAIServing:
             raise bad_request(str(e), param_of(e)) from None
 
     async def _submit(self, specs: list[tuple[list[int], SamplingParams, str]], reserved: int,
-                      prompt_param: str) -> Submission:
+                      prompt_param: str, stream: bool = True) -> Submission:
         """Start the requests; the engine validates them once (`Engine.add_request`), and its
         `ParameterError`s become 400s here, in vLLM's wording where vLLM has one."""
         try:
-            return await self.aengine.submit(specs, reserved)
+            return await self.aengine.submit(specs, reserved, stream)
         except PromptTooLongError as e:
             raise bad_request(str(e), "max_tokens") from None
         except ParameterError as e:

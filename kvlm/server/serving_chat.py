@@ -71,7 +71,7 @@ class ChatServing(OpenAIServing):
         except BaseException:
             self.aengine.release(r.n)
             raise
-        sub = await self._submit(specs, r.n, "messages")
+        sub = await self._submit(specs, r.n, "messages", bool(r.stream))
         ctx = _Call(request_id, "chatcmpl", r.n, [ids], sub)
         if r.stream:
             return SSEStream(self._sse(ctx, "chat.completion.chunk", r, self._stream_chat(r, ctx)), sub)

@@ -46,7 +46,7 @@ class CompletionServing(OpenAIServing):
         except BaseException:
             self.aengine.release(count)
             raise
-        sub = await self._submit(specs, count, "prompt")
+        sub = await self._submit(specs, count, "prompt", bool(r.stream))
         ctx = _Call(request_id, "cmpl", r.n, prompt_ids, sub)
         if r.stream:
             return SSEStream(self._sse(ctx, "text_completion", r, self._stream_completion(r, ctx)), sub)

@@ -6,7 +6,8 @@ import json
 import subprocess
 import sys
 
-from server_utils import ROOT
+import pytest
+from server_utils import ROOT, ServerProcess
 
 
 def test_bench_serve_reports_vllm_metrics_and_plot(tiny_server, tmp_path):
@@ -32,3 +33,22 @@ def test_bench_serve_refuses_a_remote_url():
                          capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert out.returncode == 2 and "loopback" not in out.stdout
     assert out.stderr.strip().splitlines()[-1].startswith("kvlm: error: --url:")
+
+
+@pytest.mark.slow
+def test_bench_serve_conversations_resend_histories_and_hit_the_cache(smollm2_gguf):
+    """The multi-turn workload: C x T turns, each resending its history; from turn 2 on the history's blocks
+    are cached (one process here: its counter is the "-" replica). The default model: the tiny one's
+    byte-level tokenizer and 256-token context hold no second turn."""
+    with ServerProcess(smollm2_gguf, "--max-model-len", "1024") as server:
+        out = subprocess.run([sys.executable, "-m", "kvlm", "bench", "serve", "--url", server.url, "--conversations",
+                              "3", "--turns", "3", "--output-len", "4", "4", "--system-words", "8",
+                              "--max-concurrency", "2"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout.strip().splitlines()[-1])
+    assert doc["completed"] == 9, doc.get("errors")
+    assert doc["failed"] == 0 and doc["total_output_tokens"] == 36
+    assert 0 < doc["prefix_hit_tokens"] < doc["total_input_tokens"]
+    assert doc["prefix_hit_tokens_by_replica"] == {"-": doc["prefix_hit_tokens"]}
+    for k in ("median_ttft_ms", "p99_ttft_ms", "output_throughput", "request_throughput"):
+        assert doc[k] > 0

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -80,3 +81,19 @@ class ServerProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+async def greedy_completion(client: Any, model: str, prompt: str, max_tokens: int,
+                            stream: bool) -> tuple[str, list[float]]:
+    """A greedy completion's text and per-token logprobs through an `openai.AsyncOpenAI` client, streamed
+    or not (a streamed error event raises the client's APIError)."""
+    kw = dict(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, logprobs=1)
+    if not stream:
+        r = await client.completions.create(**kw)
+        return r.choices[0].text, list(r.choices[0].logprobs.token_logprobs)
+    text, lps = "", []
+    async for c in await client.completions.create(stream=True, **kw):
+        if c.choices:
+            text += c.choices[0].text
+            lps += list(c.choices[0].logprobs.token_logprobs) if c.choices[0].logprobs else []
+    return text, lps

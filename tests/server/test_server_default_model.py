@@ -7,7 +7,7 @@ import asyncio
 
 import openai
 import pytest
-from server_utils import ServerProcess
+from server_utils import ServerProcess, greedy_completion
 
 PROMPTS = ["The capital of France is", "Write a haiku about caches.", "1, 2, 3, 4,", "Translate to French: cat",
            "def fibonacci(n):", "Once upon a time, in a land far away, there lived a small dragon who",
@@ -32,21 +32,10 @@ def test_concurrent_greedy_http_equals_offline(server):
     prompts = PROMPTS
     max_tokens = [8 + (i * 3) % 9 for i in range(len(prompts))]
 
-    async def one(client: openai.AsyncOpenAI, p: str, n: int, stream: bool) -> tuple[str, list[float]]:
-        kw = dict(model="smollm2-135m", prompt=p, max_tokens=n, temperature=0, logprobs=1)
-        if not stream:
-            r = await client.completions.create(**kw)
-            return r.choices[0].text, list(r.choices[0].logprobs.token_logprobs)
-        text, lps = "", []
-        async for c in await client.completions.create(stream=True, **kw):
-            if c.choices:
-                text += c.choices[0].text
-                lps += list(c.choices[0].logprobs.token_logprobs) if c.choices[0].logprobs else []
-        return text, lps
-
     async def run_all(stream: bool) -> list:
         client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=300)
-        return await asyncio.gather(*(one(client, p, n, stream) for p, n in zip(prompts, max_tokens)))
+        return await asyncio.gather(*(greedy_completion(client, "smollm2-135m", p, n, stream)
+                                     for p, n in zip(prompts, max_tokens)))
 
     plain, streamed = asyncio.run(run_all(False)), asyncio.run(run_all(True))
     offline = LLM(str(server.model_path), num_threads=2)
