@@ -71,6 +71,9 @@ class LLM:
             if len(params_list) != len(prompts):
                 raise ValueError(f"got {len(params_list)} sampling params for {len(prompts)} prompts")
         eng = self.llm_engine
+        for sp in params_list:  # a bad schema or regex is a ParameterError now, before anything is queued
+            if sp is not None and sp.structured_outputs is not None:
+                eng.grammars.compile(sp.structured_outputs)
         reqs: list[Request] = []
         try:
             for p, sp in zip(prompts, params_list):

@@ -20,6 +20,8 @@ class OutputProcessor:
     def append_token(self, req: Request, token: int, logprobs: dict[int, float] | None) -> StreamDelta:
         """Record a sampled token; returns what a streaming client should receive now."""
         p = req.params
+        if req.grammar is not None:
+            req.grammar.accept(token)  # the mask allowed only what the grammar accepts
         req.token_ids.append(token)
         req.metrics.num_generated_tokens += 1
         if logprobs is not None:
