@@ -99,5 +99,6 @@ class GrammarCompiler:
 
 
 def _first_line(message: str) -> str:
-    line = message.strip().splitlines()[0] if message.strip() else "rejected by the grammar compiler"
+    """llguidance's message (often several lines, with a caret diagram) as one line of at most 300 chars."""
+    line = " ".join(part.strip() for part in message.splitlines() if part.strip()) or "rejected by the compiler"
     return line if len(line) <= 300 else line[:297] + "..."
