@@ -95,7 +95,8 @@ class ToolCallStream:
                 i = self.pending.find(OPEN)
                 if i == -1:
                     keep = 0 if final else _partial_tag(self.pending)
-                    content += self.pending[: len(self.pending) - keep]
+                    if not self.calls:  # after a call, text outside tags is dropped (as `parse_tool_calls` does)
+                        content += self.pending[: len(self.pending) - keep]
                     self.pending = self.pending[len(self.pending) - keep:]
                     break
                 content += self.pending[:i] if not self.calls else ""  # text between calls is dropped
@@ -103,12 +104,12 @@ class ToolCallStream:
             j = self.pending.find(CLOSE)
             if j == -1:
                 if final:  # an unclosed call at the end: it was never a call, send it as text
-                    content += self.pending
+                    content += self.pending if not self.calls else ""
                     self.pending = ""
                 break
             calls = _calls_in(self.pending[len(OPEN): j])
             if calls is None:  # a tag that holds no call: plain text after all
-                content += self.pending[: j + len(CLOSE)]
+                content += self.pending[: j + len(CLOSE)] if not self.calls else ""
             else:
                 for c in calls:
                     deltas.append({"index": self.num_calls, "id": c.id, "type": "function",

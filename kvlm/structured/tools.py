@@ -164,6 +164,23 @@ def render_messages(messages: list[dict[str, Any]], functions: list[dict[str, An
 
 
 # ------------------------------------------------------------------------------------------ the grammar
+def closed_objects(schema: Any) -> Any:
+    """`schema` with `additionalProperties: false` on every object that lists properties and does not say
+    otherwise. A call's arguments are a function's parameters: an extra key would only break the call, and a
+    small model given the room pads a call with invented keys (what OpenAI's strict mode and vLLM's
+    disable_additional_properties also do)."""
+    if isinstance(schema, list):
+        return [closed_objects(v) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    maps = ("properties", "$defs", "definitions", "patternProperties")  # name -> schema: recurse into the values
+    out = {k: {n: closed_objects(v2) for n, v2 in v.items()} if k in maps and isinstance(v, dict)
+           else closed_objects(v) for k, v in schema.items()}
+    if "properties" in out and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
 def _hoist_defs(schema: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
     """A tool's parameters with its `$defs` moved into the shared root (their `#/$defs/...` refs then resolve
     from the call grammar's root). Two tools defining one name differently is a ParameterError."""
@@ -180,7 +197,7 @@ def call_schema(functions: list[dict[str, Any]], parallel: bool, as_list: bool) 
     list of at least one (at most one unless `parallel`) when `as_list`, else one object."""
     defs: dict[str, Any] = {}
     options = [{"type": "object", "properties": {"name": {"const": f["name"]},
-                                                 "arguments": _hoist_defs(f["parameters"], defs)},
+                                                 "arguments": _hoist_defs(closed_objects(f["parameters"]), defs)},
                 "required": ["name", "arguments"], "additionalProperties": False} for f in functions]
     one = options[0] if len(options) == 1 else {"anyOf": options}
     schema: dict[str, Any] = {"type": "array", "items": one, "minItems": 1} if as_list else dict(one)
