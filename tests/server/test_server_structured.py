@@ -45,7 +45,8 @@ class Owner(BaseModel):  # nested model + Optional + enum + bounded string: $def
 @pytest.fixture(scope="module")
 def tiny_server(tmp_path_factory: pytest.TempPathFactory):
     """A tiny random model with a 4096-token context: a tool prompt is a few hundred byte tokens."""
-    path = write_tiny_gguf(tmp_path_factory.mktemp("structured") / "tiny.gguf", tiny_config(max_position_embeddings=4096))
+    cfg = tiny_config(max_position_embeddings=4096)
+    path = write_tiny_gguf(tmp_path_factory.mktemp("structured") / "tiny.gguf", cfg)
     with ServerProcess(path, "--served-model-name", "tiny", "--max-num-seqs", "8") as server:
         yield server
 
@@ -220,13 +221,13 @@ class City(BaseModel):
 @pytest.mark.slow
 def test_default_model_parse_and_tool_round_trip(smollm2_server) -> None:
     c = smollm2_server
+    ask = "Give the name, country and population in millions of Paris, as JSON."
     r = c.chat.completions.parse(model="smollm2", response_format=City, temperature=0, max_tokens=60,
-                                 messages=[{"role": "user", "content": "Give the name, country and population in millions "
-                                            "of Paris, as JSON."}])
+                                 messages=[{"role": "user", "content": ask}])
     assert isinstance(r.choices[0].message.parsed, City)
+    params = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
     tools = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
-                                               "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                                                              "required": ["city"]}}}]
+                                               "parameters": params}}]
     first = c.chat.completions.create(model="smollm2", messages=ASK, tools=tools, tool_choice="required",
                                       temperature=0, max_tokens=60)
     call = first.choices[0].message.tool_calls[0]

@@ -12,8 +12,17 @@ from tiny_models import CHATML, byte_level_fields
 from kvlm.errors import ParameterError
 from kvlm.structured.compiler import GrammarCompiler
 from kvlm.structured.tool_parser import ToolCallStream, parse_tool_calls
-from kvlm.structured.tools import (HERMES, SMOLLM2, call_grammar, check_tools, closed_objects, render_messages,
-                                   template_reads_tools, tool_format_for, tool_mode)
+from kvlm.structured.tools import (
+    HERMES,
+    SMOLLM2,
+    call_grammar,
+    check_tools,
+    closed_objects,
+    render_messages,
+    template_reads_tools,
+    tool_format_for,
+    tool_mode,
+)
 from kvlm.tokenizer.tokenizer import Tokenizer
 
 TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {
