@@ -16,7 +16,6 @@ from kvlm.structured.tools import (
     ToolMode,
     call_grammar,
     check_tools,
-    template_reads_tools,
     tool_format_for,
     tool_mode,
 )
@@ -28,7 +27,6 @@ class ToolPlan:
     mode: ToolMode
     name: str | None  # the named function, for mode "named"
     fmt: ToolFormat
-    template_has_tools: bool
     parallel: bool
 
     @property
@@ -68,5 +66,4 @@ def tool_plan(r: ChatCompletionRequest, chat_template: str | None) -> ToolPlan |
         mode, name = tool_mode(r.tool_choice, functions)
     except ParameterError as e:
         raise bad_request(str(e), e.param) from None
-    return ToolPlan(functions, mode, name, tool_format_for(chat_template), template_reads_tools(chat_template),
-                    r.parallel_tool_calls)
+    return ToolPlan(functions, mode, name, tool_format_for(chat_template), r.parallel_tool_calls)

@@ -14,7 +14,7 @@ from kvlm.server.protocol import ChatCompletionRequest, bad_request
 from kvlm.server.serving import OpenAIServing, SSEStream, _Call, _Choice, sse
 from kvlm.server.structured_request import constraint_fields
 from kvlm.structured.tool_parser import ToolCallStream
-from kvlm.structured.tools import render_messages, template_reads_tools, tool_format_for
+from kvlm.structured.tools import chat_inputs
 
 
 class ChatServing(OpenAIServing):
@@ -41,15 +41,8 @@ class ChatServing(OpenAIServing):
             if m.tool_call_id is not None:
                 msg["tool_call_id"] = m.tool_call_id
             msgs.append(msg)
-        template = self.tokenizer.chat_template
-        has_tools = plan.template_has_tools if plan else template_reads_tools(template)
-        if plan is not None or any(m.get("tool_calls") or m["role"] == "tool" or m["content"] is None for m in msgs):
-            # Tools, earlier calls, tool results or a null content: render them in the model's tool format.
-            fmt = plan.fmt if plan else tool_format_for(template)
-            msgs = render_messages(msgs, plan.functions if plan and plan.active else None, fmt, has_tools)
-        kwargs: dict[str, Any] = {}
-        if plan is not None and plan.active and has_tools:
-            kwargs["tools"] = [{"type": "function", "function": f} for f in plan.functions]
+        functions = plan.functions if plan is not None and plan.active else None
+        msgs, kwargs = chat_inputs(msgs, functions, self.tokenizer.chat_template)
         try:
             text = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=r.add_generation_prompt, **kwargs)
         except KvlmError as e:

@@ -163,6 +163,17 @@ def render_messages(messages: list[dict[str, Any]], functions: list[dict[str, An
     return out
 
 
+def chat_inputs(messages: list[dict[str, Any]], functions: list[dict[str, Any]] | None,
+                chat_template: str | None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The messages and extra template variables for one chat: `functions` (None: no tools offered) and any
+    earlier calls, tool results or null contents rendered for this template (`render_messages`)."""
+    has_tools = template_reads_tools(chat_template)
+    if functions or any(m.get("tool_calls") or m.get("role") == "tool" or m.get("content") is None for m in messages):
+        messages = render_messages(messages, functions, tool_format_for(chat_template), has_tools)
+    kwargs = {"tools": [{"type": "function", "function": f} for f in functions]} if functions and has_tools else {}
+    return messages, kwargs
+
+
 # ------------------------------------------------------------------------------------------ the grammar
 def closed_objects(schema: Any) -> Any:
     """`schema` with `additionalProperties: false` on every object that lists properties and does not say

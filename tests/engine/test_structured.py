@@ -13,6 +13,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 from engine_runs import assert_same_logits, random_prompts, run_engine, small_bytes
+from tiny_models import tiny_config, write_tiny_gguf
 
 from kvlm import LLM, EngineConfig, SamplingParams
 from kvlm.engine.engine import Engine
@@ -161,3 +162,20 @@ def test_bad_grammar_refused_before_queueing(llm: LLM, tiny_gguf: Path) -> None:
     while e.has_unfinished:
         e.step()
     assert req.finish_reason == "abort" and "structured_outputs" in str(req.stop_reason)
+
+
+def test_llm_chat_with_tools_returns_parsed_calls(tmp_path: Path) -> None:
+    params = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["n"]}
+    tools = [{"type": "function", "function": {"name": "pick", "parameters": params}}]
+    llm = LLM(str(write_tiny_gguf(tmp_path / "t.gguf", tiny_config(max_position_embeddings=2048))))
+    history = [{"role": "user", "content": "pick"},
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "call_0", "type": "function", "function": {"name": "pick", "arguments": '{"n":1}'}}]},
+               {"role": "tool", "tool_call_id": "call_0", "content": "ok"}]
+    for choice in ("required", {"type": "function", "function": {"name": "pick"}}):
+        out = llm.chat(history, SamplingParams(temperature=1.0, seed=3, max_tokens=60), tools=tools,
+                       tool_choice=choice, parallel_tool_calls=False)[0].outputs[0]
+        assert out.finish_reason == "stop" and len(out.tool_calls) == 1 and out.tool_calls[0].name == "pick"
+        jsonschema.validate(json.loads(out.tool_calls[0].arguments), params)
+    plain = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=5), tools=tools, tool_choice="none")
+    assert plain[0].outputs[0].tool_calls is None
