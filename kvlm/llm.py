@@ -142,6 +142,8 @@ class LLM:
         reuses every earlier turn's K/V through the prefix cache: nothing needs to be kept by hand.
         """
         eng = self.llm_engine
+        if sampling_params is not None and sampling_params.structured_outputs is not None:
+            eng.grammars.compile(sampling_params.structured_outputs)  # a bad grammar raises here, as in generate
         req = eng.add_request(_prompt_input(prompt), sampling_params)
         self.last_request = req
         try:
