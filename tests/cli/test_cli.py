@@ -122,7 +122,8 @@ def cli_files(tmp_path_factory: pytest.TempPathFactory, tiny_gguf: Path) -> dict
     (d / "query.lark").write_text('start: "SELECT " /[a-z]{1,5}/ " FROM t"\n')
     (d / "schema.json").write_text(json.dumps({"type": "array", "items": {"type": "integer", "minimum": 0,
                                                                           "maximum": 9}, "minItems": 2, "maxItems": 2}))
-    return {"grammar": d / "query.lark", "schema": d / "schema.json","truncated": d / "truncated.gguf", "truncated_header": d / "truncated_header.gguf",
+    return {"grammar": d / "query.lark", "schema": d / "schema.json",
+            "truncated": d / "truncated.gguf", "truncated_header": d / "truncated_header.gguf",
             "plain": d / "prompts.txt", "jsonl": d / "prompts.jsonl",
             "config": d / "config.json", "missing": d / "missing.gguf"}
 
