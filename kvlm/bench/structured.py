@@ -1,7 +1,8 @@
 """`kvlm bench structured`: what a JSON-schema constraint costs. Decode tokens/s of a batch with and without
 the constraint (batch 1 and 16 by default), measured alternately in one run so both see the same machine
-load; grammar compile time for a 30-property schema; the mask's time per step. Greedy by default: sampling
-sorts each row's logits, and a sort of mostly -inf logits is faster, which would flatter the constraint.
+load (tokens/s from the median step time); grammar compile time for a 30-property schema; the mask's time
+per step. Greedy by default: sampling sorts each row's logits, and a sort of mostly -inf logits is faster,
+which would flatter the constraint.
 
 The schema asks for a long array of records, so every constrained request runs to `--gen-tokens` like the
 unconstrained ones (whose EOS is ignored): both decode the same number of tokens. Usage:
@@ -35,16 +36,12 @@ def wide_schema(n: int, salt: int) -> dict[str, Any]:
     return {"type": "object", "properties": props, "required": list(props), "additionalProperties": False}
 
 
-def _decode_rate(reqs: list[Any]) -> float:
-    """Tokens/s the batch decoded after every request had its first token (all requests decode together)."""
-    start = max(r.metrics.first_token_time for r in reqs)
-    end = max(r.metrics.finished_time for r in reqs)
-    tokens = sum(r.num_output_tokens - 1 for r in reqs)
-    return tokens / (end - start) if end > start else 0.0
-
-
 def _batch(llm: Any, ids: list[int], batch: int, gen_tokens: int, constrained: bool,
            temperature: float = 0.0) -> tuple[float, list[str]]:
+    """Decode tokens/s of `batch` requests decoding together: batch / the median step time once every request
+    has its first token (a median, so a burst of load on a shared machine moves it less than a mean)."""
+    import statistics
+
     from kvlm.sampling_params import SamplingParams, StructuredOutputsParams
 
     so = StructuredOutputsParams(json=RECORDS) if constrained else None
@@ -52,10 +49,15 @@ def _batch(llm: Any, ids: list[int], batch: int, gen_tokens: int, constrained: b
                              structured_outputs=so) for i in range(batch)]
     eng = llm.llm_engine
     reqs = [eng.add_request(list(ids), p) for p in params]
+    steps = []
     while any(not r.is_finished for r in reqs):
+        decoding = all(r.num_output_tokens > 0 for r in reqs)
+        t0 = time.perf_counter()
         eng.step()
+        if decoding:
+            steps.append(time.perf_counter() - t0)
     assert all(r.num_output_tokens == gen_tokens for r in reqs), "every request must decode gen_tokens tokens"
-    return _decode_rate(reqs), [r.text for r in reqs]
+    return batch / statistics.median(steps), [r.text for r in reqs]
 
 
 def _mask_times(llm: Any, texts: list[str], batch: int) -> dict[str, float]:

@@ -1,10 +1,11 @@
 """Applying grammar masks to a step's logits: only the constrained rows change.
 
 Each constrained row's matcher writes its bitmask (int32 words, bit t % 32 of word t // 32: token t
-allowed) into a numpy buffer; the bits are unpacked with numpy, and each such row's forbidden logits are
-set to -inf by a masked `np.copyto` into a copy of the logits (CPU), or by one `masked_fill` (GPU). The
-masked copy measured 4x faster than a `torch.where` over the gathered rows. Rows without a grammar are not
-read or written, so their logits keep every bit. Not llguidance's torch helpers: they are `torch.compile`
+allowed) into a numpy buffer, and each such row of a copy of the logits gets -inf where a bit is 0: on CPU
+32 tokens at a time (`_mask_row`: all-zero words in one assignment, all-one words skipped, only mixed words
+unpacked), on a GPU by one `masked_fill`. Per row that is ~10x cheaper than unpacking all 49,152 bits when
+most tokens are allowed (inside a JSON string). Rows without a grammar are not read or written, so their
+logits keep every bit. Not llguidance's torch helpers: they are `torch.compile`
 functions, an Inductor C++ build on a CPU's first call.
 """
 
@@ -47,10 +48,31 @@ def apply_grammar_masks(logits: torch.Tensor, rows: list[int], grammars: list[Re
         idx = torch.tensor(rows, device=out.device)
         out[idx] = out[idx].masked_fill(~allowed_tokens(mask, V).to(out.device), float("-inf"))
         return out
-    forbidden = np.unpackbits(mask.view(np.uint8), axis=1, bitorder="little")[:, :V] == 0  # (R, <= V)
-    n = forbidden.shape[1]
     view = out.numpy()  # shares the copy's memory
     for j, row in enumerate(rows):
-        np.copyto(view[row, :n], -np.inf, where=forbidden[j])
-        view[row, n:] = -np.inf  # a grammar over fewer ids than the logits forbids the rest
+        _mask_row(view[row], mask[j])
     return out
+
+
+def _mask_row(logits: np.ndarray, words: np.ndarray) -> None:
+    """In place: -inf where `words` (int32 bitmask) has a 0 bit, or has no bit. By 32-token words: a word
+    of all zeros is one slice assignment and a word of all ones is skipped, so only the few words mixing
+    both are unpacked (a JSON string allows almost every token; a structural state almost none)."""
+    V = logits.shape[0]
+    n = min(words.shape[0], V // 32)  # whole words inside the logits
+    blocks = logits[: n * 32].reshape(n, 32)  # a view
+    w = words[:n]
+    blocks[w == 0] = -np.inf
+    mixed = np.flatnonzero((w != 0) & (w != -1))
+    if mixed.size:
+        bits = np.unpackbits(w[mixed].view(np.uint8).reshape(-1, 4), axis=1, bitorder="little")  # (M, 32)
+        part = blocks[mixed]
+        part[bits == 0] = -np.inf
+        blocks[mixed] = part
+    tail = logits[n * 32:]  # ids past the last whole word: from a last partial word, else forbidden
+    if tail.size:
+        if words.shape[0] > n:
+            bits = np.unpackbits(words[n : n + 1].view(np.uint8), bitorder="little")[: tail.size]
+            tail[bits == 0] = -np.inf
+        else:
+            tail[:] = -np.inf

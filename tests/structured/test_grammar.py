@@ -211,3 +211,20 @@ def test_compact_json_by_default() -> None:
     assert not accepts(comp, SO(json={"type": "object"}), tok, spaced)
     assert accepts(comp, SO(json={"type": "object"}, whitespace_pattern=" ?"), tok, spaced)
     assert re.fullmatch(r"\{.*\}", spaced)
+
+
+@pytest.mark.parametrize("V, words", [(64, 2), (70, 3), (70, 2), (300, 10), (33, 1)])
+def test_fast_mask_equals_unpacked_reference(V: int, words: int) -> None:
+    """The word-at-a-time CPU mask gives the bits of the plain unpack (`allowed_tokens`) for all-zero,
+    all-one and mixed words, a vocabulary that is not a multiple of 32, and grammars over fewer ids."""
+    from kvlm.structured.mask import _mask_row, allowed_tokens
+
+    rng = np.random.default_rng(V * words)
+    for _ in range(20):
+        mask = rng.choice(np.array([0, -1, 5, -7, 1 << 31 - 1], dtype=np.int64), size=(1, words)).astype(np.int32)
+        mask[0, rng.integers(words)] = rng.integers(-2**31, 2**31 - 1)
+        logits = torch.randn(V)
+        fast = logits.clone()
+        _mask_row(fast.numpy(), mask[0])
+        ref = torch.where(allowed_tokens(mask, V)[0], logits, torch.tensor(float("-inf")))
+        assert torch.equal(fast, ref)
