@@ -62,7 +62,13 @@ def _mask_row(logits: np.ndarray, words: np.ndarray) -> None:
     n = min(words.shape[0], V // 32)  # whole words inside the logits
     blocks = logits[: n * 32].reshape(n, 32)  # a view
     w = words[:n]
-    blocks[w == 0] = -np.inf
+    open_words = np.flatnonzero(w)
+    if open_words.size < n // 2:  # mostly forbidden (a structural state): clear all, put the open words back
+        keep = blocks[open_words]
+        blocks[:] = -np.inf
+        blocks[open_words] = keep
+    else:
+        blocks[w == 0] = -np.inf
     mixed = np.flatnonzero((w != 0) & (w != -1))
     if mixed.size:
         bits = np.unpackbits(w[mixed].view(np.uint8).reshape(-1, 4), axis=1, bitorder="little")  # (M, 32)
