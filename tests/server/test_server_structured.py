@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
+from pathlib import Path
 from typing import Literal, Optional
 
 import httpx
@@ -207,9 +210,27 @@ def test_tool_history_with_null_content_renders(client, tiny_server) -> None:
 
 
 @pytest.fixture(scope="module")
-def smollm2_server(smollm2_gguf):
-    with ServerProcess(smollm2_gguf, "--served-model-name", "smollm2") as s:
-        yield openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=120)
+def smollm2_process(smollm2_gguf):
+    with ServerProcess(smollm2_gguf, "--served-model-name", "smollm2", "--served-model-name", "smollm2-135m") as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def smollm2_server(smollm2_process):
+    return openai.OpenAI(base_url=smollm2_process.url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+
+@pytest.mark.slow
+def test_readme_structured_snippet(smollm2_process) -> None:
+    """README's structured-output and tool-call snippet, run as a reader would, prints what README says."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    (code,) = [b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "response_format=City" in b]
+    r = subprocess.run([sys.executable, "-c", code.replace("http://127.0.0.1:8000", smollm2_process.url)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = r.stdout.splitlines()
+    assert lines[0] == "name='Paris' country='FRANCE'" and lines[-1] == "Paris", lines
+    assert "tool_calls get_weather {'city': 'Paris'}" in lines, lines
 
 
 class City(BaseModel):
