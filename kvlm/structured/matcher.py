@@ -4,8 +4,8 @@ The engine gives each constrained request one (n > 1 means n requests, so n matc
 compile is pending the scheduler leaves the request waiting (`ready` is False) and runs the others.
 Then the request's matcher (a private copy of the compiled prototype) fills that request's mask row
 before each sample and consumes each token the output processor appends. Preemption by recompute keeps
-a request's output tokens, so the matcher keeps its state; `sync()` rolls it back if the request ever
-holds fewer output tokens than the matcher consumed.
+a request's output tokens (they are prefilled again, never sampled again), so the matcher keeps its state
+and is never rolled back or replayed; an aborted request drops it.
 """
 
 from __future__ import annotations
@@ -49,12 +49,6 @@ class RequestGrammar:
         """Advance past a sampled token; False if the grammar refused it (the matcher is then in error)."""
         self.num_consumed += 1
         return bool(self.matcher.consume_token(token))
-
-    def sync(self, num_output_tokens: int) -> None:
-        """Roll back what the request no longer holds (never needed by preemption, which keeps outputs)."""
-        if num_output_tokens < self.num_consumed:
-            self.matcher.rollback(self.num_consumed - num_output_tokens)
-            self.num_consumed = num_output_tokens
 
     @property
     def is_stopped(self) -> bool:
