@@ -49,9 +49,36 @@ def apply_grammar_masks(logits: torch.Tensor, rows: list[int], grammars: list[Re
         out[idx] = out[idx].masked_fill(~allowed_tokens(mask, V).to(out.device), float("-inf"))
         return out
     view = out.numpy()  # shares the copy's memory
-    for j, row in enumerate(rows):
-        _mask_row(view[row], mask[j])
+    if rows == list(range(out.shape[0])):  # every row constrained (the usual all-JSON batch): one pass
+        _mask_rows(view, mask)
+    else:
+        for j, row in enumerate(rows):
+            _mask_row(view[row], mask[j])
     return out
+
+
+def _mask_rows(logits: np.ndarray, words: np.ndarray) -> None:
+    """`_mask_row` for every row of (R, V) `logits` at once (row j by words[j])."""
+    R, V = logits.shape
+    n = min(words.shape[1], V // 32)
+    if n * 32 != V or words.shape[1] != n:  # a ragged tail: row by row
+        for j in range(R):
+            _mask_row(logits[j], words[j])
+        return
+    blocks = logits.reshape(R, n, 32)  # a view
+    open_words = words != 0
+    if open_words.sum() < open_words.size // 2:
+        keep = blocks[open_words]
+        blocks[:] = -np.inf
+        blocks[open_words] = keep
+    else:
+        blocks[~open_words] = -np.inf
+    mixed = open_words & (words != -1)
+    if mixed.any():
+        bits = np.unpackbits(words[mixed].view(np.uint8).reshape(-1, 4), axis=1, bitorder="little")  # (M, 32)
+        part = blocks[mixed]
+        part[bits == 0] = -np.inf
+        blocks[mixed] = part
 
 
 def _mask_row(logits: np.ndarray, words: np.ndarray) -> None:
