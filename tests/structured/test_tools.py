@@ -134,3 +134,24 @@ def test_formats_and_choices() -> None:
     closed = closed_objects({"type": "object", "properties": {"properties": {"type": "object", "properties": {}}}})
     assert closed["additionalProperties"] is False and "additionalProperties" not in closed["properties"]
     assert closed["properties"]["properties"]["additionalProperties"] is False
+
+
+def test_template_that_reads_tools_gets_them() -> None:
+    """A template that uses `tools` renders them itself (no injected prompt), with earlier calls' arguments
+    as objects and tool results as their own role, as transformers passes them."""
+    from kvlm.structured.tools import chat_inputs
+
+    template = ("{% if tools %}<tools>{{ tools | tojson }}</tools>\n{% endif %}{% for m in messages %}"
+                "<|im_start|>{{ m.role }}\n{% if m.tool_calls %}{% for c in m.tool_calls %}"
+                "CALL {{ c.function.name }} {{ c.function.arguments | tojson }}{% endfor %}"
+                "{% else %}{{ m.content }}{% endif %}<|im_end|>\n{% endfor %}")
+    tok = Tokenizer.from_gguf_fields(byte_level_fields(**{"tokenizer.chat_template": template}))
+    history = [{"role": "user", "content": "1+2?"},
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a":1,"b":2}'}}]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "3"}]
+    msgs, kwargs = chat_inputs(history, check_tools(TOOLS), template)
+    text = tok.apply_chat_template(msgs, **kwargs)
+    assert text.startswith('<tools>[{"type": "function", "function": {"name": "add"')
+    assert 'CALL add {"a": 1, "b": 2}' in text and "<|im_start|>tool\n3<|im_end|>" in text
+    assert "expert in composing functions" not in text  # no injected prompt
