@@ -21,6 +21,7 @@ _EXPORTS = {
     "CompletionOutput": "kvlm.outputs", "StreamDelta": "kvlm.outputs", "Engine": "kvlm.engine.engine",
     "EngineConfig": "kvlm.config", "ModelConfig": "kvlm.config", "KvlmError": "kvlm.errors",
     "ModelLoadError": "kvlm.errors", "UnsupportedModelError": "kvlm.errors", "PromptTooLongError": "kvlm.errors",
+    "StructuredOutputsParams": "kvlm.sampling_params",
 }
 __all__ = [  # = list(_EXPORTS), spelled out for linters and type checkers
     "LLM",
@@ -34,6 +35,7 @@ __all__ = [  # = list(_EXPORTS), spelled out for linters and type checkers
     "RequestOutput",
     "SamplingParams",
     "StreamDelta",
+    "StructuredOutputsParams",
     "UnsupportedModelError",
 ]
 
@@ -48,7 +50,7 @@ if TYPE_CHECKING:  # for type checkers; at run time __getattr__ imports each nam
     )
     from kvlm.llm import LLM
     from kvlm.outputs import CompletionOutput, RequestOutput, StreamDelta
-    from kvlm.sampling_params import SamplingParams
+    from kvlm.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 def __getattr__(name: str) -> Any:

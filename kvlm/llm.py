@@ -19,9 +19,11 @@ from kvlm.kv_cache.snapshot import SnapshotInfo
 from kvlm.outputs import RequestOutput, StreamDelta
 from kvlm.request import Request
 from kvlm.sampling_params import SamplingParams
+from kvlm.structured.tool_parser import parse_tool_calls
+from kvlm.structured.tools import call_grammar, chat_inputs, check_tools, tool_format_for, tool_mode
 
 PromptType = Union[str, dict[str, Any]]  # "text" or {"prompt_token_ids": [...]} / {"prompt": "text"}
-Message = dict[str, str]
+Message = dict[str, Any]  # {"role", "content"} plus, for tool calling, "tool_calls" / "tool_call_id"
 
 
 def _prompt_input(p: PromptType) -> str | list[int]:
@@ -71,6 +73,9 @@ class LLM:
             if len(params_list) != len(prompts):
                 raise ValueError(f"got {len(params_list)} sampling params for {len(prompts)} prompts")
         eng = self.llm_engine
+        for sp in params_list:  # a bad schema or regex is a ParameterError now, before anything is queued
+            if sp is not None and sp.structured_outputs is not None:
+                eng.grammars.compile(sp.structured_outputs)
         reqs: list[Request] = []
         try:
             for p, sp in zip(prompts, params_list):
@@ -94,14 +99,40 @@ class LLM:
 
     def chat(self, messages: list[Message] | list[list[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             add_generation_prompt: bool = True, use_tqdm: bool = True) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation (or a list of them) and generate."""
-        convs = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.render_chat(c, add_generation_prompt) for c in convs]  # type: ignore[arg-type]
-        return self.generate([{"prompt_token_ids": p} for p in prompts], sampling_params, use_tqdm)
+             add_generation_prompt: bool = True, use_tqdm: bool = True, tools: list[dict[str, Any]] | None = None,
+             tool_choice: str | dict[str, Any] | None = None, parallel_tool_calls: bool = True) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation (or a list of them) and generate.
 
-    def render_chat(self, messages: list[Message], add_generation_prompt: bool = True) -> list[int]:
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        tools (OpenAI's `[{"type": "function", "function": {name, description, parameters}}]`) and
+        tool_choice ("auto", the default; "required"; "none"; {"type": "function", "function": {"name": N}})
+        work as on the server: the tools go into the prompt, the output is constrained to a valid call
+        (from the first token for required/named; once the model opens a call for auto), and the calls come
+        back parsed on `outputs[0].tool_calls` (arguments as a JSON string). Messages may hold earlier calls
+        (assistant `tool_calls`, content None) and results (role "tool")."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        functions, constraint = None, None
+        if tools is not None:
+            functions = check_tools(tools)
+            mode, name = tool_mode(tool_choice, functions)
+            fmt = tool_format_for(self.tokenizer.chat_template)
+            constraint = call_grammar(functions, mode, fmt, parallel_tool_calls, name)
+            functions = functions if mode != "none" else None
+        prompts = [self.render_chat(c, add_generation_prompt, functions) for c in convs]  # type: ignore[arg-type]
+        if constraint is not None:
+            base = sampling_params if isinstance(sampling_params, Sequence) else [sampling_params] * len(prompts)
+            sampling_params = [dataclasses.replace(p or SamplingParams(), structured_outputs=constraint) for p in base]
+        outs = self.generate([{"prompt_token_ids": p} for p in prompts], sampling_params, use_tqdm)
+        if functions:
+            for o in outs:
+                _, calls = parse_tool_calls(o.outputs[0].text)
+                o.outputs[0].tool_calls = (calls if parallel_tool_calls else calls[:1]) or None
+        return outs
+
+    def render_chat(self, messages: list[Message], add_generation_prompt: bool = True,
+                    tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """Token ids of a conversation; `tools` are function specs ({name, description, parameters})."""
+        msgs, kwargs = chat_inputs(list(messages), tools, self.tokenizer.chat_template)
+        text = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt, **kwargs)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> Iterator[StreamDelta]:
@@ -111,6 +142,8 @@ class LLM:
         reuses every earlier turn's K/V through the prefix cache: nothing needs to be kept by hand.
         """
         eng = self.llm_engine
+        if sampling_params is not None and sampling_params.structured_outputs is not None:
+            eng.grammars.compile(sampling_params.structured_outputs)  # a bad grammar raises here, as in generate
         req = eng.add_request(_prompt_input(prompt), sampling_params)
         self.last_request = req
         try:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvlm.request import FinishReason, Request, RequestMetrics
+from kvlm.structured.tool_parser import ToolCall
 
 
 @dataclass(slots=True)
@@ -18,6 +19,7 @@ class CompletionOutput:
     finish_reason: FinishReason | None
     stop_reason: str | int | None = None
     logprobs: list[dict[int, float]] | None = None
+    tool_calls: list[ToolCall] | None = None  # `LLM.chat(..., tools=...)`: the calls parsed out of `text`
 
 
 @dataclass(slots=True)

@@ -18,6 +18,7 @@ from kvlm.sampling_params import SamplingParams
 if TYPE_CHECKING:
     import torch
 
+    from kvlm.structured.matcher import RequestGrammar
     from kvlm.tokenizer.detokenizer import IncrementalDetokenizer
 
 FinishReason = Literal["stop", "length", "abort"]
@@ -105,6 +106,7 @@ class Request:
     pending_text: str = ""  # decoded but held back: it may be the start of a stop string
     detokenizer: IncrementalDetokenizer | None = None
     generator: torch.Generator | None = None
+    grammar: RequestGrammar | None = None  # with params.structured_outputs: its compile, then its matcher
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
 
     @property
@@ -122,6 +124,11 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def grammar_ready(self) -> bool:
+        """False while this request's grammar is still compiling (the scheduler leaves it waiting)."""
+        return self.grammar is None or self.grammar.ready
 
     @property
     def is_finished(self) -> bool:

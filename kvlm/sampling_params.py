@@ -37,6 +37,56 @@ def _is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
+GRAMMAR_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutputsParams:
+    """A constraint on a request's output (vLLM's `StructuredOutputsParams`); set exactly one of:
+
+    json: a JSON schema (a dict, or its JSON text); json_object: any JSON object; regex: a regular
+    expression the whole output must match; choice: the output is exactly one of these strings;
+    grammar: a Lark grammar (llguidance's dialect) or a GBNF one (llama.cpp's).
+    whitespace_pattern: a regex for the whitespace JSON may hold between tokens. None (the default) means
+    compact JSON, no whitespace at all, so a small model cannot pad its answer out to max_tokens.
+    The schema or grammar is checked when it is compiled (`kvlm.structured`); a bad one is a
+    `ParameterError` naming `structured_outputs`.
+    """
+
+    json: dict[str, Any] | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | tuple[str, ...] | None = None
+    grammar: str | None = None
+    whitespace_pattern: str | None = None
+
+    def __post_init__(self) -> None:
+        def bad(rule: str) -> ParameterError:
+            return ParameterError("structured_outputs", f"structured_outputs {rule}")
+
+        given = [k for k in GRAMMAR_KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise bad(f"must set exactly one of {', '.join(GRAMMAR_KINDS)}; got {given or 'none'}")
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise bad(f"json must be a JSON schema (an object or its text), got {type(self.json).__name__}")
+        if self.json_object is not False and self.json_object is not True:
+            raise bad("json_object must be true or false")
+        for name in ("regex", "grammar", "whitespace_pattern"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or (name != "whitespace_pattern" and not v)):
+                raise bad(f"{name} must be a non-empty string")
+        if self.choice is not None:
+            if (not isinstance(self.choice, (list, tuple)) or not self.choice
+                    or any(not isinstance(c, str) or not c for c in self.choice)):
+                raise bad("choice must be a non-empty list of non-empty strings")
+            object.__setattr__(self, "choice", tuple(self.choice))
+
+    @property
+    def kind(self) -> str:
+        """Which constraint this is: one of `GRAMMAR_KINDS`."""
+        return next(k for k in GRAMMAR_KINDS if getattr(self, k) not in (None, False))
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """Per-request sampling and stopping options.
@@ -54,6 +104,10 @@ class SamplingParams:
     prompt_logprobs: the same for each prompt token (the first has none); such a request computes its
     whole prompt (it takes no cached prefix), as in vLLM.
     n: must be 1 here; a server fans several completions out into several requests.
+    structured_outputs: constrain the output to a JSON schema, any JSON object, a regex, one of a list of
+    strings or a Lark/GBNF grammar (`StructuredOutputsParams`); EOS is allowed only where the grammar
+    accepts. It cannot be combined with min_tokens or ignore_eos (either could forbid the only token the
+    grammar allows).
     """
 
     n: int = 1
@@ -75,6 +129,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit (OpenAI), in [-100, 100]
+    structured_outputs: StructuredOutputsParams | None = None  # a grammar the output must follow
     stop_strings: tuple[str, ...] = field(init=False, default=())
 
     def __post_init__(self) -> None:
@@ -128,6 +183,13 @@ class SamplingParams:
                     not _is_int(t) or t < 0 or not _is_number(v) or not -100 <= v <= 100
                     for t, v in self.logit_bias.items()):
                 raise bad("logit_bias", "must map token ids to numbers in [-100, 100]")
+        so = self.structured_outputs
+        if so is not None:
+            if not isinstance(so, StructuredOutputsParams):
+                raise bad("structured_outputs", "must be a StructuredOutputsParams")
+            if self.min_tokens or self.ignore_eos:
+                raise ParameterError("structured_outputs", "structured_outputs cannot be combined with min_tokens "
+                                     "or ignore_eos: the grammar decides where the output may end")
         if self.top_k == -1:
             self.top_k = 0
         if self.seed == -1:  # vLLM: -1 is "no seed"

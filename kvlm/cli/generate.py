@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -13,6 +14,7 @@ from kvlm.args import add_engine_args, add_sampling_args, engine_kwargs_from_arg
 from kvlm.cli.loading import loading
 from kvlm.cli.snapshot import add_prefix_snapshot_flag, load_prefix_snapshot
 from kvlm.errors import ParameterError
+from kvlm.sampling_params import StructuredOutputsParams
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -29,6 +31,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="run the prompt(s) alone, inside a batch with other prompts and without the KV cache, and "
                         "say whether every token and logprob is bit-identical (else the first step and path that "
                         "differ); exit 1 if not")
+    g = s.add_argument_group("structured output (one of)")
+    g.add_argument("--json-schema", metavar="FILE|JSON", help="output must be JSON valid against this schema "
+                   "(a file, or the schema itself; compact JSON; default: none)")
+    g.add_argument("--regex", help="output must match this regular expression (default: none)")
+    g.add_argument("--choice", action="append", metavar="TEXT",
+                   help="output must be one of these (repeat the flag; default: none)")
+    g.add_argument("--grammar", metavar="FILE", help="output must follow this Lark or GBNF grammar (default: none)")
     add_prefix_snapshot_flag(s)
     add_sampling_args(s)
     add_engine_args(s)
@@ -79,14 +88,53 @@ def _model_and_prompt(inputs: list[str], from_file: bool) -> tuple[str, str | No
     return inputs[0], inputs[1]
 
 
+def _structured(a: argparse.Namespace) -> StructuredOutputsParams | None:
+    """--json-schema / --regex / --choice / --grammar as one constraint (ParameterError names the flag)."""
+    given = [f for f, v in (("--json-schema", a.json_schema), ("--regex", a.regex), ("--choice", a.choice),
+                            ("--grammar", a.grammar)) if v is not None]
+    if not given:
+        return None
+    if len(given) > 1:
+        raise ParameterError(given[1], f"give one of --json-schema, --regex, --choice, --grammar; got {given}")
+    try:
+        if a.json_schema is not None:
+            path = Path(a.json_schema).expanduser()
+            text = path.read_text(encoding="utf-8") if not a.json_schema.lstrip().startswith("{") else a.json_schema
+            try:
+                schema = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise ParameterError("--json-schema", f"--json-schema: not a JSON schema ({e.msg})") from None
+            return StructuredOutputsParams(json=schema)
+        if a.grammar is not None:
+            return StructuredOutputsParams(grammar=Path(a.grammar).expanduser().read_text(encoding="utf-8"))
+        if a.regex is not None:
+            return StructuredOutputsParams(regex=a.regex)
+        return StructuredOutputsParams(choice=a.choice)
+    except OSError as e:
+        flag = given[0]
+        raise ParameterError(flag, f"{flag}: cannot read {e.filename}: {e.strerror}") from None
+    except ParameterError as e:
+        raise ParameterError(given[0], str(e).replace("structured_outputs", given[0], 1)) from None
+
+
 def cmd_generate(a: argparse.Namespace) -> int:
     a.model, a.prompt = _model_and_prompt(a.inputs, bool(a.prompts_file))
     params = sampling_params_from_args(a)
+    structured = _structured(a)
+    if structured is not None:
+        params = dataclasses.replace(params, structured_outputs=structured)
     with loading(a.freeze_after_load):
         from kvlm.llm import LLM
 
         llm = LLM(a.model, quiet=a.quiet, **engine_kwargs_from_args(a))
     load_prefix_snapshot(llm.llm_engine, a.prefix_snapshot, a.quiet)
+    if structured is not None:  # a bad schema or regex: one line naming the flag, before any output
+        try:
+            llm.llm_engine.grammars.compile(structured)
+        except ParameterError as e:
+            flag = next(f for f in ("--json-schema", "--regex", "--choice", "--grammar")
+                        if getattr(a, f[2:].replace("-", "_")) is not None)
+            raise ParameterError(flag, str(e).replace("structured_outputs", flag, 1)) from None
 
     def as_input(text: str):
         if a.chat:

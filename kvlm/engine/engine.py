@@ -7,6 +7,7 @@ over `add_request()` and `step()`.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import itertools
@@ -36,6 +37,7 @@ from kvlm.loader.heap import trim_heap
 from kvlm.outputs import StreamDelta
 from kvlm.request import Request
 from kvlm.sampling_params import SamplingParams
+from kvlm.structured.compiler import GrammarCompiler
 from kvlm.tokenizer.detokenizer import IncrementalDetokenizer
 
 log = logging.getLogger("kvlm")
@@ -85,6 +87,8 @@ class Engine:
         self.runner = ModelRunner(self.model, self.kv_cache, self.device, self.tokenizer.eos_token_ids)
         self.output_processor = OutputProcessor(self.tokenizer.eos_token_ids, self.max_model_len)
         self.requests: dict[str, Request] = {}  # live requests by id, for abort()
+        # structured_outputs: compiled in a worker thread, cached per grammar (nothing built until first use)
+        self.grammars = GrammarCompiler(self.tokenizer, model_config.vocab_size)
         self._ids = itertools.count()
         self.num_steps = 0
         # Fewer threads while other processes hold cores (engine/threads.py); the count never changes bits.
@@ -157,6 +161,10 @@ class Engine:
         req = Request(rid, ids, len(ids), params, prompt=text)
         req.metrics.num_prompt_tokens = len(ids)
         req.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens)
+        if params.structured_outputs is not None:
+            req.grammar = self.grammars.request_grammar(params.structured_outputs)
+            if req.grammar.error is not None:  # known bad (cached): refuse now, as any other bad parameter
+                raise req.grammar.error
         req.generator = torch.Generator(device=self.device)
         if params.seed is not None:
             req.generator.manual_seed(params.seed)
@@ -213,15 +221,32 @@ class Engine:
         """
         if self.governor is not None:
             self.governor.tick()
+        failed = self._fail_bad_grammars()
         batch = self.scheduler.schedule()
         if batch.is_empty:
-            if self.scheduler.waiting:  # cannot happen given the admission check; never spin silently
+            compiling = [r.grammar.future for r in self.scheduler.waiting if not r.grammar_ready]  # type: ignore[union-attr]
+            if compiling:  # nothing else can run: wait (briefly, so a server loop still reads its inbox)
+                concurrent.futures.wait(compiling, timeout=0.05, return_when=concurrent.futures.FIRST_COMPLETED)
+            elif self.scheduler.waiting:  # cannot happen given the admission check; never spin silently
                 raise RuntimeError("scheduler made no progress with requests waiting")
-            return []
+            return failed
         result = self.runner.execute(batch, keep_logits=keep_logits)
         self.last_batch, self.last_result = batch, result
         self.num_steps += 1
-        return self._update(batch.requests, batch.num_new_tokens, result)
+        return failed + self._update(batch.requests, batch.num_new_tokens, result)
+
+    def _fail_bad_grammars(self) -> list[StreamDelta]:
+        """Finish ("abort") waiting requests whose grammar failed to compile. Callers that validate first
+        (the server, `LLM`) never get here; a plain `add_request` of a new bad grammar does."""
+        bad = [r for r in self.scheduler.waiting if r.grammar is not None and r.grammar.error is not None]
+        deltas = []
+        for req in bad:
+            req.finish_reason, req.stop_reason = "abort", str(req.grammar.error)  # type: ignore[union-attr]
+            self.scheduler.finish(req)
+            req.metrics.finished_time = time.perf_counter()
+            self.requests.pop(req.request_id, None)
+            deltas.append(StreamDelta(req.request_id, "", [], True, "abort"))
+        return deltas
 
     def _update(self, reqs: list[Request], num_new: list[int], result: StepResult) -> list[StreamDelta]:
         now = time.perf_counter()

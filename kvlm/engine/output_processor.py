@@ -8,8 +8,12 @@ tokens is never streamed in part and never appears in the output.
 
 from __future__ import annotations
 
+import logging
+
 from kvlm.outputs import StreamDelta
 from kvlm.request import Request
+
+log = logging.getLogger("kvlm")
 
 
 class OutputProcessor:
@@ -20,6 +24,10 @@ class OutputProcessor:
     def append_token(self, req: Request, token: int, logprobs: dict[int, float] | None) -> StreamDelta:
         """Record a sampled token; returns what a streaming client should receive now."""
         p = req.params
+        if req.grammar is not None and not req.grammar.accept(token):
+            # The mask allowed only what the grammar accepts, so this is a bug; the matcher is now in error
+            # and allows EOS only, so the request ends at its next token.
+            log.warning("kvlm: request %s: the grammar refused sampled token %d", req.request_id, token)
         req.token_ids.append(token)
         req.metrics.num_generated_tokens += 1
         if logprobs is not None:

@@ -1,6 +1,8 @@
 """Sampler: logits of a batch -> one token per row, each row under its own `SamplingParams`.
 
 The order is vLLM V1's (vllm/v1/sample/sampler.py), step by step for each row:
+  0. a grammar (structured_outputs): tokens it forbids get -inf (`kvlm.structured.mask`); rows without
+     one are not touched;
   1. min_tokens: EOS and the stop token ids are banned until the request has min_tokens outputs;
   2. penalties: repetition (HF, prompt + output), presence and frequency (OpenAI, output only);
   3. temperature < 1e-5: greedy, the argmax; top-k, top-p and min-p are ignored. Otherwise:
@@ -12,7 +14,8 @@ The order is vLLM V1's (vllm/v1/sample/sampler.py), step by step for each row:
 Batched over rows with per-row parameters as tensors (temperature, top-k, top-p, min-p). Randomness comes
 from each request's own `torch.Generator`, so a seeded request draws the same tokens whatever it is
 batched with. Draws use the exponential race (argmax of p / E, E ~ Exp(1)), which samples exactly from p
-without a host sync. Logprobs are those of the model's raw distribution (before penalties/temperature).
+without a host sync. Logprobs are those of the model's raw distribution (before the grammar, penalties and
+temperature), as llama.cpp returns them by default.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from kvlm.request import Request
+from kvlm.structured.mask import apply_grammar_masks
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +126,9 @@ def sample(logits: torch.Tensor, reqs: list[Request], eos_token_ids: frozenset[i
     """logits: (B, V) float32, row i for reqs[i]. Returns the chosen token of each row."""
     want_logprobs = any(r.params.logprobs is not None for r in reqs)
     raw_logprobs = logits.log_softmax(-1) if want_logprobs else None
+    constrained = [i for i, r in enumerate(reqs) if r.grammar is not None]
+    if constrained:
+        logits = apply_grammar_masks(logits, constrained, [reqs[i].grammar for i in constrained])  # type: ignore[misc]
     if any(r.params.logit_bias for r in reqs):
         logits = apply_logit_bias(logits.clone(), reqs)
     if any(r.params.min_tokens for r in reqs):

@@ -98,7 +98,10 @@ class Scheduler:
         # take the blocks the preemption freed for older requests).
         pending = self._pending_blocks(batch) if self.waiting else None  # only admission reads it
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not batch.preempted:
-            req = self.waiting[0]
+            # FCFS among requests that can run: one whose grammar is still compiling keeps its place.
+            req = next((r for r in self.waiting if r.grammar_ready), None)
+            if req is None:
+                break
             hit = [] if req.params.prompt_logprobs is not None else self.bm.find_cached_prefix(req)
             if pending and len(hit) < len(req.block_hashes) and req.block_hashes[len(hit)] in pending:
                 break  # its next block is being computed this step: wait one step and reuse it instead
@@ -109,7 +112,7 @@ class Scheduler:
             if too_big or not self.bm.can_allocate(req, req.num_computed_tokens + n, hit):
                 req.num_computed_tokens = 0  # waiting requests hold nothing
                 break
-            self.waiting.popleft()
+            self.waiting.remove(req)
             self.bm.allocate(req, req.num_computed_tokens + n, hit)
             req.status = RequestStatus.RUNNING
             if req.metrics.first_scheduled_time is None:

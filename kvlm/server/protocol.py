@@ -70,6 +70,17 @@ class _Sampling(_Request):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Structured outputs (`structured_request`): OpenAI's, vLLM's, and the older vLLM / llama.cpp aliases
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
+    guided_decoding_backend: str | None = None
+    json_schema: dict[str, Any] | None = None  # llama.cpp
+    grammar: str | None = None  # llama.cpp (GBNF)
 
 
 class CompletionRequest(_Sampling):
@@ -86,10 +97,23 @@ class TextPart(_Request):
     text: str | None = None
 
 
+class ToolCallFunction(_Request):
+    name: str
+    arguments: str | dict[str, Any] = "{}"  # OpenAI sends a JSON string; some clients send the object
+
+
+class ToolCall(_Request):
+    id: str | None = None
+    type: str = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(_Request):
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant turns that called tools (content then often null)
+    tool_call_id: str | None = None  # role "tool": which call this is the result of
 
 
 class ChatCompletionRequest(_Sampling):
@@ -102,8 +126,8 @@ class ChatCompletionRequest(_Sampling):
     chat_template: str | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool = True
     functions: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
 
 
 class TokenizeRequest(_Request):

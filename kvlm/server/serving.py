@@ -10,6 +10,7 @@ It knows nothing about HTTP transport; `app` does the routing, auth, body limits
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import time
@@ -21,9 +22,10 @@ from kvlm.engine.engine import Engine
 from kvlm.errors import KvlmError, ParameterError, PromptTooLongError
 from kvlm.outputs import StreamDelta
 from kvlm.request import Request
-from kvlm.sampling_params import SamplingParams
+from kvlm.sampling_params import SamplingParams, StructuredOutputsParams
 from kvlm.server.async_engine import AsyncEngine, QueueFullError, Submission
 from kvlm.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, bad_request
+from kvlm.server.structured_request import structured_outputs
 
 _SAMPLING_FIELDS = {f for f in SamplingParams.__dataclass_fields__ if f != "stop_strings"}
 
@@ -142,15 +144,30 @@ class OpenAIServing:
                 "max_tokens", "context_length_exceeded")
         return max_tokens
 
+    async def _constraint(self, r: CompletionRequest | ChatCompletionRequest) -> StructuredOutputsParams | None:
+        """The request's output constraint, compiled (off the engine loop; cached) so that a bad schema or
+        regex is a 400 naming the field the client used, before anything is queued."""
+        spec, name = structured_outputs(r)
+        if spec is not None:
+            await self.compile_grammar(spec, name)
+        return spec
+
+    async def compile_grammar(self, spec: StructuredOutputsParams, param: str) -> None:
+        try:
+            await asyncio.wrap_future(self.engine.grammars.submit(spec))
+        except ParameterError as e:
+            raise bad_request(str(e).replace("structured_outputs", param, 1), param) from None
+
     def _params(self, r: CompletionRequest | ChatCompletionRequest, max_tokens: int, i: int,
-                logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
+                logprobs: int | None, prompt_logprobs: int | None,
+                structured: StructuredOutputsParams | None = None) -> SamplingParams:
         kw: dict[str, Any] = dict(
             temperature=1.0 if r.temperature is None else r.temperature, max_tokens=max_tokens,
             presence_penalty=r.presence_penalty, frequency_penalty=r.frequency_penalty, min_tokens=r.min_tokens,
             stop=r.stop, stop_token_ids=r.stop_token_ids, ignore_eos=r.ignore_eos, logprobs=logprobs,
             prompt_logprobs=prompt_logprobs, skip_special_tokens=r.skip_special_tokens,
             include_stop_str_in_output=r.include_stop_str_in_output,
-            seed=None if r.seed is None else r.seed + i)
+            seed=None if r.seed is None else r.seed + i, structured_outputs=structured)
         for name in ("top_p", "top_k", "min_p", "repetition_penalty"):
             if getattr(r, name) is not None:
                 kw[name] = getattr(r, name)

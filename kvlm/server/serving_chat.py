@@ -1,5 +1,7 @@
 """`/v1/chat/completions`: messages rendered by the model's chat template (sandboxed), n choices, chat
-logprobs (token, logprob, bytes, top_logprobs), a role chunk first when streamed."""
+logprobs (token, logprob, bytes, top_logprobs), a role chunk first when streamed; output constraints
+(`response_format`, `structured_outputs`) and tool calls (`tools`, `tool_choice`, `parallel_tool_calls`:
+see `chat_tools`), whose text is never streamed as content but as tool-call deltas by index."""
 
 from __future__ import annotations
 
@@ -7,15 +9,19 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from kvlm.errors import KvlmError
+from kvlm.server.chat_tools import ToolPlan, tool_plan
 from kvlm.server.protocol import ChatCompletionRequest, bad_request
 from kvlm.server.serving import OpenAIServing, SSEStream, _Call, _Choice, sse
+from kvlm.server.structured_request import constraint_fields
+from kvlm.structured.tool_parser import ToolCallStream
+from kvlm.structured.tools import chat_inputs
 
 
 class ChatServing(OpenAIServing):
-    def chat_prompt(self, r: ChatCompletionRequest) -> list[int]:
+    def chat_prompt(self, r: ChatCompletionRequest, plan: ToolPlan | None = None) -> list[int]:
         if not r.messages:
             raise bad_request("messages must not be empty", "messages")
-        msgs = []
+        msgs: list[dict[str, Any]] = []
         for i, m in enumerate(r.messages):
             if isinstance(m.content, list):
                 parts = []
@@ -24,29 +30,29 @@ class ChatServing(OpenAIServing):
                         raise bad_request(f"content part type {p.type!r} is not supported (only text)",
                                           f"messages[{i}].content[{j}]")
                     parts.append(p.text)
-                content = "".join(parts)
+                content: str | None = "".join(parts)
             else:
                 content = m.content
-            msg = {"role": m.role, "content": content}
+            msg: dict[str, Any] = {"role": m.role, "content": content}
             if m.name is not None:
                 msg["name"] = m.name
+            if m.tool_calls:
+                msg["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+            if m.tool_call_id is not None:
+                msg["tool_call_id"] = m.tool_call_id
             msgs.append(msg)
+        functions = plan.functions if plan is not None and plan.active else None
+        msgs, kwargs = chat_inputs(msgs, functions, self.tokenizer.chat_template)
         try:
-            text = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=r.add_generation_prompt)
+            text = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=r.add_generation_prompt, **kwargs)
         except KvlmError as e:
             raise bad_request(str(e), "messages") from None
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def _check_chat(self, r: ChatCompletionRequest) -> None:
+    def _check_chat(self, r: ChatCompletionRequest) -> ToolPlan | None:
         if r.chat_template is not None:
             raise bad_request("a request-supplied chat_template is refused; the model's own template is used",
                               "chat_template")
-        if r.tools or r.functions:
-            raise bad_request("tools are not supported", "tools")
-        if r.tool_choice not in (None, "none"):
-            raise bad_request("tool_choice is not supported", "tool_choice")
-        if r.response_format is not None and r.response_format.get("type", "text") != "text":
-            raise bad_request("response_format other than text is not supported", "response_format")
         if r.continue_final_message:
             raise bad_request("continue_final_message is not supported", "continue_final_message")
         if r.top_logprobs is not None:
@@ -55,18 +61,29 @@ class ChatServing(OpenAIServing):
             if not 0 <= r.top_logprobs <= self.opts.max_logprobs:
                 raise bad_request(f"top_logprobs must be in [0, {self.opts.max_logprobs}], got {r.top_logprobs}",
                                   "top_logprobs")
+        plan = tool_plan(r, self.tokenizer.chat_template)
+        if plan is not None and plan.active and constraint_fields(r):
+            raise bad_request("tools with a tool_choice other than none cannot be combined with an output "
+                              "constraint (response_format, structured_outputs)", "tool_choice")
+        return plan
 
     async def chat(self, r: ChatCompletionRequest, request_id: str) -> dict[str, Any] | SSEStream:
         self.check_model(r.model)
-        self._check_chat(r)
+        plan = self._check_chat(r)
         self._check_common(r, 1)
+        if plan is not None and plan.active:
+            constraint = plan.constraint()
+            if constraint is not None:
+                await self.compile_grammar(constraint, "tools")
+        else:
+            constraint = await self._constraint(r)
         self.reserve(r.n)
         try:
-            ids = self.chat_prompt(r)
+            ids = self.chat_prompt(r, plan)
             limit = r.max_completion_tokens if r.max_completion_tokens is not None else r.max_tokens
             mt = self._check_prompt(ids, limit, "messages")
             k = (r.top_logprobs or 0) if r.logprobs else None
-            specs = [(ids, self._params(r, mt, i, k, None), request_id if r.n == 1 else f"{request_id}-{i}")
+            specs = [(ids, self._params(r, mt, i, k, None, constraint), request_id if r.n == 1 else f"{request_id}-{i}")
                      for i in range(r.n)]
         except BaseException:
             self.aengine.release(r.n)
@@ -74,11 +91,17 @@ class ChatServing(OpenAIServing):
         sub = await self._submit(specs, r.n, "messages", bool(r.stream))
         ctx = _Call(request_id, "chatcmpl", r.n, [ids], sub)
         if r.stream:
-            return SSEStream(self._sse(ctx, "chat.completion.chunk", r, self._stream_chat(r, ctx)), sub)
+            return SSEStream(self._sse(ctx, "chat.completion.chunk", r, self._stream_chat(r, ctx, plan)), sub)
         choices = await ctx.collect()  # closes the submission however it ends
-        out = [{"index": i, "message": {"role": "assistant", "content": c.text},
-                "logprobs": self._chat_logprobs(c.token_ids, c.logprobs) if r.logprobs else None,
-                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for i, c in enumerate(choices)]
+        out = []
+        for i, c in enumerate(choices):
+            message, finish = {"role": "assistant", "content": c.text}, c.finish_reason
+            if plan is not None:
+                message, calls = plan.message(c.text)
+                finish = plan.finish_reason(calls, finish)
+            out.append({"index": i, "message": message,
+                        "logprobs": self._chat_logprobs(c.token_ids, c.logprobs) if r.logprobs else None,
+                        "finish_reason": finish, "stop_reason": c.stop_reason})
         return {"id": ctx.id, "object": "chat.completion", "created": ctx.created, "model": self.model_name,
                 "choices": out, "usage": ctx.usage()}
 
@@ -93,8 +116,9 @@ class ChatServing(OpenAIServing):
             content.append({**entry(t, d[t]), "top_logprobs": [entry(k, v) for k, v in tops if k != t or len(tops)]})
         return {"content": content}
 
-    async def _stream_chat(self, r: ChatCompletionRequest, ctx: _Call) -> AsyncIterator[str]:
+    async def _stream_chat(self, r: ChatCompletionRequest, ctx: _Call, plan: ToolPlan | None) -> AsyncIterator[str]:
         state = [_Choice() for _ in range(r.n)]
+        calls = [ToolCallStream() for _ in range(r.n)] if plan is not None and plan.active else None
 
         def chunk(choice: dict[str, Any]) -> str:
             return sse({"id": ctx.id, "object": "chat.completion.chunk", "created": ctx.created,
@@ -108,11 +132,27 @@ class ChatServing(OpenAIServing):
             if r.logprobs and d.logprobs:
                 c.token_ids += d.token_ids
                 c.logprobs += d.logprobs
-            if not d.text and not d.finished:
+            text, tool_deltas, finish = d.text, [], d.finish_reason
+            if calls is not None and plan is not None:
+                text, tool_deltas = calls[idx].feed(d.text, final=d.finished)
+                if not plan.parallel:
+                    tool_deltas = [t for t in tool_deltas if t["index"] == 0]
+                if d.finished:
+                    finish = plan.finish_reason(calls[idx].calls, finish)
+            if not text and not tool_deltas and not d.finished:
                 continue
             lp = None
             if r.logprobs and c.token_ids:
                 lp = self._chat_logprobs(c.token_ids, c.logprobs)
                 c.token_ids, c.logprobs = [], []
-            yield chunk({"index": idx, "delta": {"content": d.text} if d.text else {}, "logprobs": lp,
-                         "finish_reason": d.finish_reason, "stop_reason": ctx.stop_reason(d)})
+            if tool_deltas:
+                if text:
+                    yield chunk({"index": idx, "delta": {"content": text}, "logprobs": lp, "finish_reason": None})
+                    text, lp = "", None
+                for t in tool_deltas:
+                    yield chunk({"index": idx, "delta": {"tool_calls": [t]}, "logprobs": None, "finish_reason": None})
+                lp = None
+            if text or d.finished:
+                yield chunk({"index": idx, "delta": {"content": text} if text else {}, "logprobs": lp,
+                             "finish_reason": finish if d.finished else None,
+                             "stop_reason": ctx.stop_reason(d)})

@@ -31,6 +31,7 @@ class CompletionServing(OpenAIServing):
             raise bad_request(f"logprobs must be in [0, {self.opts.max_logprobs}], got {r.logprobs}", "logprobs")
         prompts = self.completion_prompts(r)
         self._check_common(r, len(prompts))
+        constraint = await self._constraint(r)
         count = len(prompts) * r.n
         self.reserve(count)
         try:
@@ -42,7 +43,7 @@ class CompletionServing(OpenAIServing):
                 for i in range(r.n):
                     plp = r.logprobs if r.echo and r.logprobs is not None else None
                     rid = request_id if count == 1 else f"{request_id}-{pi * r.n + i}"
-                    specs.append((ids, self._params(r, mt, i, r.logprobs, plp), rid))
+                    specs.append((ids, self._params(r, mt, i, r.logprobs, plp, constraint), rid))
         except BaseException:
             self.aengine.release(count)
             raise

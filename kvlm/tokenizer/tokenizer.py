@@ -124,6 +124,10 @@ class Tokenizer:
             raise TokenizerError(f"token id {bad} is outside the vocabulary (size {self.vocab_size})")
         return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def to_json(self) -> str:
+        """The `tokenizers` serialization (what grammar libraries such as llguidance read)."""
+        return self._backend.to_str()
+
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                             **kwargs: Any) -> str:
         """Render the model's chat template in a sandbox, with the variables transformers passes."""

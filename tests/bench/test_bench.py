@@ -324,3 +324,17 @@ def test_make_benchmarks_md_copies_only_numbers_from_results(tiny_gguf: Path, tm
     sources = "".join(f.read_text() for f in results.iterdir())
     for num in set(re.findall(r"\d+(?:\.\d+)?", md)):
         assert num in sources, f"{num} in benchmarks.md is not in the results"
+
+
+# -------------------------------------------------------------------------------------- structured
+
+
+def test_structured(tiny_gguf: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    d, table = cli_json(capsys, ["-q", "bench", "structured", str(tiny_gguf), "--batches", "1", "3",
+                                 "--gen-tokens", "8", "--repeats", "1", "--properties", "30"])
+    assert_header(d, "structured")
+    assert [r["batch"] for r in d["rows"]] == [1, 3] and d["compile_properties"] == 30
+    for r in d["rows"]:
+        assert r["free_tokens_per_s"] > 0 and r["constrained_tokens_per_s"] > 0 and r["ratio"] > 0
+        assert r["mask_fill_us_per_step"] > 0 and r["mask_apply_us_per_step"] >= 0
+    assert d["compile_ms"] > 0 and d["tokenizer_build_ms"] > 0 and "JSON tok/s" in table

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -69,6 +70,12 @@ def commands(model: Path, files: dict[str, Path]) -> dict[str, list[str]]:
         "options_everywhere": ["-q", "generate", "--max-tokens", "3", m, "--json", "hello", "--seed", "1"],
         "tiny_temperature": gen + ["hello", "--temperature", "1e-40", "--max-tokens", "3", "--json"],
         "err_truncated_header": gen[:2] + [str(files["truncated_header"]), "hi"],
+        "choice": gen + ["hi", "--choice", "left", "--choice", "right", "--temperature", "1", "--json"],
+        "regex": gen + ["hi", "--regex", "[0-9]{3}", "--json"],
+        "json_schema": gen + ["hi", "--json-schema", '{"type":"object","properties":{"a":{"enum":[1,2]}},'
+                              '"required":["a"],"additionalProperties":false}', "--json"],
+        "grammar": gen + ["hi", "--grammar", str(files["grammar"]), "--json"],
+        "json_schema_file_stream": ["-q", "generate", m, "hi", "--json-schema", str(files["schema"])],
     }
 
 
@@ -87,6 +94,12 @@ BAD_INPUT: dict[str, tuple[list[str], int, list[str]]] = {
     "seed_overflow": (["generate", "hi", "--seed", "99999999999999999999999"], 2, ["seed"]),
     "stop_token_outside_vocab": (["generate", "hi", "--stop-token-ids", "99999999"], 2,
                                  ["stop_token_ids", "99999999", "264"]),
+    "bad_regex": (["generate", "hi", "--regex", "[0-9"], 2, ["--regex", "invalid regex"]),
+    "bad_schema_text": (["generate", "hi", "--json-schema", "{nope"], 2, ["--json-schema", "not a JSON schema"]),
+    "bad_schema": (["generate", "hi", "--json-schema", '{"type": "nonsense"}'], 2, ["--json-schema", "invalid"]),
+    "two_constraints": (["generate", "hi", "--regex", "a", "--choice", "b"], 2, ["--choice", "one of"]),
+    "missing_grammar": (["generate", "hi", "--grammar", "no-such.lark"], 2, ["--grammar", "no-such.lark"]),
+    "constraint_and_ignore_eos": (["generate", "hi", "--regex", "a", "--ignore-eos"], 2, ["ignore_eos"]),
     "temperature_inf": (["generate", "hi", "--temperature", "inf"], 2, ["temperature", "inf"]),
     "too_many_words": (["generate", "hello", "world"], 2, ["PROMPT", "quote"]),
 }
@@ -106,7 +119,11 @@ def cli_files(tmp_path_factory: pytest.TempPathFactory, tiny_gguf: Path) -> dict
     (d / "prompts.txt").write_text("\n".join(PLAIN_PROMPTS) + "\n\n")  # a blank line is skipped
     (d / "prompts.jsonl").write_text("\n".join(json.dumps(p) for p in JSONL_PROMPTS) + "\n")
     (d / "config.json").write_text(json.dumps(LLAMA3_8B))
-    return {"truncated": d / "truncated.gguf", "truncated_header": d / "truncated_header.gguf",
+    (d / "query.lark").write_text('start: "SELECT " /[a-z]{1,5}/ " FROM t"\n')
+    (d / "schema.json").write_text(json.dumps({"type": "array", "items": {"type": "integer", "minimum": 0,
+                                                                          "maximum": 9}, "minItems": 2, "maxItems": 2}))
+    return {"grammar": d / "query.lark", "schema": d / "schema.json",
+            "truncated": d / "truncated.gguf", "truncated_header": d / "truncated_header.gguf",
             "plain": d / "prompts.txt", "jsonl": d / "prompts.jsonl",
             "config": d / "config.json", "missing": d / "missing.gguf"}
 
@@ -408,3 +425,14 @@ def test_nothing_was_downloaded(runs, kvlm_home: Path) -> None:
     for name in runs.names:  # wait for every command, including the unknown alias
         runs(name)
     assert not (kvlm_home / "models").exists()
+
+
+def test_structured_output_flags(runs) -> None:
+    assert ok_json(runs("choice"))["text"] in ("left", "right")
+    assert re.fullmatch("[0-9]{3}", ok_json(runs("regex"))["text"])
+    assert json.loads(ok_json(runs("json_schema"))["text"])["a"] in (1, 2)
+    assert re.fullmatch("SELECT [a-z]{1,5} FROM t", ok_json(runs("grammar"))["text"])
+    p = runs("json_schema_file_stream")
+    assert p.returncode == 0, p.stderr
+    pair = json.loads(p.stdout)
+    assert len(pair) == 2 and all(0 <= x <= 9 for x in pair)

@@ -52,7 +52,7 @@ CASES = [
      "messages[0].content[0]"),
     ("chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
     ("chat/completions", {"messages": CHAT, "top_logprobs": 2}, 400, "top_logprobs"),
-    ("chat/completions", {"messages": CHAT, "tools": [{"type": "function"}]}, 400, "tools"),
+    ("chat/completions", {"messages": CHAT, "tools": [{"type": "function"}]}, 400, "tools[0]"),
     ("chat/completions", {"messages": CHAT, "chat_template": "{{ 1 }}"}, 400, "chat_template"),
     ("chat/completions", {"messages": CHAT, "max_completion_tokens": 300}, 400, "max_tokens"),
     ("chat/completions", {"messages": CHAT, "model": "nope"}, 404, "model"),

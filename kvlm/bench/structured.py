@@ -1,0 +1,165 @@
+"""`kvlm bench structured`: what a JSON-schema constraint costs. Decode tokens/s of a batch with and without
+the constraint (batch 1 and 16 by default), measured alternately in one run so both see the same machine
+load (tokens/s from the median step time); grammar compile time for a 30-property schema; the mask's time
+per step. Greedy by default: sampling sorts each row's logits, and a sort of mostly -inf logits is faster,
+which would flatter the constraint.
+
+The schema asks for a long array of records, so every constrained request runs to `--gen-tokens` like the
+unconstrained ones (whose EOS is ignored): both decode the same number of tokens. Usage:
+`kvlm bench structured [MODEL]` or `python -m kvlm.bench.structured`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from kvlm.bench.common import DEFAULT_MODEL, Bench, add_model_args, log, run_header, standalone
+
+RECORDS = {"type": "array", "minItems": 10000, "items": {
+    "type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}, "city": {"type": "string"},
+                                     "tags": {"type": "array", "items": {"type": "string"}}},
+    "required": ["name", "age", "city", "tags"], "additionalProperties": False}}
+PROMPT = "List people as JSON records with their name, age, city and tags:\n"
+
+
+def wide_schema(n: int, salt: int) -> dict[str, Any]:
+    """An object of n properties of mixed types (`salt` renames them, so no compile is a cache hit)."""
+    kinds = [{"type": "string"}, {"type": "integer"}, {"type": "number"}, {"type": "boolean"},
+             {"type": "array", "items": {"type": "string"}}, {"enum": ["a", "b", "c"]},
+             {"anyOf": [{"type": "string"}, {"type": "null"}]}]
+    props = {f"field_{salt}_{i}": kinds[i % len(kinds)] for i in range(n)}
+    return {"type": "object", "properties": props, "required": list(props), "additionalProperties": False}
+
+
+def _batch(llm: Any, ids: list[int], batch: int, gen_tokens: int, constrained: bool,
+           temperature: float = 0.0) -> tuple[float, list[str]]:
+    """Decode tokens/s of `batch` requests decoding together: batch / the median step time once every request
+    has its first token (a median, so a burst of load on a shared machine moves it less than a mean)."""
+    import statistics
+
+    from kvlm.sampling_params import SamplingParams, StructuredOutputsParams
+
+    so = StructuredOutputsParams(json=RECORDS) if constrained else None
+    params = [SamplingParams(temperature=temperature, seed=i, max_tokens=gen_tokens, ignore_eos=not constrained,
+                             structured_outputs=so) for i in range(batch)]
+    eng = llm.llm_engine
+    reqs = [eng.add_request(list(ids), p) for p in params]
+    steps = []
+    while any(not r.is_finished for r in reqs):
+        decoding = all(r.num_output_tokens > 0 for r in reqs)
+        t0 = time.perf_counter()
+        eng.step()
+        if decoding:
+            steps.append(time.perf_counter() - t0)
+    assert all(r.num_output_tokens == gen_tokens for r in reqs), "every request must decode gen_tokens tokens"
+    return batch / statistics.median(steps), [r.text for r in reqs]
+
+
+def _mask_times(llm: Any, texts: list[str], batch: int) -> dict[str, float]:
+    """Per step, microseconds: filling the bitmask rows of `batch` matchers, and applying them to (batch, V)
+    logits; replayed over the constrained outputs' own tokens."""
+    from kvlm.sampling_params import StructuredOutputsParams
+    from kvlm.structured.mask import apply_grammar_masks, fill_bitmask
+
+    eng = llm.llm_engine
+    so = StructuredOutputsParams(json=RECORDS)
+    grammars = [eng.grammars.request_grammar(so) for _ in range(batch)]
+    token_rows = [eng.tokenizer.encode(texts[i % len(texts)], add_special_tokens=False) for i in range(batch)]
+    steps = min(len(t) for t in token_rows)
+    V = eng.model_config.vocab_size
+    logits = torch.zeros(batch, V)
+    fill = apply = 0.0
+    for s in range(steps):
+        t0 = time.perf_counter()
+        fill_bitmask(grammars)
+        t1 = time.perf_counter()
+        apply_grammar_masks(logits, list(range(batch)), grammars)  # fills again: subtract one fill below
+        t2 = time.perf_counter()
+        fill += t1 - t0
+        apply += (t2 - t1) - (t1 - t0)
+        for g, row in zip(grammars, token_rows):
+            g.accept(row[s])
+    return {"fill_us": fill / steps * 1e6, "apply_us": max(apply, 0.0) / steps * 1e6, "steps": steps}
+
+
+def run(model: str = DEFAULT_MODEL, threads: int = 2, batches: tuple[int, ...] = (1, 16), gen_tokens: int = 64,
+        repeats: int = 3, properties: int = 30, temperature: float = 0.0,
+        log: Callable[[str], None] = log) -> dict[str, Any]:
+    from kvlm.llm import LLM
+    from kvlm.sampling_params import StructuredOutputsParams
+
+    torch.set_num_threads(threads)
+    llm = LLM(model, num_threads=threads, max_num_seqs=max(batches))
+    eng = llm.llm_engine
+    t0 = time.perf_counter()
+    eng.grammars.lltokenizer  # built once per engine (the tokenizer's view for llguidance)
+    tokenizer_s = time.perf_counter() - t0
+    compiles = []
+    for r in range(repeats):
+        t0 = time.perf_counter()
+        eng.grammars.compile(StructuredOutputsParams(json=wide_schema(properties, r)))
+        compiles.append(time.perf_counter() - t0)
+    eng.grammars.compile(StructuredOutputsParams(json=RECORDS))
+    ids = eng.tokenizer.encode(PROMPT)
+    _batch(llm, ids, 1, 4, False)  # warm-up
+    _batch(llm, ids, 1, 4, True)
+    rows = []
+    for b in batches:
+        free, cons, texts = [], [], []
+        for r in range(repeats):
+            free.append(_batch(llm, ids, b, gen_tokens, False, temperature)[0])
+            rate, texts = _batch(llm, ids, b, gen_tokens, True, temperature)
+            cons.append(rate)
+            log(f"  batch {b} round {r + 1}/{repeats}: free {free[-1]:.1f} tok/s, constrained {cons[-1]:.1f} tok/s")
+        masks = _mask_times(llm, texts, b)
+        rows.append({"batch": b, "free_tokens_per_s": max(free), "constrained_tokens_per_s": max(cons),
+                     "ratio": max(cons) / max(free) if max(free) else None,
+                     "mask_fill_us_per_step": round(masks["fill_us"], 1),
+                     "mask_apply_us_per_step": round(masks["apply_us"], 1)})
+    doc = run_header("structured", model, threads)
+    doc.update({"dtype": eng.config.dtype, "temperature": temperature, "gen_tokens": gen_tokens,
+                "repeats": repeats, "schema": "RECORDS",
+                "compile_properties": properties, "compile_ms": round(min(compiles) * 1e3, 2),
+                "compile_ms_max": round(max(compiles) * 1e3, 2), "tokenizer_build_ms": round(tokenizer_s * 1e3, 1),
+                "rows": rows})
+    return doc
+
+
+def print_table(d: dict[str, Any]) -> None:
+    print(f"{'batch':>5s} {'free tok/s':>11s} {'JSON tok/s':>11s} {'ratio':>6s} {'mask fill us':>13s} "
+          f"{'mask apply us':>14s}")
+    for r in d["rows"]:
+        print(f"{r['batch']:5d} {r['free_tokens_per_s']:11.1f} {r['constrained_tokens_per_s']:11.1f} "
+              f"{r['ratio']:6.3f} {r['mask_fill_us_per_step']:13.1f} {r['mask_apply_us_per_step']:14.1f}")
+    print(f"compile, {d['compile_properties']}-property schema: {d['compile_ms']:.2f} ms "
+          f"(tokenizer for llguidance, once per engine: {d['tokenizer_build_ms']:.0f} ms)")
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    add_model_args(p)
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 16], help="batch sizes (default: 1 16)")
+    p.add_argument("--gen-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--properties", type=int, default=30, help="properties of the compile-time schema")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0: greedy, so the mask is the only difference (sampling sorts the logits, and a sort of "
+                        "mostly -inf logits is faster, which flatters the constrained rows)")
+
+
+def run_args(a: argparse.Namespace) -> dict[str, Any]:
+    if min(a.batches) < 1 or a.gen_tokens < 2 or a.repeats < 1 or a.properties < 1:
+        raise ValueError("--batches, --gen-tokens (>= 2), --repeats and --properties must be positive")
+    return run(a.model, threads=a.threads, batches=tuple(a.batches), gen_tokens=a.gen_tokens, repeats=a.repeats,
+               properties=a.properties, temperature=a.temperature)
+
+
+BENCH = Bench("structured", "decode tokens/s with and without a JSON-schema constraint; compile and mask time",
+              add_args, run_args, print_table)
+
+if __name__ == "__main__":
+    standalone(BENCH)

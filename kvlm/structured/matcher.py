@@ -1,0 +1,59 @@
+"""`RequestGrammar`: one request's grammar state, from its pending compile to the tokens it accepted.
+
+The engine gives each constrained request one (n > 1 means n requests, so n matchers). While the
+compile is pending the scheduler leaves the request waiting (`ready` is False) and runs the others.
+Then the request's matcher (a private copy of the compiled prototype) fills that request's mask row
+before each sample and consumes each token the output processor appends. Preemption by recompute keeps
+a request's output tokens (they are prefilled again, never sampled again), so the matcher keeps its state
+and is never rolled back or replayed; an aborted request drops it.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from typing import Any
+
+import numpy as np
+
+
+class RequestGrammar:
+    def __init__(self, future: Future, mask_words: int) -> None:
+        self.future = future
+        self.mask_words = mask_words  # int32 words of this grammar's bitmask: ceil(its vocabulary / 32)
+        self._matcher: Any = None
+        self.num_consumed = 0  # output tokens the matcher has accepted
+
+    @property
+    def ready(self) -> bool:
+        """The compile finished (successfully or not)."""
+        return self.future.done()
+
+    @property
+    def error(self) -> BaseException | None:
+        return self.future.exception() if self.future.done() else None
+
+    @property
+    def matcher(self) -> Any:
+        """This request's llguidance `LLMatcher` (only once `ready` and without `error`)."""
+        if self._matcher is None:
+            self._matcher = self.future.result().deep_copy()
+        return self._matcher
+
+    def fill_mask(self, row: np.ndarray) -> None:
+        """Write the allowed-token bitmask (int32 words, bit t % 32 of word t // 32) into `row`. A stopped
+        matcher allows EOS only; one in error allows EOS only too, so the request ends."""
+        assert row.dtype == np.int32 and row.flags["C_CONTIGUOUS"]
+        self.matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+
+    def accept(self, token: int) -> bool:
+        """Advance past a sampled token; False if the grammar refused it (the matcher is then in error)."""
+        self.num_consumed += 1
+        return bool(self.matcher.consume_token(token))
+
+    @property
+    def is_stopped(self) -> bool:
+        return bool(self.matcher.is_stopped())
+
+    @property
+    def is_accepting(self) -> bool:
+        return bool(self.matcher.is_accepting())
