@@ -66,6 +66,8 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     V = logits.shape[1]
     probs = logits.softmax(-1)
     logits = logits.masked_fill(probs < min_p.unsqueeze(1) * probs.amax(-1, keepdim=True), float("-inf"))
+    if bool(((top_k <= 0) | (top_k >= V)).all() and (top_p >= 1).all()):
+        return logits  # neither top-k nor top-p: nothing to sort (the full sort would drop only zero mass)
     if bool((top_k > 0).all()) and int(top_k.max()) * 8 <= V:
         return _top_k_then_top_p(logits, top_k, top_p)
     return _sorted_cuts(logits, top_k, top_p)

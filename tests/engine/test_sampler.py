@@ -329,3 +329,7 @@ def test_top_k_fast_path_makes_the_full_sorts_cuts() -> None:
     top_k = torch.tensor([1, 5, 40, 40, 200, 500])
     for top_p in (torch.ones(6), torch.tensor([0.9, 0.5, 0.95, 0.1, 0.99, 0.8])):
         assert torch.equal(_top_k_then_top_p(logits, top_k, top_p), _sorted_cuts(logits, top_k, top_p))
+    # Neither top-k nor top-p: no sort at all, and the same distribution as the full sort's cuts.
+    off, p1 = torch.zeros(6, dtype=torch.long), torch.ones(6)
+    fast = filter_logits(logits, off, p1, torch.zeros(6)).softmax(-1)
+    assert torch.equal(fast, _sorted_cuts(logits, off, p1).softmax(-1))
