@@ -42,10 +42,14 @@ from kvlm.kernels.reference import dequantize_ref, qmatmul_ref
 NATIVE_TYPES = frozenset({
     GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16,
     GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0,
+    GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_1,
     GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K,
 })
 # Int8 activations (the default; KVLM_KERNEL_ACT=f32 opts out) for these on the AVX2 / AVX-512 paths.
-INT8_ACT_TYPES = frozenset({GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0})
+INT8_ACT_TYPES = frozenset({
+    GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q5_0,
+    GGMLQuantizationType.Q5_1, GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K,
+})
 _INT8_ISAS = frozenset({native.ISAS.index("avx2"), native.ISAS.index("avx512"), native.ISAS.index("avx512-vnni")})
 _TYPE_IDS = {t: int(t) for t in NATIVE_TYPES}  # ggml type id, as the C++ side takes it
 GEMV_MAX_ROWS = 1 << 20  # float32 activations: up to this many rows use the row kernel, more dequantize + BLAS

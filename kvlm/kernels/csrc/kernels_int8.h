@@ -1,4 +1,4 @@
-// Int8 activations (llama.cpp style) for Q4_0, Q4_1 and Q8_0 weights: the default numerics for these
+// Int8 activations (llama.cpp style) for Q4_0, Q4_1 and Q8_0 weights (the other formats: kernels_kquant.h): the default numerics for these
 // types on the AVX2 and AVX-512 paths (reference: reference.qmatmul_int8_ref). Included by the AVX2,
 // AVX-512 and AVX-512 VNNI units only, after kernels_impl.h.
 //
@@ -179,6 +179,8 @@ void gemv_i8_t(const uint8_t* w, int64_t rs, int64_t K, const int8_t* xq, const 
 
 #endif  // AVX2
 
+#include "kernels_kquant.h"  // Q5_0, Q5_1, Q4_K, Q5_K, Q6_K (gemv_kq)
+
 int gemv_i8(int qtype, const uint8_t* w, int64_t rs, int64_t K, const int8_t* xq, const float* xd, const float* xs,
             const int32_t* xi, int64_t M, float* y, int64_t ldy, int64_t n0, int64_t n1) {
 #if defined(KVLM_AVX512)
@@ -191,7 +193,7 @@ int gemv_i8(int qtype, const uint8_t* w, int64_t rs, int64_t K, const int8_t* xq
         case T_Q4_0: KVLM_I8_CALL(T_Q4_0); return 0;
         case T_Q4_1: KVLM_I8_CALL(T_Q4_1); return 0;
         case T_Q8_0: KVLM_I8_CALL(T_Q8_0); return 0;
-        default: return -1;
+        default: return gemv_kq(qtype, w, rs, K, xq, xd, xs, xi, M, y, ldy, n0, n1);
     }
 #undef KVLM_I8_CALL
 }
