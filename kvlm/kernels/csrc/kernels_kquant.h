@@ -51,29 +51,20 @@ KVLM_INLINE __m512i nib(__m512i z, int sh) {
     return _mm512_and_si512(_mm512_srli_epi16(z, sh), _mm512_set1_epi8(15));
 }
 
-// Q5_0 / Q5_1: the 16 rows' 32-bit qh (lane c = row c's; bit e: element e's 5th bit) as byte masks in
-// load_rows' layout: mlo[a] bit 16 l + e = row a + 4l's bit e, mhi[a] its bit 16 + e.
-KVLM_INLINE void qh_masks(__m512i qh, __mmask64 mlo[4], __mmask64 mhi[4]) {
-    const __m256i idx = _mm256_setr_epi16(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-    const __m256i lo = _mm256_permutexvar_epi16(idx, _mm512_cvtepi32_epi16(qh));
-    const __m256i hi = _mm256_permutexvar_epi16(idx, _mm512_cvtepi32_epi16(_mm512_srli_epi32(qh, 16)));
-    alignas(32) uint64_t l[4], h[4];
-    _mm256_store_si256((__m256i*)l, lo);
-    _mm256_store_si256((__m256i*)h, hi);
-    for (int a = 0; a < 4; a++) mlo[a] = _cvtu64_mask64(l[a]), mhi[a] = _cvtu64_mask64(h[a]);
-}
-
-// Q5_0 / Q5_1 block at `off`: qh at off + qh_at, the nibbles at off + qs_at.
-KVLM_INLINE void q5_unit(const uint8_t* const* rows, __m512i hofs, int64_t off, int qh_at, int qs_at, KUnit* u) {
-    __mmask64 ml[4], mh[4];
-    qh_masks(_mm512_i32gather_epi32(hofs, (const void*)(rows[0] + off + qh_at), 1), ml, mh);
-    __m512i z[4];
+// Q5_0 / Q5_1 block at `off`: qh at off + qh_at, the nibbles at off + qs_at. The 16 rows' qh are read
+// into load_rows' layout (each 128-bit lane's first dword is its row's qh), spread to bytes by a shuffle
+// (byte e of a lane: qh byte e / 8) and tested against bit e % 8: masks of the elements with a 5th bit.
+KVLM_INLINE void q5_unit(const uint8_t* const* rows, int64_t off, int qh_at, int qs_at, KUnit* u) {
+    __m512i z[4], q[4];
+    load_rows(rows, off + qh_at, q);
     load_rows(rows, off + qs_at, z);
-    const __m512i b4 = _mm512_set1_epi8(16);
+    const __m512i b4 = _mm512_set1_epi8(16), bits = _mm512_set1_epi64((long long)0x8040201008040201ULL);
+    const __m512i spread_lo = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1));
+    const __m512i spread_hi = _mm512_broadcast_i32x4(_mm_setr_epi8(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
     for (int a = 0; a < 4; a++) {
         const __m512i l = nib(z[a], 0), h = nib(z[a], 4);
-        u->lo[a] = _mm512_mask_add_epi8(l, ml[a], l, b4);
-        u->hi[a] = _mm512_mask_add_epi8(h, mh[a], h, b4);
+        u->lo[a] = _mm512_mask_add_epi8(l, _mm512_test_epi8_mask(_mm512_shuffle_epi8(q[a], spread_lo), bits), l, b4);
+        u->hi[a] = _mm512_mask_add_epi8(h, _mm512_test_epi8_mask(_mm512_shuffle_epi8(q[a], spread_hi), bits), h, b4);
     }
 }
 
@@ -126,7 +117,7 @@ KVLM_INLINE void kq_unit(const uint8_t* const* rows, __m512i hofs, int64_t off, 
         const __m512i head = _mm512_i32gather_epi32(hofs, (const void*)(rows[0] + off), 1);
         u->dw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(head));
         if constexpr (QT == T_Q5_1) u->mw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(head, 16)));
-        q5_unit(rows, hofs, off, QT == T_Q5_0 ? 2 : 4, QT == T_Q5_0 ? 6 : 8, u);
+        q5_unit(rows, off, QT == T_Q5_0 ? 2 : 4, QT == T_Q5_0 ? 6 : 8, u);
     } else if constexpr (QT == T_Q4_K || QT == T_Q5_K) {
         const int64_t q = off + (QT == T_Q4_K ? 16 : 48) + 32 * (s / 2);
         __m512i zl[4], zh[4];
