@@ -46,6 +46,7 @@ from kvlm.bench.common import (
     run_header,
     standalone,
 )
+from kvlm.bench.compare_files import print_files, run_files
 from kvlm.bench.plotting import new_figure, save_figure
 
 WORKER = Path(__file__).with_name("llama_cpp_worker.py")
@@ -303,8 +304,10 @@ def _ratios(results: dict[str, dict[str, Any]]) -> None:
         r["kvlm_over_this"] = ratios
 
 
-def plot(d: dict[str, Any], path: str) -> str:
-    """Decode tokens/s against context length, one line per engine that measured it."""
+def plot(d: dict[str, Any], path: str) -> str | None:
+    """Decode tokens/s against context length, one line per engine that measured it (one file only)."""
+    if "files" in d:
+        return None
     fig, ax = new_figure(width=6.0, height=3.6)
     for r in d["engines"].values():
         pts = r.get("context_decode") or []
@@ -319,6 +322,8 @@ def plot(d: dict[str, Any], path: str) -> str:
 
 
 def print_table(d: dict[str, Any]) -> None:
+    if "files" in d:  # --gguf FILE...
+        return print_files(d, print_table)
     print(f"{d['model']} ({d['model_file']}), {d['threads']} threads, CPU {d['cpu']}, best of {d['repeats']}: "
           f"prefill {d['prompt_len']} tokens; decode {d['gen_tokens']} tokens after {d['decode_prompt_len']}; "
           f"decode {d['context_gen']} tokens after each context; whole process = load + chat prompt + "
@@ -360,15 +365,18 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                    help="kvlm's K/V type (llama.cpp stores float16 by default; kvlm's auto is float32 on CPU)")
     p.add_argument("--plot", metavar="FILE", help="PNG of decode tokens/s vs context")
+    p.add_argument("--gguf", nargs="+", metavar="FILE", help="run on each of these files instead of MODEL, "
+                   "one after the other, then a summary line per file")
 
 
 def run_args(a: argparse.Namespace) -> dict[str, Any]:
     if a.llama_python is not None and not Path(a.llama_python).exists():
         raise ValueError(f"--llama-python: no such file {a.llama_python}")
-    return run(a.model, threads=a.threads, prompt_len=a.prompt_len, decode_prompt_len=a.decode_prompt_len,
-               gen_tokens=a.gen_tokens, contexts=tuple(a.contexts), context_gen=a.context_gen, repeats=a.repeats,
-               llama_python=a.llama_python, llama_cpp=not a.no_llama_cpp, hf=a.hf, whole=not a.no_whole_process,
-               kv_cache_dtype=a.kv_cache_dtype)
+    kw = dict(threads=a.threads, prompt_len=a.prompt_len, decode_prompt_len=a.decode_prompt_len,
+              gen_tokens=a.gen_tokens, contexts=tuple(a.contexts), context_gen=a.context_gen, repeats=a.repeats,
+              llama_python=a.llama_python, llama_cpp=not a.no_llama_cpp, hf=a.hf, whole=not a.no_whole_process,
+              kv_cache_dtype=a.kv_cache_dtype)
+    return run_files(a.gguf, run, **kw) if a.gguf else run(a.model, **kw)
 
 
 BENCH = Bench("compare", "kvlm vs llama.cpp (and the float32 reference path) on the same GGUF", add_args, run_args,
