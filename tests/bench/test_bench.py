@@ -295,10 +295,11 @@ def test_compare_several_files_in_one_run(tiny_gguf: Path, tmp_path: Path, capsy
     q8 = write_tiny_gguf(tmp_path / "tiny-q8.gguf", tensor_type="Q8_0")
     args = ["-q", "bench", "compare", "--gguf", str(tiny_gguf), str(q8), "--prompt-len", "16", "--decode-prompt-len",
             "8", "--gen-tokens", "4", "--repeats", "1", "--contexts", "12", "--context-gen", "3", "--no-whole-process",
-            "--no-llama-cpp"]
+            "--no-llama-cpp", "--no-reference"]
     d, table = cli_json(capsys, args)
     assert_header(d, "compare")
     assert [f["model_file"] for f in d["files"]] == ["tiny.gguf", "tiny-q8.gguf"]
+    assert all("kvlm_float32" not in f["engines"] for f in d["files"])  # --no-reference
     assert all(f["engines"]["kvlm"]["decode_tokens_per_s"] > 0 for f in d["files"])
     summary = table.split("summary, 2 threads")[1].splitlines()
     assert summary[2].startswith("tiny.gguf") and summary[3].startswith("tiny-q8.gguf")

@@ -149,6 +149,10 @@ constexpr int I8_MT = 2;  // rows per decoded weight block: 4 accumulators each,
 // per weight byte (Q4 unpacking), the out-of-order window alone keeps too few cache misses in flight.
 constexpr int64_t PF_ROWS = 8;
 
+KVLM_INLINE void prefetch_row(const uint8_t* row, int64_t rs) {
+    for (int64_t off = 0; off < rs; off += 64) _mm_prefetch((const char*)(row + off), _MM_HINT_T0);
+}
+
 template <int QT>
 void gemv_i8_t(const uint8_t* w, int64_t rs, int64_t K, const int8_t* xq, const float* xd, const float* xs,
                int64_t M, float* y, int64_t ldy, int64_t n0, int64_t n1) {
@@ -160,9 +164,7 @@ void gemv_i8_t(const uint8_t* w, int64_t rs, int64_t K, const int8_t* xq, const 
         const int64_t p1 = p0 + NP < n1 ? p0 + NP : n1;
         for (int64_t n = p0; n < p1 && M < I8_MT; n++)  // decode: stream the weights, prefetching ahead
             for (int64_t m = 0; m < M; m++) {
-                if (m == 0)
-                    for (int64_t off = 0; off < rs; off += 64)
-                        _mm_prefetch((const char*)(w + (n + PF_ROWS) * rs + off), _MM_HINT_T0);
+                if (m == 0) prefetch_row(w + (n + PF_ROWS) * rs, rs);
                 row_dot_i8<QT, 1>(w + n * rs, nb, xq + m * K, K, xd + 8 * m * nb, xs + m * nb, nb, y + m * ldy + n, ldy);
             }
         if (M < I8_MT) continue;

@@ -308,22 +308,11 @@ void gemm_kq_t(const uint8_t* w, int64_t rs, int64_t K, const int8_t* xq, const 
     if (QT == T_Q6_K && l16 == nullptr) return;
     KPanel* buf = M > FLY_ROWS ? kpanel_buffer(a.nb) : nullptr;
     constexpr int64_t BB = KQ<QT>::BB, SUB = KQ<QT>::SUB;
-    if (M <= FLY_ROWS) {  // the first two panels (the loop prefetches two panels ahead from there on)
-        const uint8_t* end = w + (n1 < n0 + 32 ? n1 : n0 + 32) * rs;
-        for (const uint8_t* p = (const uint8_t*)((uintptr_t)(w + n0 * rs) & ~(uintptr_t)63); p < end; p += 64)
-            _mm_prefetch((const char*)p, _MM_HINT_T1);
-    }
+    if (M <= FLY_ROWS) prefetch_first_panels(w, rs, n0, n1);
     for (int64_t n = n0; n < n1; n += 16) {
-        const int live = n1 - n < 16 ? (int)(n1 - n) : 16;  // tail panel: lanes past n1 repeat the last row
         const uint8_t* rows[16];
-        int32_t hofs[16];
-        for (int c = 0; c < 16; c++) {
-            const int r = c < live ? c : live - 1;
-            rows[c] = w + (n + r) * rs;
-            hofs[c] = (int32_t)(r * rs);
-        }
-        const __m512i hv = _mm512_loadu_si512((const void*)hofs);
-        const __mmask16 mask = (__mmask16)((1u << live) - 1);
+        __m512i hv;
+        const __mmask16 mask = panel_rows(w, rs, n, n1, rows, &hv);
         float* yp = y + n;
         const uint8_t *ahead = w + (n + 32) * rs, *end = w + n1 * rs;
         if (buf == nullptr) {  // few rows (or no buffer): units used in place, 4 rows of x at a time
@@ -486,9 +475,7 @@ void gemv_kq_t(const uint8_t* w, int64_t rs, int64_t K, const int8_t* xq, const 
                                       y + m * ldy + n, ldy);
         for (; m < M; m++)
             for (int64_t n = p0; n < p1; n++) {
-                if (M == 1)
-                    for (int64_t off = 0; off < rs; off += 64)
-                        _mm_prefetch((const char*)(w + (n + PF_ROWS) * rs + off), _MM_HINT_T0);
+                if (M == 1) prefetch_row(w + (n + PF_ROWS) * rs, rs);
                 row_dot_kq<QT, 1>(w + n * rs, nb, xq + m * K, K, xd + 8 * m * nb, xs + m * nb, nb, y + m * ldy + n, ldy);
             }
     }
