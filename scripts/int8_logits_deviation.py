@@ -15,7 +15,8 @@ from pathlib import Path
 
 import torch
 
-sys.path[:0] = [str(Path(__file__).parents[1] / "tests" / d) for d in ("model", "helpers")]
+sys.path.insert(0, str(Path(__file__).parents[1] / "tests" / "helpers"))
+sys.path.insert(0, str(Path(__file__).parents[1] / "tests" / "model"))
 from test_quantized import EXACTNESS_PROMPTS, README_PROMPTS
 
 from kvlm import LLM, SamplingParams

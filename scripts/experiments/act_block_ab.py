@@ -19,7 +19,10 @@ from pathlib import Path
 import torch
 
 os.environ.setdefault("KVLM_FUSED_DECODE", "0")  # decode steps too through the patched module path
-sys.path[:0] = [str(Path(__file__).parents[2] / "tests" / d) for d in ("model", "helpers")]
+sys.path.insert(0, str(Path(__file__).parents[2] / "tests" / "helpers"))
+sys.path.insert(0, str(Path(__file__).parents[2] / "tests" / "model"))
+sys.path.insert(0, str(Path(__file__).parents[1]))
+from int8_logits_deviation import last_logits
 from test_quantized import EXACTNESS_PROMPTS, README_PROMPTS
 
 import kvlm.model.quant_layers as quant_layers
@@ -43,14 +46,6 @@ def matmul(x: torch.Tensor, w) -> torch.Tensor:
         dense = _DENSE[id(w)] = dequantize_ref(w)
     xq = fake_quant(x.float(), BLOCK[0]) if BLOCK[0] and x.shape[-1] % BLOCK[0] == 0 else x.float()
     return xq @ dense.T
-
-
-def last_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
-    eng = llm.llm_engine
-    r = eng.add_request(ids, SamplingParams(temperature=0, max_tokens=1))
-    eng.step(keep_logits=True)
-    assert r.is_finished
-    return eng.last_result.logits[0].double()
 
 
 def main() -> None:

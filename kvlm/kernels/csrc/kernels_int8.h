@@ -153,8 +153,18 @@ KVLM_INLINE void prefetch_row(const uint8_t* row, int64_t rs) {
     for (int64_t off = 0; off < rs; off += 64) _mm_prefetch((const char*)(row + off), _MM_HINT_T0);
 }
 
+// Row kernels as types, so one driver serves every format: R::template dot<MT>(row_dot_i8's arguments).
 template <int QT>
-void gemv_i8_t(const uint8_t* w, int64_t rs, int64_t K, const int8_t* xq, const float* xd, const float* xs,
+struct RowI8 {
+    template <int MT>
+    KVLM_INLINE void dot(const uint8_t* row, int64_t nb, const int8_t* xq, int64_t ldq, const float* xd,
+                         const float* xs, int64_t ldb, float* y, int64_t ldy) {
+        row_dot_i8<QT, MT>(row, nb, xq, ldq, xd, xs, ldb, y, ldy);
+    }
+};
+
+template <class R>
+void gemv_rows_t(const uint8_t* w, int64_t rs, int64_t K, const int8_t* xq, const float* xd, const float* xs,
                int64_t M, float* y, int64_t ldy, int64_t n0, int64_t n1) {
     // Cache blocking for many rows (prefill): a panel of NP weight rows (L2) against a tile of I8_MT rows
     // of x (L1), tile after tile. The order of the work changes with M; each output's arithmetic does not.
@@ -165,17 +175,17 @@ void gemv_i8_t(const uint8_t* w, int64_t rs, int64_t K, const int8_t* xq, const 
         for (int64_t n = p0; n < p1 && M < I8_MT; n++)  // decode: stream the weights, prefetching ahead
             for (int64_t m = 0; m < M; m++) {
                 if (m == 0) prefetch_row(w + (n + PF_ROWS) * rs, rs);
-                row_dot_i8<QT, 1>(w + n * rs, nb, xq + m * K, K, xd + 8 * m * nb, xs + m * nb, nb, y + m * ldy + n, ldy);
+                R::template dot<1>(w + n * rs, nb, xq + m * K, K, xd + 8 * m * nb, xs + m * nb, nb, y + m * ldy + n, ldy);
             }
         if (M < I8_MT) continue;
         int64_t m = 0;
         for (; m + I8_MT <= M; m += I8_MT)
             for (int64_t n = p0; n < p1; n++)
-                row_dot_i8<QT, I8_MT>(w + n * rs, nb, xq + m * K, K, xd + 8 * m * nb, xs + m * nb, nb,
+                R::template dot<I8_MT>(w + n * rs, nb, xq + m * K, K, xd + 8 * m * nb, xs + m * nb, nb,
                                       y + m * ldy + n, ldy);
         for (; m < M; m++)
             for (int64_t n = p0; n < p1; n++)
-                row_dot_i8<QT, 1>(w + n * rs, nb, xq + m * K, K, xd + 8 * m * nb, xs + m * nb, nb, y + m * ldy + n, ldy);
+                R::template dot<1>(w + n * rs, nb, xq + m * K, K, xd + 8 * m * nb, xs + m * nb, nb, y + m * ldy + n, ldy);
     }
 }
 
@@ -189,7 +199,7 @@ int gemv_i8(int qtype, const uint8_t* w, int64_t rs, int64_t K, const int8_t* xq
 #define KVLM_I8_CALL(QT) gemm_i8_t<QT>(w, rs, K, xq, xd, xs, xi, M, y, ldy, n0, n1)
 #else
     (void)xi;
-#define KVLM_I8_CALL(QT) gemv_i8_t<QT>(w, rs, K, xq, xd, xs, M, y, ldy, n0, n1)
+#define KVLM_I8_CALL(QT) gemv_rows_t<RowI8<QT>>(w, rs, K, xq, xd, xs, M, y, ldy, n0, n1)
 #endif
     switch (qtype) {
         case T_Q4_0: KVLM_I8_CALL(T_Q4_0); return 0;

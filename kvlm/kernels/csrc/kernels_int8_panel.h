@@ -236,14 +236,15 @@ void panel_tile(const PanelBlock* buf, const ActRows& a, int64_t m0, float* y, i
 constexpr int64_t FLY_ROWS = 4;  // up to this many rows of x: on the fly, else through the panel buffer
 constexpr int64_t ROW_TILE = 4;  // rows per pass over the buffer (4 x 3 accumulators + 10 panel vectors)
 
-// This thread's panel buffer (K / 32 PanelBlocks), grown to the largest K seen and kept.
-PanelBlock* panel_buffer(int64_t nb) {
-    static __thread PanelBlock* buf = nullptr;
+// This thread's buffer of n T (64-byte aligned), grown to the largest n asked for and kept (one per T).
+template <class T>
+T* thread_buffer(int64_t n) {
+    static __thread T* buf = nullptr;
     static __thread int64_t cap = 0;
-    if (nb > cap) {
+    if (n > cap) {
         free(buf);
-        buf = (PanelBlock*)aligned_alloc(64, nb * sizeof(PanelBlock));
-        cap = buf ? nb : 0;
+        buf = (T*)aligned_alloc(64, (n * sizeof(T) + 63) / 64 * 64);
+        cap = buf ? n : 0;
     }
     return buf;
 }
@@ -275,7 +276,7 @@ template <int QT>
 void gemm_i8_t(const uint8_t* w, int64_t rs, int64_t K, const int8_t* xq, const float* xd, const float* xs,
                const int32_t* xi, int64_t M, float* y, int64_t ldy, int64_t n0, int64_t n1) {
     const ActRows a{xq, xd, xs, xi, K, K / 32};
-    PanelBlock* buf = M > FLY_ROWS ? panel_buffer(a.nb) : nullptr;
+    PanelBlock* buf = M > FLY_ROWS ? thread_buffer<PanelBlock>(a.nb) : nullptr;
     if (M <= FLY_ROWS) prefetch_first_panels(w, rs, n0, n1);
     for (int64_t n = n0; n < n1; n += 16) {
         const uint8_t* rows[16];

@@ -157,14 +157,8 @@ KVLM_INLINE void kq_unit(const uint8_t* const* rows, __m512i hofs, int64_t off, 
 // Q6_K's per-row integer offsets need sum(q) of each block's first 16 elements: xl16 (M, K/32), computed
 // per call into this thread's buffer (grown and kept).
 int32_t* lo16_sums(const ActRows& a, int64_t M) {
-    static __thread int32_t* buf = nullptr;
-    static __thread int64_t cap = 0;
-    if (M * a.nb > cap) {
-        free(buf);
-        buf = (int32_t*)malloc(M * a.nb * sizeof(int32_t));
-        cap = buf ? M * a.nb : 0;
-        if (!buf) return nullptr;
-    }
+    int32_t* buf = thread_buffer<int32_t>(M * a.nb);
+    if (!buf) return nullptr;
     for (int64_t m = 0; m < M; m++)
         for (int64_t b = 0; b < a.nb; b++) {
             const int8_t* q = a.xq + m * a.K + 32 * b;
@@ -288,25 +282,13 @@ void kq_tile(const KPanel* buf, const ActRows& a, const int32_t* l16, int64_t m0
     kq_store<QT, MT>(acc, mn, y + m0 * ldy, ldy, live);
 }
 
-// This thread's panel buffer (K / 32 KPanels), grown to the largest K seen and kept.
-KPanel* kpanel_buffer(int64_t nb) {
-    static __thread KPanel* buf = nullptr;
-    static __thread int64_t cap = 0;
-    if (nb > cap) {
-        free(buf);
-        buf = (KPanel*)aligned_alloc(64, nb * sizeof(KPanel));
-        cap = buf ? nb : 0;
-    }
-    return buf;
-}
-
 template <int QT>
 void gemm_kq_t(const uint8_t* w, int64_t rs, int64_t K, const int8_t* xq, const float* xd, const float* xs,
                const int32_t* xi, int64_t M, float* y, int64_t ldy, int64_t n0, int64_t n1) {
     const ActRows a{xq, xd, xs, xi, K, K / 32};
     const int32_t* l16 = QT == T_Q6_K ? lo16_sums(a, M) : nullptr;
     if (QT == T_Q6_K && l16 == nullptr) return;
-    KPanel* buf = M > FLY_ROWS ? kpanel_buffer(a.nb) : nullptr;
+    KPanel* buf = M > FLY_ROWS ? thread_buffer<KPanel>(a.nb) : nullptr;
     constexpr int64_t BB = KQ<QT>::BB, SUB = KQ<QT>::SUB;
     if (M <= FLY_ROWS) prefetch_first_panels(w, rs, n0, n1);
     for (int64_t n = n0; n < n1; n += 16) {
@@ -462,26 +444,15 @@ KVLM_INLINE void row_dot_kq(const uint8_t* row, int64_t nb, const int8_t* xq, in
 }
 
 template <int QT>
-void gemv_kq_t(const uint8_t* w, int64_t rs, int64_t K, const int8_t* xq, const float* xd, const float* xs,
-               int64_t M, float* y, int64_t ldy, int64_t n0, int64_t n1) {
-    constexpr int64_t NP = 32;  // cache blocking as gemv_i8_t: a panel of weight rows against tiles of rows of x
-    const int64_t nb = K / 32;
-    for (int64_t p0 = n0; p0 < n1; p0 += NP) {
-        const int64_t p1 = p0 + NP < n1 ? p0 + NP : n1;
-        int64_t m = 0;
-        for (; m + I8_MT <= M; m += I8_MT)
-            for (int64_t n = p0; n < p1; n++)
-                row_dot_kq<QT, I8_MT>(w + n * rs, nb, xq + m * K, K, xd + 8 * m * nb, xs + m * nb, nb,
-                                      y + m * ldy + n, ldy);
-        for (; m < M; m++)
-            for (int64_t n = p0; n < p1; n++) {
-                if (M == 1) prefetch_row(w + (n + PF_ROWS) * rs, rs);
-                row_dot_kq<QT, 1>(w + n * rs, nb, xq + m * K, K, xd + 8 * m * nb, xs + m * nb, nb, y + m * ldy + n, ldy);
-            }
+struct RowKQ {
+    template <int MT>
+    KVLM_INLINE void dot(const uint8_t* row, int64_t nb, const int8_t* xq, int64_t ldq, const float* xd,
+                         const float* xs, int64_t ldb, float* y, int64_t ldy) {
+        row_dot_kq<QT, MT>(row, nb, xq, ldq, xd, xs, ldb, y, ldy);
     }
-}
+};
 
-#define KVLM_KQ_CALL(QT) gemv_kq_t<QT>(w, rs, K, xq, xd, xs, M, y, ldy, n0, n1)
+#define KVLM_KQ_CALL(QT) gemv_rows_t<RowKQ<QT>>(w, rs, K, xq, xd, xs, M, y, ldy, n0, n1)
 
 #endif  // AVX2
 
