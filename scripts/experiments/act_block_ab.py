@@ -1,11 +1,12 @@
 #!/usr/bin/env python3
 """Int8 activations per 32-element block (q8_0's scheme, what kvlm's int8 kernels use for every format)
-against per 256 (llama.cpp's q8_K for the K-quants): logits deviation from float32 activations.
+against per 256 (llama.cpp's q8_K) for the K-quant tensors: logits deviation from float32 activations.
 
-Every matmul of the model (module path, prefill) is replaced by its definition: x fake-quantized per
-BLOCK elements (d = amax / 127, round half to even), then x_fq @ dequantize(W).T in float32; BLOCK = 0 is
-float32 activations (the reference). On the README's and the tests' prompts, teacher-forced along the
-reference's 32 greedy tokens (steps 0, 8, 16, 24, 31): max and rms |logit difference| from the reference.
+Every matmul of the model is replaced by its definition: x fake-quantized (d = amax / 127, round half to
+even) per 32 elements, or for K-quant weights per BLOCK (32 or 256), then x_fq @ dequantize(W).T in
+float32; the reference is float32 activations everywhere. On the README's and the tests' prompts,
+teacher-forced along the reference's 32 greedy tokens (steps 0, 8, 16, 24, 31): max and rms |logit
+difference| from the reference. The Q6_K file has the most K-quant weight bytes.
 Usage: PYTHONPATH=. python scripts/experiments/act_block_ab.py MODEL.gguf  (e.g. a Q4_K_M fixture from
 scripts/make_quant_fixtures.py)
 """
@@ -44,8 +45,8 @@ def matmul(x: torch.Tensor, w) -> torch.Tensor:
     dense = _DENSE.get(id(w))
     if dense is None:
         dense = _DENSE[id(w)] = dequantize_ref(w)
-    xq = fake_quant(x.float(), BLOCK[0]) if BLOCK[0] and x.shape[-1] % BLOCK[0] == 0 else x.float()
-    return xq @ dense.T
+    block = BLOCK[0] if w.qtype.name.endswith("_K") else 32 if BLOCK[0] else 0  # other types: q8_0's 32
+    return (fake_quant(x.float(), block) if block else x.float()) @ dense.T
 
 
 def main() -> None:
