@@ -33,6 +33,18 @@ run compare     bench compare "$MODEL" --threads "$THREADS" --plot docs/img/comp
     ${LLAMA_PYTHON:+--llama-python "$LLAMA_PYTHON"}
 run compare_kv16 bench compare "$MODEL" --threads "$THREADS" --kv-cache-dtype float16 \
     ${LLAMA_PYTHON:+--llama-python "$LLAMA_PYTHON"}
+# The default model in the formats people download (scripts/make_quant_fixtures.py: requantized by
+# llama.cpp's own quantizer from a float32 export), side by side with llama.cpp in one run; the recorded
+# output names the files under $KVLM_HOME, not this machine's home.
+if [ -n "${LLAMA_PYTHON:-}" ]; then
+    python scripts/make_quant_fixtures.py --llama-python "$LLAMA_PYTHON" >&2
+    KH="${KVLM_HOME:-$HOME/.cache/kvlm}"
+    FIX="$KH/fixtures/SmolLM2-135M-Instruct"
+    run compare_formats bench compare --gguf "$KH/models/smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf" \
+        "$FIX.Q4_K_M.gguf" "$FIX.Q5_K_M.gguf" "$FIX.Q6_K.gguf" "$FIX.Q8_0.gguf" --threads "$THREADS" \
+        --contexts 2048 --repeats 2 --no-reference --no-whole-process --llama-python "$LLAMA_PYTHON"
+    sed -i "s|$KH|\$KVLM_HOME|g" docs/results/compare_formats.txt docs/results/compare_formats.stderr.txt
+fi
 run throughput_kv16 bench throughput "$MODEL" --threads "$THREADS" --baseline-dtype float32 --no-hf \
     --no-sequential --kv-cache-dtype float16
 run prefix      bench prefix "$MODEL" --threads "$THREADS" --plot docs/img/prefix.png

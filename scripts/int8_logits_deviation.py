@@ -4,7 +4,8 @@
 On the README's and the tests' prompts (tests/model/test_quantized.py) plus a chat turn: teacher-forced along
 the reference's greedy tokens (steps 0, 8, 16, 24, 31), the max and rms |logit difference| and the max
 relative to the logit range; where 32 greedy tokens part, the reference's top-2 margin at that step.
-Usage: PYTHONPATH=. python scripts/int8_logits_deviation.py
+Usage: PYTHONPATH=. python scripts/int8_logits_deviation.py [MODEL.gguf ...]  (default: the default model's file;
+several files, e.g. scripts/make_quant_fixtures.py's, are measured one after the other)
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).parents[1] / "tests" / "helpers"))
+sys.path.insert(0, str(Path(__file__).parents[1] / "tests" / "model"))
 from test_quantized import EXACTNESS_PROMPTS, README_PROMPTS
 
 from kvlm import LLM, SamplingParams
@@ -30,12 +32,23 @@ def last_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
     return eng.last_result.logits[0].double()
 
 
-def main() -> None:
-    from gguf import GGMLQuantizationType as T
+def tensor_paths(path: str) -> str:
+    """'Q4_1 avx512-vnni+int8, ...': each quantized tensor type of the file and the kernel path it takes."""
+    from gguf import GGMLQuantizationType, GGUFReader
 
-    path = str(registry.pull("smollm2-135m"))
+    types = sorted({t.tensor_type for t in GGUFReader(path).tensors} - {GGMLQuantizationType.F32})
+    return ", ".join(f"{t.name} {kernel_path(t)}" for t in types)
+
+
+def main() -> None:
+    for path in sys.argv[1:] or [str(registry.pull("smollm2-135m"))]:
+        print(f"# {Path(path).name}")
+        deviation(path)
+
+
+def deviation(path: str) -> None:
     ref, q = LLM(path, num_threads=2, dtype="float32"), LLM(path, num_threads=2, dtype="auto")
-    print(f"# quantized path: Q4_1 {kernel_path(T.Q4_1)}, Q8_0 {kernel_path(T.Q8_0)}; reference: --dtype float32")
+    print(f"# quantized path: {tensor_paths(path)}; reference: --dtype float32")
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     inputs = [q.tokenizer.encode(p) for p in README_PROMPTS + EXACTNESS_PROMPTS]
     inputs += [q.render_chat([{"role": "user", "content": "What is a KV cache?"}])]

@@ -49,6 +49,14 @@ SECTIONS: list[tuple[str, str, str]] = [
     ("compare_kv16", "Side by side with llama.cpp, float16 K/V",
      "The same comparison with kvlm's `--kv-cache-dtype float16`, the type llama.cpp stores K/V in by "
      "default: half the bytes per cached token, so attention at long context reads half as much."),
+    ("compare_formats", "Side by side with llama.cpp, per weight format",
+     "The default model requantized by llama.cpp's own `llama_model_quantize` from a float32 export "
+     "(`scripts/make_quant_fixtures.py`) to the formats people download, Q4_K_M, Q5_K_M, Q6_K and Q8_0, "
+     "next to the default Q4_1 file: `kvlm bench compare --gguf FILE...` runs the comparison on each file "
+     "in turn (kvlm's int8-activation kernels against llama.cpp, same threads; prefill, decode at batch 1, "
+     "decode at a long context), then prints one summary line per file. `$KVLM_HOME` stands for the "
+     "directory the files were made in. Read the ratios within a file: the files ran one after the "
+     "other on a shared machine."),
     ("throughput_kv16", "Offline throughput, float16 K/V",
      "The batched throughput run with `--kv-cache-dtype float16` against the float32 reference path in "
      "the same process: the KV pool holds twice the tokens per byte."),

@@ -46,6 +46,7 @@ from kvlm.bench.common import (
     run_header,
     standalone,
 )
+from kvlm.bench.compare_files import print_files, run_files
 from kvlm.bench.plotting import new_figure, save_figure
 
 WORKER = Path(__file__).with_name("llama_cpp_worker.py")
@@ -179,11 +180,12 @@ class _Lineup:
 
 
 def _lineup(model: str, path: Path, threads: int, max_len: int, kv_cache_dtype: str, llama_python: str | None,
-            llama_cpp: bool, hf: bool, log: Callable[[str], None]) -> _Lineup:
+            llama_cpp: bool, hf: bool, log: Callable[[str], None], reference: bool = True) -> _Lineup:
     """kvlm (auto and float32) in this process, then each peer that is asked for and can run."""
     line = _Lineup(log)
     line.add("kvlm", _Kvlm(model, threads, max_len, "auto", kv_cache_dtype))
-    line.add("kvlm_float32", _Kvlm(model, threads, max_len, "float32"))
+    if reference:
+        line.add("kvlm_float32", _Kvlm(model, threads, max_len, "float32"))
     if kv_cache_dtype != "auto":
         line.results["kvlm"]["name"] = f"kvlm (--dtype auto, KV {kv_cache_dtype})"
     if not llama_cpp:
@@ -211,7 +213,7 @@ def _measure_rounds(line: _Lineup, spec: dict[str, Any], repeats: int, threads: 
     in-process models are freed, before the whole-process runs."""
     import torch
 
-    for key in ("kvlm", "kvlm_float32"):  # warm-up: thread pools, first-call allocations
+    for key in [k for k in ("kvlm", "kvlm_float32") if k in line.engines]:  # warm-up: pools, first allocations
         line.engines[key].llm.generate([{"prompt_token_ids": spec["decode_ids"][:8]}], use_tqdm=False)
     best: dict[str, dict[str, Any] | None] = {k: None for k in line.engines}
     for r in range(repeats):
@@ -229,7 +231,7 @@ def _measure_rounds(line: _Lineup, spec: dict[str, Any], repeats: int, threads: 
     for key in line.engines:
         line.results[key].update(best[key] or {})
     line.engines.pop("hf", None)
-    for key in ("kvlm", "kvlm_float32"):
+    for key in [k for k in ("kvlm", "kvlm_float32") if k in line.engines]:
         line.engines[key] = None  # freed before timing whole processes; the keys stay: those runs time them
     gc.collect()
 
@@ -260,7 +262,8 @@ def _whole_rounds(line: _Lineup, path: Path, threads: int, chat_text: str, gen_t
 def run(model: str = DEFAULT_MODEL, threads: int = 2, prompt_len: int = 512, decode_prompt_len: int = 32,
         gen_tokens: int = 128, contexts: tuple[int, ...] = (128, 512, 1024, 2048), context_gen: int = 32,
         repeats: int = 2, llama_python: str | None = None, llama_cpp: bool = True, hf: bool = False,
-        whole: bool = True, log: Callable[[str], None] = log, kv_cache_dtype: str = "auto") -> dict[str, Any]:
+        whole: bool = True, log: Callable[[str], None] = log, kv_cache_dtype: str = "auto",
+        reference: bool = True) -> dict[str, Any]:
     import torch
 
     from kvlm.loader import resolve_model
@@ -269,7 +272,7 @@ def run(model: str = DEFAULT_MODEL, threads: int = 2, prompt_len: int = 512, dec
     path = resolve_model(model, quiet=True)
     max_len = max(prompt_len + 1, decode_prompt_len + gen_tokens, max(contexts, default=0) + context_gen) + 8
     llama_python = llama_python or default_llama_python()
-    line = _lineup(model, path, threads, max_len, kv_cache_dtype, llama_python, llama_cpp, hf, log)
+    line = _lineup(model, path, threads, max_len, kv_cache_dtype, llama_python, llama_cpp, hf, log, reference)
     vocab = line.engines["kvlm"].llm.llm_engine.model_config.vocab_size
     spec = {"threads": threads, "n_ctx": max_len, "gen_tokens": gen_tokens,
             "prefill_ids": prompt_ids(vocab, prompt_len), "decode_ids": prompt_ids(vocab, decode_prompt_len, seed=1),
@@ -303,8 +306,10 @@ def _ratios(results: dict[str, dict[str, Any]]) -> None:
         r["kvlm_over_this"] = ratios
 
 
-def plot(d: dict[str, Any], path: str) -> str:
-    """Decode tokens/s against context length, one line per engine that measured it."""
+def plot(d: dict[str, Any], path: str) -> str | None:
+    """Decode tokens/s against context length, one line per engine that measured it (one file only)."""
+    if "files" in d:
+        return None
     fig, ax = new_figure(width=6.0, height=3.6)
     for r in d["engines"].values():
         pts = r.get("context_decode") or []
@@ -319,6 +324,8 @@ def plot(d: dict[str, Any], path: str) -> str:
 
 
 def print_table(d: dict[str, Any]) -> None:
+    if "files" in d:  # --gguf FILE...
+        return print_files(d, print_table)
     print(f"{d['model']} ({d['model_file']}), {d['threads']} threads, CPU {d['cpu']}, best of {d['repeats']}: "
           f"prefill {d['prompt_len']} tokens; decode {d['gen_tokens']} tokens after {d['decode_prompt_len']}; "
           f"decode {d['context_gen']} tokens after each context; whole process = load + chat prompt + "
@@ -357,18 +364,22 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp")
     p.add_argument("--hf", action="store_true", help="also run Hugging Face transformers (float32)")
     p.add_argument("--no-whole-process", action="store_true", help="skip the whole-process runs")
+    p.add_argument("--no-reference", action="store_true", help="skip kvlm's --dtype float32 column")
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                    help="kvlm's K/V type (llama.cpp stores float16 by default; kvlm's auto is float32 on CPU)")
     p.add_argument("--plot", metavar="FILE", help="PNG of decode tokens/s vs context")
+    p.add_argument("--gguf", nargs="+", metavar="FILE", help="run on each of these files instead of MODEL, "
+                   "one after the other, then a summary line per file")
 
 
 def run_args(a: argparse.Namespace) -> dict[str, Any]:
     if a.llama_python is not None and not Path(a.llama_python).exists():
         raise ValueError(f"--llama-python: no such file {a.llama_python}")
-    return run(a.model, threads=a.threads, prompt_len=a.prompt_len, decode_prompt_len=a.decode_prompt_len,
-               gen_tokens=a.gen_tokens, contexts=tuple(a.contexts), context_gen=a.context_gen, repeats=a.repeats,
-               llama_python=a.llama_python, llama_cpp=not a.no_llama_cpp, hf=a.hf, whole=not a.no_whole_process,
-               kv_cache_dtype=a.kv_cache_dtype)
+    kw = dict(threads=a.threads, prompt_len=a.prompt_len, decode_prompt_len=a.decode_prompt_len,
+              gen_tokens=a.gen_tokens, contexts=tuple(a.contexts), context_gen=a.context_gen, repeats=a.repeats,
+              llama_python=a.llama_python, llama_cpp=not a.no_llama_cpp, hf=a.hf, whole=not a.no_whole_process,
+              kv_cache_dtype=a.kv_cache_dtype, reference=not a.no_reference)
+    return run_files(a.gguf, run, **kw) if a.gguf else run(a.model, **kw)
 
 
 BENCH = Bench("compare", "kvlm vs llama.cpp (and the float32 reference path) on the same GGUF", add_args, run_args,

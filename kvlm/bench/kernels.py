@@ -31,16 +31,26 @@ from kvlm.kernels.reference import paged_decode_attention_ref
 SHAPES = ((576, 576), (192, 576), (1536, 576), (576, 1536), (49152, 576))  # SmolLM2-135M: q/o, k/v, up, down, head
 ROWS = (1, 8, 32, 512)
 FORMATS = ("Q4_1", "Q8_0")  # the default model's types; --formats takes any of quant.NATIVE_TYPES
+_F16_FIELDS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}  # byte offsets of a block's float16 scales
 COLD_BYTES = 256 << 20  # float32 bytes across the rotated copies (well past any L3 here)
 
 
 def random_weight(qtype: GGMLQuantizationType, n: int, k: int, gen: torch.Generator) -> QuantTensor:
-    """A (n, k) weight of Gaussian values quantized by the gguf package's own quantizer."""
+    """A (n, k) weight of Gaussian values quantized by the gguf package's own quantizer (K-quants, which it
+    cannot write: random blocks with sane float16 scales; the kernels' speed does not depend on the values)."""
     w = torch.randn(n, k, generator=gen).numpy()
     if qtype == GGMLQuantizationType.F32:
         raw = w.view(np.uint8)
     elif qtype == GGMLQuantizationType.F16:
         raw = w.astype(np.float16).view(np.uint8)
+    elif qtype.name in _F16_FIELDS:  # the gguf package cannot quantize K-quants: random blocks, sane scales
+        elems, nbytes = GGML_QUANT_SIZES[qtype]
+        rng = np.random.default_rng(n * k)
+        blocks = rng.integers(0, 256, (n, k // elems, nbytes), dtype=np.uint8)
+        for off in _F16_FIELDS[qtype.name]:
+            scales = rng.uniform(1e-3, 1e-2, (n, k // elems)).astype(np.float16)
+            blocks[:, :, off:off + 2] = scales.view(np.uint8).reshape(n, k // elems, 2)
+        raw = blocks.reshape(n, -1)
     else:
         raw = quants.quantize(w, qtype)
     return QuantTensor(torch.from_numpy(np.ascontiguousarray(raw)), qtype, (n, k))

@@ -8,25 +8,26 @@ so `data` is a (N, row_bytes) uint8 tensor (possibly a view over the memory-mapp
 `qmatmul(x, w)` computes `x @ dequantize(w).T` on the blocks in place with the native kernels
 (`native.py`, `csrc/`) where they are built, else with the reference (`reference.py`).
 
-Numerics. Q4_0, Q4_1 and Q8_0 on the AVX2 / AVX-512 paths use int8 activations by default (as
-llama.cpp does): x is quantized per 32-element block (d = amax / 127, round half to even) and the
-block products run on integers; `reference.qmatmul_int8_ref` (fake-quantize x, then float32 matmul) is
-their definition. `KVLM_KERNEL_ACT=f32` opts out. Every other type, the scalar path and the reference
-fallback (no extension) keep float32 activations (`qmatmul_ref`).
+Numerics. Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K on the AVX2 / AVX-512 paths use int8
+activations by default (as llama.cpp does; it quantizes x per 256 for the K-quants, kvlm per 32 for
+every format): x is quantized per 32-element block (d = amax / 127, round half to even) and the block
+products run on integers; `reference.qmatmul_int8_ref` (fake-quantize x, then float32 matmul) is their
+definition. `KVLM_KERNEL_ACT=f32` opts out. F16, BF16, F32, the scalar path and the reference fallback
+(no extension) keep float32 activations (`qmatmul_ref`).
 
 Paths by row count M:
 - int8 types: the int8 kernel for M <= INT8_ROW_MAX_ROWS (every M by default: decode, batched
-  decode, prefill chunks); on AVX-512 it computes 16 output columns per vector (csrc/kernels_int8_panel.h:
-  weights used in place for up to 4 rows of x, a transposed panel buffer for more), on AVX2 a weight row
-  at a time; each output's arithmetic is fixed, so a row's result is bit-identical alone, in a batch or in
-  a prefill chunk. Above the limit: fake-quantize x (the same int8 values), dequantize a
+  decode, prefill chunks); on AVX-512 it computes 16 output columns per vector (csrc/kernels_int8_panel.h
+  and kernels_kquant.h: weights used in place for up to 4 rows of x, a transposed panel buffer for more),
+  on AVX2 a weight row at a time; each output's arithmetic is fixed, so a row's result is bit-identical
+  alone, in a batch or in a prefill chunk. Above the limit: fake-quantize x (the same int8 values), dequantize a
   weight tile, BLAS: the same numerics up to the float32 summation order.
 - float32 activations: the row kernel for M <= GEMV_MAX_ROWS (every M by default), whose outputs each
   sum in a fixed order, so rows are bit-identical in any batch or chunk too. Above a lowered limit:
   dequantize a tile of weight rows (TILE_BYTES of float32) and multiply with BLAS (`x @ tile.T`), whose
   rows differ from the row kernel's in the last bits (summation order): then cached and recomputed
   logits agree only to float32 rounding. Prefill on these formats pays for the invariance: the row
-  kernel decodes the weights once per 8 rows of x (K-quants move to int8 kernels next).
+  kernel decodes the weights once per 8 rows of x.
 """
 
 from __future__ import annotations
@@ -42,10 +43,14 @@ from kvlm.kernels.reference import dequantize_ref, qmatmul_ref
 NATIVE_TYPES = frozenset({
     GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16,
     GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0,
+    GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_1,
     GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K,
 })
 # Int8 activations (the default; KVLM_KERNEL_ACT=f32 opts out) for these on the AVX2 / AVX-512 paths.
-INT8_ACT_TYPES = frozenset({GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0})
+INT8_ACT_TYPES = frozenset({
+    GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q5_0,
+    GGMLQuantizationType.Q5_1, GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K,
+})
 _INT8_ISAS = frozenset({native.ISAS.index("avx2"), native.ISAS.index("avx512"), native.ISAS.index("avx512-vnni")})
 _TYPE_IDS = {t: int(t) for t in NATIVE_TYPES}  # ggml type id, as the C++ side takes it
 GEMV_MAX_ROWS = 1 << 20  # float32 activations: up to this many rows use the row kernel, more dequantize + BLAS

@@ -51,9 +51,10 @@ def fake_quantize_act(x: torch.Tensor) -> torch.Tensor:
 
 
 def qmatmul_int8_ref(x: torch.Tensor, w: QuantTensor) -> torch.Tensor:
-    """The numerics of the int8-activation kernels (Q4_0, Q4_1, Q8_0): fake-quantize x per 32-element
-    block, then x_fq (M, K) @ dequantize(w).T in float32. Q4_1's min term m * sum(x_fq) is then
-    m * d * sum(q) (llama.cpp's q8_1 convention), which is what the kernels compute."""
+    """The numerics of the int8-activation kernels (Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K):
+    fake-quantize x per 32-element block, then x_fq (M, K) @ dequantize(w).T in float32. A min term
+    (Q4_1, Q5_1, Q4_K, Q5_K) m * sum(x_fq) is then m * d * sum(q) (llama.cpp's q8_1 convention), which is
+    what the kernels compute. The K-quants' x is quantized per 32 too (llama.cpp: per 256, q8_K)."""
     return fake_quantize_act(x) @ dequantize_ref(w).to(x.device).T
 
 

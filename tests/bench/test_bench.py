@@ -288,6 +288,25 @@ def test_compare_runs_llama_cpp_in_its_own_process(tiny_gguf: Path, tmp_path: Pa
     assert "skipped" in table and "kvlm / kvlm (--dtype float32" in table
 
 
+def test_compare_several_files_in_one_run(tiny_gguf: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--gguf A B`: a full run per file, then one summary line per file; a missing file is one readable error."""
+    from tiny_models import write_tiny_gguf
+
+    q8 = write_tiny_gguf(tmp_path / "tiny-q8.gguf", tensor_type="Q8_0")
+    args = ["-q", "bench", "compare", "--gguf", str(tiny_gguf), str(q8), "--prompt-len", "16", "--decode-prompt-len",
+            "8", "--gen-tokens", "4", "--repeats", "1", "--contexts", "12", "--context-gen", "3", "--no-whole-process",
+            "--no-llama-cpp", "--no-reference"]
+    d, table = cli_json(capsys, args)
+    assert_header(d, "compare")
+    assert [f["model_file"] for f in d["files"]] == ["tiny.gguf", "tiny-q8.gguf"]
+    assert all("kvlm_float32" not in f["engines"] for f in d["files"])  # --no-reference
+    assert all(f["engines"]["kvlm"]["decode_tokens_per_s"] > 0 for f in d["files"])
+    summary = table.split("summary, 2 threads")[1].splitlines()
+    assert summary[2].startswith("tiny.gguf") and summary[3].startswith("tiny-q8.gguf")
+    assert main([*args[:4], str(tmp_path / "nope.gguf")]) == 2
+    assert "--gguf: no such file" in capsys.readouterr().err
+
+
 # ------------------------------------------------------------------------------ docs/benchmarks.md
 
 

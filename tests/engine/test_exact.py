@@ -22,7 +22,7 @@ from kvlm import EngineConfig, SamplingParams
 from kvlm.engine.engine import Engine
 from kvlm.kernels import native
 
-FORMATS = ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16", "F32", "safetensors"]
+FORMATS = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16", "F32", "safetensors"]
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 SEEDED = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=12, ignore_eos=True)
 

@@ -47,7 +47,8 @@ def synthetic_quantize(a: np.ndarray, qtype: gguf.GGMLQuantizationType) -> np.nd
 
 
 # Byte offsets of each format's float16 scale fields inside a block.
-SCALE_FIELDS = {T.Q4_0: [0], T.Q4_1: [0, 2], T.Q8_0: [0], T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [208]}
+SCALE_FIELDS = {T.Q4_0: [0], T.Q4_1: [0, 2], T.Q8_0: [0], T.Q5_0: [0], T.Q5_1: [0, 2],
+                T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [208]}
 
 
 def random_blocks(qtype: T, n: int, k: int, seed: int) -> QuantTensor:

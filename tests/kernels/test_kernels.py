@@ -47,10 +47,12 @@ from kvlm.kernels.reference import (
 
 ROWS = 8  # the row kernel decodes a weight block once for up to this many rows of x
 
-FORMATS = [T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K, T.F16, T.BF16, T.F32]
-ROUNDED = {T.Q4_1, T.Q4_K, T.Q5_K}  # q * d + m: fused here, two roundings in the reference
+FORMATS = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K, T.F16, T.BF16, T.F32]
+ROUNDED = {T.Q4_1, T.Q5_1, T.Q4_K, T.Q5_K}  # q * d + m: fused here, two roundings in the reference
 ISAS = list(native.ISAS)
 INT8_ISAS = {"avx2", "avx512", "avx512-vnni"}  # paths with the int8-activation kernel
+INT8_FORMATS = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]  # int8 activations there
+SUPER = {T.Q4_K, T.Q5_K, T.Q6_K}  # 256-element blocks
 
 
 def int8_path(qtype: T, isa: str) -> bool:
@@ -77,7 +79,7 @@ def built() -> bool:
     return native.available()
 
 
-@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q8_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", INT8_FORMATS, ids=lambda t: t.name)
 def test_int8_activations_within_their_rounding(qtype: T, isa: str) -> None:
     """Int8 activations (the default here) against float32 activations: error bounded by the
     activation rounding (half a step of each 32-block's int8 scale, times the weights' magnitudes)
@@ -85,7 +87,7 @@ def test_int8_activations_within_their_rounding(qtype: T, isa: str) -> None:
     if isa not in INT8_ISAS:
         pytest.skip("the int8-activation kernel exists on the AVX2 and AVX-512 paths")
     assert kernel_path(qtype) == f"{isa}+int8"
-    k = 96
+    k = 512 if qtype in SUPER else 96
     w = random_blocks(qtype, 45, k, seed=14)
     x = torch.randn(ROWS, k, generator=torch.Generator().manual_seed(15))
     x[0, :32] = 0.0  # an all-zero activation block (scale 0)
@@ -212,7 +214,7 @@ def test_unknown_isa_is_a_readable_error(force_isa) -> None:
 
 
 def test_types_without_kernel_use_reference(isa: str) -> None:
-    assert kernel_path(T.Q5_0) == "reference"
+    assert kernel_path(T.Q2_K) == "reference"
 
 
 _FALLBACK_SCRIPT = (
@@ -410,24 +412,33 @@ def test_out_buffers_receive_the_result(isa: str, m: int) -> None:
     assert torch.equal(o, paged_decode_attention(q, kc, vc, tables, seq_lens, 0.125))
 
 
-# ---- int8 activations (Q4_0 / Q4_1 / Q8_0 on the AVX2 / AVX-512 paths, the default) --------------
+# ---- int8 activations (INT8_FORMATS on the AVX2 / AVX-512 paths, the default) ---------------------
 
-def int8_activation_cases(k: int, m: int = 64, seed: int = 20) -> torch.Tensor:
+def int8_activation_cases(k: int, m: int = 64, seed: int = 20, huge: float = 1e30) -> torch.Tensor:
     """(m, k) activations with the quantizer's edge blocks in the first rows: an all-zero block,
     a negative-zero block, a block at rounding ties (d = 1: 0.5 -> 0, 1.5 -> 2, 2.5 -> 2, -0.5 -> -0),
-    a block of huge and one of tiny magnitudes."""
+    a block of huge and one of tiny magnitudes (`huge`: K-quant sub-scales multiply the max-scale weight
+    row by up to 127 more, so 1e24 keeps their products finite)."""
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed))
     x[0, :32] = 0.0
     x[1, :32] = -0.0
     ties = torch.tensor([127.0] + [(j % 8) - 3.5 for j in range(31)])  # amax 127 -> d = 1
     x[2, :32] = ties
-    x[3, -32:] = x[3, -32:] * 1e30
+    x[3, -32:] = x[3, -32:] * huge
     x[4, :32] = x[4, :32] * 1e-30
     return x
 
 
-@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q8_0], ids=lambda t: t.name)
-@pytest.mark.parametrize("k", [32, 96, 288, 544, 576])  # 1, 3, 9, 17, 18 blocks: groups of 8 plus tails
+def huge(qtype: T) -> float:
+    return 1e24 if qtype in SUPER else 1e30
+
+
+# 32-element formats: 1, 3, 9, 17, 18 blocks (groups of 8 plus tails; 96, 288, 544: K % 256 != 0);
+# K-quants: 1, 3, 6 super-blocks.
+INT8_CASES = [(q, k) for q in INT8_FORMATS for k in ((256, 768, 1536) if q in SUPER else (32, 96, 288, 544, 576))]
+
+
+@pytest.mark.parametrize(("qtype", "k"), INT8_CASES, ids=lambda v: getattr(v, "name", str(v)))
 def test_int8_kernel_matches_fake_quant_reference(qtype: T, k: int, isa: str, threads: int) -> None:
     """The int8 kernel against `qmatmul_int8_ref` (fake-quantize x, float32 matmul) within the float32
     summation bound, for every M = 1..64 (row tiles of 8 and their remainders), N = 45 (not a multiple
@@ -437,7 +448,7 @@ def test_int8_kernel_matches_fake_quant_reference(qtype: T, k: int, isa: str, th
         pytest.skip("the int8-activation kernel exists on the AVX2 and AVX-512 paths")
     assert kernel_path(qtype) == f"{isa}+int8"
     w = random_blocks(qtype, 45, k, seed=21)
-    x = int8_activation_cases(k)
+    x = int8_activation_cases(k, huge=huge(qtype))
     full = qmatmul(x, w)
     ref, bound = qmatmul_int8_ref(x, w).double(), matmul_bound(fake_quantize_act(x), w)
     err = (full.double() - ref).abs()
@@ -447,13 +458,14 @@ def test_int8_kernel_matches_fake_quant_reference(qtype: T, k: int, isa: str, th
         assert torch.equal(qmatmul(x[:m], w), full[:m]), f"M={m}"
 
 
-@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q8_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", INT8_FORMATS, ids=lambda t: t.name)
 def test_int8_row_alone_equals_row_in_any_batch(qtype: T, isa: str) -> None:
     """A row computed alone (1 thread) has the same bits as inside M = 37 or M = 64 at 2 threads."""
     if isa not in INT8_ISAS:
         pytest.skip("the int8-activation kernel exists on the AVX2 and AVX-512 paths")
-    w = random_blocks(qtype, 300, 576, seed=22)
-    x = torch.randn(64, 576, generator=torch.Generator().manual_seed(23))
+    k = 768 if qtype in SUPER else 576
+    w = random_blocks(qtype, 300, k, seed=22)
+    x = torch.randn(64, k, generator=torch.Generator().manual_seed(23))
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
@@ -467,7 +479,7 @@ def test_int8_row_alone_equals_row_in_any_batch(qtype: T, isa: str) -> None:
         torch.set_num_threads(before)
 
 
-@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q8_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", INT8_FORMATS, ids=lambda t: t.name)
 @pytest.mark.parametrize("n", [1, 15, 16, 17, 47])  # one lane, a partial panel, one panel, panels + tails
 def test_int8_column_bits_independent_of_its_panel(qtype: T, n: int, isa: str) -> None:
     """The AVX-512 kernel computes 16 output columns per vector (a panel; tail columns are masked lanes,
@@ -476,9 +488,9 @@ def test_int8_column_bits_independent_of_its_panel(qtype: T, n: int, isa: str) -
     remainders); and every result stays within the float32 bound of the fake-quant reference."""
     if isa not in INT8_ISAS:
         pytest.skip("the int8-activation kernel exists on the AVX2 and AVX-512 paths")
-    k = 288  # 9 blocks
+    k = 512 if qtype in SUPER else 288  # 2 super-blocks, 9 blocks
     pool = random_blocks(qtype, n + 16, k, seed=26)
-    x = int8_activation_cases(k, m=37)
+    x = int8_activation_cases(k, m=37, huge=huge(qtype))
     w = QuantTensor(pool.data[16:], qtype, (n, k))
     base = qmatmul(x, w)  # (37, n)
     err = (base.double() - qmatmul_int8_ref(x, w).double()).abs()
@@ -505,14 +517,15 @@ def test_fake_quantize_op_matches_reference(isa: str) -> None:
     assert torch.equal(ref[2, :8], torch.tensor([127.0, -4.0, -2.0, -2.0, -0.0, 0.0, 2.0, 2.0]))  # ties to even
 
 
-@pytest.mark.parametrize("qtype", [T.Q4_1, T.Q8_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [T.Q4_1, T.Q8_0, T.Q5_0, T.Q6_K], ids=lambda t: t.name)
 def test_int8_blas_route_for_many_rows(qtype: T, isa: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Above INT8_ROW_MAX_ROWS: fake-quantized x, dequantized tile, BLAS: the same numerics."""
     if isa not in INT8_ISAS:
         pytest.skip("the int8-activation kernel exists on the AVX2 and AVX-512 paths")
     monkeypatch.setattr("kvlm.kernels.quant.INT8_ROW_MAX_ROWS", 8)
-    w = random_blocks(qtype, 45, 288, seed=24)
-    x = int8_activation_cases(288, m=33)
+    k = 512 if qtype in SUPER else 288
+    w = random_blocks(qtype, 45, k, seed=24)
+    x = int8_activation_cases(k, m=33, huge=huge(qtype))
     err = (qmatmul(x, w).double() - qmatmul_int8_ref(x, w).double()).abs()
     assert (err <= matmul_bound(fake_quantize_act(x), w)).all()
 

@@ -8,7 +8,7 @@
 extern "C" {
 
 // ggml type ids of the formats the kernels read (weights; F32/F16/BF16 also as KV cache element types).
-enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_BF16 = 30 };
+enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_BF16 = 30 };
 
 // One paged attention call over T query rows (kvlm::paged_attention_rows in ops.cpp builds it). Row t
 // is one query token, q (T, H, D) float32, of the sequence whose block table is row seq_ids[t] of
@@ -69,7 +69,7 @@ typedef struct KvlmKernels {
     // Paged attention for work items [i0, i1) of a->items (see KvlmPagedAttn); `scores` is this thread's
     // scratch of KVLM_ATTN_TILE * a->H * (a->chunk + 2) floats. Returns 0, or -1 for an unsupported kv_dtype.
     int (*paged_attn)(const struct KvlmPagedAttn* a, float* scores, int64_t i0, int64_t i1);
-    // Int8-activation matmul (Q4_0, Q4_1, Q8_0; NULL where the ISA lacks it, kernels_int8.h): x is first
+    // Int8-activation matmul (Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K; NULL where the ISA lacks it, kernels_int8.h): x is first
     // quantized per 32-element block by quantize_act (xq (M, K) int8, xd (M, K/32, 8) the block scale
     // repeated 8 times, xs (M, K/32) the block's fake-quantized sum d * sum(q), xi (M, K/32) sum(q)).
     // gemv_i8 runs fastest with n0 (and n1, unless n1 == N) multiples of 16 (AVX-512 column panels).

@@ -162,6 +162,39 @@ struct FmtQ8_0 {  // d f16, qs int8[32]: value = q * d
     }
 };
 
+// Q5_0 / Q5_1: Q4_0 / Q4_1's nibbles plus a 5th bit per element, bit i of the 32-bit qh for element i.
+KVLM_INLINE void q5_step(const uint8_t* qh_at, const uint8_t* qs, v16& q0, v16& q1) {
+    uint32_t qh;
+    memcpy(&qh, qh_at, 4);
+    const u16v lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    const u16v hv = (u16v){} + qh;
+    const i16v q = widen(qs), h0 = (i16v)(((hv >> lane) & 1u) << 4), h1 = (i16v)(((hv >> (lane + 16u)) & 1u) << 4);
+    q0 = tof((q & 15) | h0);
+    q1 = tof((q >> 4) | h1);
+}
+
+struct FmtQ5_0 {  // d f16, qh u32, qs[16]: value = (q - 16) * d
+    static constexpr int BE = 32, BB = 22;
+    static constexpr bool DENSE = false;
+    KVLM_INLINE void step(const uint8_t* b, int, v16& w0, v16& w1) {
+        float d = f16(b);
+        q5_step(b + 2, b + 6, w0, w1);
+        w0 = (w0 - 16.0f) * d;
+        w1 = (w1 - 16.0f) * d;
+    }
+};
+
+struct FmtQ5_1 {  // d f16, m f16, qh u32, qs[16]: value = q * d + m
+    static constexpr int BE = 32, BB = 24;
+    static constexpr bool DENSE = false;
+    KVLM_INLINE void step(const uint8_t* b, int, v16& w0, v16& w1) {
+        float d = f16(b), m = f16(b + 2);
+        q5_step(b + 4, b + 8, w0, w1);
+        w0 = w0 * d + m;
+        w1 = w1 * d + m;
+    }
+};
+
 // K-quants: 256-element super-blocks of 8 sub-blocks of 32, 6-bit scales and mins packed in 12 bytes.
 KVLM_INLINE void scale_min_k4(int j, const uint8_t* q, int& sc, int& m) {
     if (j < 4) {
@@ -336,6 +369,8 @@ void dequant_t(const uint8_t* w, int64_t rs, int64_t K, float* out, int64_t ldo,
         case T_Q4_0: CALL(FmtQ4_0); break;  \
         case T_Q4_1: CALL(FmtQ4_1); break;  \
         case T_Q8_0: CALL(FmtQ8_0); break;  \
+        case T_Q5_0: CALL(FmtQ5_0); break;  \
+        case T_Q5_1: CALL(FmtQ5_1); break;  \
         case T_Q4_K: CALL(FmtQ4_K); break;  \
         case T_Q5_K: CALL(FmtQ5_K); break;  \
         case T_Q6_K: CALL(FmtQ6_K); break;  \

@@ -1,4 +1,4 @@
-// Int8 activations (llama.cpp style) for Q4_0, Q4_1 and Q8_0 weights: the default numerics for these
+// Int8 activations (llama.cpp style) for Q4_0, Q4_1 and Q8_0 weights (the other formats: kernels_kquant.h): the default numerics for these
 // types on the AVX2 and AVX-512 paths (reference: reference.qmatmul_int8_ref). Included by the AVX2,
 // AVX-512 and AVX-512 VNNI units only, after kernels_impl.h.
 //
@@ -149,8 +149,22 @@ constexpr int I8_MT = 2;  // rows per decoded weight block: 4 accumulators each,
 // per weight byte (Q4 unpacking), the out-of-order window alone keeps too few cache misses in flight.
 constexpr int64_t PF_ROWS = 8;
 
+KVLM_INLINE void prefetch_row(const uint8_t* row, int64_t rs) {
+    for (int64_t off = 0; off < rs; off += 64) _mm_prefetch((const char*)(row + off), _MM_HINT_T0);
+}
+
+// Row kernels as types, so one driver serves every format: R::template dot<MT>(row_dot_i8's arguments).
 template <int QT>
-void gemv_i8_t(const uint8_t* w, int64_t rs, int64_t K, const int8_t* xq, const float* xd, const float* xs,
+struct RowI8 {
+    template <int MT>
+    KVLM_INLINE void dot(const uint8_t* row, int64_t nb, const int8_t* xq, int64_t ldq, const float* xd,
+                         const float* xs, int64_t ldb, float* y, int64_t ldy) {
+        row_dot_i8<QT, MT>(row, nb, xq, ldq, xd, xs, ldb, y, ldy);
+    }
+};
+
+template <class R>
+void gemv_rows_t(const uint8_t* w, int64_t rs, int64_t K, const int8_t* xq, const float* xd, const float* xs,
                int64_t M, float* y, int64_t ldy, int64_t n0, int64_t n1) {
     // Cache blocking for many rows (prefill): a panel of NP weight rows (L2) against a tile of I8_MT rows
     // of x (L1), tile after tile. The order of the work changes with M; each output's arithmetic does not.
@@ -160,24 +174,24 @@ void gemv_i8_t(const uint8_t* w, int64_t rs, int64_t K, const int8_t* xq, const 
         const int64_t p1 = p0 + NP < n1 ? p0 + NP : n1;
         for (int64_t n = p0; n < p1 && M < I8_MT; n++)  // decode: stream the weights, prefetching ahead
             for (int64_t m = 0; m < M; m++) {
-                if (m == 0)
-                    for (int64_t off = 0; off < rs; off += 64)
-                        _mm_prefetch((const char*)(w + (n + PF_ROWS) * rs + off), _MM_HINT_T0);
-                row_dot_i8<QT, 1>(w + n * rs, nb, xq + m * K, K, xd + 8 * m * nb, xs + m * nb, nb, y + m * ldy + n, ldy);
+                if (m == 0) prefetch_row(w + (n + PF_ROWS) * rs, rs);
+                R::template dot<1>(w + n * rs, nb, xq + m * K, K, xd + 8 * m * nb, xs + m * nb, nb, y + m * ldy + n, ldy);
             }
         if (M < I8_MT) continue;
         int64_t m = 0;
         for (; m + I8_MT <= M; m += I8_MT)
             for (int64_t n = p0; n < p1; n++)
-                row_dot_i8<QT, I8_MT>(w + n * rs, nb, xq + m * K, K, xd + 8 * m * nb, xs + m * nb, nb,
+                R::template dot<I8_MT>(w + n * rs, nb, xq + m * K, K, xd + 8 * m * nb, xs + m * nb, nb,
                                       y + m * ldy + n, ldy);
         for (; m < M; m++)
             for (int64_t n = p0; n < p1; n++)
-                row_dot_i8<QT, 1>(w + n * rs, nb, xq + m * K, K, xd + 8 * m * nb, xs + m * nb, nb, y + m * ldy + n, ldy);
+                R::template dot<1>(w + n * rs, nb, xq + m * K, K, xd + 8 * m * nb, xs + m * nb, nb, y + m * ldy + n, ldy);
     }
 }
 
 #endif  // AVX2
+
+#include "kernels_kquant.h"  // Q5_0, Q5_1, Q4_K, Q5_K, Q6_K (gemv_kq)
 
 int gemv_i8(int qtype, const uint8_t* w, int64_t rs, int64_t K, const int8_t* xq, const float* xd, const float* xs,
             const int32_t* xi, int64_t M, float* y, int64_t ldy, int64_t n0, int64_t n1) {
@@ -185,13 +199,13 @@ int gemv_i8(int qtype, const uint8_t* w, int64_t rs, int64_t K, const int8_t* xq
 #define KVLM_I8_CALL(QT) gemm_i8_t<QT>(w, rs, K, xq, xd, xs, xi, M, y, ldy, n0, n1)
 #else
     (void)xi;
-#define KVLM_I8_CALL(QT) gemv_i8_t<QT>(w, rs, K, xq, xd, xs, M, y, ldy, n0, n1)
+#define KVLM_I8_CALL(QT) gemv_rows_t<RowI8<QT>>(w, rs, K, xq, xd, xs, M, y, ldy, n0, n1)
 #endif
     switch (qtype) {
         case T_Q4_0: KVLM_I8_CALL(T_Q4_0); return 0;
         case T_Q4_1: KVLM_I8_CALL(T_Q4_1); return 0;
         case T_Q8_0: KVLM_I8_CALL(T_Q8_0); return 0;
-        default: return -1;
+        default: return gemv_kq(qtype, w, rs, K, xq, xd, xs, xi, M, y, ldy, n0, n1);
     }
 #undef KVLM_I8_CALL
 }

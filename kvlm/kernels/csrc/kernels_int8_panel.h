@@ -236,39 +236,52 @@ void panel_tile(const PanelBlock* buf, const ActRows& a, int64_t m0, float* y, i
 constexpr int64_t FLY_ROWS = 4;  // up to this many rows of x: on the fly, else through the panel buffer
 constexpr int64_t ROW_TILE = 4;  // rows per pass over the buffer (4 x 3 accumulators + 10 panel vectors)
 
-// This thread's panel buffer (K / 32 PanelBlocks), grown to the largest K seen and kept.
-PanelBlock* panel_buffer(int64_t nb) {
-    static __thread PanelBlock* buf = nullptr;
+// This thread's buffer of n T (64-byte aligned), grown to the largest n asked for and kept (one per T).
+template <class T>
+T* thread_buffer(int64_t n) {
+    static __thread T* buf = nullptr;
     static __thread int64_t cap = 0;
-    if (nb > cap) {
+    if (n > cap) {
         free(buf);
-        buf = (PanelBlock*)aligned_alloc(64, nb * sizeof(PanelBlock));
-        cap = buf ? nb : 0;
+        buf = (T*)aligned_alloc(64, (n * sizeof(T) + 63) / 64 * 64);
+        cap = buf ? n : 0;
     }
     return buf;
+}
+
+// Few rows (decode): the first two panels of [n0, n1) into L2 (the panel loop prefetches two panels
+// ahead from there on).
+KVLM_INLINE void prefetch_first_panels(const uint8_t* w, int64_t rs, int64_t n0, int64_t n1) {
+    const uint8_t* end = w + (n1 < n0 + 32 ? n1 : n0 + 32) * rs;
+    for (const uint8_t* p = (const uint8_t*)((uintptr_t)(w + n0 * rs) & ~(uintptr_t)63); p < end; p += 64)
+        _mm_prefetch((const char*)p, _MM_HINT_T1);
+}
+
+// The panel at weight row n: its 16 rows' first bytes and (hofs, lane c) their offsets from the first;
+// returns the live lanes (a tail panel's lanes past n1 repeat the last row).
+KVLM_INLINE __mmask16 panel_rows(const uint8_t* w, int64_t rs, int64_t n, int64_t n1, const uint8_t** rows,
+                                 __m512i* hofs) {
+    const int live = n1 - n < 16 ? (int)(n1 - n) : 16;
+    int32_t ofs[16];
+    for (int c = 0; c < 16; c++) {
+        const int r = c < live ? c : live - 1;
+        rows[c] = w + (n + r) * rs;
+        ofs[c] = (int32_t)(r * rs);
+    }
+    *hofs = _mm512_loadu_si512((const void*)ofs);
+    return (__mmask16)((1u << live) - 1);
 }
 
 template <int QT>
 void gemm_i8_t(const uint8_t* w, int64_t rs, int64_t K, const int8_t* xq, const float* xd, const float* xs,
                const int32_t* xi, int64_t M, float* y, int64_t ldy, int64_t n0, int64_t n1) {
     const ActRows a{xq, xd, xs, xi, K, K / 32};
-    PanelBlock* buf = M > FLY_ROWS ? panel_buffer(a.nb) : nullptr;
-    if (M <= FLY_ROWS) {  // the first two panels (the loop prefetches two panels ahead from there on)
-        const uint8_t* end = w + (n1 < n0 + 32 ? n1 : n0 + 32) * rs;
-        for (const uint8_t* p = (const uint8_t*)((uintptr_t)(w + n0 * rs) & ~(uintptr_t)63); p < end; p += 64)
-            _mm_prefetch((const char*)p, _MM_HINT_T1);
-    }
+    PanelBlock* buf = M > FLY_ROWS ? thread_buffer<PanelBlock>(a.nb) : nullptr;
+    if (M <= FLY_ROWS) prefetch_first_panels(w, rs, n0, n1);
     for (int64_t n = n0; n < n1; n += 16) {
-        const int live = n1 - n < 16 ? (int)(n1 - n) : 16;  // tail panel: lanes past n1 repeat the last row
         const uint8_t* rows[16];
-        int32_t hofs[16];
-        for (int c = 0; c < 16; c++) {
-            const int r = c < live ? c : live - 1;
-            rows[c] = w + (n + r) * rs;
-            hofs[c] = (int32_t)(r * rs);
-        }
-        const __m512i hv = _mm512_loadu_si512((const void*)hofs);
-        const __mmask16 mask = (__mmask16)((1u << live) - 1);
+        __m512i hv;
+        const __mmask16 mask = panel_rows(w, rs, n, n1, rows, &hv);
         float* yp = y + n;
         const uint8_t *ahead = w + (n + 32) * rs, *end = w + n1 * rs;  // the panel after next
         if (M <= FLY_ROWS || buf == nullptr) {

@@ -35,7 +35,8 @@ const KvlmKernels* table(int64_t isa) {
 }
 
 bool has_int8(const KvlmKernels* t, int qtype) {
-    return t->gemv_i8 != nullptr && (qtype == T_Q4_0 || qtype == T_Q4_1 || qtype == T_Q8_0);
+    return t->gemv_i8 != nullptr && (qtype == T_Q4_0 || qtype == T_Q4_1 || qtype == T_Q8_0 || qtype == T_Q5_0 ||
+                                     qtype == T_Q5_1 || qtype == T_Q4_K || qtype == T_Q5_K || qtype == T_Q6_K);
 }
 
 namespace {

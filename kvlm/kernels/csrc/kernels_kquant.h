@@ -1,0 +1,474 @@
+// Int8 activations for Q5_0, Q5_1, Q4_K, Q5_K and Q6_K weights (reference: reference.qmatmul_int8_ref,
+// the same as Q4_0 / Q4_1 / Q8_0). Included by kernels_int8.h after the Q4 / Q8 kernels (AVX2 and
+// AVX-512 units): x is quantized by the same quantize_act, per 32-element block (q8_0's scheme, not
+// llama.cpp's per-256 q8_K for the K-quants: one quantizer and one reference for every format, and a
+// K-quant's 32-element sub-blocks have their own scale anyway, so the float epilogue per 32 elements
+// costs the same as Q4_1's; docs/kernels.md has the measurement).
+//
+// A "unit" is the 32 weights of one row that meet activation block ib (32 ib .. 32 ib + 31), as
+// unsigned bytes u plus the unit's factors. Per format (dw: weight scale, mw: min coefficient):
+//     Q5_0  u = 5-bit q             isum = sum u q - 16 sum q          dw = d
+//     Q5_1  u = 5-bit q             isum = sum u q                     dw = d,          mw = m
+//     Q4_K  u = 4-bit q             isum = sum u q                     dw = d sc_s,     mw = -(dmin m_s)
+//     Q5_K  u = 5-bit q             isum = sum u q                     dw = d sc_s,     mw = -(dmin m_s)
+//     Q6_K  u = 6-bit q             isum = sl (sum_lo u q - 32 sum_lo q) + sh (sum_hi u q - 32 sum_hi q)
+//                                   (sl, sh: the int8 scales of elements 0..15 and 16..31)   dw = d
+// (all integer sums exact in int32). Order contract of output (m, n), whatever M, the tile, the panel
+// lane or the thread split:
+//     acc = 0;  for ib = 0 .. K/32 - 1:  acc = fma(float(isum_ib) * dw_ib, xd_ib, acc)
+//     formats with mw: mn = 0;  for ib:  mn = fma(mw_ib, xs_ib, mn);  y = acc + mn.   Others: y = acc.
+// on AVX-512 (16 columns per vector, kernels_int8_panel.h's layout and helpers); on AVX2 a weight row at
+// a time, unit ib into accumulator ib % 4 (8 lanes of partial sums), the mins likewise, y = hsum of
+// the accumulators' sum + the mins' sum, Q5_0's offset as a min term -16 d (exact) instead.
+
+namespace {
+
+template <int QT> struct KQ;  // BE elements and BB bytes per block, SUB units per block, MIN: has mw
+template <> struct KQ<T_Q5_0> { static constexpr int BE = 32, BB = 22, SUB = 1; static constexpr bool MIN = false; };
+template <> struct KQ<T_Q5_1> { static constexpr int BE = 32, BB = 24, SUB = 1; static constexpr bool MIN = true; };
+template <> struct KQ<T_Q4_K> { static constexpr int BE = 256, BB = 144, SUB = 8; static constexpr bool MIN = true; };
+template <> struct KQ<T_Q5_K> { static constexpr int BE = 256, BB = 176, SUB = 8; static constexpr bool MIN = true; };
+template <> struct KQ<T_Q6_K> { static constexpr int BE = 256, BB = 210, SUB = 8; static constexpr bool MIN = false; };
+
+#if defined(KVLM_AVX512)
+
+// One unit of 16 rows in load_rows' layout: lo[a] 128-bit lane l = row a + 4l's elements 0..15, hi[a]
+// its elements 16..31.
+struct KUnit {
+    __m512i lo[4], hi[4];
+    __m512 dw, mw;
+    __m512i sl, sh;  // Q6_K's sub-scales (int32 lanes)
+};
+
+// Per block of 16 rows: what its units share (K-quants: the decoded scales; Q5_K: the high bits).
+struct KHead {
+    __m512 dw[8], mw[8];
+    __m512i qh[8];  // Q5_K: qh bytes 0..15 (qh[0..3]) and 16..31 (qh[4..7]) in load_rows' layout
+    __m512i sc[4];  // Q6_K: lane c = row c's int8 scales 4j .. 4j + 3 (sc[j])
+};
+
+KVLM_INLINE __m512i nib(__m512i z, int sh) {
+    return _mm512_and_si512(_mm512_srli_epi16(z, sh), _mm512_set1_epi8(15));
+}
+
+// Q5_0 / Q5_1 block at `off`: qh at off + qh_at, the nibbles at off + qs_at. The 16 rows' qh are read
+// into load_rows' layout (each 128-bit lane's first dword is its row's qh), spread to bytes by a shuffle
+// (byte e of a lane: qh byte e / 8) and tested against bit e % 8: masks of the elements with a 5th bit.
+KVLM_INLINE void q5_unit(const uint8_t* const* rows, int64_t off, int qh_at, int qs_at, KUnit* u) {
+    __m512i z[4], q[4];
+    load_rows(rows, off + qh_at, q);
+    load_rows(rows, off + qs_at, z);
+    const __m512i b4 = _mm512_set1_epi8(16), bits = _mm512_set1_epi64((long long)0x8040201008040201ULL);
+    const __m512i spread_lo = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1));
+    const __m512i spread_hi = _mm512_broadcast_i32x4(_mm_setr_epi8(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+    for (int a = 0; a < 4; a++) {
+        const __m512i l = nib(z[a], 0), h = nib(z[a], 4);
+        u->lo[a] = _mm512_mask_add_epi8(l, _mm512_test_epi8_mask(_mm512_shuffle_epi8(q[a], spread_lo), bits), l, b4);
+        u->hi[a] = _mm512_mask_add_epi8(h, _mm512_test_epi8_mask(_mm512_shuffle_epi8(q[a], spread_hi), bits), h, b4);
+    }
+}
+
+// Q4_K / Q5_K: the 12 packed 6-bit scales and mins (bytes 4..15) of 16 rows, decoded for all 8 sub-blocks.
+KVLM_INLINE void k4_scales(const uint8_t* const* rows, int64_t off, KHead* h) {
+    __m512i z[4], t[4];
+    load_rows(rows, off, z);
+    transpose4(z, t);  // t[0] = d | dmin << 16, t[1..3] = scales bytes 0..3, 4..7, 8..11
+    const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(t[0]));
+    const __m512 ndmin = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(t[0], 16))));
+    const __m512i m63 = _mm512_set1_epi32(63), m15 = _mm512_set1_epi32(15), m3 = _mm512_set1_epi32(3);
+    for (int j = 0; j < 8; j++) {
+        __m512i sc, mn;
+        if (j < 4) {
+            sc = _mm512_and_si512(_mm512_srli_epi32(t[1], 8 * j), m63);
+            mn = _mm512_and_si512(_mm512_srli_epi32(t[2], 8 * j), m63);
+        } else {
+            const int k = j - 4;
+            sc = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(t[3], 8 * k), m15),
+                                 _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(t[1], 8 * k + 6), m3), 4));
+            mn = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(t[3], 8 * k + 4), m15),
+                                 _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(t[2], 8 * k + 6), m3), 4));
+        }
+        h->dw[j] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc));
+        h->mw[j] = _mm512_mul_ps(ndmin, _mm512_cvtepi32_ps(mn));
+    }
+}
+
+template <int QT>
+KVLM_INLINE void kq_head(const uint8_t* const* rows, __m512i hofs, int64_t off, KHead* h) {
+    if constexpr (QT == T_Q4_K || QT == T_Q5_K) k4_scales(rows, off, h);
+    if constexpr (QT == T_Q5_K) {
+        load_rows(rows, off + 16, h->qh);
+        load_rows(rows, off + 32, h->qh + 4);
+    }
+    if constexpr (QT == T_Q6_K) {
+        __m512i z[4];
+        load_rows(rows, off + 192, z);
+        transpose4(z, h->sc);
+        // d is at bytes 208..209: gathered from 206 so the read stays inside the block
+        const __m512i dd = _mm512_srli_epi32(_mm512_i32gather_epi32(hofs, (const void*)(rows[0] + off + 206), 1), 16);
+        h->dw[0] = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dd));
+    }
+}
+
+// Unit s of the block at `off`.
+template <int QT>
+KVLM_INLINE void kq_unit(const uint8_t* const* rows, __m512i hofs, int64_t off, int s, const KHead& h, KUnit* u) {
+    if constexpr (QT == T_Q5_0 || QT == T_Q5_1) {
+        const __m512i head = _mm512_i32gather_epi32(hofs, (const void*)(rows[0] + off), 1);
+        u->dw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(head));
+        if constexpr (QT == T_Q5_1) u->mw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(head, 16)));
+        q5_unit(rows, off, QT == T_Q5_0 ? 2 : 4, QT == T_Q5_0 ? 6 : 8, u);
+    } else if constexpr (QT == T_Q4_K || QT == T_Q5_K) {
+        const int64_t q = off + (QT == T_Q4_K ? 16 : 48) + 32 * (s / 2);
+        __m512i zl[4], zh[4];
+        load_rows(rows, q, zl);
+        load_rows(rows, q + 16, zh);
+        for (int a = 0; a < 4; a++) u->lo[a] = nib(zl[a], 4 * (s & 1)), u->hi[a] = nib(zh[a], 4 * (s & 1));
+        if constexpr (QT == T_Q5_K) {
+            const __m512i bit = _mm512_set1_epi8((char)(1 << s)), b4 = _mm512_set1_epi8(16);
+            for (int a = 0; a < 4; a++) {
+                u->lo[a] = _mm512_mask_add_epi8(u->lo[a], _mm512_test_epi8_mask(h.qh[a], bit), u->lo[a], b4);
+                u->hi[a] = _mm512_mask_add_epi8(u->hi[a], _mm512_test_epi8_mask(h.qh[4 + a], bit), u->hi[a], b4);
+            }
+        }
+        u->dw = h.dw[s], u->mw = h.mw[s];
+    } else {  // Q6_K: sub-block s = 32 h + (c: 0..3), low bits from ql, high 2 bits from qh
+        const int hh = s / 4, c = s % 4;
+        const int64_t ql = off + 64 * hh + (c & 1) * 32, qh = off + 128 + 32 * hh;
+        __m512i l0[4], l1[4], h0[4], h1[4];
+        load_rows(rows, ql, l0);
+        load_rows(rows, ql + 16, l1);
+        load_rows(rows, qh, h0);
+        load_rows(rows, qh + 16, h1);
+        const __m512i m3 = _mm512_set1_epi8(3);
+        for (int a = 0; a < 4; a++) {
+            u->lo[a] = _mm512_or_si512(nib(l0[a], (c >> 1) * 4),
+                                       _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(h0[a], 2 * c), m3), 4));
+            u->hi[a] = _mm512_or_si512(nib(l1[a], (c >> 1) * 4),
+                                       _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(h1[a], 2 * c), m3), 4));
+        }
+        const __m512i sc = h.sc[s / 2];  // scales 2s (elements 0..15) and 2s + 1 (16..31): bytes 2 (s % 2), + 1
+        u->sl = _mm512_srai_epi32(_mm512_slli_epi32(sc, 24 - 16 * (s % 2)), 24);
+        u->sh = _mm512_srai_epi32(_mm512_slli_epi32(sc, 16 - 16 * (s % 2)), 24);
+        u->dw = h.dw[0];
+    }
+}
+
+// Q6_K's per-row integer offsets need sum(q) of each block's first 16 elements: xl16 (M, K/32), computed
+// per call into this thread's buffer (grown and kept).
+int32_t* lo16_sums(const ActRows& a, int64_t M) {
+    int32_t* buf = thread_buffer<int32_t>(M * a.nb);
+    if (!buf) return nullptr;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t b = 0; b < a.nb; b++) {
+            const int8_t* q = a.xq + m * a.K + 32 * b;
+            int32_t s = 0;
+            for (int e = 0; e < 16; e++) s += q[e];
+            buf[m * a.nb + b] = s;
+        }
+    return buf;
+}
+
+// The float epilogue of one unit for one row of x (ActRows index ib of that row).
+template <int QT>
+KVLM_INLINE void kq_finish(__m512i isum, __m512 dw, __m512 mw, const ActRows& a, int64_t ib, __m512* acc, __m512* mn) {
+    *acc = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(isum), dw), _mm512_set1_ps(a.xd[8 * ib]), *acc);
+    if constexpr (KQ<QT>::MIN) *mn = _mm512_fmadd_ps(mw, _mm512_set1_ps(a.xs[ib]), *mn);
+}
+
+// The integer start of a row's unit sums (lo: elements 0..15 or all 32; hi: Q6_K's 16..31).
+template <int QT>
+KVLM_INLINE __m512i kq_init_lo(const ActRows& a, const int32_t* l16, int64_t ib) {
+    if constexpr (QT == T_Q5_0) return _mm512_set1_epi32(-16 * a.xi[ib]);
+    if constexpr (QT == T_Q6_K) return _mm512_set1_epi32(-32 * l16[ib]);
+    return _mm512_setzero_si512();
+}
+KVLM_INLINE __m512i kq_init_hi(const ActRows& a, const int32_t* l16, int64_t ib) {
+    return _mm512_set1_epi32(-32 * (a.xi[ib] - l16[ib]));
+}
+
+// Few rows: unit ib of MT rows of x (from the first row of `a`) against the 16 rows in place.
+template <int QT, int MT>
+KVLM_INLINE void kq_direct(const KUnit& u, const ActRows& a, const int32_t* l16, int64_t ib, __m512* acc, __m512* mn) {
+    for (int i = 0; i < MT; i++) {
+        const int64_t r = i * a.nb + ib;
+        const int8_t* xp = a.xq + i * a.K + 32 * ib;
+        const __m512i xl = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)xp));
+        const __m512i xh = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)(xp + 16)));
+        __m512i isum;
+        if constexpr (QT == T_Q6_K) {
+            __m512i sl[4], sh[4];
+            for (int j = 0; j < 4; j++)
+                sl[j] = dot_acc(_mm512_setzero_si512(), u.lo[j], xl), sh[j] = dot_acc(_mm512_setzero_si512(), u.hi[j], xh);
+            const __m512i lo = _mm512_add_epi32(kq_init_lo<QT>(a, l16, r), sum_rows4(sl));
+            const __m512i hi = _mm512_add_epi32(kq_init_hi(a, l16, r), sum_rows4(sh));
+            isum = _mm512_add_epi32(_mm512_mullo_epi32(lo, u.sl), _mm512_mullo_epi32(hi, u.sh));
+        } else {
+            __m512i s[4];
+            for (int j = 0; j < 4; j++) s[j] = dot_acc(dot_acc(_mm512_setzero_si512(), u.lo[j], xl), u.hi[j], xh);
+            isum = _mm512_add_epi32(kq_init_lo<QT>(a, l16, r), sum_rows4(s));
+        }
+        kq_finish<QT>(isum, u.dw, u.mw, a, r, acc + i, mn + i);
+    }
+}
+
+// Many rows: a unit transposed once (v[j] lane c = row c's elements 4j .. 4j + 3), used by every tile.
+struct KPanel {
+    __m512i v[8];
+    __m512 dw, mw;
+    __m512i sl, sh;
+};
+
+KVLM_INLINE void kq_prep(const KUnit& u, KPanel* p) {
+    transpose4(u.lo, p->v);
+    transpose4(u.hi, p->v + 4);
+    p->dw = u.dw, p->mw = u.mw, p->sl = u.sl, p->sh = u.sh;
+}
+
+template <int QT, int MT>
+KVLM_INLINE void kq_tile_unit(const KPanel& p, const ActRows& a, const int32_t* l16, int64_t m0, int64_t ib,
+                              __m512* acc, __m512* mn) {
+    __m512i lo[MT], hi[MT];
+    for (int i = 0; i < MT; i++) {
+        lo[i] = kq_init_lo<QT>(a, l16, (m0 + i) * a.nb + ib);
+        if constexpr (QT == T_Q6_K) hi[i] = kq_init_hi(a, l16, (m0 + i) * a.nb + ib);
+    }
+    for (int j = 0; j < 8; j++)
+        for (int i = 0; i < MT; i++) {
+            int32_t q4;
+            memcpy(&q4, a.xq + (m0 + i) * a.K + 32 * ib + 4 * j, 4);
+            __m512i* s = QT == T_Q6_K && j >= 4 ? hi + i : lo + i;
+            *s = dot_acc(*s, p.v[j], _mm512_set1_epi32(q4));
+        }
+    for (int i = 0; i < MT; i++) {
+        __m512i isum = lo[i];
+        if constexpr (QT == T_Q6_K) isum = _mm512_add_epi32(_mm512_mullo_epi32(lo[i], p.sl), _mm512_mullo_epi32(hi[i], p.sh));
+        kq_finish<QT>(isum, p.dw, p.mw, a, (m0 + i) * a.nb + ib, acc + i, mn + i);
+    }
+}
+
+template <int QT, int MT>
+KVLM_INLINE void kq_store(const __m512* acc, const __m512* mn, float* y, int64_t ldy, __mmask16 live) {
+    for (int i = 0; i < MT; i++)
+        _mm512_mask_storeu_ps(y + i * ldy, live, KQ<QT>::MIN ? _mm512_add_ps(acc[i], mn[i]) : acc[i]);
+}
+
+template <int QT, int MT>
+void kq_fly(const uint8_t* const* rows, __m512i hofs, const uint8_t* ahead, const uint8_t* end, const ActRows& a,
+            const int32_t* l16, float* y, int64_t ldy, __mmask16 live) {
+    __m512 acc[MT], mn[MT];
+    for (int i = 0; i < MT; i++) acc[i] = mn[i] = _mm512_setzero_ps();
+    constexpr int64_t BB = KQ<QT>::BB, SUB = KQ<QT>::SUB;
+    KHead h;
+    KUnit u;
+    u.mw = _mm512_setzero_ps();
+    for (int64_t b = 0; b < a.nb / SUB; b++) {
+        prefetch_slice(ahead, end, b, 16 * BB);
+        kq_head<QT>(rows, hofs, b * BB, &h);
+        for (int s = 0; s < SUB; s++) {
+            kq_unit<QT>(rows, hofs, b * BB, s, h, &u);
+            kq_direct<QT, MT>(u, a, l16, b * SUB + s, acc, mn);
+        }
+    }
+    kq_store<QT, MT>(acc, mn, y, ldy, live);
+}
+
+template <int QT, int MT>
+void kq_tile(const KPanel* buf, const ActRows& a, const int32_t* l16, int64_t m0, float* y, int64_t ldy,
+             __mmask16 live) {
+    __m512 acc[MT], mn[MT];
+    for (int i = 0; i < MT; i++) acc[i] = mn[i] = _mm512_setzero_ps();
+    for (int64_t ib = 0; ib < a.nb; ib++) kq_tile_unit<QT, MT>(buf[ib], a, l16, m0, ib, acc, mn);
+    kq_store<QT, MT>(acc, mn, y + m0 * ldy, ldy, live);
+}
+
+template <int QT>
+void gemm_kq_t(const uint8_t* w, int64_t rs, int64_t K, const int8_t* xq, const float* xd, const float* xs,
+               const int32_t* xi, int64_t M, float* y, int64_t ldy, int64_t n0, int64_t n1) {
+    const ActRows a{xq, xd, xs, xi, K, K / 32};
+    const int32_t* l16 = QT == T_Q6_K ? lo16_sums(a, M) : nullptr;
+    if (QT == T_Q6_K && l16 == nullptr) return;
+    KPanel* buf = M > FLY_ROWS ? thread_buffer<KPanel>(a.nb) : nullptr;
+    constexpr int64_t BB = KQ<QT>::BB, SUB = KQ<QT>::SUB;
+    if (M <= FLY_ROWS) prefetch_first_panels(w, rs, n0, n1);
+    for (int64_t n = n0; n < n1; n += 16) {
+        const uint8_t* rows[16];
+        __m512i hv;
+        const __mmask16 mask = panel_rows(w, rs, n, n1, rows, &hv);
+        float* yp = y + n;
+        const uint8_t *ahead = w + (n + 32) * rs, *end = w + n1 * rs;
+        if (buf == nullptr) {  // few rows (or no buffer): units used in place, 4 rows of x at a time
+            for (int64_t m = 0; m < M; m += FLY_ROWS) {
+                const ActRows am{xq + m * K, xd + 8 * m * a.nb, xs + m * a.nb, xi + m * a.nb, K, a.nb};
+                const int32_t* lm = l16 ? l16 + m * a.nb : nullptr;
+                switch (M - m < FLY_ROWS ? M - m : FLY_ROWS) {
+                    case 1: kq_fly<QT, 1>(rows, hv, ahead, end, am, lm, yp + m * ldy, ldy, mask); break;
+                    case 2: kq_fly<QT, 2>(rows, hv, ahead, end, am, lm, yp + m * ldy, ldy, mask); break;
+                    case 3: kq_fly<QT, 3>(rows, hv, ahead, end, am, lm, yp + m * ldy, ldy, mask); break;
+                    default: kq_fly<QT, 4>(rows, hv, ahead, end, am, lm, yp + m * ldy, ldy, mask); break;
+                }
+            }
+            continue;
+        }
+        KHead h;
+        KUnit u;
+        u.mw = _mm512_setzero_ps(), u.sl = u.sh = _mm512_setzero_si512();
+        for (int64_t b = 0; b < a.nb / SUB; b++) {
+            kq_head<QT>(rows, hv, b * BB, &h);
+            for (int s = 0; s < SUB; s++) {
+                kq_unit<QT>(rows, hv, b * BB, s, h, &u);
+                kq_prep(u, buf + b * SUB + s);
+            }
+        }
+        int64_t m = 0;
+        for (; m + ROW_TILE <= M; m += ROW_TILE) kq_tile<QT, ROW_TILE>(buf, a, l16, m, yp, ldy, mask);
+        switch (M - m) {
+            case 1: kq_tile<QT, 1>(buf, a, l16, m, yp, ldy, mask); break;
+            case 2: kq_tile<QT, 2>(buf, a, l16, m, yp, ldy, mask); break;
+            case 3: kq_tile<QT, 3>(buf, a, l16, m, yp, ldy, mask); break;
+            default: break;
+        }
+    }
+}
+
+#define KVLM_KQ_CALL(QT) gemm_kq_t<QT>(w, rs, K, xq, xd, xs, xi, M, y, ldy, n0, n1)
+
+#else  // AVX2
+
+// One unit of one row: u the 32 weights as bytes in element order (Q6_K: signed q - 32), its factors.
+struct KUnit2 {
+    __m256i u;
+    float dw, mw;
+    __m256i sc;  // Q6_K: int32 lanes 0..3 the scale of elements 0..15, lanes 4..7 that of 16..31
+};
+
+// Q5_0 / Q5_1's qh bits as bytes 16 where set (byte e: bit e).
+KVLM_INLINE __m256i q5_bits(const uint8_t* p) {
+    uint32_t qh;
+    memcpy(&qh, p, 4);
+    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)qh),
+        _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+    const __m256i bits = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bits), bits), _mm256_set1_epi8(16));
+}
+
+KVLM_INLINE __m256i nib2(__m256i z, int sh) {
+    return _mm256_and_si256(_mm256_srli_epi16(z, sh), _mm256_set1_epi8(15));
+}
+
+// Q4_K / Q5_K: the 8 sub-blocks' factors of a block.
+struct KHead2 {
+    float dw[8], mw[8];
+};
+
+template <int QT>
+KVLM_INLINE void kq_head2(const uint8_t* blk, KHead2* h) {
+    if constexpr (QT == T_Q4_K || QT == T_Q5_K) {
+        const float d = f16(blk), dmin = f16(blk + 2);
+        for (int s = 0; s < 8; s++) {
+            int sc, m;
+            scale_min_k4(s, blk + 4, sc, m);
+            h->dw[s] = d * (float)sc, h->mw[s] = -(dmin * (float)m);
+        }
+    }
+}
+
+template <int QT>
+KVLM_INLINE void kq_unit2(const uint8_t* blk, int s, const KHead2& h, KUnit2* u) {
+    if constexpr (QT == T_Q5_0 || QT == T_Q5_1) {
+        constexpr int QH = QT == T_Q5_0 ? 2 : 4;
+        const __m128i t = _mm_loadu_si128((const __m128i*)(blk + QH + 4));
+        u->u = _mm256_or_si256(nib2(_mm256_set_m128i(_mm_srli_epi16(t, 4), t), 0), q5_bits(blk + QH));
+        u->dw = f16(blk);
+        u->mw = QT == T_Q5_1 ? f16(blk + 2) : -16.0f * u->dw;
+    } else if constexpr (QT == T_Q4_K || QT == T_Q5_K) {
+        const uint8_t* q = blk + (QT == T_Q4_K ? 16 : 48) + 32 * (s / 2);
+        u->u = nib2(_mm256_loadu_si256((const __m256i*)q), 4 * (s & 1));
+        if constexpr (QT == T_Q5_K) {
+            const __m256i hb = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i*)(blk + 16)), s),
+                                                _mm256_set1_epi8(1));
+            u->u = _mm256_or_si256(u->u, _mm256_slli_epi16(hb, 4));
+        }
+        u->dw = h.dw[s], u->mw = h.mw[s];
+    } else {  // Q6_K
+        const int hh = s / 4, c = s % 4;
+        const __m256i l = _mm256_loadu_si256((const __m256i*)(blk + 64 * hh + (c & 1) * 32));
+        const __m256i hi = _mm256_loadu_si256((const __m256i*)(blk + 128 + 32 * hh));
+        const __m256i q = _mm256_or_si256(
+            nib2(l, (c >> 1) * 4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hi, 2 * c), _mm256_set1_epi8(3)), 4));
+        u->u = _mm256_sub_epi8(q, _mm256_set1_epi8(32));
+        const int8_t* sc = (const int8_t*)(blk + 192);
+        u->sc = _mm256_setr_epi32(sc[2 * s], sc[2 * s], sc[2 * s], sc[2 * s], sc[2 * s + 1], sc[2 * s + 1], sc[2 * s + 1],
+                                  sc[2 * s + 1]);
+        u->dw = f16(blk + 208);
+        u->mw = 0.0f;
+    }
+}
+
+template <int QT, int MT>
+KVLM_INLINE void row_dot_kq(const uint8_t* row, int64_t nb, const int8_t* xq, int64_t ldq, const float* xd,
+                            const float* xs, int64_t ldb, float* y, int64_t ldy) {
+    constexpr int BB = KQ<QT>::BB, SUB = KQ<QT>::SUB;
+    constexpr bool MINS = KQ<QT>::MIN || QT == T_Q5_0;
+    __m256 acc[MT][4];
+    float mins[MT][4];
+    for (int i = 0; i < MT; i++)
+        for (int j = 0; j < 4; j++) acc[i][j] = _mm256_setzero_ps(), mins[i][j] = 0.0f;
+    KHead2 h;
+    KUnit2 u;
+    for (int64_t b = 0; b < nb / SUB; b++) {
+        const uint8_t* blk = row + b * BB;
+        kq_head2<QT>(blk, &h);
+        for (int s = 0; s < SUB; s++) {
+            kq_unit2<QT>(blk, s, h, &u);
+            const int64_t ib = b * SUB + s;
+            const int j = (int)(ib & 3);
+            const __m256 dw = _mm256_set1_ps(u.dw);
+            const __m256i au = QT == T_Q6_K ? _mm256_sign_epi8(u.u, u.u) : u.u;  // |q - 32| for Q6_K
+            for (int i = 0; i < MT; i++) {
+                __m256i x = _mm256_loadu_si256((const __m256i*)(xq + i * ldq + ib * 32));
+                if constexpr (QT == T_Q6_K) x = _mm256_sign_epi8(x, u.u);  // q - 32's sign onto x
+                __m256i d = dot256(au, x);
+                if constexpr (QT == T_Q6_K) d = _mm256_mullo_epi32(d, u.sc);
+                const __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(d), dw);
+                acc[i][j] = _mm256_fmadd_ps(f, _mm256_loadu_ps(xd + (i * ldb + ib) * 8), acc[i][j]);
+                if constexpr (MINS) mins[i][j] = __builtin_fmaf(u.mw, xs[i * ldb + ib], mins[i][j]);
+            }
+        }
+    }
+    for (int i = 0; i < MT; i++) {
+        const __m256 a = _mm256_add_ps(_mm256_add_ps(acc[i][0], acc[i][1]), _mm256_add_ps(acc[i][2], acc[i][3]));
+        const float m = (mins[i][0] + mins[i][1]) + (mins[i][2] + mins[i][3]);
+        y[i * ldy] = hsum8(a) + m;
+    }
+}
+
+template <int QT>
+struct RowKQ {
+    template <int MT>
+    KVLM_INLINE void dot(const uint8_t* row, int64_t nb, const int8_t* xq, int64_t ldq, const float* xd,
+                         const float* xs, int64_t ldb, float* y, int64_t ldy) {
+        row_dot_kq<QT, MT>(row, nb, xq, ldq, xd, xs, ldb, y, ldy);
+    }
+};
+
+#define KVLM_KQ_CALL(QT) gemv_rows_t<RowKQ<QT>>(w, rs, K, xq, xd, xs, M, y, ldy, n0, n1)
+
+#endif  // AVX2
+
+// The int8 kernels of this file (gemv_i8's other types): 0, or -1 for a type it does not handle.
+int gemv_kq(int qtype, const uint8_t* w, int64_t rs, int64_t K, const int8_t* xq, const float* xd, const float* xs,
+            const int32_t* xi, int64_t M, float* y, int64_t ldy, int64_t n0, int64_t n1) {
+    (void)xi;
+    switch (qtype) {
+        case T_Q5_0: KVLM_KQ_CALL(T_Q5_0); return 0;
+        case T_Q5_1: KVLM_KQ_CALL(T_Q5_1); return 0;
+        case T_Q4_K: KVLM_KQ_CALL(T_Q4_K); return 0;
+        case T_Q5_K: KVLM_KQ_CALL(T_Q5_K); return 0;
+        case T_Q6_K: KVLM_KQ_CALL(T_Q6_K); return 0;
+        default: return -1;
+    }
+}
+#undef KVLM_KQ_CALL
+
+}  // namespace
