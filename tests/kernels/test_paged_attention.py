@@ -21,19 +21,8 @@ import torch.nn.functional as F
 from kvlm.kernels import native, paged_attention, paged_decode_attention
 from kvlm.kernels.reference import paged_attention_ref, paged_decode_attention_ref
 
-ISAS = list(native.ISAS)
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 TOL = {"rtol": 2e-5, "atol": 2e-5}
-
-
-@pytest.fixture(params=ISAS)
-def isa(request: pytest.FixtureRequest, force_isa) -> str:
-    if not native.available():
-        pytest.skip("native kernels not built here (test_kernels.py::test_extension_builds says why)")
-    if ISAS.index(request.param) > ISAS.index(native.best_isa()):
-        pytest.skip(f"this CPU lacks {request.param} (best: {native.best_isa()})")
-    force_isa(request.param)
-    return request.param
 
 
 @pytest.fixture
