@@ -128,8 +128,10 @@ def _score_window(engines: dict, win: list[int], first: int, scores: dict, pairs
     target = torch.tensor(win[first + 1 :])
     kept: dict[tuple[str, str], torch.Tensor] = {}  # baselines' scored log-probs (float32)
     bases = {b for _, b in pairs if b is not None}
-    for key, eng in engines.items():
-        rows = []
+    # the dense float32 reference first (the baseline of `auto`'s float32-cache run), then each dtype's
+    # float32 cache (the baseline of its other caches)
+    for key in sorted(engines, key=lambda k: (k[0] != "float32", k[1] != "float32")):
+        eng, rows = engines[key], []
         for p0, logits in eng.prompt_logits(win, first):
             for r in range(0, logits.shape[0], ROWS):
                 lp = logits[r : r + ROWS].double().log_softmax(-1)
