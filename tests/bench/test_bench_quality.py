@@ -80,7 +80,8 @@ def test_rows_and_gates(model: Path, text: Path) -> None:
             assert r["ppl_delta"] == pytest.approx(r["ppl"] / rows[(against, "float32", None)]["ppl"] - 1)
     bpt = {kv: rows[("auto", kv, "auto")]["bytes_per_token"] for kv in ("float16", "int8", "int4")}
     assert bpt == {"float16": 2 * 2 * 2 * 32 * 2, "int8": 2 * 2 * 2 * 34, "int4": 2 * 2 * 2 * 18}
-    assert set(d["gates"]) == {"int8_mean_kld_le_1e-3", "int8_ppl_within_0.5%", "int4_ppl_within_3%"}
+    assert set(d["gates"]) == {f"{g} (--dtype {dt})" for g in ("int8_mean_kld_le_1e-3", "int8_ppl_within_0.5%",
+                                                                "int4_ppl_within_3%") for dt in ("auto", "float32")}
 
 
 def test_cli_prints_a_table_and_one_json_line(model: Path, text: Path, tmp_path: Path,
