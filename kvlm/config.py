@@ -159,6 +159,11 @@ def _gemma3_fields(d: dict[str, Any], n_layers: int) -> dict[str, Any]:
 # "auto" first, then the torch names. Flags, validation and benchmarks all take their choices from here.
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 DTYPES: tuple[Dtype, ...] = ("auto", "float32", "bfloat16", "float16")
+# The KV cache also stores quantized codes (kernels/kv_quant.py): int8 (34 bytes per 32 values, q8_0-like)
+# and int4 (18 bytes per 32, q4_0-like), a float16 scale per 32 values of a head row.
+KVDtype = Literal["auto", "float32", "bfloat16", "float16", "int8", "int4"]
+KV_DTYPES: tuple[KVDtype, ...] = (*DTYPES, "int8", "int4")
+KV_QUANT_BYTES_PER_VALUE: dict[str, float] = {"int8": 34 / 32, "int4": 18 / 32}
 
 
 @dataclass(slots=True)
@@ -181,8 +186,9 @@ class EngineConfig:
     enable_kv_cache: bool = True
     # "auto": the compute dtype (float32 on CPU). float16 / bfloat16 store K/V in half the bytes (as
     # llama.cpp does by default): half the pool per token and half the bytes each decode step's
-    # attention reads. Every attention path reads K/V back from the cache, so all see the same values.
-    kv_cache_dtype: Dtype = "auto"
+    # attention reads. int8 / int4: codes plus a float16 scale per 32 values (3.8x / 7.1x fewer bytes
+    # than float32). Every attention path reads K/V back from the cache, so all see the same values.
+    kv_cache_dtype: KVDtype = "auto"
     kv_cache_layout: Literal["paged", "contiguous"] = "paged"
     block_size: int = 16
     max_model_len: int | None = None  # None: the model's context length, capped at 4096 to bound memory
@@ -210,9 +216,9 @@ class EngineConfig:
                 continue
             if not is_int(v) or not 1 <= v <= hi:
                 raise bad(name, f"must be an integer in [1, {hi}]")
-        for name in ("dtype", "kv_cache_dtype"):
-            if getattr(self, name) not in DTYPES:
-                raise bad(name, "must be " + ", ".join(DTYPES[:-1]) + " or " + DTYPES[-1])
+        for name, names in (("dtype", DTYPES), ("kv_cache_dtype", KV_DTYPES)):
+            if getattr(self, name) not in names:
+                raise bad(name, "must be " + ", ".join(names[:-1]) + " or " + names[-1])
         if self.kv_cache_layout not in ("paged", "contiguous"):
             raise bad("kv_cache_layout", "must be 'paged' or 'contiguous'")
         for name in ("enable_kv_cache", "adaptive_threads"):

@@ -25,7 +25,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from kvlm.config import DTYPES
+from kvlm.config import KV_DTYPES
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -86,16 +86,16 @@ def log(msg: str) -> None:
 
 
 def dtype_choices(*names: str) -> tuple[str, ...]:
-    """The `choices` of a dtype flag: `names`, each one of `kvlm.config.DTYPES`, in the order the flag's
+    """The `choices` of a dtype flag: `names`, each one of `kvlm.config.KV_DTYPES`, in the order the flag's
     `--help` has always listed them."""
-    unknown = [n for n in names if n not in DTYPES]
+    unknown = [n for n in names if n not in KV_DTYPES]
     if unknown:
-        raise ValueError(f"not in kvlm.config.DTYPES: {', '.join(unknown)}")
+        raise ValueError(f"not in kvlm.config.KV_DTYPES: {', '.join(unknown)}")
     return names
 
 
-# Every K/V element type the engine takes (all of DTYPES), float16 listed before bfloat16.
-KV_CACHE_DTYPES = dtype_choices("auto", "float32", "float16", "bfloat16")
+# Every K/V element type the engine takes (all of KV_DTYPES), float16 listed before bfloat16.
+KV_CACHE_DTYPES = dtype_choices("auto", "float32", "float16", "bfloat16", "int8", "int4")
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:

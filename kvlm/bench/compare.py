@@ -50,6 +50,8 @@ from kvlm.bench.compare_files import print_files, run_files
 from kvlm.bench.plotting import new_figure, save_figure
 
 WORKER = Path(__file__).with_name("llama_cpp_worker.py")
+# kvlm's --kv-cache-dtype -> the ggml type llama.cpp stores K and V in for the same bytes per value
+LLAMA_KV_TYPES = {"float32": 0, "float16": 1, "int8": 8, "int4": 2}
 CHAT = [{"role": "user", "content": "Write a short story about a robot who learns to paint."}]
 NAMES = {"kvlm": "kvlm (--dtype auto)", "kvlm_float32": "kvlm (--dtype float32, reference)",
          "llama_cpp": "llama.cpp (llama-cpp-python)", "hf": "HF transformers (float32)"}
@@ -276,7 +278,8 @@ def run(model: str = DEFAULT_MODEL, threads: int = 2, prompt_len: int = 512, dec
     vocab = line.engines["kvlm"].llm.llm_engine.model_config.vocab_size
     spec = {"threads": threads, "n_ctx": max_len, "gen_tokens": gen_tokens,
             "prefill_ids": prompt_ids(vocab, prompt_len), "decode_ids": prompt_ids(vocab, decode_prompt_len, seed=1),
-            "contexts": [[prompt_ids(vocab, c, seed=c), context_gen] for c in contexts]}
+            "contexts": [[prompt_ids(vocab, c, seed=c), context_gen] for c in contexts],
+            "kv_type": LLAMA_KV_TYPES.get(kv_cache_dtype)}  # llama.cpp's K/V of the same size (None: its f16)
     chat_text = line.engines["kvlm"].llm.tokenizer.apply_chat_template(CHAT)
     _measure_rounds(line, spec, repeats, threads)
     if whole:

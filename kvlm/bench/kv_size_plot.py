@@ -11,7 +11,8 @@ from typing import Any
 from kvlm.config import ModelConfig
 from kvlm.kv_cache.sizing import crossover_context, known_configs
 
-PLOTTED_DTYPES: dict[str, float] = {"fp32": 4.0, "fp16": 2.0, "int8": 1.0, "int4": 0.5}  # bytes per element
+# bytes per element; int8 / int4 as the engine stores them (a float16 scale per 32 codes)
+PLOTTED_DTYPES: dict[str, float] = {"fp32": 4.0, "fp16": 2.0, "int8": 34 / 32, "int4": 18 / 32}
 CONTEXTS: list[int] = [2**i for i in range(9, 18)]  # 512 .. 131072
 KNOWN_CONTEXTS: list[int] = [2**i for i in range(9, 20)]  # to 524288: Llama-3-70B crosses over at ~430k
 

@@ -6,7 +6,8 @@ this file imports only the standard library and `llama_cpp`, never kvlm or torch
     PYTHON kvlm/bench/llama_cpp_worker.py measure MODEL.gguf < SPEC_JSON  -> one JSON line on stdout
     PYTHON kvlm/bench/llama_cpp_worker.py whole MODEL.gguf THREADS TEXT N  -> N greedy tokens after TEXT
 
-`measure` (SPEC: threads, n_ctx, prefill_ids, decode_ids, gen_tokens, contexts: [[ids, gen], ...]):
+`measure` (SPEC: threads, n_ctx, prefill_ids, decode_ids, gen_tokens, contexts: [[ids, gen], ...], and
+optionally kv_type, the ggml type of K and V, f16 by default):
 prefill = eval(prompt) on a fresh context + sampling the first token; decode = eval([token]) + greedy
 sample per token, tokens/s over the steps after the first token (kvlm's definition). `whole`: load,
 tokenize TEXT (special tokens parsed, as kvlm does for a rendered chat), N greedy tokens, exit: the
@@ -21,11 +22,12 @@ import sys
 import time
 
 
-def _load(path: str, threads: int, n_ctx: int):
+def _load(path: str, threads: int, n_ctx: int, kv_type: int | None = None):
     from llama_cpp import Llama
 
+    kv = {} if kv_type is None else {"type_k": kv_type, "type_v": kv_type}  # ggml type ids (8: q8_0, 2: q4_0)
     return Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=n_ctx,
-                 n_batch=min(n_ctx, 2048), flash_attn=True, verbose=False)
+                 n_batch=min(n_ctx, 2048), flash_attn=True, verbose=False, **kv)
 
 
 def _greedy(llm) -> int:
@@ -46,7 +48,7 @@ def _decode_tps(llm, ids: list[int], gen: int) -> float:
 def measure(path: str, spec: dict) -> dict:
     import llama_cpp
 
-    llm = _load(path, spec["threads"], spec["n_ctx"])
+    llm = _load(path, spec["threads"], spec["n_ctx"], spec.get("kv_type"))
     _decode_tps(llm, spec["decode_ids"][:8], 3)  # warm-up: thread pool, first-call allocations
     llm.reset()
     t = time.perf_counter()

@@ -28,6 +28,7 @@ from kvlm.bench.common import (
     run_header,
     standalone,
 )
+from kvlm.config import parse_bytes
 
 # The compute dtypes throughput has always offered: auto (quantized GGUF weights) and the two dense paths
 # it compares them with.
@@ -71,6 +72,8 @@ def run_kvlm_batched(llm: Any, prompts: list[list[int]], outs: list[int]) -> dic
     assert n_out == sum(outs)
     return {**_rates(dt, n_out, prompts), "peak_kv_blocks": peak_blocks,
             "peak_kv_bytes": peak_blocks * bm.block_size * bpt, "peak_running": peak_running,
+            "peak_kv_tokens": peak_blocks * bm.block_size, "kv_pool_tokens": bm.num_blocks * bm.block_size,
+            "kv_bytes_per_token": bpt,
             "max_waste_blocks_per_request": max_waste_per_req,
             "preemptions": sum(r.metrics.num_preemptions for r in reqs),
             "kv_pool_bytes": eng.kv_cache.nbytes, "steps": eng.num_steps}
@@ -117,12 +120,14 @@ def run_hf_padded(model_path: Any, prompts: list[list[int]], outs: list[int],
 def run(model: str = DEFAULT_MODEL, num_prompts: int = 32, in_range: tuple[int, int] = (64, 512),
         out_range: tuple[int, int] = (64, 256), seed: int = 0, threads: int = 2, max_num_seqs: int = 32,
         max_num_batched_tokens: int = 2048, sequential: bool = True, compare_hf: bool = True,
-        dtype: str = "auto", baseline_dtype: str | None = None, kv_cache_dtype: str = "auto") -> dict[str, Any]:
+        dtype: str = "auto", baseline_dtype: str | None = None, kv_cache_dtype: str = "auto",
+        kv_cache_memory: int | float | None = None) -> dict[str, Any]:
     from kvlm.llm import LLM
 
     torch.set_num_threads(threads)
     llm = LLM(model, dtype=dtype, num_threads=threads, max_num_seqs=max_num_seqs, kv_cache_dtype=kv_cache_dtype,
-              max_num_batched_tokens=max_num_batched_tokens, max_model_len=in_range[1] + out_range[1])
+              max_num_batched_tokens=max_num_batched_tokens, max_model_len=in_range[1] + out_range[1],
+              kv_cache_memory=kv_cache_memory)
     prompts, outs = make_workload(num_prompts, llm.llm_engine.model_config.vocab_size, in_range, out_range, seed)
     llm.generate({"prompt_token_ids": prompts[0][:16]}, use_tqdm=False)  # warm-up
     batched = run_kvlm_batched(llm, prompts, outs)
@@ -167,7 +172,8 @@ def print_table(d: dict[str, Any]) -> None:
         if r:
             print(f"{name:40s} {r['output_tokens_per_s']:12.1f} {r['total_tokens_per_s']:12.1f} {r['seconds']:9.1f}")
     b = d["kvlm_batched"]
-    print(f"peak KV: {b['peak_kv_blocks']} blocks ({b['peak_kv_bytes'] / 2**20:.1f} MiB), "
+    print(f"peak KV: {b['peak_kv_blocks']} blocks = {b['peak_kv_tokens']} tokens of a {b['kv_pool_tokens']}-token "
+          f"pool ({b['peak_kv_bytes'] / 2**20:.1f} MiB at {b['kv_bytes_per_token']} B/token), "
           f"peak running {b['peak_running']}, max paging waste {b['max_waste_blocks_per_request']:.2f} block/request, "
           f"preemptions {b['preemptions']}")
     if d["batching_speedup"]:
@@ -192,6 +198,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="also run continuous batching with this dtype (e.g. float32) and report the ratio")
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                    help="K/V element type of the main run (the baseline keeps its dtype's)")
+    p.add_argument("--kv-cache-memory", default=None,
+                   help="KV pool budget of the main run (e.g. 64MiB, 30%%): tokens held = budget / bytes per token")
     p.add_argument("--no-sequential", action="store_true", help="skip the one-request-at-a-time run")
     p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face comparison")
 
@@ -201,7 +209,8 @@ def run_args(a: argparse.Namespace) -> dict[str, Any]:
                seed=a.seed, threads=a.threads, max_num_seqs=a.max_num_seqs,
                max_num_batched_tokens=a.max_num_batched_tokens, sequential=not a.no_sequential,
                compare_hf=not a.no_hf, dtype=a.dtype, baseline_dtype=a.baseline_dtype,
-               kv_cache_dtype=a.kv_cache_dtype)
+               kv_cache_dtype=a.kv_cache_dtype,
+               kv_cache_memory=None if a.kv_cache_memory is None else parse_bytes(a.kv_cache_memory))
 
 
 BENCH = Bench("throughput", "continuous batching vs one at a time vs HF padded batching", add_args, run_args,

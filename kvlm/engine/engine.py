@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -25,11 +26,12 @@ from kvlm.engine.output_processor import OutputProcessor
 from kvlm.engine.scheduler import ScheduledBatch, Scheduler
 from kvlm.engine.threads import ThreadGovernor
 from kvlm.errors import ParameterError, PromptTooLongError
+from kvlm.kernels.kv_quant import FORMATS, GROUP, KVQuantFormat
 from kvlm.kv_cache import snapshot as kv_snapshot
 from kvlm.kv_cache.pool import describe_kv_pool, make_kv_cache
 from kvlm.kv_cache.prefix_misses import PrefixHistory
 from kvlm.kv_cache.snapshot import SnapshotInfo, cached_prefix_blocks, snapshot_header
-from kvlm.kv_cache.storage import KVCache
+from kvlm.kv_cache.storage import KVCache, KVElement, NoKVCache
 from kvlm.loader import resolve_model
 from kvlm.loader.build import load_model
 from kvlm.loader.fingerprint import model_files, model_fingerprint
@@ -46,14 +48,18 @@ log = logging.getLogger("kvlm")
 _TORCH_DTYPES = {name: torch.float32 if name == "auto" else getattr(torch, name) for name in DTYPES}
 
 
-def resolve_kv_cache_dtype(cfg: EngineConfig, dtype: torch.dtype) -> torch.dtype:
-    """The KV cache's element type: as configured, "auto" being the compute dtype.
+def resolve_kv_cache_dtype(cfg: EngineConfig, dtype: torch.dtype) -> KVElement:
+    """The KV cache's element type: as configured, "auto" being the compute dtype; int8 / int4 are the
+    quantized formats of `kernels/kv_quant.py`.
 
     Not float16 by default (llama.cpp's choice): rounding K/V to float16 turns the ~1e-7 float32
     differences between a prefill's and a decode's arithmetic (where a kernel's bits depend on the
     number of rows) into one-ulp float16 differences (~5e-4 relative), so cached and recomputed logits
     would agree only to ~1e-3 instead of ~1e-6. It is a flag: `--kv-cache-dtype float16`."""
-    return dtype if cfg.kv_cache_dtype == "auto" else _TORCH_DTYPES[cfg.kv_cache_dtype_name]
+    if cfg.kv_cache_dtype == "auto":
+        return dtype
+    name = cfg.kv_cache_dtype_name
+    return FORMATS[name] if name in FORMATS else _TORCH_DTYPES[name]
 
 
 class Engine:
@@ -73,10 +79,14 @@ class Engine:
         self.model, self.tokenizer, self.max_model_len = loaded.model, loaded.tokenizer, loaded.max_model_len
         self.model_config: ModelConfig = loaded.config
         model_config = loaded.config
+        if isinstance(self.kv_cache_dtype, KVQuantFormat) and model_config.head_dim % GROUP:
+            raise ParameterError("kv_cache_dtype", f"kv_cache_dtype {self.kv_cache_dtype} needs head_dim % {GROUP} "
+                                                   f"== 0; this model's is {model_config.head_dim}: use float16")
 
         self.kv_cache: KVCache
         self.kv_cache, self.block_manager = make_kv_cache(cfg, model_config, self.max_model_len,
-                                                          self.kv_bytes_per_token, self.kv_cache_dtype, self.device,
+                                                          self._kv_formula_bytes_per_token, self.kv_cache_dtype,
+                                                          self.device,
                                                           compute_dtype=self.dtype)
         history = None
         if self.block_manager.enable_prefix_caching:
@@ -104,7 +114,17 @@ class Engine:
     # -- setup -------------------------------------------------------------------------------------
     @property
     def kv_bytes_per_token(self) -> int:
-        return int(self.model_config.kv_bytes_per_token(torch.finfo(self.kv_cache_dtype).bits // 8))
+        """K/V bytes per token: counted from the pool's tensors (codes and scales) once it exists, the
+        format's formula (2 x layers x kv_heads x head_dim x bytes per value) while sizing it."""
+        if isinstance(self.kv_cache, NoKVCache):
+            return self._kv_formula_bytes_per_token
+        return round(self.kv_cache.bytes_per_token)
+
+    @property
+    def _kv_formula_bytes_per_token(self) -> int:
+        e = self.kv_cache_dtype
+        per_value = e.bytes_per_value if isinstance(e, KVQuantFormat) else torch.finfo(e).bits / 8
+        return int(self.model_config.kv_bytes_per_token(per_value))
 
     def _prefix_hash_keys(self) -> str:
         """Everything besides token ids that changes K/V: the root of the prefix cache's hash chain."""
@@ -204,6 +224,33 @@ class Engine:
         return snapshot_header(self.model_fingerprint, self.config.dtype, self.kv_cache_dtype,
                                self.block_manager.block_size, mc.num_hidden_layers, mc.num_key_value_heads,
                                mc.head_dim)
+
+    def prompt_logits(self, token_ids: list[int], first: int) -> Iterator[tuple[int, torch.Tensor]]:
+        """Teacher forcing through the cache: run `token_ids` as a prompt and yield, step by step as the
+        chunks are computed, (p0, logits (n, vocab) float32) for positions p0 .. p0 + n - 1 >= `first`,
+        the logits at position p predicting token p + 1 (the last position predicts nothing and is left
+        out). Positions come in order, each once; only one chunk's logits are alive at a time. Run it
+        alone (other requests would share its steps, which changes nothing but the time it takes)."""
+        ready: list[tuple[int, torch.Tensor]] = []
+        todo = [first]  # the next position to score
+        last = len(token_ids) - 1
+        req = self.add_request(list(token_ids), SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+
+        def observe(r: Request, start: int, hidden: torch.Tensor) -> None:
+            lo, hi = max(start, todo[0]), min(start + hidden.shape[0], last)
+            if r is req and lo < hi:  # a recomputed chunk (after preemption) adds nothing
+                ready.append((lo, self.model.compute_logits(hidden[lo - start : hi - start])))
+                todo[0] = hi
+
+        self.runner.hidden_observer = observe
+        try:
+            while not req.is_finished:
+                self.step()
+                while ready:
+                    yield ready.pop(0)
+        finally:
+            self.runner.hidden_observer = None
+            self.abort(req.request_id)  # abandoned early: free its blocks (a no-op once finished)
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached block nobody reads now; returns how many."""

@@ -9,6 +9,7 @@ nothing), and calls the sampler.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -93,6 +94,9 @@ class ModelRunner:
         # DECODE steps on the paged cache run every layer in one native call where the model allows
         # (model/fused_decode.py), with the same per-row attention.
         self.fused = FusedDecoder.create(model, kv_cache) if self.in_place else None
+        # Teacher-forced scoring (`Engine.prompt_logits`): called after each step's forward with every
+        # request's (request, first position, its rows' final hidden states (n, hidden)); None: not called.
+        self.hidden_observer: Callable[[Request, int, torch.Tensor], None] | None = None
 
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, AttentionMetadata, list[Request]]:
         """Flat input ids (T,) and the step's metadata; also the requests that sample this step.
@@ -201,6 +205,11 @@ class ModelRunner:
             hidden = self.model(input_ids, meta.positions, self.kv_cache, meta)  # (T, hidden)
         if any(r.params.prompt_logprobs is not None for r in batch.requests):
             self._prompt_logprobs(batch, hidden)
+        if self.hidden_observer is not None:
+            row = 0
+            for req, n in zip(batch.requests, batch.num_new_tokens):
+                self.hidden_observer(req, req.num_computed_tokens, hidden[row : row + n])
+                row += n
         if not samplers:
             return StepResult([], [], [], None)
         logits = self.model.compute_logits(hidden[meta.logits_indices])  # (N, vocab) float32

@@ -47,10 +47,10 @@ PATHS = (*ISAS, "reference")
 ENV_ISA = "KVLM_KERNEL_ISA"
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = ("ops.cpp", "decode.cpp", "elementwise.cpp",
+_SOURCES = ("ops.cpp", "decode.cpp", "elementwise.cpp", "kv_quant.cpp",
             "isa_scalar.cpp", "isa_avx2.cpp", "isa_avx512.cpp", "isa_avx512_vnni.cpp")
 _HEADERS = ("kernels.h", "kernels_impl.h", "kernels_int8.h", "kernels_int8_panel.h", "kernels_kquant.h", "drivers.h",
-            "elementwise.h")
+            "elementwise.h", "kernels_attn_quant.h", "kv_quantize.h")
 # -std=c++20: torch 2.13's headers need it. -fopenmp: at::parallel_for is an inline `omp parallel`
 # (serial without it); the library then binds to the libgomp.so.1 torch has already loaded, so it
 # shares torch's thread pool and torch.set_num_threads. The ISA units set their own `#pragma GCC target`.
@@ -251,6 +251,8 @@ class NativeOps:
     silu_mul: Any
     rope: Any
     gelu_tanh_mul: Any
+    kv_quantize: Any
+    hadamard: Any
 
 
 @functools.cache
@@ -262,7 +264,8 @@ def ops() -> NativeOps | None:
     return NativeOps(ns.qmatmul.default, ns.qmatmul_i8.default, ns.fake_quantize_act.default, ns.dequantize.default,
                      ns.paged_decode_attention.default, ns.paged_attention.default, ns.decode_plan_create.default,
                      ns.decode_plan_free.default, ns.decode_step.default, ns.rms_norm.default,
-                     ns.silu_mul.default, ns.rope.default, ns.gelu_tanh_mul.default)
+                     ns.silu_mul.default, ns.rope.default, ns.gelu_tanh_mul.default, ns.kv_quantize.default,
+                     ns.hadamard.default)
 
 
 @functools.cache

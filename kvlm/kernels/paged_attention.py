@@ -16,14 +16,17 @@ result depends on nothing else in the call. The references gather the blocks and
 (`reference.paged_attention_ref`, `reference.paged_decode_attention_ref`); they also serve inputs the
 kernel does not take (no native build, non-CPU, q not float32, head_dim not a multiple of 16, or a
 non-contiguous cache). The cache may hold float32, float16 or bfloat16 (half the bytes to read per
-token); q and the result are float32 and the arithmetic is float32.
+token), or int8 / int4 codes ((..., kv_heads, row_bytes) uint8, `kv_quant.py`) that the kernel
+dequantizes 16 values at a time as it reads them (code * scale, the reference's float32 product); the
+codes hold Hadamard-rotated rows, so q is rotated before and the result rotated back after (an
+orthonormal H: the scores are q . k). q and the result are float32 and the arithmetic is float32.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kvlm.kernels import native
+from kvlm.kernels import kv_quant, native
 from kvlm.kernels.reference import paged_attention_ref, paged_decode_attention_ref
 
 KV_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # cache element types the kernel reads directly
@@ -32,8 +35,10 @@ KV_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # cache element type
 def _native(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> str | None:
     """The ISA path that takes these tensors, or None where the reference must serve them."""
     isa = native.active_isa()
+    readable = k_cache.dtype in KV_DTYPES or kv_quant.format_of(k_cache, q.shape[-1]) is not None
     fast = (isa != "reference" and q.device.type == "cpu" and k_cache.device.type == "cpu"
-            and q.dtype == torch.float32 and k_cache.dtype == v_cache.dtype and k_cache.dtype in KV_DTYPES
+            and q.dtype == torch.float32 and k_cache.dtype == v_cache.dtype and readable
+            and k_cache.shape == v_cache.shape
             and q.shape[-1] % 16 == 0 and k_cache.is_contiguous() and v_cache.is_contiguous())
     return isa if fast else None
 
@@ -81,6 +86,17 @@ def _call(op: str, ref, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     tables, then the per-row or per-sequence ids / lengths) in the op's order; `kw` the op's trailing
     int options (window)."""
     _check_out(q, out)
+    fmt = kv_quant.format_of(k_cache, q.shape[-1])
+    if fmt is not None and fmt.rotate and _native(q, k_cache, v_cache) is not None:
+        # the kernel reads codes of rotated rows: q H . k H = q . k, and (p V H) H = p V. (The references
+        # rotate the dequantized rows back themselves.)
+        y = kv_quant.hadamard(_run(op, ref, kv_quant.hadamard(q), k_cache, v_cache, None, scale, *index, **kw))
+        return y if out is None else out.copy_(y)
+    return _run(op, ref, q, k_cache, v_cache, out, scale, *index, **kw)
+
+
+def _run(op: str, ref, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor | None,
+         scale: float, *index: torch.Tensor, **kw: int) -> torch.Tensor:
     isa = _native(q, k_cache, v_cache)
     if isa is None:
         y = ref(q, k_cache, v_cache, *index, scale, **kw)

@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from kvlm.kernels import kv_quant
+
 if TYPE_CHECKING:
     from kvlm.kernels.quant_tensor import QuantTensor
 
@@ -58,11 +60,21 @@ def qmatmul_int8_ref(x: torch.Tensor, w: QuantTensor) -> torch.Tensor:
     return fake_quantize_act(x) @ dequantize_ref(w).to(x.device).T
 
 
+def _dense(blocks: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Cache blocks (..., D) of a float type, or (..., row_bytes) uint8 codes of a quantized format ->
+    float32 (..., D) values (codes dequantized and, for a rotating format, rotated back)."""
+    fmt = kv_quant.format_of(blocks, head_dim)
+    if fmt is None:
+        return blocks.float()
+    return kv_quant.unrotated(kv_quant.dequantize(blocks, fmt, head_dim), fmt)
+
+
 def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """Gather each sequence's blocks, then SDPA with each K/V head's query heads folded together.
 
-    q (B, H, D); caches (num_blocks, block_size, kv_heads, D) of any float type -> (B, H, D) in q's dtype,
+    q (B, H, D); caches (num_blocks, block_size, kv_heads, D) of any float type (or int8 / int4 codes,
+    dequantized) -> (B, H, D) in q's dtype,
     computed in float32; zeros for a length-0 sequence.
     """
     import torch.nn.functional as F
@@ -76,8 +88,8 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         if length == 0:
             continue
         blocks = block_tables[b, : (length + block_size - 1) // block_size].long()
-        k = k_cache[blocks].float().reshape(-1, kv_heads, d)[:length].transpose(0, 1)  # (kv_heads, L, D)
-        v = v_cache[blocks].float().reshape(-1, kv_heads, d)[:length].transpose(0, 1)
+        k = _dense(k_cache[blocks], d).reshape(-1, kv_heads, d)[:length].transpose(0, 1)  # (kv_heads, L, D)
+        v = _dense(v_cache[blocks], d).reshape(-1, kv_heads, d)[:length].transpose(0, 1)
         qg = q[b].float().reshape(kv_heads, group, d)  # query head h = g * group + i uses K/V head g
         out[b] = F.scaled_dot_product_attention(qg, k, v, scale=scale).reshape(heads, d)
     return out.to(q.dtype)
@@ -89,7 +101,8 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     per-row key mask (row t sees tokens < ctx_lens[t], and with window > 0 none before ctx_lens[t] -
     window), each K/V head's query heads folded together.
 
-    q (T, H, D); caches (num_blocks, block_size, kv_heads, D) of any float type; block_tables (B,
+    q (T, H, D); caches (num_blocks, block_size, kv_heads, D) of any float type (or int8 / int4 codes,
+    dequantized); block_tables (B,
     max_blocks); seq_ids, ctx_lens (T,) -> (T, H, D) in q's dtype, computed in float32; zeros for a row
     with ctx_lens 0.
     """
@@ -107,8 +120,8 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
             continue
         length = int(lens[rows].max())
         blocks = block_tables[s, : (length + block_size - 1) // block_size].long()
-        k = k_cache[blocks].float().reshape(-1, kv_heads, d)[:length].transpose(0, 1)  # (kv_heads, L, D)
-        v = v_cache[blocks].float().reshape(-1, kv_heads, d)[:length].transpose(0, 1)
+        k = _dense(k_cache[blocks], d).reshape(-1, kv_heads, d)[:length].transpose(0, 1)  # (kv_heads, L, D)
+        v = _dense(v_cache[blocks], d).reshape(-1, kv_heads, d)[:length].transpose(0, 1)
         n = rows.numel()
         # (kv_heads, group * n, D): query head h = g * group + i uses K/V head g; row-major (i, row).
         qg = q[rows].float().reshape(n, kv_heads, group, d).permute(1, 2, 0, 3).reshape(kv_heads, group * n, d)

@@ -14,7 +14,7 @@ import torch
 from kvlm.config import EngineConfig, ModelConfig
 from kvlm.errors import ParameterError
 from kvlm.kv_cache.block_manager import BlockManager
-from kvlm.kv_cache.storage import ContiguousKVCache, KVCache, NoKVCache, PagedKVCache
+from kvlm.kv_cache.storage import ContiguousKVCache, KVCache, KVElement, NoKVCache, PagedKVCache
 
 MAX_KV_SHARE = 0.9  # the largest share of available memory a KV pool may take
 
@@ -58,10 +58,12 @@ def kv_pool_budget(cfg: EngineConfig, max_model_len: int, kv_bytes_per_token: in
 
 
 def make_kv_cache(cfg: EngineConfig, mc: ModelConfig, max_model_len: int, kv_bytes_per_token: int,
-                  dtype: torch.dtype, device: torch.device,
+                  dtype: KVElement, device: torch.device,
                   compute_dtype: torch.dtype | None = None) -> tuple[KVCache, BlockManager]:
     """The KV cache for `cfg.kv_cache_layout` and the block manager that hands out its slots. `dtype` is
-    the K/V element type, `compute_dtype` the model's (what attention reads back; default `dtype`)."""
+    the K/V element type (a float type or a quantized format), `compute_dtype` the model's (what attention
+    reads back; default `dtype`). `kv_bytes_per_token` is the format's formula; the pool's tensors then
+    take that many bytes per slot (`cache.bytes_per_token` counts them)."""
     layers = mc.num_hidden_layers
     if not cfg.enable_kv_cache:
         return NoKVCache(dtype), BlockManager(cfg.max_num_seqs, max_model_len)

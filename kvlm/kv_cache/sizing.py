@@ -18,11 +18,12 @@ import math
 from importlib import resources
 from typing import Any
 
-from kvlm.config import DTYPES, EngineConfig, ModelConfig
+from kvlm.config import KV_DTYPES, KV_QUANT_BYTES_PER_VALUE, EngineConfig, ModelConfig
 
-# Bytes per element by the names `kvlm kv-size --dtype` accepts.
+# Bytes per element by the names `kvlm kv-size --dtype` accepts. int8 / int4 are the engine's quantized
+# K/V formats, a float16 scale per 32 codes: 34 / 32 and 18 / 32 bytes per value (kernels/kv_quant.py).
 DTYPE_BYTES: dict[str, float] = {"float32": 4.0, "fp32": 4.0, "float16": 2.0, "fp16": 2.0, "bfloat16": 2.0,
-                                 "bf16": 2.0, "int8": 1.0, "int4": 0.5}
+                                 "bf16": 2.0, **KV_QUANT_BYTES_PER_VALUE}
 _SPELLINGS = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 
 
@@ -37,7 +38,7 @@ def describe_dtype(dtype: str) -> str:
     name, default = _SPELLINGS.get(dtype, dtype), engine_kv_dtype()
     if name == default:
         return f"{dtype}, the engine's default KV cache dtype (--kv-cache-dtype auto: the compute dtype)"
-    if name in DTYPES:
+    if name in KV_DTYPES:
         return f"{dtype}, as --kv-cache-dtype {name} stores it (the engine's default is {default})"
     return f"{dtype}, a dtype the engine does not store K/V in (its default is {default})"
 

@@ -1,7 +1,8 @@
 """KV snapshots: a prompt's cached K/V saved to a safetensors file and loaded back into the prefix cache.
 
 File layout (safetensors, so loading never unpickles anything):
-  tensors  k, v       (layers, blocks, block_size, kv_heads, head_dim) in the engine's KV cache dtype
+  tensors  k, v       (layers, blocks, block_size, kv_heads, head_dim) in the engine's KV cache dtype, or
+                      (..., kv_heads, row_bytes) uint8 for int8 / int4 (the pool's bytes as stored)
            token_ids  (blocks * block_size,) int64: the tokens whose K/V these are (full blocks only)
   metadata format "kvlm-prefix-snapshot/1"; model_fingerprint (sha256 over the model's files); dtype;
            kv_dtype; block_size; kv_layout ("paged", layers, kv_heads, head_dim); num_tokens; crc32 of the
@@ -26,8 +27,9 @@ from pathlib import Path
 import torch
 
 from kvlm.errors import SnapshotError
+from kvlm.kernels.kv_quant import FORMATS
 from kvlm.kv_cache.block_manager import BlockManager
-from kvlm.kv_cache.storage import KVCache, PagedKVCache
+from kvlm.kv_cache.storage import KVCache, KVElement, PagedKVCache, stored_row
 from kvlm.request import Request
 from kvlm.sampling_params import SamplingParams
 
@@ -49,7 +51,7 @@ def _checksum(*tensors: torch.Tensor) -> str:
     return f"{crc:08x}"
 
 
-def snapshot_header(model_fingerprint: str, dtype: str, kv_dtype: torch.dtype, block_size: int, layers: int,
+def snapshot_header(model_fingerprint: str, dtype: str, kv_dtype: KVElement, block_size: int, layers: int,
                     kv_heads: int, head_dim: int) -> dict[str, str]:
     """The metadata a snapshot for this engine carries, and that a snapshot must carry to load."""
     return {"format": FORMAT, "model_fingerprint": model_fingerprint, "dtype": dtype,
@@ -120,8 +122,9 @@ def read_snapshot(path: str | os.PathLike, header: dict[str, str],
                 got, exp = got[:12], exp[:12]
             raise SnapshotError(f"{path}: snapshot is for another {label} ({got}; this engine: {exp})")
     bs, lay = int(header["block_size"]), json.loads(header["kv_layout"])
-    shape = (lay["layers"], ids.numel() // bs, bs, lay["kv_heads"], lay["head_dim"])
-    kv_dtype = getattr(torch, header["kv_dtype"])
+    name = header["kv_dtype"]
+    row, kv_dtype = stored_row(FORMATS[name] if name in FORMATS else getattr(torch, name), lay["head_dim"])
+    shape = (lay["layers"], ids.numel() // bs, bs, lay["kv_heads"], row)
     if (ids.dtype != torch.int64 or ids.ndim != 1 or ids.numel() % bs or str(ids.numel()) != meta.get("num_tokens")
             or tuple(k.shape) != shape or tuple(v.shape) != shape or k.dtype != kv_dtype or v.dtype != kv_dtype):
         raise SnapshotError(f"{path}: corrupt snapshot (tensor shapes disagree with its header)")

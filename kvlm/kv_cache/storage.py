@@ -12,9 +12,11 @@ Three implementations:
 * `NoKVCache`: keeps nothing; valid only when every step recomputes each sequence from position 0
   (the engine's `enable_kv_cache=False` mode, which shows what the cache saves).
 
-The cache's element type may be narrower than the model's (float16 K/V under float32 activations):
-`write` rounds to it, `fetch` returns the compute dtype, and NoKVCache rounds the same way, so every
-attention path (prefill, decode, recompute) sees the same K/V values.
+The cache's element type may be narrower than the model's (float16 K/V under float32 activations), or
+a quantized format (`kernels/kv_quant.py`: int8 / int4 codes with a float16 scale per 32 values, the
+pools then uint8 (..., kv_heads, row_bytes)): `write` rounds or quantizes to it, `fetch` returns the
+compute dtype (dequantized), `blocks` hands out the stored bytes for the kernel to read in place, and
+NoKVCache rounds the same way, so every attention path (prefill, decode, recompute) sees the same K/V.
 
 The cache knows tensors and slots; it does not know requests, blocks' owners or the model.
 """
@@ -28,6 +30,10 @@ from typing import Protocol
 import torch
 
 from kvlm.attention.metadata import AttentionMetadata
+from kvlm.kernels.kv_quant import KVQuantFormat, dequantize, quantize, unrotated
+
+# What a cache stores per K/V value: a torch float type, or a quantized format.
+KVElement = torch.dtype | KVQuantFormat
 
 
 class KVCache(Protocol):
@@ -53,6 +59,11 @@ class KVCache(Protocol):
         """Bytes of K/V storage allocated (all layers)."""
         ...
 
+    @property
+    def bytes_per_token(self) -> float:
+        """Bytes of K/V storage per token slot (all layers), counted from the tensors."""
+        ...
+
     def blocks(self, layer: int, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """After `write`: the layer's K and V as blocks, (num_blocks, block_size, kv_heads, D) each, and the
         (B, max_blocks) int32 table of each of meta's sequences into them, for attention that reads every
@@ -70,45 +81,62 @@ def _pad_new_tokens(x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
     return out.view(meta.num_seqs, meta.max_query_len, *x.shape[1:]).transpose(1, 2)
 
 
-def _rounded(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """x as a cache of `dtype` would give it back."""
-    return x if x.dtype == dtype else x.to(dtype).to(x.dtype)
+def encode_kv(x: torch.Tensor, elem: KVElement) -> torch.Tensor:
+    """x (..., D) as the cache stores it: `elem`'s float type, or (..., row_bytes) uint8 codes."""
+    return quantize(x, elem) if isinstance(elem, KVQuantFormat) else x.to(elem)
+
+
+def decode_kv(x: torch.Tensor, elem: KVElement, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """Stored values (`encode_kv`'s) back as `dtype` (..., head_dim)."""
+    if isinstance(elem, KVQuantFormat):
+        return unrotated(dequantize(x, elem, head_dim), elem).to(dtype)
+    return x if x.dtype == dtype else x.to(dtype)
+
+
+def stored_row(elem: KVElement, head_dim: int) -> tuple[int, torch.dtype]:
+    """The last dimension and element type of a cache of `elem` holding rows of head_dim values."""
+    if isinstance(elem, KVQuantFormat):
+        return elem.row_bytes(head_dim), torch.uint8
+    return head_dim, elem
 
 
 class NoKVCache:
     """Stores nothing between steps: each step must carry each sequence's whole history (recompute mode).
-    K/V are rounded to `dtype`, as a cache of that type would store them. For in-place attention the step's
-    K/V are laid out as one block per sequence, (B, max_seq_len, kv_heads, D), which lives until the next
-    write: the same values at the same positions a cache would hold, so every row computes the same."""
+    K/V are rounded (or quantized) to `dtype`, as a cache of that type would store them. For in-place
+    attention the step's stored K/V are laid out as one block per sequence, (B, max_seq_len, kv_heads, D
+    or row_bytes), which lives until the next write: the same bytes at the same positions a cache would
+    hold, so every row computes the same."""
 
     block_size = 1 << 30
     num_blocks = 1 << 30
     nbytes = 0
+    bytes_per_token = 0.0
 
-    def __init__(self, dtype: torch.dtype | None = None) -> None:
+    def __init__(self, dtype: KVElement | None = None) -> None:
         self.dtype = dtype
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
-        if self.dtype is not None:
-            k, v = _rounded(k, self.dtype), _rounded(v, self.dtype)
-        self._kv = (k, v)  # only until fetch(): the current step's tokens are the whole context
+        elem = self.dtype if self.dtype is not None else k.dtype
+        # only until fetch(): the current step's tokens are the whole context
+        self._kv = (encode_kv(k, elem), encode_kv(v, elem), k.dtype, k.shape[-1])
 
     def blocks(self, layer: int, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         assert meta.query_lens == meta.seq_lens and meta.row_seq is not None, \
             "NoKVCache needs every sequence recomputed from position 0"
-        k, v = self._kv
-        dtype = self.dtype or k.dtype
+        k, v, _, _ = self._kv
         B, L = meta.num_seqs, meta.max_seq_len
-        kb = k.new_zeros(B, L, *k.shape[1:], dtype=dtype)  # zeros: untouched slots are never NaN
+        kb = k.new_zeros(B, L, *k.shape[1:])  # zeros: untouched slots are never NaN
         vb = torch.zeros_like(kb)
         rows, pos = meta.row_seq.long(), meta.positions
-        kb[rows, pos] = k.to(dtype)
-        vb[rows, pos] = v.to(dtype)
+        kb[rows, pos] = k
+        vb[rows, pos] = v
         return kb, vb, torch.arange(B, dtype=torch.int32, device=k.device)[:, None]
 
     def fetch(self, layer: int, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         assert meta.query_lens == meta.seq_lens, "NoKVCache needs every sequence recomputed from position 0"
-        k, v = self._kv
+        k, v, dtype, D = self._kv
+        elem = self.dtype if self.dtype is not None else dtype
+        k, v = decode_kv(k, elem, D, dtype), decode_kv(v, elem, D, dtype)
         return _pad_new_tokens(k, meta), _pad_new_tokens(v, meta)
 
     def update_and_fetch(self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata):
@@ -166,20 +194,31 @@ class _LayerStorage:
     up-front cost. Slots are read only after being written, except the padding of a gathered batch,
     which `fetch` zeroes (`_zero_padding`)."""
 
-    def __init__(self, num_layers: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+    def __init__(self, num_layers: int, shape: tuple[int, ...], dtype: KVElement, device: torch.device,
                  compute_dtype: torch.dtype | None = None) -> None:
-        self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.compute_dtype = compute_dtype or dtype  # what fetch() returns (the model's activations)
+        *lead, self.head_dim = shape  # (..., kv_heads, D): stored as (..., kv_heads, stored_row)
+        row, tensor_dtype = stored_row(dtype, self.head_dim)
+        self.element = dtype
+        self.k = [torch.empty(*lead, row, dtype=tensor_dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.empty(*lead, row, dtype=tensor_dtype, device=device) for _ in range(num_layers)]
+        # what fetch() returns (the model's activations)
+        self.compute_dtype = compute_dtype or (torch.float32 if isinstance(dtype, KVQuantFormat) else dtype)
+
+    def _encode(self, x: torch.Tensor) -> torch.Tensor:
+        return encode_kv(x, self.element)
 
     def _as_compute(self, kk: torch.Tensor, vv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if kk.dtype == self.compute_dtype:
-            return kk, vv
-        return kk.to(self.compute_dtype), vv.to(self.compute_dtype)
+        return (decode_kv(kk, self.element, self.head_dim, self.compute_dtype),
+                decode_kv(vv, self.element, self.head_dim, self.compute_dtype))
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    @property
+    def bytes_per_token(self) -> float:
+        """K/V bytes one token slot takes, counted from the pool's tensors (codes and scales), all layers."""
+        return self.nbytes / (self.num_blocks * self.block_size)
 
     @property
     def resident_bytes(self) -> int | None:
@@ -199,22 +238,23 @@ class _LayerStorage:
 
 
 class PagedKVCache(_LayerStorage):
-    """Block pools per layer: k[layer] and v[layer] are (num_blocks, block_size, kv_heads, D)."""
+    """Block pools per layer: k[layer] and v[layer] are (num_blocks, block_size, kv_heads, D), or (...,
+    kv_heads, row_bytes) uint8 for a quantized format (each head row's groups, `kernels/kv_quant.py`)."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device, compute_dtype: torch.dtype | None = None) -> None:
+                 dtype: KVElement, device: torch.device, compute_dtype: torch.dtype | None = None) -> None:
         super().__init__(num_layers, (num_blocks, block_size, kv_heads, head_dim), dtype, device, compute_dtype)
         self.block_size, self.num_blocks = block_size, num_blocks
         # Gather buffers reused by every layer (a layer's attention is done before the next one reads):
         # allocating megabytes per layer per step costs page faults that dominate batched decode on CPU.
-        self._kbuf = torch.empty(0, block_size, kv_heads, head_dim, dtype=dtype, device=device)
+        self._kbuf = self.k[0].new_empty(0, *self.k[0].shape[1:])
         self._vbuf = torch.empty_like(self._kbuf)
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
         kc, vc = self.k[layer], self.v[layer]
         kvh, D = kc.shape[2], kc.shape[3]
-        kc.view(-1, kvh, D).index_copy_(0, meta.slot_mapping, k.to(kc.dtype))
-        vc.view(-1, kvh, D).index_copy_(0, meta.slot_mapping, v.to(vc.dtype))
+        kc.view(-1, kvh, D).index_copy_(0, meta.slot_mapping, self._encode(k))
+        vc.view(-1, kvh, D).index_copy_(0, meta.slot_mapping, self._encode(v))
 
     def fetch(self, layer: int, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         kc, vc = self.k[layer], self.v[layer]
@@ -262,7 +302,7 @@ class ContiguousKVCache(_LayerStorage):
     """
 
     def __init__(self, num_layers: int, max_seqs: int, max_len: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device, compute_dtype: torch.dtype | None = None) -> None:
+                 dtype: KVElement, device: torch.device, compute_dtype: torch.dtype | None = None) -> None:
         super().__init__(num_layers, (max_seqs, max_len, kv_heads, head_dim), dtype, device, compute_dtype)
         self.block_size, self.num_blocks = max_len, max_seqs
 
@@ -272,8 +312,8 @@ class ContiguousKVCache(_LayerStorage):
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
         row = meta.slot_mapping // self.block_size
         off = meta.slot_mapping % self.block_size
-        self.k[layer][row, off] = k.to(self.k[layer].dtype)  # (T, kvh, D) into (row, off)
-        self.v[layer][row, off] = v.to(self.v[layer].dtype)
+        self.k[layer][row, off] = self._encode(k)  # (T, kvh, D) into (row, off)
+        self.v[layer][row, off] = self._encode(v)
 
     def fetch(self, layer: int, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         kc, vc = self.k[layer], self.v[layer]

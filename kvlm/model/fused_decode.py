@@ -8,7 +8,8 @@ quantized projections and its RoPE tables: a "plan" on the C++ side) and then ru
 
 It applies where the module path would run the same kernels: CPU, float32 activations, every projection
 a `QuantLinear` on a native kernel path (no dense fallback), a paged KV cache (float32, float16 or
-bfloat16; the step rounds K/V into it as the module path's index_copy_ does) and the native
+bfloat16; the step rounds K/V into it as the module path's index_copy_ does; or int8 / int4, which the
+step quantizes with the native quantizer the module path's write also runs, `csrc/kv_quantize.h`) and the native
 paged attention. Anything else (the float32 reference path, a contiguous cache, CUDA, no extension)
 keeps the module path, which stays the reference: tests compare the two token for token.
 `KVLM_FUSED_DECODE=0` turns it off.
@@ -26,6 +27,7 @@ import torch
 
 from kvlm.attention.metadata import AttentionMetadata
 from kvlm.kernels import native
+from kvlm.kernels.kv_quant import KVQuantFormat
 from kvlm.kernels.paged_attention import KV_DTYPES
 from kvlm.kernels.quant import kernel_path
 from kvlm.kv_cache.storage import PagedKVCache
@@ -82,8 +84,8 @@ class FusedDecoder:
     @classmethod
     def create(cls, model: torch.nn.Module, kv_cache: object) -> FusedDecoder | None:
         """The fused decoder for this model and cache, or None where the module path must run."""
-        if not isinstance(kv_cache, PagedKVCache) or kv_cache.k[0].dtype not in KV_DTYPES \
-                or not all(t.is_contiguous() for t in kv_cache.k + kv_cache.v):
+        if not isinstance(kv_cache, PagedKVCache) or not all(t.is_contiguous() for t in kv_cache.k + kv_cache.v) \
+                or (kv_cache.k[0].dtype not in KV_DTYPES and not isinstance(kv_cache.element, KVQuantFormat)):
             return None
         if _eligible(model) is not None:
             return None

@@ -41,6 +41,12 @@ class ServerMetrics:
               lambda: aengine.load.kv_used_blocks / aengine.load.kv_total_blocks)
         gauge("kvlm:kv_cache_used_blocks", "KV-cache blocks held by requests.", lambda: aengine.load.kv_used_blocks)
         gauge("kvlm:kv_cache_total_blocks", "KV-cache blocks in the pool.", lambda: aengine.load.kv_total_blocks)
+        # Counted from the pool's tensors (codes and scales for int8 / int4): fixed once the engine exists.
+        bpt, bs = aengine.engine.kv_bytes_per_token, aengine.engine.block_manager.block_size
+        gauge("kvlm:kv_cache_bytes_per_token", "KV-cache bytes per token slot, counted from the pool's tensors.",
+              lambda: bpt)
+        gauge("kvlm:kv_cache_used_bytes", "KV-cache bytes in the blocks requests hold.",
+              lambda: aengine.load.kv_used_blocks * bs * bpt)
 
         def counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
             return Counter(name, doc, ["model_name", *labels], registry=r)

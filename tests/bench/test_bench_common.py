@@ -1,6 +1,6 @@
 """The benchmark scaffold (`kvlm/bench/common.py`): every command registers one `Bench`, `main` prints the
 table and then one JSON line (with the plot's path when one was drawn), `python -m kvlm.bench.NAME` takes
-the same flags, and dtype choices come from `kvlm.config.DTYPES`."""
+the same flags, and dtype choices come from `kvlm.config.KV_DTYPES`."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import pytest
 
 from kvlm.bench import COMMANDS
 from kvlm.bench.common import KV_CACHE_DTYPES, Bench, dtype_choices, main, register
-from kvlm.config import DTYPES
+from kvlm.config import KV_DTYPES
 
 ROOT = Path(__file__).parents[2]
 
@@ -64,10 +64,10 @@ def test_main_prints_the_table_then_one_json_line(plot_path: str | None, capsys:
 
 
 def test_dtype_choices_are_dtypes() -> None:
-    assert set(KV_CACHE_DTYPES) == set(DTYPES)
+    assert set(KV_CACHE_DTYPES) == set(KV_DTYPES)
     assert dtype_choices("float32", "bfloat16") == ("float32", "bfloat16")
-    with pytest.raises(ValueError, match="int8"):
-        dtype_choices("float32", "int8")
+    with pytest.raises(ValueError, match="int2"):
+        dtype_choices("float32", "int2")
 
 
 def test_standalone_has_the_same_flags_and_error_contract() -> None:

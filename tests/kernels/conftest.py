@@ -21,12 +21,14 @@ def force_isa(monkeypatch: pytest.MonkeyPatch):
     native.refresh()
 
 
-# The paged attention tests' fixtures (test_paged_attention.py, test_paged_attention_window.py).
+# The paged attention tests' fixtures (test_paged_attention*.py, test_kv_quant.py).
 @pytest.fixture(params=list(native.ISAS))
 def isa(request: pytest.FixtureRequest, force_isa) -> str:
+    """Each ISA path in turn, forced; those this CPU lacks (or all, without a native build) are skipped."""
+    isas = list(native.ISAS)
     if not native.available():
         pytest.skip("native kernels not built here (test_kernels.py::test_extension_builds says why)")
-    if native.ISAS.index(request.param) > native.ISAS.index(native.best_isa()):
+    if isas.index(request.param) > isas.index(native.best_isa()):
         pytest.skip(f"this CPU lacks {request.param} (best: {native.best_isa()})")
     force_isa(request.param)
     return request.param

@@ -19,7 +19,6 @@ import torch.nn.functional as F
 from kvlm.kernels import native, paged_attention, paged_decode_attention
 from kvlm.kernels.reference import paged_attention_ref, paged_decode_attention_ref
 
-ISAS = list(native.ISAS)
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 TOL = {"rtol": 2e-5, "atol": 2e-5}
 

@@ -37,7 +37,7 @@ def q8_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_kv_cache_dtype_is_validated() -> None:
     with pytest.raises(ParameterError) as e:
-        EngineConfig(kv_cache_dtype="int8")  # type: ignore[arg-type]
+        EngineConfig(kv_cache_dtype="int2")  # type: ignore[arg-type]
     assert e.value.param == "kv_cache_dtype"
 
 

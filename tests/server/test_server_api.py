@@ -190,6 +190,9 @@ def test_metrics_use_vllm_names(tiny_server):
                  "kvlm:prefix_cache_queries_total", "kvlm:prefix_cache_hits_total"):
         assert name in m, name
     assert m["kvlm:generation_tokens_total"] > 0
+    # the tiny model in float32: 2 (K, V) x 2 layers x 2 kv heads x head_dim 16 x 4 bytes, counted from the pool
+    assert m["kvlm:kv_cache_bytes_per_token"] == 2 * 2 * 2 * 16 * 4
+    assert m["kvlm:kv_cache_used_bytes"] == m["kvlm:kv_cache_used_blocks"] * 16 * 512
     text = httpx.get(tiny_server.url + "/metrics").text
     assert 'kvlm:request_success_total{finished_reason="length",model_name="tiny"}' in text
 

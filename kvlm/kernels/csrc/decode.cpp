@@ -31,19 +31,30 @@
 
 #include "drivers.h"
 #include "elementwise.h"
+#include "kv_quantize.h"
 
 namespace {
 
 // One token's K or V (n floats) into a cache slot of element type T, rounded to nearest even as
 // torch's .to(T) rounds (so the module path's index_copy_ of the same values stores the same bits).
 template <typename T>
-void store_kv(void* cache, int64_t off, const float* src, int64_t n) {
+void store_kv(void* cache, int64_t off, const float* src, int64_t n, int64_t) {
     T* dst = static_cast<T*>(cache) + off;
     if constexpr (std::is_same_v<T, float>) {
         std::memcpy(dst, src, sizeof(float) * n);
     } else {
         for (int64_t i = 0; i < n; i++) dst[i] = T(src[i]);
     }
+}
+
+// The int8 / int4 cache: `off` in bytes, n floats (kv heads x D) quantized group by group (kv_quantize.h).
+// Rows of D values (heads); those formats rotate each row first (kv_quantize.h), so the step also rotates
+// q before attention and the attention output back (decode_step).
+void store_kv_q8(void* cache, int64_t off, const float* src, int64_t n, int64_t D) {
+    kvlm::kv_quantize_rows(src, n, D, 8, static_cast<uint8_t*>(cache) + off);
+}
+void store_kv_q4(void* cache, int64_t off, const float* src, int64_t n, int64_t D) {
+    kvlm::kv_quantize_rows(src, n, D, 4, static_cast<uint8_t*>(cache) + off);
 }
 
 using kvlm::rmsnorm;
@@ -190,7 +201,8 @@ void run_linear(const KvlmKernels* t, const Linear& lin, const float* x, int64_t
 
 // x (B, hidden) float32: the step's token embeddings. out (B, hidden): final-normed hidden states.
 // positions, slots (B,) int64; block_tables (B, MB) int32; context_lens (B,) int32 (after this token);
-// k_caches/v_caches: per layer (num_blocks, block_size, kv_heads, D) float32, float16 or bfloat16. profile: empty, or a
+// k_caches/v_caches: per layer (num_blocks, block_size, kv_heads, D) float32, float16 or bfloat16, or int8 / int4
+// codes (uint8, last dim D / 32 * 34 or 18; each new token quantized on write). profile: empty, or a
 // float64 (5,) tensor that accumulates seconds in norm/elementwise, matmul, kv write, attention, other.
 void decode_step(int64_t plan_id, const at::Tensor& x, const at::Tensor& positions, const at::Tensor& slots,
                  const at::Tensor& block_tables, const at::Tensor& context_lens, at::TensorList k_caches,
@@ -213,12 +225,19 @@ void decode_step(int64_t plan_id, const at::Tensor& x, const at::Tensor& positio
                 "kvlm decode: one K and one V cache per layer");
     const at::Tensor& kc0 = k_caches[0];
     const at::ScalarType kv_type = kc0.scalar_type();
-    TORCH_CHECK((kv_type == at::kFloat || kv_type == at::kHalf || kv_type == at::kBFloat16) && kc0.dim() == 4 &&
-                    kc0.size(2) == kvh && kc0.size(3) == D,
-                "kvlm decode: caches must be float32, float16 or bfloat16 (num_blocks, block_size, kv_heads, D)");
-    const int kv_dtype = kv_type == at::kFloat ? T_F32 : kv_type == at::kHalf ? T_F16 : T_BF16;
-    const auto store = kv_type == at::kFloat ? store_kv<float> : kv_type == at::kHalf ? store_kv<c10::Half>
-                                                                                   : store_kv<c10::BFloat16>;
+    // row: a head row's length in the cache's elements (D, or the int8 / int4 codes' bytes)
+    const int64_t row_len = kc0.dim() == 4 ? kc0.size(3) : -1;
+    const bool q8 = kv_type == at::kByte && D % 32 == 0 && row_len == D / 32 * 34;
+    const bool q4 = kv_type == at::kByte && D % 32 == 0 && row_len == D / 32 * 18;
+    TORCH_CHECK(((kv_type == at::kFloat || kv_type == at::kHalf || kv_type == at::kBFloat16) && row_len == D || q8 ||
+                 q4) &&
+                    kc0.size(2) == kvh,
+                "kvlm decode: caches must be float32, float16 or bfloat16 (num_blocks, block_size, kv_heads, D) "
+                "or int8 / int4 codes");
+    const int kv_dtype = q8 ? KV_Q8 : q4 ? KV_Q4 : kv_type == at::kFloat ? T_F32 : kv_type == at::kHalf ? T_F16 : T_BF16;
+    const bool rotated = (q8 && kvlm::kv_rotates(8)) || (q4 && kvlm::kv_rotates(4));
+    const auto store = q8 ? store_kv_q8 : q4 ? store_kv_q4 : kv_type == at::kFloat ? store_kv<float>
+                       : kv_type == at::kHalf ? store_kv<c10::Half> : store_kv<c10::BFloat16>;
     const int64_t NB = kc0.size(0), BS = kc0.size(1), MB = block_tables.size(1);
     for (int64_t l = 0; l < L; l++)
         TORCH_CHECK(k_caches[l].is_contiguous() && v_caches[l].is_contiguous() && k_caches[l].sizes() == kc0.sizes() &&
@@ -278,12 +297,16 @@ void decode_step(int64_t plan_id, const at::Tensor& x, const at::Tensor& positio
         void* vc = v_caches[l].mutable_data_ptr();
         for (int64_t b = 0; b < B; b++) {
             const float* row = qkv + b * nqkv;
-            store(kc, slot[b] * kvh * D, row + nh * D, kvh * D);
-            store(vc, slot[b] * kvh * D, row + (nh + kvh) * D, kvh * D);
+            store(kc, slot[b] * kvh * row_len, row + nh * D, kvh * D, D);
+            store(vc, slot[b] * kvh * row_len, row + (nh + kvh) * D, kvh * D, D);
         }
         tm.lap(T_KV_WRITE);
+        if (rotated)  // q H . k H = q . k; the output comes back as (p V) H
+            for (int64_t i = 0; i < B * nh; i++) kvlm::hadamard_row(q + i * D, D);
         TORCH_CHECK(kvlm::paged_attention(t, kv_dtype, q, kc, vc, bt, lens, attn, B, nh, kvh, D, BS, MB, scale),
                     "kvlm decode: attention failed");
+        if (rotated)
+            for (int64_t i = 0; i < B * nh; i++) kvlm::hadamard_row(attn + i * D, D);
         tm.lap(T_ATTENTION);
         run_linear(t, ly.o, attn, B, h, p.act);
         tm.lap(T_MATMUL);

@@ -9,12 +9,16 @@ extern "C" {
 
 // ggml type ids of the formats the kernels read (weights; F32/F16/BF16 also as KV cache element types).
 enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_BF16 = 30 };
+// Quantized KV cache formats (not ggml ids; kernels_attn_quant.h, kvlm/kernels/kv_quant.py): int8 / int4
+// codes with a float16 scale per 32 values, caches (num_blocks, block_size, kv_heads, D / 32 * 34 or 18) bytes.
+enum { KV_Q8 = 1008, KV_Q4 = 1004 };
 
 // One paged attention call over T query rows (kvlm::paged_attention_rows in ops.cpp builds it). Row t
 // is one query token, q (T, H, D) float32, of the sequence whose block table is row seq_ids[t] of
 // block_tables (B, max_blocks) (seq_ids NULL: row t reads table t), attending its first ctx_lens[t]
 // cached tokens; out (T, H, D) float32. Caches (num_blocks, block_size, kv_heads, D) of kv_dtype (ggml
-// ids: 0 float32, 1 float16, 30 bfloat16); D % 16 == 0; query head h uses kv head h / (H / kv_heads).
+// ids: 0 float32, 1 float16, 30 bfloat16; or KV_Q8 / KV_Q4 codes, D % 32 == 0); D % 16 == 0; query head
+// h uses kv head h / (H / kv_heads).
 //
 // Exactness contract: every row is computed as if it were decoded alone with L = ctx_lens[t]: its
 // tokens split into chunks of `chunk` (a multiple of 16) at multiples of `chunk`, each chunk in groups of

@@ -425,7 +425,8 @@ KVLM_INLINE V exp_neg_v(V x) {
 }
 KVLM_INLINE v16 exp_neg(v16 x) { return exp_neg_v<v16, i16v>(x); }
 
-// K/V cache element types: 16 consecutive elements -> 16 floats.
+// K/V cache element types: load(p, e) = elements e .. e + 15 of the head row at p (e % 16 == 0) as 16
+// floats, load8(p, e) elements e .. e + 7 (AVX2, e % 8 == 0); head(D) = a head row's length in T.
 #if defined(KVLM_AVX2)
 // AVX2 works on 8-lane halves where it can (load8: 8 consecutive elements): GCC keeps arrays of v16 (two
 // ymm each) on the stack and moves them through general registers, several times slower.
@@ -437,14 +438,17 @@ KVLM_INLINE v8 splat8(float f) { return (v8){f, f, f, f, f, f, f, f}; }
 
 struct KvF32 {
     typedef float T;
-    KVLM_INLINE v16 load(const T* p) { return ld(p); }
+    static constexpr int64_t head(int64_t D) { return D; }
+    KVLM_INLINE v16 load(const T* p, int64_t e) { return ld(p + e); }
 #if defined(KVLM_AVX2)
-    KVLM_INLINE v8 load8(const T* p) { return ld8(p); }
+    KVLM_INLINE v8 load8(const T* p, int64_t e) { return ld8(p + e); }
 #endif
 };
 struct KvF16 {
     typedef uint16_t T;
-    KVLM_INLINE v16 load(const T* p) {
+    static constexpr int64_t head(int64_t D) { return D; }
+    KVLM_INLINE v16 load(const T* p, int64_t e) {
+        p += e;
 #if defined(KVLM_AVX512)
         return (v16)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
 #elif defined(KVLM_AVX2)
@@ -455,23 +459,30 @@ struct KvF16 {
 #endif
     }
 #if defined(KVLM_AVX2)
-    KVLM_INLINE v8 load8(const T* p) { return (v8)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
+    KVLM_INLINE v8 load8(const T* p, int64_t e) {
+        return (v8)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + e)));
+    }
 #endif
 };
 struct KvBF16 {
     typedef uint16_t T;
-    KVLM_INLINE v16 load(const T* p) {
+    static constexpr int64_t head(int64_t D) { return D; }
+    KVLM_INLINE v16 load(const T* p, int64_t e) {
+        p += e;
         u16v u = __builtin_convertvector(*(const h16u*)p, u16v) << 16;
         v16 r;
         memcpy(&r, &u, sizeof r);
         return r;
     }
 #if defined(KVLM_AVX2)
-    KVLM_INLINE v8 load8(const T* p) {  // the same bits: each u16 widened, shifted into the high half
+    KVLM_INLINE v8 load8(const T* p, int64_t e) {  // the same bits: each u16 widened, shifted into the high half
+        p += e;
         return (v8)_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
     }
 #endif
 };
+
+#include "kernels_attn_quant.h"  // KvQ8, KvQ4: int8 / int4 codes read in place
 
 // Sums of 16 vectors at once: lane t of the result is the sum of the lanes of x[t]. AVX-512: a fixed
 // tree of 15 adds and 30 shuffles (halves, quarters, ...) instead of 16 horizontal sums of ~8 steps each.
@@ -591,7 +602,7 @@ KVLM_INLINE void attn_pair_ptrs(AttnPairs& pr, int64_t D, int64_t CH, int64_t gr
 }
 
 // scores s[i] = scale * q[h] . K[token i, g], lane k % 16 of the dot accumulating in increasing k, then
-// sum16; tokens at or past the row's n masked to -inf. kg = the cache plus g * D.
+// sum16; tokens at or past the row's n masked to -inf. kg = the cache plus g * E::head(D).
 template <class E, int NV, int P>
 KVLM_INLINE void attn_k_pairs(const KvlmPagedAttn* a, const typename E::T* kg, const int64_t* off, AttnPairs& pr,
                               int64_t grp) {
@@ -608,8 +619,8 @@ KVLM_INLINE void attn_k_pairs(const KvlmPagedAttn* a, const typename E::T* kg, c
             for (int i = 0; i < 16; i++) {
                 v8 sl = (v8){}, sh = (v8){};
                 for (int k = 0; k < NV; k++) {
-                    sl += qv[2 * k] * E::load8(kg + off[i] + 16 * k);
-                    sh += qv[2 * k + 1] * E::load8(kg + off[i] + 16 * k + 8);
+                    sl += qv[2 * k] * E::load8(kg + off[i], 16 * k);
+                    sh += qv[2 * k + 1] * E::load8(kg + off[i], 16 * k + 8);
                 }
                 lo[i] = sl;
                 hi[i] = sh;
@@ -630,7 +641,7 @@ KVLM_INLINE void attn_k_pairs(const KvlmPagedAttn* a, const typename E::T* kg, c
             for (int k = 0; k < NV; k++) qv[p][k] = ld(qp[p] + 16 * k);
         for (int i = 0; i < 16; i++) {
             v16 kv[NV ? NV : 1];
-            for (int k = 0; k < NV; k++) kv[k] = E::load(kg + off[i] + 16 * k);
+            for (int k = 0; k < NV; k++) kv[k] = E::load(kg + off[i], 16 * k);
             for (int p = 0; p < P; p++) {
                 v16 s = (v16){};
                 for (int k = 0; k < NV; k++) s += qv[p][k] * kv[k];
@@ -641,7 +652,7 @@ KVLM_INLINE void attn_k_pairs(const KvlmPagedAttn* a, const typename E::T* kg, c
         for (int i = 0; i < 16; i++)
             for (int p = 0; p < P; p++) {
                 v16 s = (v16){};
-                for (int64_t k = 0; k < nv; k++) s += ld(qp[p] + 16 * k) * E::load(kg + off[i] + 16 * k);
+                for (int64_t k = 0; k < nv; k++) s += ld(qp[p] + 16 * k) * E::load(kg + off[i], 16 * k);
                 dots[p][i] = s;
             }
     }
@@ -696,7 +707,7 @@ template <class E, int NV>
 KVLM_INLINE void attn_k_transpose(const typename E::T* kg, const int64_t* off, v16* kt) {
     for (int k = 0; k < NV; k++) {
         v16 rowk[16];
-        for (int i = 0; i < 16; i++) rowk[i] = E::load(kg + off[i] + 16 * k);
+        for (int i = 0; i < 16; i++) rowk[i] = E::load(kg + off[i], 16 * k);
         transpose16(rowk, kt + 16 * k);
     }
 }
@@ -745,7 +756,7 @@ KVLM_INLINE void attn_k_lanes(const KvlmPagedAttn* a, const v16* kt, AttnPairs& 
 #endif
 
 // V pass, one 16-token group against P (row, head) pairs of kv head g: acc[h] += p[i] * V[token i, g] for
-// i < the row's tokens in the group, in token order. vg = the cache plus g * D.
+// i < the row's tokens in the group, in token order. vg = the cache plus g * E::head(D).
 template <class E, int NV, int P>
 KVLM_INLINE void attn_v_pairs(const KvlmPagedAttn* a, const typename E::T* vg, const int64_t* off, AttnPairs& pr,
                               int64_t grp) {
@@ -768,7 +779,7 @@ KVLM_INLINE void attn_v_pairs(const KvlmPagedAttn* a, const typename E::T* vg, c
                 for (int k = 0; k < W; k++) acc[k] = ld8(ap[p] + c + 8 * k);
                 for (int64_t i = 0; i < nt[p]; i++) {
                     const v8 pi = splat8(pp[p][i]);
-                    for (int k = 0; k < W; k++) acc[k] += pi * E::load8(vg + off[i] + c + 8 * k);
+                    for (int k = 0; k < W; k++) acc[k] += pi * E::load8(vg + off[i], c + 8 * k);
                 }
                 for (int k = 0; k < W; k++) st8(ap[p] + c + 8 * k, acc[k]);
             }
@@ -782,7 +793,7 @@ KVLM_INLINE void attn_v_pairs(const KvlmPagedAttn* a, const typename E::T* vg, c
         int64_t i = 0;
         for (; i < ntmin; i++) {  // tokens of every pair: each V row loaded once
             v16 vv[NV ? NV : 1];
-            for (int k = 0; k < NV; k++) vv[k] = E::load(vg + off[i] + 16 * k);
+            for (int k = 0; k < NV; k++) vv[k] = E::load(vg + off[i], 16 * k);
             for (int p = 0; p < P; p++) {
                 const v16 pi = splat(pp[p][i]);
                 for (int k = 0; k < NV; k++) acc[p][k] += pi * vv[k];
@@ -791,7 +802,7 @@ KVLM_INLINE void attn_v_pairs(const KvlmPagedAttn* a, const typename E::T* vg, c
         for (int p = 0; p < P; p++)  // a shorter row's last group ends before the others'
             for (int64_t t = i; t < nt[p]; t++) {
                 const v16 pi = splat(pp[p][t]);
-                for (int k = 0; k < NV; k++) acc[p][k] += pi * E::load(vg + off[t] + 16 * k);
+                for (int k = 0; k < NV; k++) acc[p][k] += pi * E::load(vg + off[t], 16 * k);
             }
         for (int p = 0; p < P; p++)
             for (int k = 0; k < NV; k++) st(ap[p] + 16 * k, acc[p][k]);
@@ -799,7 +810,7 @@ KVLM_INLINE void attn_v_pairs(const KvlmPagedAttn* a, const typename E::T* vg, c
         for (int p = 0; p < P; p++)
             for (int64_t k = 0; k < nv; k++) {
                 v16 r = ld(ap[p] + 16 * k);
-                for (int64_t i = 0; i < nt[p]; i++) r += splat(pp[p][i]) * E::load(vg + off[i] + 16 * k);
+                for (int64_t i = 0; i < nt[p]; i++) r += splat(pp[p][i]) * E::load(vg + off[i], 16 * k);
                 st(ap[p] + 16 * k, r);
             }
     }
@@ -815,7 +826,7 @@ KVLM_INLINE void attn_v_pairs(const KvlmPagedAttn* a, const typename E::T* vg, c
 template <class E, int NV>
 void attn_chunk(const KvlmPagedAttn* a, const int32_t* tab, int64_t t0, AttnRow* rows, int64_t nr) {
     typedef typename E::T T;
-    const int64_t H = a->H, KVH = a->kv_heads, D = a->D, CH = a->chunk, G = H / KVH, row = KVH * D;
+    const int64_t H = a->H, KVH = a->kv_heads, D = a->D, CH = a->chunk, G = H / KVH, row = KVH * E::head(D);
     const int64_t nmax = rows[nr - 1].n, ngrp = (nmax + 15) / 16;
     const T* kc = (const T*)a->k_cache;
     const T* vc = (const T*)a->v_cache;
@@ -832,14 +843,14 @@ void attn_chunk(const KvlmPagedAttn* a, const int32_t* tab, int64_t t0, AttnRow*
             if constexpr (NV != 0) {
                 if (np >= ATTN_LANES_MIN) {
                     v16 kt[16 * (NV ? NV : 1)];
-                    attn_k_transpose<E, NV>(kc + g * D, off, kt);
+                    attn_k_transpose<E, NV>(kc + g * E::head(D), off, kt);
                     for (; u + ATTN_LP <= np; u += ATTN_LP) attn_k_lanes<NV, ATTN_LP>(a, kt, pr, grp);
                     for (; u < np; u++) attn_k_lanes<NV, 1>(a, kt, pr, grp);
                 }
             }
 #endif
-            for (; u + ATTN_KP <= np; u += ATTN_KP) attn_k_pairs<E, NV, ATTN_KP>(a, kc + g * D, off, pr, grp);
-            for (; u < np; u++) attn_k_pairs<E, NV, 1>(a, kc + g * D, off, pr, grp);
+            for (; u + ATTN_KP <= np; u += ATTN_KP) attn_k_pairs<E, NV, ATTN_KP>(a, kc + g * E::head(D), off, pr, grp);
+            for (; u < np; u++) attn_k_pairs<E, NV, 1>(a, kc + g * E::head(D), off, pr, grp);
         }
     }
     // Softmax of the chunk, per row and head: p = exp(s - max) in place, den = sum p (lanes, then one
@@ -902,8 +913,8 @@ void attn_chunk(const KvlmPagedAttn* a, const int32_t* tab, int64_t t0, AttnRow*
         for (int64_t g = 0; g < KVH; g++) {
             AttnPairs pr{rows + j0, g * G, g * G, g * G + G};
             int64_t u = 0;
-            for (; u + ATTN_VP <= np; u += ATTN_VP) attn_v_pairs<E, NV, ATTN_VP>(a, vc + g * D, off, pr, grp);
-            for (; u < np; u++) attn_v_pairs<E, NV, 1>(a, vc + g * D, off, pr, grp);
+            for (; u + ATTN_VP <= np; u += ATTN_VP) attn_v_pairs<E, NV, ATTN_VP>(a, vc + g * E::head(D), off, pr, grp);
+            for (; u < np; u++) attn_v_pairs<E, NV, 1>(a, vc + g * E::head(D), off, pr, grp);
         }
     }
 }
@@ -1003,6 +1014,8 @@ int paged_attn(const KvlmPagedAttn* a, float* scores, int64_t i0, int64_t i1) {
         case T_F32: paged_attn_d<KvF32>(a, scores, i0, i1); return 0;
         case T_F16: paged_attn_d<KvF16>(a, scores, i0, i1); return 0;
         case T_BF16: paged_attn_d<KvBF16>(a, scores, i0, i1); return 0;
+        case KV_Q8: paged_attn_d<KvQ8>(a, scores, i0, i1); return 0;
+        case KV_Q4: paged_attn_d<KvQ4>(a, scores, i0, i1); return 0;
         default: return -1;
     }
 }

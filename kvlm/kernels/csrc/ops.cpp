@@ -105,7 +105,8 @@ bool paged_attention_rows(const KvlmKernels* t, int kv_dtype, const float* q, co
                           const void* v_cache, const int32_t* block_tables, const int32_t* seq_ids,
                           const int32_t* ctx_lens, float* out, int64_t T, int64_t H, int64_t KVH, int64_t D,
                           int64_t BS, int64_t MB, float scale, int64_t window) {
-    if (kv_dtype != T_F32 && kv_dtype != T_F16 && kv_dtype != T_BF16) return false;
+    if (kv_dtype != T_F32 && kv_dtype != T_F16 && kv_dtype != T_BF16 && kv_dtype != KV_Q8 && kv_dtype != KV_Q4)
+        return false;
     if (T == 0) return true;
     thread_local std::vector<int32_t> order, tiles, items, pending;
     thread_local std::vector<int64_t> part_first, item_first, cost, bound;
@@ -284,17 +285,20 @@ void dequantize(const at::Tensor& w, int64_t qtype, int64_t K, int64_t isa, cons
 void check_caches(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& out) {
     TORCH_CHECK(q.scalar_type() == at::kFloat && q.dim() == 3 && q.is_contiguous(), "q must be contiguous float32 (T, H, D)");
     const auto kv_type = k_cache.scalar_type();
-    TORCH_CHECK((kv_type == at::kFloat || kv_type == at::kHalf || kv_type == at::kBFloat16) && k_cache.dim() == 4 &&
-                    k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
+    TORCH_CHECK((kv_type == at::kFloat || kv_type == at::kHalf || kv_type == at::kBFloat16 || kv_type == at::kByte) &&
+                    k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
                     v_cache.scalar_type() == kv_type && v_cache.is_contiguous(),
-                "k/v caches must be contiguous float32, float16 or bfloat16 (num_blocks, block_size, kv_heads, D)");
-    TORCH_CHECK(k_cache.size(3) == q.size(2) && q.size(2) % 16 == 0 && q.size(1) % k_cache.size(2) == 0,
-                "paged attention: inconsistent shapes");
+                "k/v caches must be contiguous float32, float16 or bfloat16 (num_blocks, block_size, kv_heads, D) "
+                "or int8 / int4 codes (uint8, last dim D / 32 * 34 or 18)");
+    const int64_t D = q.size(2), row = k_cache.size(3);  // codes: D / 32 groups of 34 (int8) or 18 (int4) bytes
+    const bool rows_ok = kv_type != at::kByte ? row == D : D % 32 == 0 && (row == D / 32 * 34 || row == D / 32 * 18);
+    TORCH_CHECK(rows_ok && D % 16 == 0 && q.size(1) % k_cache.size(2) == 0, "paged attention: inconsistent shapes");
     TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.sizes() == q.sizes(), "bad out tensor");
 }
 
-int kv_dtype_id(const at::Tensor& k_cache) {  // ggml type ids
+int kv_dtype_id(const at::Tensor& k_cache, int64_t D) {  // ggml type ids, or KV_Q8 / KV_Q4 (uint8 codes)
     const auto kv_type = k_cache.scalar_type();
+    if (kv_type == at::kByte) return k_cache.size(3) == D / 32 * 34 ? KV_Q8 : KV_Q4;
     return kv_type == at::kFloat ? 0 : (kv_type == at::kHalf ? 1 : 30);
 }
 
@@ -327,7 +331,7 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
         max_len[b] = lens[b];
     }
     check_tables(bt, max_len.data(), B, MB, BS, k_cache.size(0));
-    const bool ok = kvlm::paged_attention(table(isa), kv_dtype_id(k_cache), q.const_data_ptr<float>(),
+    const bool ok = kvlm::paged_attention(table(isa), kv_dtype_id(k_cache, D), q.const_data_ptr<float>(),
                                           k_cache.const_data_ptr(), v_cache.const_data_ptr(), bt, lens,
                                           out.mutable_data_ptr<float>(), B, H, KVH, D, BS, MB, static_cast<float>(scale));
     TORCH_CHECK(ok, "kvlm kernels: unsupported KV cache dtype");
@@ -356,7 +360,7 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
         max_len[sid[r]] = std::max<int64_t>(max_len[sid[r]], lens[r]);
     }
     check_tables(bt, max_len.data(), B, MB, BS, k_cache.size(0));
-    const bool ok = kvlm::paged_attention_rows(table(isa), kv_dtype_id(k_cache), q.const_data_ptr<float>(),
+    const bool ok = kvlm::paged_attention_rows(table(isa), kv_dtype_id(k_cache, D), q.const_data_ptr<float>(),
                                                k_cache.const_data_ptr(), v_cache.const_data_ptr(), bt, sid, lens,
                                                out.mutable_data_ptr<float>(), T, H, KVH, D, BS, MB,
                                                static_cast<float>(scale), window);

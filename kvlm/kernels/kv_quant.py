@@ -1,0 +1,196 @@
+"""Quantized K/V formats: int8 and int4 codes with a float16 scale per 32 values along head_dim.
+
+The KV cache stores each token's K or V head row (D floats) as D / 32 groups, one group = 32
+consecutive values of that row:
+
+* `int8` (34 bytes per group, q8_0-like): float16 scale d = amax / 127 (little-endian, bytes 0-1),
+  then 32 int8 codes q_i = round_half_even(x_i * (1 / d)), clamped to [-127, 127]. x_i ~ q_i * d.
+  Error bound: |x_i - q_i d| <= d / 2 + amax * 2^-10 + 2^-18 (half a step, plus the float16 rounding of
+  d, relative and, where d is a float16 subnormal, absolute).
+* `int4` (18 bytes per group, q4_0-like): float16 scale d = m / -8, m the group's signed value of
+  largest magnitude (the positive one on a tie), then 16 bytes: byte j holds code c_j in its low nibble
+  and c_{j+16} in its high nibble, c_i = clamp(round_half_even(x_i * (1 / d)), -8, 7) + 8. x_i ~
+  (c_i - 8) d. So m decodes exactly to -8 d (to d's float16 rounding); the other extreme, -m, is 8 steps
+  away, clamps to 7 and is off by one step. Error bound: |x_i - (c_i - 8) d| <= |d| + amax * 2^-10 + 2^-18.
+
+A zero group (amax = 0, -0.0 included) gets d = 0 and codes 0 (int8) or 8 (int4): it decodes to +0.0.
+Scales saturate at float16's largest value 65504, so values beyond 127 * 65504 (int8) or 8 * 65504
+(int4) are clipped; K/V are orders of magnitude smaller. NaN and inf are not representable.
+
+Both formats quantize Hadamard-rotated rows: a head row x is stored as the codes of x H (H a normalized
+Hadamard matrix, blocks of the largest power of two dividing D: 64 for SmolLM2), which spreads an
+outlier channel over the block so one group's scale no longer has to cover it (llama.cpp does the same
+since 2026, PR #21038). H is orthonormal and symmetric: attention rotates q (q H . k H = q . k) and
+rotates its output back ((p V H) H = p V). The error bounds above hold for the rotated values x H.
+docs/kv_quant.md has the measurements behind the choice.
+
+Why per token and along head_dim (not KIVI's per-channel K): a token's stored codes then depend only on
+that token's K/V, so writing a token is the same whoever else shares the step, a prefix block computed
+by one request is the same bytes for any other, and a recompute stores exactly what the cache holds: the
+engine's equivalences (cache == no cache, alone == batch, chunked == whole, prefix hit == miss) hold bit
+for bit. Grouping across tokens would tie a token's codes to its neighbours'.
+
+Dequantization is one float32 multiply, code * d, the same in this reference and in the native kernel
+(`kernels_attn_quant.h`), so the kernel reading codes in place computes what the float32 kernel computes
+over `dequantize`'s values, bit for bit.
+
+`quantize_ref` is the pure-PyTorch reference of the formats; `quantize` runs the native twin
+(`csrc/kv_quantize.h`, the same bits, also what the fused decode step stores) where it is built.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvlm.kernels import native
+
+GROUP = 32  # values per group along head_dim
+F16_MAX = 65504.0
+
+
+@dataclass(frozen=True, slots=True)
+class KVQuantFormat:
+    """One quantized K/V format: its name (`--kv-cache-dtype`), code bits and the kernel's type id."""
+
+    name: str
+    bits: int
+    type_id: int  # kernels.h: KV_Q8 / KV_Q4
+    rotate: bool = True  # head rows Hadamard-rotated before quantizing (csrc/kv_quantize.h: kv_rotates)
+
+    @property
+    def group_bytes(self) -> int:
+        """Bytes of one group: the float16 scale plus 32 codes."""
+        return 2 + GROUP * self.bits // 8
+
+    @property
+    def bytes_per_value(self) -> float:
+        return self.group_bytes / GROUP
+
+    def row_bytes(self, head_dim: int) -> int:
+        """Bytes of one token's head row of `head_dim` values (head_dim % 32 == 0)."""
+        if head_dim % GROUP:
+            raise ValueError(f"the {self.name} KV cache needs head_dim % {GROUP} == 0, got {head_dim}")
+        return head_dim // GROUP * self.group_bytes
+
+    def __str__(self) -> str:
+        return self.name
+
+
+INT8 = KVQuantFormat("int8", 8, 1008)
+INT4 = KVQuantFormat("int4", 4, 1004)
+FORMATS: dict[str, KVQuantFormat] = {f.name: f for f in (INT8, INT4)}
+
+
+def format_of(cache: torch.Tensor, head_dim: int) -> KVQuantFormat | None:
+    """The format of a (..., row_bytes) uint8 cache holding rows of `head_dim` values, else None (a float cache)."""
+    if cache.dtype != torch.uint8 or head_dim % GROUP:
+        return None
+    for f in FORMATS.values():
+        if cache.shape[-1] == f.row_bytes(head_dim):
+            return f
+    return None
+
+
+def hadamard_ref(x: torch.Tensor) -> torch.Tensor:
+    """x H along the last dimension D: a normalized Hadamard matrix, block-diagonal with blocks of n, the
+    largest power of two dividing D. Per block, butterflies (a, b) -> (a + b, a - b) at strides 1, 2, 4, ...,
+    then times float32(1 / sqrt(n)): exact IEEE operations in a fixed order, the native op's bits. H is
+    symmetric and H H = I, so the same call rotates back (to float32 rounding)."""
+    *lead, D = x.shape
+    n = D & -D
+    y = x.float().reshape(-1, D // n, n)
+    h = 1
+    while h < n:
+        y = y.reshape(y.shape[0], D // n, n // (2 * h), 2, h)
+        a, b = y[..., 0, :], y[..., 1, :]
+        y = torch.stack([a + b, a - b], dim=-2).reshape(-1, D // n, n)
+        h *= 2
+    s = 1.0 / torch.tensor(float(n), dtype=torch.float32).sqrt()
+    return (y * s).reshape(*lead, D)
+
+
+def hadamard(x: torch.Tensor) -> torch.Tensor:
+    """`hadamard_ref`'s result, by the native op where it takes x (CPU float32)."""
+    if x.device.type != "cpu" or x.dtype != torch.float32 or native.active_isa() == "reference":
+        return hadamard_ref(x)
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    native.ops().hadamard(x.contiguous(), out)
+    return out
+
+
+def _scale_and_inverse(d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """d (float32) -> its float16 (saturated; a zero scale is +0.0, so a zero group decodes to +0.0) and
+    the float32 inverse of that (0 where d is 0)."""
+    d16 = torch.where(d == 0, 0.0, d.clamp(-F16_MAX, F16_MAX)).to(torch.float16)
+    df = d16.float()
+    inv = torch.where(df != 0, 1.0 / df, torch.zeros_like(df))
+    return d16, inv
+
+
+def quantize(x: torch.Tensor, fmt: KVQuantFormat) -> torch.Tensor:
+    """x (..., D) float -> (..., D / 32 * group_bytes) uint8, the format's groups in order: the native
+    kernel where it takes x (a CPU float32 tensor), else `quantize_ref`; the same bits either way."""
+    if x.device.type != "cpu" or x.dtype != torch.float32 or native.active_isa() == "reference":
+        return quantize_ref(x, fmt)
+    *lead, D = x.shape
+    if D % GROUP:
+        raise ValueError(f"the {fmt.name} KV cache needs head_dim % {GROUP} == 0, got {D}")
+    out = torch.empty(*lead, D // GROUP * fmt.group_bytes, dtype=torch.uint8)
+    native.ops().kv_quantize(x.contiguous(), fmt.bits, out)
+    return out
+
+
+def quantize_ref(x: torch.Tensor, fmt: KVQuantFormat) -> torch.Tensor:
+    """x (..., D) float -> (..., D / 32 * group_bytes) uint8, the format's groups in order (pure PyTorch);
+    rotated first where the format rotates."""
+    *lead, D = x.shape
+    if D % GROUP:
+        raise ValueError(f"the {fmt.name} KV cache needs head_dim % {GROUP} == 0, got {D}")
+    if fmt.rotate:
+        x = hadamard_ref(x)
+    g = x.float().reshape(*lead, D // GROUP, GROUP)  # (..., G, 32)
+    if fmt.bits == 8:
+        d16, inv = _scale_and_inverse(g.abs().amax(-1, keepdim=True) / 127.0)
+        codes = torch.round(g * inv).clamp(-127, 127).to(torch.int8).view(torch.uint8)  # (..., G, 32)
+    else:
+        hi, lo = g.amax(-1, keepdim=True), g.amin(-1, keepdim=True)
+        m = torch.where(hi >= -lo, hi, lo)  # signed value of largest magnitude, the positive one on a tie
+        d16, inv = _scale_and_inverse(m / -8.0)
+        c = (torch.round(g * inv).clamp(-8, 7) + 8).to(torch.uint8)  # (..., G, 32) in 0..15
+        codes = c[..., :16] | (c[..., 16:] << 4)  # byte j: value j low, value j + 16 high
+    scale = d16.view(torch.uint8)  # (..., G, 2), little-endian float16
+    return torch.cat([scale, codes], dim=-1).reshape(*lead, D // GROUP * fmt.group_bytes)
+
+
+def dequantize(raw: torch.Tensor, fmt: KVQuantFormat, head_dim: int) -> torch.Tensor:
+    """raw (..., row_bytes) uint8 -> (..., head_dim) float32: code * d per value (one float32 multiply), the
+    values the attention kernel reads: still rotated where the format rotates (`unrotated` undoes it)."""
+    *lead, _ = raw.shape
+    g = raw.reshape(*lead, head_dim // GROUP, fmt.group_bytes)
+    d = g[..., :2].contiguous().view(torch.float16).float()  # (..., G, 1)
+    if fmt.bits == 8:
+        q = g[..., 2:].contiguous().view(torch.int8).float()  # (..., G, 32)
+    else:
+        b = g[..., 2:]
+        q = torch.cat([b & 15, b >> 4], dim=-1).float() - 8.0  # values 0..15 then 16..31
+    return (q * d).reshape(*lead, head_dim)
+
+
+def unrotated(values: torch.Tensor, fmt: KVQuantFormat) -> torch.Tensor:
+    """`dequantize`'s values back in the model's basis (x H H = x): what the codes stand for."""
+    return hadamard(values) if fmt.rotate else values
+
+
+def error_bound(x: torch.Tensor, fmt: KVQuantFormat) -> torch.Tensor:
+    """The documented per-value bound on |x' - dequantize(quantize(x))|, x' = x rotated where the format
+    rotates (the values the codes hold; x (..., D), same shape)."""
+    *lead, D = x.shape
+    if fmt.rotate:
+        x = hadamard_ref(x)
+    g = x.float().reshape(*lead, D // GROUP, GROUP)
+    amax = g.abs().amax(-1, keepdim=True)
+    step = amax / (127.0 if fmt.bits == 8 else 8.0)
+    bound = (step / 2 if fmt.bits == 8 else step) + amax * 2.0**-10 + 2.0**-18
+    return bound.expand_as(g).reshape(x.shape)

@@ -1,0 +1,106 @@
+"""`kvlm bench quality` on a tiny model and a text file: teacher forcing through the cache, its streamed
+scoring, the rows and gates it reports, and the CLI's one JSON line.
+
+* `Engine.prompt_logits` yields each scored position once, in order, and the logits equal the model's
+  logits of a whole-prompt run (chunked == whole, bit for bit on the native path).
+* The baseline row has no KLD; a KV format's KLD is >= 0 and its perplexity ratio is reported; with both
+  --dtype values, `auto` is scored against `float32`. float32 against itself would be KLD 0.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from test_bench import cli_json
+from tiny_models import tiny_config, write_tiny_gguf
+
+from kvlm import EngineConfig
+from kvlm.bench import quality
+from kvlm.engine.engine import Engine
+from kvlm.kernels import native
+
+TEXT = "In the beginning God created the heaven and the earth. And the earth was without form, and void. " * 12
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    cfg = tiny_config(head_dim=32, tie_word_embeddings=False)
+    return write_tiny_gguf(tmp_path_factory.mktemp("quality") / "tiny-q8-d32.gguf", cfg, tensor_type="Q8_0")
+
+
+@pytest.fixture(scope="module")
+def text(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    p = tmp_path_factory.mktemp("quality") / "text.txt"
+    p.write_text(TEXT)
+    return p
+
+
+def test_windows() -> None:
+    ids = list(range(100))
+    assert quality.windows(ids, 30, 0) == [ids[0:30], ids[30:60], ids[60:90]]
+    assert quality.windows(ids, 30, 2) == [ids[0:30], ids[30:60]]
+    assert quality.windows(ids, 200, 0) == []
+
+
+@pytest.mark.parametrize("kv", ["float32", "int8"])
+def test_prompt_logits_stream_each_position_once_chunked_equals_whole(model: Path, kv: str) -> None:
+    ids = [(7 * i) % 250 + 3 for i in range(60)]
+    chunked = Engine(model, EngineConfig(kv_cache_dtype=kv, max_num_batched_tokens=8, enable_prefix_caching=False),
+                     quiet=True)
+    parts = list(chunked.prompt_logits(ids, 20))
+    assert [p for p, _ in parts] == sorted(p for p, _ in parts) and parts[0][0] == 20
+    got = torch.cat([lg for _, lg in parts])
+    assert got.shape == (len(ids) - 1 - 20, chunked.model_config.vocab_size)
+    assert not chunked.has_unfinished and chunked.runner.hidden_observer is None
+    whole = Engine(model, EngineConfig(kv_cache_dtype=kv, enable_prefix_caching=False), quiet=True)
+    ref = torch.cat([lg for _, lg in whole.prompt_logits(ids, 20)])
+    if native.active_isa() != "reference":
+        assert torch.equal(got, ref)
+    else:
+        torch.testing.assert_close(got, ref, atol=1e-4, rtol=0)
+
+
+def test_rows_and_gates(model: Path, text: Path) -> None:
+    d = quality.run(str(model), threads=2, context=64, chunks=2, chunk=16, kv_cache_dtypes=("float16", "int8", "int4"),
+                    dtypes=("auto", "float32"), text=str(text))
+    assert d["bench"] == "quality" and d["windows"] == 2 and d["scored_tokens_per_window"] == 31
+    rows = {(r["dtype"], r["kv_cache_dtype"], (r["against"] or {}).get("dtype")): r for r in d["rows"]}
+    assert set(rows) == {("auto", "float32", None), ("float32", "float32", None), ("auto", "float32", "float32")} | {
+        (dt, kv, dt) for dt in ("auto", "float32") for kv in ("float16", "int8", "int4")}
+    for (dt, kv, against), r in rows.items():
+        assert r["tokens"] == 62 and math.isfinite(r["ppl"]) and r["ppl"] > 1
+        if against is None:
+            assert "mean_kld" not in r
+        else:
+            assert r["mean_kld"] >= -1e-9 and r["p99_kld"] >= r["mean_kld"] - 1e-9 and 0 <= r["top1_agreement"] <= 1
+            assert r["ppl_delta"] == pytest.approx(r["ppl"] / rows[(against, "float32", None)]["ppl"] - 1)
+    bpt = {kv: rows[("auto", kv, "auto")]["bytes_per_token"] for kv in ("float16", "int8", "int4")}
+    assert bpt == {"float16": 2 * 2 * 2 * 32 * 2, "int8": 2 * 2 * 2 * 34, "int4": 2 * 2 * 2 * 18}
+    assert set(d["gates"]) == {f"{g} (--dtype {dt})" for g in ("int8_mean_kld_le_1e-3", "int8_ppl_within_0.5%",
+                                                                "int4_ppl_within_3%") for dt in ("auto", "float32")}
+
+
+def test_cli_prints_a_table_and_one_json_line(model: Path, text: Path, tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    png = tmp_path / "q.png"
+    d, table = cli_json(capsys, ["bench", "quality", str(model), "--context", "32", "--chunks", "1", "--chunk", "8",
+                                 "--kv-cache-dtype", "int8", "--dtype", "auto", "--text", str(text),
+                                 "--plot", str(png)])
+    assert d["plot"] == str(png) and png.stat().st_size > 1000
+    assert "int8" in table and "against" in table
+    assert json.loads(json.dumps(d)) == d
+
+
+def test_bad_input(model: Path, text: Path, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="no such file"):
+        quality.run(str(model), text=str(tmp_path / "missing.txt"))
+    short = tmp_path / "short.txt"
+    short.write_text("too short")
+    with pytest.raises(ValueError, match="fewer than one"):
+        quality.run(str(model), context=64, text=str(short), kv_cache_dtypes=("int8",), dtypes=("auto",))
+    with pytest.raises(ValueError, match="even number"):
+        quality.run(str(model), context=63, text=str(text))
