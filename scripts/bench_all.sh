@@ -44,6 +44,9 @@ if [ -n "${LLAMA_PYTHON:-}" ]; then
         "$FIX.Q4_K_M.gguf" "$FIX.Q5_K_M.gguf" "$FIX.Q6_K.gguf" "$FIX.Q8_0.gguf" --threads "$THREADS" \
         --contexts 2048 --repeats 2 --no-reference --no-whole-process --llama-python "$LLAMA_PYTHON"
     sed -i "s|$KH|\$KVLM_HOME|g" docs/results/compare_formats.txt docs/results/compare_formats.stderr.txt
+    # Gemma 3 270M (the second architecture; Q8_0/Q5_0/Q4_K/Q6_K tensors) against llama.cpp on its PyPI file.
+    run compare_gemma3 bench compare gemma3-270m --threads "$THREADS" --contexts 2048 --repeats 2 \
+        --no-reference --no-whole-process --llama-python "$LLAMA_PYTHON"
 fi
 run throughput_kv16 bench throughput "$MODEL" --threads "$THREADS" --baseline-dtype float32 --no-hf \
     --no-sequential --kv-cache-dtype float16
