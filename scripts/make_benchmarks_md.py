@@ -57,8 +57,8 @@ SECTIONS: list[tuple[str, str, str]] = [
      "decode at a long context), then prints one summary line per file. `$KVLM_HOME` stands for the "
      "directory the files were made in. Read the ratios within a file: the files ran one after the "
      "other on a shared machine."),
-    ("compare_gemma3", "Side by side with llama.cpp, Gemma 3 270M",
-     "The second architecture on its PyPI file (`kvlm pull gemma3-270m`: Q8_0 embedding and head, Q5_0, "
+    ("compare_gemma3", "Side by side with llama.cpp, Gemma 3",
+     "The second architecture on its PyPI file (README, Gemma 3: a Q8_0 embedding and head, Q5_0, "
      "Q4_K and Q6_K layers, five sliding-window layers to one full one): the same comparison, every "
      "tensor on kvlm's int8-activation kernels."),
     ("throughput_kv16", "Offline throughput, float16 K/V",
