@@ -35,21 +35,21 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up (T, 2I) -> silu(gate_up[:, :I]) * gate_up[:, I:] (T, I)."""
-    ops = _ops(gate_up)
-    if ops is None or gate_up.dim() != 2 or not gate_up.is_contiguous():
-        return silu_mul_ref(gate_up)
-    out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
-    ops.silu_mul(gate_up, out)
-    return out
+    return _gated(gate_up, "silu_mul", silu_mul_ref)
 
 
 def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up (T, 2I) -> gelu_tanh(gate_up[:, :I]) * gate_up[:, I:] (T, I): Gemma's GeGLU."""
+    return _gated(gate_up, "gelu_tanh_mul", gelu_tanh_mul_ref)
+
+
+def _gated(gate_up: torch.Tensor, op: str, ref) -> torch.Tensor:
+    """The native gated op `op` on contiguous float32 (T, 2I) rows, else its reference."""
     ops = _ops(gate_up)
     if ops is None or gate_up.dim() != 2 or not gate_up.is_contiguous():
-        return gelu_tanh_mul_ref(gate_up)
+        return ref(gate_up)
     out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
-    ops.gelu_tanh_mul(gate_up, out)
+    getattr(ops, op)(gate_up, out)
     return out
 
 

@@ -57,43 +57,44 @@ static inline __attribute__((always_inline)) v16f exp16(v16f x) {
     return y * p;
 }
 
-// silu_mul 16 at a time (the tail through a zero-padded copy).
-// Compiled for AVX-512, AVX2 and the baseline; the loader picks the clone this CPU runs (target_clones).
-__attribute__((target_clones("avx512f", "avx2", "default")))
-void silu_mul(const float* g, const float* u, float* a, int64_t n) {
+// The activations, as always_inline functions (a lambda would be an out-of-line call compiled for the
+// baseline, taking 64-byte vectors from an AVX-512 clone through a different ABI).
+// silu(g) = g / (1 + exp(-g)).
+struct Silu {
+    static inline __attribute__((always_inline)) v16f f(v16f x) { return x / (1.0f + exp16(-x)); }
+};
+// gelu(g) with the tanh approximation, 0.5 g (1 + tanh(v)) for v = sqrt(2 / pi) (g + 0.044715 g^3), written
+// as g / (1 + exp(-2v)) (0.5 (1 + tanh v) is sigmoid(2v)), so it shares exp16 with silu.
+struct GeluTanh {
+    static inline __attribute__((always_inline)) v16f f(v16f x) {
+        const float c = 1.5957691216057308f;  // 2 sqrt(2 / pi)
+        return x / (1.0f + exp16(-c * (x + 0.044715f * x * x * x)));
+    }
+};
+
+// Act::f(g) * u 16 lanes at a time, the tail through a zero-padded copy; inlined into each target clone.
+template <class Act>
+static inline __attribute__((always_inline)) void gated_mul(const float* g, const float* u, float* a, int64_t n) {
     int64_t i = 0;
     for (; i + 16 <= n; i += 16) {
         const v16f gv = *(const v16fu*)(g + i), uv = *(const v16fu*)(u + i);
-        *(v16fu*)(a + i) = gv / (1.0f + exp16(-gv)) * uv;
+        *(v16fu*)(a + i) = Act::f(gv) * uv;
     }
     if (i < n) {
         v16f gv = {}, uv = {};
         std::memcpy(&gv, g + i, sizeof(float) * (n - i));
         std::memcpy(&uv, u + i, sizeof(float) * (n - i));
-        const v16f av = gv / (1.0f + exp16(-gv)) * uv;
+        const v16f av = Act::f(gv) * uv;
         std::memcpy(a + i, &av, sizeof(float) * (n - i));
     }
 }
 
-// gelu_tanh_mul 16 at a time: gelu(g) with the tanh approximation, 0.5 g (1 + tanh(u)) for
-// u = sqrt(2 / pi) (g + 0.044715 g^3), written as g / (1 + exp(-2u)) (0.5 (1 + tanh u) is sigmoid(2u)),
-// so it shares exp16 with silu_mul. The tail goes through a zero-padded copy.
+// Compiled for AVX-512, AVX2 and the baseline; the loader picks the clone this CPU runs (target_clones).
 __attribute__((target_clones("avx512f", "avx2", "default")))
-void gelu_tanh_mul(const float* g, const float* u, float* a, int64_t n) {
-    const float c = 1.5957691216057308f;  // 2 sqrt(2 / pi)
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16) {
-        const v16f gv = *(const v16fu*)(g + i), uv = *(const v16fu*)(u + i);
-        *(v16fu*)(a + i) = gv / (1.0f + exp16(-c * (gv + 0.044715f * gv * gv * gv))) * uv;
-    }
-    if (i < n) {
-        v16f gv = {}, uv = {};
-        std::memcpy(&gv, g + i, sizeof(float) * (n - i));
-        std::memcpy(&uv, u + i, sizeof(float) * (n - i));
-        const v16f av = gv / (1.0f + exp16(-c * (gv + 0.044715f * gv * gv * gv))) * uv;
-        std::memcpy(a + i, &av, sizeof(float) * (n - i));
-    }
-}
+void silu_mul(const float* g, const float* u, float* a, int64_t n) { gated_mul<Silu>(g, u, a, n); }
+
+__attribute__((target_clones("avx512f", "avx2", "default")))
+void gelu_tanh_mul(const float* g, const float* u, float* a, int64_t n) { gated_mul<GeluTanh>(g, u, a, n); }
 
 }  // namespace kvlm
 
@@ -124,28 +125,24 @@ void rms_norm_op(const at::Tensor& x, const at::Tensor& w, double eps, const at:
                 static_cast<float>(eps));
 }
 
-// out (T, I) = silu(gu[:, :I]) * gu[:, I:] for gu (T, 2I).
-void silu_mul_op(const at::Tensor& gu, const at::Tensor& out) {
+// out (T, I) = f(gu[:, :I], gu[:, I:]) row by row for gu (T, 2I): f is silu_mul or gelu_tanh_mul.
+void gated_op(const at::Tensor& gu, const at::Tensor& out, void (*f)(const float*, const float*, float*, int64_t),
+              const char* name) {
     const int64_t I = out.size(1);
-    check_f32_rows(gu, 2 * I, "silu_mul gu");
-    check_f32_rows(out, I, "silu_mul out");
-    TORCH_CHECK(out.size(0) == gu.size(0), "kvlm silu_mul: out rows differ");
+    check_f32_rows(gu, 2 * I, name);
+    check_f32_rows(out, I, name);
+    TORCH_CHECK(out.size(0) == gu.size(0), "kvlm ", name, ": out rows differ");
     for (int64_t r = 0; r < gu.size(0); r++) {
         const float* g = gu.const_data_ptr<float>() + r * gu.stride(0);
-        silu_mul(g, g + I, out.mutable_data_ptr<float>() + r * out.stride(0), I);
+        f(g, g + I, out.mutable_data_ptr<float>() + r * out.stride(0), I);
     }
 }
 
-// out (T, I) = gelu_tanh(gu[:, :I]) * gu[:, I:] for gu (T, 2I) (Gemma's GeGLU).
+void silu_mul_op(const at::Tensor& gu, const at::Tensor& out) { gated_op(gu, out, silu_mul, "silu_mul"); }
+
+// Gemma's GeGLU.
 void gelu_tanh_mul_op(const at::Tensor& gu, const at::Tensor& out) {
-    const int64_t I = out.size(1);
-    check_f32_rows(gu, 2 * I, "gelu_tanh_mul gu");
-    check_f32_rows(out, I, "gelu_tanh_mul out");
-    TORCH_CHECK(out.size(0) == gu.size(0), "kvlm gelu_tanh_mul: out rows differ");
-    for (int64_t r = 0; r < gu.size(0); r++) {
-        const float* g = gu.const_data_ptr<float>() + r * gu.stride(0);
-        gelu_tanh_mul(g, g + I, out.mutable_data_ptr<float>() + r * out.stride(0), I);
-    }
+    gated_op(gu, out, gelu_tanh_mul, "gelu_tanh_mul");
 }
 
 // out (T, H, D) = RoPE of x (T, H, D) (any row stride, heads D apart) with cos, sin (T, D) per token.
