@@ -61,11 +61,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     receives the result."""
     if window < 0:
         raise ValueError(f"window must be >= 0 (0: no sliding window), got {window}")
-    if window:
-        return _call("paged_attention", paged_attention_ref, q, k_cache, v_cache, out, scale,
-                     block_tables, seq_ids, ctx_lens, window=window)
     return _call("paged_attention", paged_attention_ref, q, k_cache, v_cache, out, scale,
-                 block_tables, seq_ids, ctx_lens)
+                 block_tables, seq_ids, ctx_lens, window=window)
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
