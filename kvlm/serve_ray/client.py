@@ -26,7 +26,7 @@ from kvlm.outputs import StreamDelta
 from kvlm.sampling_params import SamplingParams
 from kvlm.serve_ray.records import RemoteRequest, ReplicaInfo, raise_record
 from kvlm.serve_ray.routing import RouteHint, RoutingBook, short_hashes
-from kvlm.server.async_engine import EngineLoad, QueueFullError
+from kvlm.server.async_engine import DeltaStream, EngineLoad, QueueFullError
 from kvlm.server.protocol import APIError
 
 log = logging.getLogger("kvlm.server")
@@ -119,7 +119,7 @@ class ReplicaClient:
         return short_hashes(prefix_block_hashes(self.info.root_hash, ids, self.info.block_size))
 
 
-class ReplicaSubmission:
+class ReplicaSubmission(DeltaStream):
     """One API call's engine requests on the replicas: iterate for (choice index, delta); `close()` aborts."""
 
     def __init__(self, client: ReplicaClient, specs: list[tuple[list[int], SamplingParams, str]],
@@ -136,21 +136,6 @@ class ReplicaSubmission:
 
     async def started(self) -> None:
         await asyncio.gather(*self._accepted)
-
-    def __aiter__(self) -> ReplicaSubmission:
-        return self
-
-    async def __anext__(self) -> tuple[int, StreamDelta]:
-        if not self._open:
-            raise StopAsyncIteration
-        item = await self._queue.get()
-        if isinstance(item, BaseException):
-            self._open.clear()
-            raise item
-        index, delta = item
-        if delta.finished:
-            self._open.discard(delta.request_id)
-        return index, delta
 
     def close(self) -> None:
         for t in self._tasks:

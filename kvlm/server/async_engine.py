@@ -290,17 +290,14 @@ class AsyncEngine:
                 self._set_future(msg.future, err)
 
 
-class Submission:
-    """The requests of one API call in flight: iterate for (choice index, delta); `close()` aborts the
-    ones not finished yet (idempotent; call it in a `finally`)."""
+class DeltaStream:
+    """Iterating one API call's deltas: (choice index, delta) items, or an exception, from `self._queue`,
+    until every request id in `self._open` has finished. `Submission` here and the replicas' one share it."""
 
-    def __init__(self, engine: AsyncEngine, request_ids: list[str], q: asyncio.Queue) -> None:
-        self._engine, self._queue = engine, q
-        self.request_ids = request_ids
-        self.requests: list[Request] = []  # read-only here; the loop thread owns them until they finish
-        self._open = set(request_ids)
+    _queue: asyncio.Queue
+    _open: set[str]
 
-    def __aiter__(self) -> Submission:
+    def __aiter__(self) -> DeltaStream:
         return self
 
     async def __anext__(self) -> tuple[int, StreamDelta]:
@@ -314,6 +311,17 @@ class Submission:
         if delta.finished:
             self._open.discard(delta.request_id)
         return index, delta
+
+
+class Submission(DeltaStream):
+    """The requests of one API call in flight: iterate for (choice index, delta); `close()` aborts the
+    ones not finished yet (idempotent; call it in a `finally`)."""
+
+    def __init__(self, engine: AsyncEngine, request_ids: list[str], q: asyncio.Queue) -> None:
+        self._engine, self._queue = engine, q
+        self.request_ids = request_ids
+        self.requests: list[Request] = []  # read-only here; the loop thread owns them until they finish
+        self._open = set(request_ids)
 
     def close(self) -> None:
         for rid in self._open:
