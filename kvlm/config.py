@@ -197,6 +197,10 @@ class EngineConfig:
     kv_cache_memory: int | float | None = None
     num_threads: int | None = None
     enable_prefix_caching: bool = True  # share cached full blocks across requests (paged layout only)
+    # A bounded KV cache for every request (kv_policy.py; None: unbounded, a request ends at the context):
+    # keep the first sink_tokens tokens and the most recent ones, at most max_kv_tokens. Per request too.
+    max_kv_tokens: int | None = None
+    sink_tokens: int = 4
     # CPU: run on the cores other processes leave free, re-checked every half second (engine/threads.py)
     adaptive_threads: bool = True
 
@@ -221,6 +225,10 @@ class EngineConfig:
                 raise bad(name, "must be " + ", ".join(names[:-1]) + " or " + names[-1])
         if self.kv_cache_layout not in ("paged", "contiguous"):
             raise bad("kv_cache_layout", "must be 'paged' or 'contiguous'")
+        if self.max_kv_tokens is not None and (not is_int(self.max_kv_tokens) or self.max_kv_tokens < 1):
+            raise bad("max_kv_tokens", "must be a positive integer or None")
+        if not is_int(self.sink_tokens) or self.sink_tokens < 0:
+            raise bad("sink_tokens", "must be an integer >= 0")
         for name in ("enable_kv_cache", "adaptive_threads"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "must be true or false")

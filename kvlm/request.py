@@ -18,6 +18,7 @@ from kvlm.sampling_params import SamplingParams
 if TYPE_CHECKING:
     import torch
 
+    from kvlm.kv_policy import BoundedKV
     from kvlm.structured.matcher import RequestGrammar
     from kvlm.tokenizer.detokenizer import IncrementalDetokenizer
 
@@ -44,6 +45,7 @@ class RequestMetrics:
     num_computed_tokens: int = 0  # all tokens whose K/V this request computed (prefill, decode, recompute)
     num_generated_tokens: int = 0
     num_preemptions: int = 0
+    num_evicted_tokens: int = 0  # tokens whose K/V a bounded cache dropped (sinks + window), counted once
     blocks_held: int = 0  # at the last step it ran
     kv_bytes_held: int = 0  # bytes of the blocks held
     kv_bytes_used: int = 0  # bytes of those blocks actually filled (held - used = paging waste)
@@ -77,6 +79,7 @@ class RequestMetrics:
             "ttft_s": self.ttft,
             "decode_tokens_per_s": self.decode_tokens_per_s,
             "preemptions": self.num_preemptions,
+            "kv_evicted_tokens": self.num_evicted_tokens,
             "kv_blocks_held": self.blocks_held,
             "kv_blocks_shared": self.blocks_shared,
             "kv_bytes_held": self.kv_bytes_held,
@@ -107,6 +110,13 @@ class Request:
     detokenizer: IncrementalDetokenizer | None = None
     generator: torch.Generator | None = None
     grammar: RequestGrammar | None = None  # with params.structured_outputs: its compile, then its matcher
+    # A bounded cache (kv_policy.py): its policy; evicted blocks are -1 in block_table, blocks
+    # [sink_blocks, evicted_upto) of it; the sinks' keys as first computed (layers, num_sinks, kv_heads, D)
+    # float, kept to re-rotate them from at each eviction, and the shift they carry now.
+    kv_policy: BoundedKV | None = None
+    evicted_upto: int = 0
+    sink_keys: torch.Tensor | None = None
+    sink_shift: int = 0
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
 
     @property
@@ -124,6 +134,10 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    def reset_bounded_state(self) -> None:
+        """Forget what eviction did (the request holds no blocks: preempted, to be recomputed from 0)."""
+        self.evicted_upto, self.sink_keys, self.sink_shift = 0, None, 0
 
     @property
     def grammar_ready(self) -> bool:

@@ -108,6 +108,10 @@ class SamplingParams:
     strings or a Lark/GBNF grammar (`StructuredOutputsParams`); EOS is allowed only where the grammar
     accepts. It cannot be combined with min_tokens or ignore_eos (either could forbid the only token the
     grammar allows).
+    max_kv_tokens, sink_tokens: a bounded KV cache for this request (None: the engine's setting): keep
+    the first sink_tokens tokens and the most recent ones, at most max_kv_tokens, so a chat or a
+    generation runs past the context with flat memory (`kvlm.kv_policy`); max_tokens None then means up
+    to the context length of new tokens.
     """
 
     n: int = 1
@@ -130,6 +134,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit (OpenAI), in [-100, 100]
     structured_outputs: StructuredOutputsParams | None = None  # a grammar the output must follow
+    max_kv_tokens: int | None = None  # a bounded cache: at most this many tokens' K/V kept
+    sink_tokens: int | None = None  # with max_kv_tokens: leading tokens always kept (None: the engine's, 4)
     stop_strings: tuple[str, ...] = field(init=False, default=())
 
     def __post_init__(self) -> None:
@@ -161,6 +167,8 @@ class SamplingParams:
         integer("max_tokens", "must be a positive integer or None", lambda v: v >= 1, optional=True)
         integer("min_tokens", "must be an integer in [0, max_tokens]",
                 lambda v: 0 <= v and (self.max_tokens is None or v <= self.max_tokens))
+        integer("max_kv_tokens", "must be a positive integer or None", lambda v: v >= 1, optional=True)
+        integer("sink_tokens", "must be an integer >= 0 or None", lambda v: v >= 0, optional=True)
         integer("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}] or None",
                 lambda v: 0 <= v <= MAX_LOGPROBS, optional=True)
         integer("prompt_logprobs", f"must be an integer in [0, {MAX_LOGPROBS}] or None",

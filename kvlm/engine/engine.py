@@ -28,10 +28,12 @@ from kvlm.engine.threads import ThreadGovernor
 from kvlm.errors import ParameterError, PromptTooLongError
 from kvlm.kernels.kv_quant import FORMATS, GROUP, KVQuantFormat
 from kvlm.kv_cache import snapshot as kv_snapshot
+from kvlm.kv_cache.block_manager import EVICTED
 from kvlm.kv_cache.pool import describe_kv_pool, make_kv_cache
 from kvlm.kv_cache.prefix_misses import PrefixHistory
 from kvlm.kv_cache.snapshot import SnapshotInfo, cached_prefix_blocks, snapshot_header
 from kvlm.kv_cache.storage import KVCache, KVElement, NoKVCache
+from kvlm.kv_policy import BoundedKV
 from kvlm.loader import resolve_model
 from kvlm.loader.build import load_model
 from kvlm.loader.fingerprint import model_files, model_fingerprint
@@ -97,6 +99,7 @@ class Engine:
         self.runner = ModelRunner(self.model, self.kv_cache, self.device, self.tokenizer.eos_token_ids)
         self.output_processor = OutputProcessor(self.tokenizer.eos_token_ids, self.max_model_len)
         self.requests: dict[str, Request] = {}  # live requests by id, for abort()
+        self.kv_policy(SamplingParams())  # a bad engine-wide --max-kv-tokens fails at start, not per request
         # structured_outputs: compiled in a worker thread, cached per grammar (nothing built until first use)
         self.grammars = GrammarCompiler(self.tokenizer, model_config.vocab_size)
         self._ids = itertools.count()
@@ -163,7 +166,8 @@ class Engine:
         if any(t >= vocab for t in params.logit_bias or ()):
             raise ParameterError("logit_bias", f"logit_bias token ids must be in [0, {vocab}) (the vocabulary), "
                                  f"got {max(params.logit_bias or ())}")
-        if len(ids) >= self.max_model_len:
+        policy = self.kv_policy(params)
+        if policy is None and len(ids) >= self.max_model_len:
             raise PromptTooLongError(
                 f"prompt has {len(ids)} tokens; the context holds {self.max_model_len} "
                 "(room for at least one output token is needed)"
@@ -172,13 +176,13 @@ class Engine:
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is already in use")
         want = len(ids) + (params.max_tokens or self.max_model_len - len(ids))
-        need = min(want, self.max_model_len)
+        need = min(want, self.max_model_len) if policy is None else min(want, policy.max_tokens + policy.block_size)
         if self.block_manager.blocks_for(need) > self.block_manager.num_blocks:
             raise PromptTooLongError(
                 f"request needs {need} tokens of KV cache but the whole pool holds "
                 f"{self.block_manager.num_blocks * self.block_manager.block_size}"
             )
-        req = Request(rid, ids, len(ids), params, prompt=text)
+        req = Request(rid, ids, len(ids), params, prompt=text, kv_policy=policy)
         req.metrics.num_prompt_tokens = len(ids)
         req.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens)
         if params.structured_outputs is not None:
@@ -193,6 +197,18 @@ class Engine:
         self.requests[rid] = req
         self.scheduler.add(req)
         return req
+
+    def kv_policy(self, params: SamplingParams) -> BoundedKV | None:
+        """The bounded-cache policy of a request with `params` (its own, else the engine's; None: unbounded)."""
+        cfg = self.config
+        n = params.max_kv_tokens if params.max_kv_tokens is not None else cfg.max_kv_tokens
+        if n is None:
+            return None
+        if not cfg.enable_kv_cache or cfg.kv_cache_layout != "paged":
+            raise ParameterError("max_kv_tokens", "max_kv_tokens (a bounded KV cache) needs the paged KV cache; "
+                                 "drop --no-kv-cache / --kv-cache-layout contiguous")
+        sinks = params.sink_tokens if params.sink_tokens is not None else cfg.sink_tokens
+        return BoundedKV.make(n, sinks, self.block_manager.block_size, self.max_model_len)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its blocks; False if it is unknown or already finished."""
@@ -306,11 +322,13 @@ class Engine:
             m.num_computed_tokens += n
             req.num_computed_tokens += n
             bm.cache_full_blocks(req)  # newly full blocks become reusable (no-op without prefix caching)
-            m.blocks_held = len(req.block_table)
+            m.blocks_held = len(req.block_table) - req.block_table.count(EVICTED)
             if bm.enable_prefix_caching:
-                m.blocks_shared = sum(1 for b in req.block_table if bm.ref_counts[b] > 1)
+                m.blocks_shared = sum(1 for b in req.block_table if b != EVICTED and bm.ref_counts[b] > 1)
             m.kv_bytes_held = m.blocks_held * bs * bpt if self.config.enable_kv_cache else 0
-            m.kv_bytes_used = req.num_computed_tokens * bpt if self.config.enable_kv_cache else 0
+            kept = req.num_computed_tokens if req.kv_policy is None else min(
+                req.num_computed_tokens, req.kv_policy.attended(req.num_computed_tokens - 1))
+            m.kv_bytes_used = kept * bpt if self.config.enable_kv_cache else 0
             if not self.config.enable_kv_cache:
                 req.num_computed_tokens = 0  # nothing is kept: the next step recomputes everything
         deltas = []

@@ -51,13 +51,15 @@ class _StepRows:
     slots: list[int]
     query_lens: list[int]
     seq_lens: list[int]
-    tables: list[list[int]]  # block tables padded with 0 to the longest
+    tables: list[list[int]]  # block tables padded with 0 to the longest (what attention reads)
+    shifts: list[int]  # per request: its rows' position minus their index in what attention reads
     logits_rows: list[int]  # rows that end their sequence: those requests sample a token
     samplers: list[Request]
 
     @classmethod
     def collect(cls, batch: ScheduledBatch, block_size: int) -> _StepRows:
-        r = cls(list(batch.requests), [], [], [], [], [], [], [], [], [])
+        r = cls(list(batch.requests), [], [], [], [], [], [], [], [], [], [])
+        tables = []
         for req, n in zip(batch.requests, batch.num_new_tokens):
             start = req.num_computed_tokens
             r.starts.append(start)
@@ -66,12 +68,20 @@ class _StepRows:
             bt = req.block_table
             r.slots.extend(bt[p // block_size] * block_size + p % block_size for p in range(start, start + n))
             r.query_lens.append(n)
-            r.seq_lens.append(start + n)
+            policy = req.kv_policy
+            if policy is None:
+                r.seq_lens.append(start + n)
+                r.shifts.append(0)
+                tables.append(bt)
+            else:  # a bounded cache: attention reads [sinks | kept], one table for the step's rows
+                r.seq_lens.append(policy.attended(start + n - 1))
+                r.shifts.append(policy.ctx_shift(start))
+                tables.append(policy.virtual_table(bt, start))
             if start + n == req.num_tokens:  # this chunk reaches the end: the request gets a token
                 r.logits_rows.append(len(r.ids) - 1)
                 r.samplers.append(req)
-        max_blocks = max(len(req.block_table) for req in batch.requests)
-        r.tables = [req.block_table + [0] * (max_blocks - len(req.block_table)) for req in batch.requests]
+        max_blocks = max(len(t) for t in tables)
+        r.tables = [t + [0] * (max_blocks - len(t)) for t in tables]
         return r
 
 
@@ -161,6 +171,8 @@ class ModelRunner:
             qlens = torch.tensor(rows.query_lens, device=dev)
             row_seq = torch.repeat_interleave(torch.arange(len(rows.query_lens), dtype=torch.int32, device=dev), qlens)
             row_ctx = (positions + 1).to(torch.int32)  # causal: row at position p attends p + 1 tokens
+            if any(rows.shifts):  # bounded caches: p + 1 - shift tokens of [sinks | kept]
+                row_ctx -= torch.repeat_interleave(torch.tensor(rows.shifts, dtype=torch.int32, device=dev), qlens)
         return AttentionMetadata(
             kind=kind,
             positions=positions,
@@ -196,10 +208,15 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, keep_logits: bool = False) -> StepResult:
         input_ids, meta, samplers = self.prepare(batch)
+        if batch.block_copies or batch.sink_moves:
+            self._move_sinks(batch)
         self.num_tokens_processed += len(input_ids)
         # A chunk of q tokens ending at sequence length s has contexts s-q+1 .. s.
         self.num_context_tokens += sum(q * s - q * (q - 1) // 2 for q, s in zip(meta.query_lens, meta.seq_lens))
-        if self.fused is not None and meta.in_place and meta.kind is StepKind.DECODE:
+        fused = self.fused is not None and meta.in_place and meta.kind is StepKind.DECODE
+        if fused and int(meta.positions.max()) >= self.model.max_positions:
+            fused = False  # past the RoPE table (a bounded cache): the module path computes those rows
+        if fused:
             hidden = self.fused(input_ids, meta, self.kv_cache)  # (B, hidden), all layers in one native call
         else:
             hidden = self.model(input_ids, meta.positions, self.kv_cache, meta)  # (T, hidden)
@@ -215,6 +232,21 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[meta.logits_indices])  # (N, vocab) float32
         out = sample(logits, samplers, self.eos_token_ids)
         return StepResult(samplers, out.token_ids, out.logprobs, logits if keep_logits else None)
+
+    def _move_sinks(self, batch: ScheduledBatch) -> None:
+        """Bounded caches, before the step: copy blocks into their private copies, then give each moved
+        request's sink keys their new shift, rotated from the keys first computed (kv_policy.py)."""
+        cache = self.kv_cache
+        assert isinstance(cache, PagedKVCache), "bounded caches need the paged layout"
+        if batch.block_copies:
+            cache.copy_blocks(batch.block_copies)
+        for req in batch.sink_moves:
+            assert req.kv_policy is not None
+            blocks = req.block_table[: req.kv_policy.sink_blocks]
+            if req.sink_keys is None:
+                req.sink_keys = cache.read_keys(blocks)  # (layers, num_sinks, kv_heads, D), as first computed
+            for layer in range(req.sink_keys.shape[0]):
+                cache.write_keys(layer, blocks, self.model.shift_keys(layer, req.sink_keys[layer], req.sink_shift))
 
     def _prompt_logprobs(self, batch: ScheduledBatch, hidden: torch.Tensor) -> None:
         """Append to `req.prompt_logprobs` the log-probabilities of the prompt tokens this chunk predicts.

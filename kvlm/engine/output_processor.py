@@ -42,9 +42,11 @@ class OutputProcessor:
             req.finish_reason, req.stop_reason = "stop", token
         elif req.detokenizer is not None:
             self._add_text(req, req.detokenizer.push(token), can_stop)  # may stop on a stop string
-        if req.finish_reason is None and (
-            (p.max_tokens is not None and n_out >= p.max_tokens) or req.num_tokens >= self.max_model_len
-        ):
+        # The context ends a request, unless its cache is bounded (then max_tokens None means up to a
+        # context's worth of new tokens).
+        full = req.num_tokens >= self.max_model_len if req.kv_policy is None else (
+            p.max_tokens is None and n_out >= self.max_model_len)
+        if req.finish_reason is None and ((p.max_tokens is not None and n_out >= p.max_tokens) or full):
             req.finish_reason = "length"
         if req.finish_reason is not None:
             # Finished: everything held back is final. After a stop string the rest is discarded;

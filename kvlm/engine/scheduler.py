@@ -13,6 +13,11 @@ leading tokens (`BlockManager.find_cached_prefix`), starts with those tokens com
 only for the rest (at least its last token, so it has logits to sample from). A request asking for
 prompt logprobs takes no cached prefix: it needs logits at every prompt position. A request preempted
 and resumed looks up the cache again, so its own released blocks usually come straight back.
+
+Bounded caches (`kv_policy.BoundedKV`): before a running request's step, the blocks its window has left
+go back to the pool (`BlockManager.evict`); at the first eviction its sink blocks are swapped for private
+copies, and whenever the window moves the runner re-rotates their keys (`ScheduledBatch.block_copies`,
+`sink_moves`). A step's rows of such a request never straddle a move of the window (`chunk_limit`).
 """
 
 from __future__ import annotations
@@ -36,6 +41,10 @@ class ScheduledBatch:
     requests: list[Request] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    # Bounded caches: (source, destination) blocks whose K/V the runner copies before the step, and the
+    # requests whose sink keys it re-rotates to their `sink_shift` before the step.
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    sink_moves: list[Request] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -70,7 +79,32 @@ class Scheduler:
 
     def _wanted(self, req: Request, budget: int) -> int:
         remaining = req.num_tokens - req.num_computed_tokens
-        return remaining if self.recompute_all else min(remaining, budget)
+        n = remaining if self.recompute_all else min(remaining, budget)
+        return n if req.kv_policy is None else req.kv_policy.chunk_limit(req.num_computed_tokens, n)
+
+    def _evict(self, req: Request) -> int:
+        """Give back the blocks a bounded request's window has left before its next rows; returns the
+        blocks it needs besides (private copies of its sinks, at its first eviction)."""
+        policy, p = req.kv_policy, req.num_computed_tokens
+        assert policy is not None
+        upto = policy.evict_upto(p)
+        if upto <= req.evicted_upto:
+            return 0
+        first = req.evicted_upto == 0
+        self.bm.evict(req, upto)
+        req.metrics.num_evicted_tokens = max(req.metrics.num_evicted_tokens, policy.kept_start(p) - policy.num_sinks)
+        return policy.sink_blocks if first else 0
+
+    def _move_sinks(self, req: Request, batch: ScheduledBatch, extra: int) -> None:
+        """After allocation: the private sink copies (first eviction) and their new shift."""
+        policy = req.kv_policy
+        assert policy is not None
+        for i in range(extra):
+            batch.block_copies.append(self.bm.make_private(req, i))
+        shift = policy.ctx_shift(req.num_computed_tokens)
+        if policy.sink_blocks and shift != req.sink_shift:
+            req.sink_shift = shift
+            batch.sink_moves.append(req)
 
     def schedule(self) -> ScheduledBatch:
         budget = self.max_num_batched_tokens
@@ -82,7 +116,8 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
             n = self._wanted(req, budget)
-            while not self.bm.can_allocate(req, req.num_computed_tokens + n):
+            extra = self._evict(req) if req.kv_policy is not None else 0
+            while not self.bm.can_allocate(req, req.num_computed_tokens + n, extra=extra):
                 victim = self.running[-1]
                 self._preempt(victim)
                 batch.preempted.append(victim)
@@ -91,6 +126,8 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING:
                 continue
             self.bm.allocate(req, req.num_computed_tokens + n)
+            if req.kv_policy is not None:
+                self._move_sinks(req, batch, extra)
             batch.requests.append(req)
             batch.num_new_tokens.append(n)
             budget -= n
@@ -143,6 +180,8 @@ class Scheduler:
     def _new_full_blocks(self, req: Request, n: int) -> list[bytes]:
         bs = self.bm.block_size
         first, end = req.num_computed_tokens // bs, (req.num_computed_tokens + n) // bs
+        if req.kv_policy is not None:
+            end = min(end, req.kv_policy.max_tokens // bs)  # nothing past it is ever registered
         return self.bm.block_hashes(req, end)[first:end] if req.params.prompt_logprobs is None else []
 
     def _first_admission(self, req: Request) -> None:

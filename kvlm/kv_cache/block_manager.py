@@ -20,7 +20,13 @@ Life cycle of a block:
     cached-free --the pool needs a block and no plain free block is left--> evicted: hash forgotten
 
 Only full blocks get a hash, and a request only ever writes into blocks past its cached prefix, so no
-request writes into a block another one reads. Invariants (checked by `check()` and the tests):
+request writes into a block another one reads.
+
+Bounded caches (`kv_policy.BoundedKV`: sinks + window). `evict` releases a request's blocks that its
+window has left, leaving EVICTED (-1) in their place so block i still holds tokens i * block_size ..;
+`make_private` swaps a block for a private copy (the sinks, before their keys are re-rotated in place).
+Only blocks wholly before the first eviction (tokens < max_tokens, computed exactly as an unbounded
+cache computes them) are registered or looked up. Invariants (checked by `check()` and the tests):
   * ref counts are never negative and equal the number of block tables holding the block;
   * free + cached-free + used == num_blocks, each block in exactly one of the three;
   * a hash maps to at most one block and a cached block's hash maps back to it;
@@ -38,7 +44,7 @@ from collections.abc import Sequence
 from kvlm.request import Request
 
 Parent = tuple[int, int]  # (block id, its registration generation)
-
+EVICTED = -1  # a block_table entry whose block a bounded cache gave back
 
 
 def hash_block(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
@@ -128,6 +134,7 @@ class BlockManager:
             return []
         bs = self.block_size
         limit = (req.num_tokens - 1) // bs if max_blocks is None else min(max_blocks, req.num_tokens // bs)
+        limit = min(limit, self._registrable(req))
         hashes = self.block_hashes(req, limit)
         hit: list[int] = []
         for i in range(limit):
@@ -139,10 +146,10 @@ class BlockManager:
         return hit
 
     # -- allocation --------------------------------------------------------------------------------
-    def can_allocate(self, req: Request, num_tokens: int, cached: Sequence[int] = ()) -> bool:
+    def can_allocate(self, req: Request, num_tokens: int, cached: Sequence[int] = (), extra: int = 0) -> bool:
         """Could `req` hold slots for its first `num_tokens` tokens (taking the `cached` prefix blocks
-        first) with the blocks free now?"""
-        need = self.blocks_for(num_tokens) - len(req.block_table) - len(cached)
+        first), and `extra` more blocks (private copies), with the blocks free now?"""
+        need = self.blocks_for(num_tokens) - len(req.block_table) - len(cached) + extra
         revived = sum(1 for b in cached if self.ref_counts[b] == 0)  # they leave the cached-free pool
         return need <= self.num_free_blocks - revived
 
@@ -161,6 +168,34 @@ class BlockManager:
             b = self._pop_free()
             self._take(b, req)
             req.block_table.append(b)
+
+    def _registrable(self, req: Request) -> int:
+        """Leading blocks of `req` whose K/V any request computes alike (all, unless its cache is bounded)."""
+        return 1 << 62 if req.kv_policy is None else req.kv_policy.max_tokens // self.block_size
+
+    def evict(self, req: Request, upto: int) -> int:
+        """Give back `req`'s blocks [sink_blocks, upto) of its table (a bounded cache's window moved on);
+        returns how many were given back now."""
+        assert req.kv_policy is not None
+        start = max(req.evicted_upto, req.kv_policy.sink_blocks)
+        n = 0
+        for i in range(start, min(upto, len(req.block_table))):
+            self._release(req.block_table[i], req)
+            req.block_table[i] = EVICTED
+            n += 1
+        req.evicted_upto = max(req.evicted_upto, upto)
+        return n
+
+    def make_private(self, req: Request, i: int) -> tuple[int, int]:
+        """Swap block i of `req` for a fresh block only it holds (call `can_allocate`-style room check
+        first: one free block). Returns (old, new): the caller copies old's K/V into new before the old
+        one is overwritten (it may be handed out in this same step)."""
+        old = req.block_table[i]
+        new = self._pop_free()
+        self._take(new, req)
+        req.block_table[i] = new
+        self._release(old, req)
+        return old, new
 
     def _take(self, b: int, req: Request) -> None:
         if self.ref_counts[b] == 0:
@@ -197,10 +232,10 @@ class BlockManager:
         in the same step) is swapped for the cached one and its own copy freed, so one hash names one
         block. A stale cached-free block under the same hash (a collision, or an orphan whose parent was
         evicted) is evicted for ours; a colliding block that someone reads stops registration here."""
-        if not self.enable_prefix_caching:
-            return
+        if not self.enable_prefix_caching or req.evicted_upto:
+            return  # (a bounded cache registers nothing once it evicts: see the module docstring)
         bs, table = self.block_size, req.block_table
-        num_full = min(req.num_computed_tokens // bs, len(table))
+        num_full = min(req.num_computed_tokens // bs, len(table), self._registrable(req))
         if num_full <= req.num_cached_blocks:
             return
         hashes = self.block_hashes(req, num_full)
@@ -240,9 +275,11 @@ class BlockManager:
         """Return every block of `req` (finished, aborted or preempted). The tail goes first, so a cached
         prefix's last blocks are evicted before its first ones (which more requests share)."""
         for b in reversed(req.block_table):
-            self._release(b, req)
+            if b != EVICTED:
+                self._release(b, req)
         req.block_table.clear()
         req.num_cached_blocks = 0
+        req.reset_bounded_state()
 
     def _release(self, b: int, req: Request) -> None:
         self.ref_counts[b] -= 1
@@ -269,6 +306,8 @@ class BlockManager:
         positions [start, end)) are neither shared nor cached."""
         bs = self.block_size
         for b in req.block_table:
+            if b == EVICTED:
+                continue
             assert self.ref_counts[b] > 0, f"{req.request_id} reads free block {b}"
             if self.readers is not None:
                 assert req.request_id in self.readers[b], f"{req.request_id} reads block {b} it does not hold"
@@ -284,8 +323,9 @@ class BlockManager:
         assert not free & cached, "a block is both free and cached-free"
         counts = [0] * self.num_blocks
         for r in requests:
-            assert len(set(r.block_table)) == len(r.block_table), f"{r.request_id} holds a block twice"
-            for b in r.block_table:
+            held = [b for b in r.block_table if b != EVICTED]
+            assert len(set(held)) == len(held), f"{r.request_id} holds a block twice"
+            for b in held:
                 counts[b] += 1
         for b in range(self.num_blocks):
             assert self.ref_counts[b] >= 0

@@ -293,6 +293,27 @@ class PagedKVCache(_LayerStorage):
     def blocks(self, layer: int, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.k[layer], self.v[layer], meta.block_tables  # pools (num_blocks, block_size, kv_heads, D)
 
+    # Bounded caches (kv_policy.py): private copies of sink blocks, and their keys re-rotated in place.
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """K and V of block src copied into block dst, every layer, for each (src, dst)."""
+        src = torch.tensor([a for a, _ in pairs], dtype=torch.long, device=self.k[0].device)
+        dst = torch.tensor([b for _, b in pairs], dtype=torch.long, device=self.k[0].device)
+        for kc, vc in zip(self.k, self.v):
+            kc.index_copy_(0, dst, kc.index_select(0, src))
+            vc.index_copy_(0, dst, vc.index_select(0, src))
+
+    def read_keys(self, block_ids: list[int]) -> torch.Tensor:
+        """The keys of `block_ids` as the model computes with them: (layers, n * block_size, kv_heads, D)."""
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.k[0].device)
+        return torch.stack([decode_kv(kc.index_select(0, idx), self.element, self.head_dim, self.compute_dtype)
+                            .flatten(0, 1) for kc in self.k])
+
+    def write_keys(self, layer: int, block_ids: list[int], k: torch.Tensor) -> None:
+        """Store keys k (n * block_size, kv_heads, D) into `block_ids` of `layer` (rounded / quantized)."""
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.k[0].device)
+        kc = self.k[layer]
+        kc.index_copy_(0, idx, self._encode(k).view(len(block_ids), *kc.shape[1:]))
+
 
 class ContiguousKVCache(_LayerStorage):
     """One max_len row per sequence: k[layer], v[layer] are (max_seqs, max_len, kv_heads, D).

@@ -121,12 +121,16 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         local = dataclasses.replace(self.config, rope_theta=base, rope_scaling=None)
         self.register_rope("_local", rope_inv_freq(local))
 
+    def rope_suffix(self, layer: int) -> str:
+        return "_local" if self.model.layers[layer].local else ""
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids) * self.embed_scale  # (T, hidden)
-        tables = {False: (self.rope_cos, self.rope_sin), True: (self.rope_cos_local, self.rope_sin_local)}
-        rope = {local: (c[positions].to(x.dtype).unsqueeze(1), s[positions].to(x.dtype).unsqueeze(1))  # (T, 1, D)
-                for local, (c, s) in tables.items()}
+        rope = {}
+        for local in (False, True):
+            c, s = self.rope_rows(positions, "_local" if local else "")
+            rope[local] = (c.to(x.dtype).unsqueeze(1), s.to(x.dtype).unsqueeze(1))  # (T, 1, D)
         for layer in self.model.layers:
             x = layer(x, rope, kv_cache, meta)
         return self.model.norm(x)

@@ -232,6 +232,7 @@ class LlamaForCausalLM(nn.Module):
         """Buffers `rope_cos{suffix}`, `rope_sin{suffix}`: cos / signed sin tables for every position we
         may see, (max_positions, D), computed in float32 (kept float32 whatever the compute dtype)."""
         dev = self.model.norm.weight.device
+        self.register_buffer("rope_inv" + suffix, inv_freq.to(dev), persistent=False)  # rows past the table
         if dev.type == "meta":  # built on the meta device: load_weights computes the real tables
             shape = (self.max_positions, 2 * inv_freq.shape[0])
             self.register_buffer("rope_cos" + suffix, torch.empty(shape, device=dev), persistent=False)
@@ -246,11 +247,39 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("rope_sin" + suffix, torch.cat((-sin[:, :half], sin[:, half:]), -1).to(dev),
                              persistent=False)
 
+    def rope_rows(self, positions: torch.Tensor, suffix: str = "") -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin rows (T, D) float32 of `positions` (T,). Positions past the table (a bounded
+        cache's generation running past the context, kv_policy.py) get their angles in float64: each row
+        is still a function of its position alone."""
+        cos_t, sin_t = getattr(self, "rope_cos" + suffix), getattr(self, "rope_sin" + suffix)
+        n = cos_t.shape[0]
+        if positions.numel() == 0 or int(positions.max()) < n:
+            return cos_t[positions], sin_t[positions]
+        far = positions >= n
+        cos, sin = cos_t[positions.clamp(max=n - 1)], sin_t[positions.clamp(max=n - 1)]  # copies
+        ang = positions[far].double()[:, None] * getattr(self, "rope_inv" + suffix).double()[None, :]
+        emb = torch.cat((ang, ang), dim=-1)
+        s, half = emb.sin().float(), ang.shape[1]
+        cos[far] = emb.cos().float()
+        sin[far] = torch.cat((-s[:, :half], s[:, half:]), -1)
+        return cos, sin
+
+    def rope_suffix(self, layer: int) -> str:
+        """Which RoPE table layer `layer` rotates with ("": the one table of the Llama family)."""
+        return ""
+
+    def shift_keys(self, layer: int, k: torch.Tensor, delta: int) -> torch.Tensor:
+        """Keys k (n, kv_heads, D) of layer `layer`, rotated delta positions further (RoPE is a rotation
+        per frequency: a key at position i becomes the key at i + delta, to float rounding)."""
+        cos, sin = self.rope_rows(torch.tensor([delta], device=k.device), self.rope_suffix(layer))
+        n = k.shape[0]
+        return apply_rope(k.float().contiguous(), cos.repeat(n, 1).unsqueeze(1), sin.repeat(n, 1).unsqueeze(1))
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)  # (T, hidden)
-        cos = self.rope_cos[positions].to(x.dtype).unsqueeze(1)  # (T, 1, D)
-        sin = self.rope_sin[positions].to(x.dtype).unsqueeze(1)
+        cos, sin = self.rope_rows(positions)
+        cos, sin = cos.to(x.dtype).unsqueeze(1), sin.to(x.dtype).unsqueeze(1)  # (T, 1, D)
         for layer in self.model.layers:
             x = layer(x, cos, sin, kv_cache, meta)
         return self.model.norm(x)
