@@ -62,6 +62,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="KV pool size: bytes (2GiB, 512MB, or a bare whole number of bytes) or a share of the "
                         "memory available now (30%%); more than 90%% of it is refused (default: --max-num-seqs "
                         "sequences at full context, at most a quarter of available memory and, on CPU, 1 GiB)")
+    g.add_argument("--max-kv-tokens", type=int, default=None,
+                   help="a bounded KV cache for endless chats and generations: keep at most this many tokens' K/V "
+                        "(the first --sink-tokens and the most recent ones; a multiple of --block-size), so a "
+                        "request runs past the context with flat memory (default: unbounded, the context ends "
+                        "a request)")
+    g.add_argument("--sink-tokens", type=int, default=4,
+                   help="with --max-kv-tokens: leading 'attention sink' tokens always kept, rounded up to whole "
+                        "blocks (StreamingLLM)")
     g.add_argument("--no-prefix-caching", action="store_true",
                    help="do not reuse cached K/V blocks of earlier requests with the same beginning")
     g.add_argument("--no-adaptive-threads", action="store_true",
@@ -76,7 +84,8 @@ def engine_kwargs_from_args(a: argparse.Namespace) -> dict[str, Any]:
                 enable_kv_cache=not a.no_kv_cache, kv_cache_layout=a.kv_cache_layout,
                 kv_cache_dtype=a.kv_cache_dtype, block_size=a.block_size,
                 max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens, kv_cache_memory=mem,
-                enable_prefix_caching=not a.no_prefix_caching, adaptive_threads=not a.no_adaptive_threads)
+                enable_prefix_caching=not a.no_prefix_caching, adaptive_threads=not a.no_adaptive_threads,
+                max_kv_tokens=a.max_kv_tokens, sink_tokens=a.sink_tokens)
 
 
 def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:

@@ -241,16 +241,19 @@ class Engine:
                                self.block_manager.block_size, mc.num_hidden_layers, mc.num_key_value_heads,
                                mc.head_dim)
 
-    def prompt_logits(self, token_ids: list[int], first: int) -> Iterator[tuple[int, torch.Tensor]]:
+    def prompt_logits(self, token_ids: list[int], first: int, max_kv_tokens: int | None = None,
+                      sink_tokens: int | None = None) -> Iterator[tuple[int, torch.Tensor]]:
         """Teacher forcing through the cache: run `token_ids` as a prompt and yield, step by step as the
         chunks are computed, (p0, logits (n, vocab) float32) for positions p0 .. p0 + n - 1 >= `first`,
         the logits at position p predicting token p + 1 (the last position predicts nothing and is left
         out). Positions come in order, each once; only one chunk's logits are alive at a time. Run it
-        alone (other requests would share its steps, which changes nothing but the time it takes)."""
+        alone (other requests would share its steps, which changes nothing but the time it takes).
+        max_kv_tokens / sink_tokens: score it through a bounded cache (sinks + window, kv_policy.py)."""
         ready: list[tuple[int, torch.Tensor]] = []
         todo = [first]  # the next position to score
         last = len(token_ids) - 1
-        req = self.add_request(list(token_ids), SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+        req = self.add_request(list(token_ids), SamplingParams(temperature=0, max_tokens=1, ignore_eos=True,
+                                                               max_kv_tokens=max_kv_tokens, sink_tokens=sink_tokens))
 
         def observe(r: Request, start: int, hidden: torch.Tensor) -> None:
             lo, hi = max(start, todo[0]), min(start + hidden.shape[0], last)

@@ -70,6 +70,9 @@ class _Sampling(_Request):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # kvlm: a bounded KV cache for this request (sinks + window, kvlm.kv_policy); past the context it goes on
+    max_kv_tokens: int | None = None
+    sink_tokens: int | None = None
     # Structured outputs (`structured_request`): OpenAI's, vLLM's, and the older vLLM / llama.cpp aliases
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None

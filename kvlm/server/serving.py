@@ -122,13 +122,19 @@ class OpenAIServing:
             out[tid] = max(-100.0, min(100.0, float(v)))
         return out
 
-    def _check_prompt(self, ids: list[int], max_tokens: int | None, param: str, default: int | None = None) -> int:
+    def _check_prompt(self, ids: list[int], max_tokens: int | None, param: str, default: int | None = None,
+                      bounded: bool = False) -> int:
         """The max_tokens to use, and vLLM's rule that prompt + max_tokens must fit the context (the engine
         would stop at the context's end instead), in vLLM's wording. Without max_tokens: `default` tokens
         (completions: 16), or the rest of the context when that is less or when `default` is None (chat).
         A default is never refused for not fitting: the client did not ask for it. The prompt's ids are the
-        engine's check (`_submit`)."""
+        engine's check (`_submit`). A bounded cache (max_kv_tokens) is not held to the context: without
+        max_tokens it gets a context's worth of new tokens."""
         n, m = self.max_model_len, len(ids)
+        if bounded:
+            if max_tokens is not None and max_tokens < 1:
+                raise bad_request(f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
+            return max_tokens if max_tokens is not None else (n if default is None else default)
         if m >= n:
             raise bad_request(
                 f"This model's maximum context length is {n} tokens. However, your request has {m} input tokens. "
@@ -158,6 +164,10 @@ class OpenAIServing:
         except ParameterError as e:
             raise bad_request(str(e).replace("structured_outputs", param, 1), param) from None
 
+    def _bounded(self, r: CompletionRequest | ChatCompletionRequest) -> bool:
+        """Does this request run on a bounded KV cache (its own max_kv_tokens, or the engine's)?"""
+        return r.max_kv_tokens is not None or self.engine.config.max_kv_tokens is not None
+
     def _params(self, r: CompletionRequest | ChatCompletionRequest, max_tokens: int, i: int,
                 logprobs: int | None, prompt_logprobs: int | None,
                 structured: StructuredOutputsParams | None = None) -> SamplingParams:
@@ -167,7 +177,8 @@ class OpenAIServing:
             stop=r.stop, stop_token_ids=r.stop_token_ids, ignore_eos=r.ignore_eos, logprobs=logprobs,
             prompt_logprobs=prompt_logprobs, skip_special_tokens=r.skip_special_tokens,
             include_stop_str_in_output=r.include_stop_str_in_output,
-            seed=None if r.seed is None else r.seed + i, structured_outputs=structured)
+            seed=None if r.seed is None else r.seed + i, structured_outputs=structured,
+            max_kv_tokens=r.max_kv_tokens, sink_tokens=r.sink_tokens)
         for name in ("top_p", "top_k", "min_p", "repetition_penalty"):
             if getattr(r, name) is not None:
                 kw[name] = getattr(r, name)
@@ -279,5 +290,7 @@ class _Call:
         completion = sum(r.num_output_tokens for r in self.requests)
         cached = sum(r.metrics.num_cached_tokens for r in firsts)
         held = sum(r.metrics.kv_bytes_held for r in self.requests)  # at each request's last step
+        evicted = sum(r.metrics.num_evicted_tokens for r in self.requests)  # a bounded cache dropped them
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": cached}, "kv_bytes_held": held}
+                "prompt_tokens_details": {"cached_tokens": cached}, "kv_bytes_held": held,
+                "kv_evicted_tokens": evicted}

@@ -81,7 +81,7 @@ class ChatServing(OpenAIServing):
         try:
             ids = self.chat_prompt(r, plan)
             limit = r.max_completion_tokens if r.max_completion_tokens is not None else r.max_tokens
-            mt = self._check_prompt(ids, limit, "messages")
+            mt = self._check_prompt(ids, limit, "messages", bounded=self._bounded(r))
             k = (r.top_logprobs or 0) if r.logprobs else None
             specs = [(ids, self._params(r, mt, i, k, None, constraint), request_id if r.n == 1 else f"{request_id}-{i}")
                      for i in range(r.n)]

@@ -38,7 +38,8 @@ class CompletionServing(OpenAIServing):
             specs, prompt_ids = [], []
             for pi, p in enumerate(prompts):
                 ids = self.tokenizer.encode(p) if isinstance(p, str) else p
-                mt = self._check_prompt(ids, r.max_tokens, "prompt", COMPLETION_DEFAULT_MAX_TOKENS)
+                mt = self._check_prompt(ids, r.max_tokens, "prompt", COMPLETION_DEFAULT_MAX_TOKENS,
+                                        bounded=self._bounded(r))
                 prompt_ids.append(ids)
                 for i in range(r.n):
                     plp = r.logprobs if r.echo and r.logprobs is not None else None

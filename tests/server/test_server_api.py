@@ -77,6 +77,25 @@ def test_chat_without_max_tokens_runs_to_the_context(client):
     assert r.usage.prompt_tokens + r.usage.completion_tokens == 256 and r.choices[0].finish_reason == "length"
 
 
+def test_bounded_kv_request_runs_past_the_context(client):
+    """max_kv_tokens (sinks + window): a prompt longer than the 256-token context is served, streamed equal
+    to non-streamed, with the evicted tokens in usage; without it the same prompt is a 400."""
+    prompt = [104 + i % 20 for i in range(300)]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt=prompt, max_tokens=8)
+    assert e.value.code == "context_length_exceeded"
+    kw = dict(model="tiny", prompt=prompt, max_tokens=40, temperature=0,
+              extra_body={"ignore_eos": True, "max_kv_tokens": 64, "sink_tokens": 4})
+    r = client.completions.create(**kw)
+    assert r.usage.completion_tokens == 40 and r.choices[0].finish_reason == "length"
+    assert r.usage.model_extra["kv_evicted_tokens"] >= 300 + 40 - 64 - 16
+    chunks = [c for c in client.completions.create(**kw, stream=True) if c.choices]
+    assert "".join(c.choices[0].text for c in chunks) == r.choices[0].text
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(**{**kw, "extra_body": {"max_kv_tokens": 60}})
+    assert e.value.body["param"] == "max_kv_tokens"
+
+
 def test_chat_sync_and_async_stream(client, aclient):
     msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": [{"type": "text", "text": "hi"}]}]
     full = client.chat.completions.create(model="tiny-alias", messages=msgs, max_tokens=10, temperature=0)
