@@ -113,6 +113,11 @@ class Request:
     # A bounded cache (kv_policy.py): its policy; evicted blocks are -1 in block_table, blocks
     # [sink_blocks, evicted_upto) of it; the sinks' keys as first computed (layers, num_sinks, kv_heads, D)
     # float, kept to re-rotate them from at each eviction, and the shift they carry now.
+    # Layer groups besides group 0 (kv_cache/layer_groups.py: sliding-window layers): per group its block
+    # table (EVICTED where the window left), its registered leading blocks and its evicted ones.
+    group_tables: list[list[int]] = field(default_factory=list)
+    group_cached: list[int] = field(default_factory=list)
+    group_evicted: list[int] = field(default_factory=list)
     kv_policy: BoundedKV | None = None
     evicted_upto: int = 0
     sink_keys: torch.Tensor | None = None

@@ -48,6 +48,10 @@ class AttentionMetadata:
     # group is a metadata of its own whose `rows` are its tokens' rows in this batch.
     groups: tuple[AttentionMetadata, ...] = ()
     rows: torch.Tensor | None = None  # (T_group,) int64, only in a group
+    # Layer groups besides group 0 (kv_cache/layer_groups.py: sliding-window layers with pools of their own):
+    # per group, the (T,) slots and (B, max_blocks) block tables of its pools, laid out as the two above.
+    group_slots: tuple[torch.Tensor, ...] = ()
+    group_tables: tuple[torch.Tensor, ...] = ()
 
     @property
     def num_seqs(self) -> int:

@@ -9,9 +9,10 @@ model's quality, memory and speed over long texts and endless generations.
     window(W)`, for each `--windows` W.
 (b) `--generate` tokens (default 20,000) sampled on a `--budget`-token cache (sinks(S) + window): every
     `--every` tokens, the request's KV bytes held, the pool's used bytes, the process's RSS and tok/s.
-(c) `--gemma MODEL` (a Gemma 3 file; default the `gemma3-270m` alias when it is in the local cache): its KV
-    bytes at 4k and 32k context with every layer full (what kvlm's pool holds today) and with its sliding
-    layers holding only their window (the per-layer formula).
+(c) `--gemma MODEL` (a Gemma 3 file; default the `gemma3-270m` alias when it is in the local cache): the
+    bytes of the KV pool kvlm allocates for one sequence at 4k and 32k context (its sliding layers in pools
+    of their own, `kv_cache/layer_groups.py`), against the per-layer formula (full layers x context +
+    sliding layers x window) and against every layer full.
 
 The last line is one JSON document; `--plot` draws (a) and (b).
 """
@@ -113,7 +114,11 @@ def part_b(engine: Any, tokens: int, budget: int, sinks: int, every: int) -> dic
             "samples": samples}
 
 
-def part_c(model: str | None) -> dict[str, Any] | None:
+def part_c(model: str | None, threads: int) -> dict[str, Any] | None:
+    """Gemma 3's KV pool for one sequence at 4k and 32k context, counted from the engine's tensors, against
+    every layer full and against the per-layer formula (full layers x context + sliding layers x window)."""
+    from kvlm import EngineConfig
+    from kvlm.engine.engine import Engine
     from kvlm.loader import load_config, resolve_model
     from kvlm.loader.registry import model_path
 
@@ -127,9 +132,13 @@ def part_c(model: str | None) -> dict[str, Any] | None:
     out: dict[str, Any] = {"model": str(path), "layers": mc.num_hidden_layers,
                            "full_layers": sum(w is None for w in wins), "windows": sorted({w for w in wins if w})}
     for ctx in (4096, 32768):
+        eng = Engine(path, EngineConfig(max_model_len=ctx, max_num_seqs=1, num_threads=threads), quiet=True)
         every = mc.num_hidden_layers * ctx * per_layer
         windowed = sum(ctx if w is None else min(ctx, w) for w in wins) * per_layer
-        out[str(ctx)] = {"all_full_bytes": every, "per_layer_bytes": windowed, "ratio": every / windowed}
+        pool = eng.kv_cache.nbytes
+        out[str(ctx)] = {"pool_bytes": pool, "all_full_bytes": every, "per_layer_bytes": windowed,
+                         "pool_vs_formula": pool / windowed, "all_full_vs_pool": every / pool}
+        del eng
     return out
 
 
@@ -156,7 +165,7 @@ def run(model: str = DEFAULT_MODEL, threads: int = 2, tokens: int = 8192, window
     if "b" not in skip:
         doc["generation"] = part_b(engine, generate, budget, sinks, every)
     if "c" not in skip:
-        doc["gemma"] = part_c(gemma)
+        doc["gemma"] = part_c(gemma, threads)
     return doc
 
 
@@ -184,8 +193,9 @@ def print_table(d: dict[str, Any]) -> None:
               f"{g['layers'] - g['full_layers']} windowed ({g['windows']})")
         for ctx in ("4096", "32768"):
             r = g[ctx]
-            print(f"  {ctx:>6} tokens: every layer full {fmt_bytes(r['all_full_bytes'])} (kvlm's pool today), "
-                  f"windowed layers at their window {fmt_bytes(r['per_layer_bytes'])} ({r['ratio']:.1f}x less)")
+            print(f"  {ctx:>6} tokens: kvlm's pool {fmt_bytes(r['pool_bytes'])} = {r['pool_vs_formula']:.2f}x the "
+                  f"per-layer formula ({fmt_bytes(r['per_layer_bytes'])}); every layer full would be "
+                  f"{fmt_bytes(r['all_full_bytes'])} ({r['all_full_vs_pool']:.1f}x the pool)")
 
 
 def plot(d: dict[str, Any], path: str) -> str | None:

@@ -25,14 +25,14 @@ from kvlm.engine.model_runner import ModelRunner, StepResult
 from kvlm.engine.output_processor import OutputProcessor
 from kvlm.engine.scheduler import ScheduledBatch, Scheduler
 from kvlm.engine.threads import ThreadGovernor
-from kvlm.errors import ParameterError, PromptTooLongError
+from kvlm.errors import ParameterError, PromptTooLongError, SnapshotError
 from kvlm.kernels.kv_quant import FORMATS, GROUP, KVQuantFormat
 from kvlm.kv_cache import snapshot as kv_snapshot
 from kvlm.kv_cache.block_manager import EVICTED
 from kvlm.kv_cache.pool import describe_kv_pool, make_kv_cache
 from kvlm.kv_cache.prefix_misses import PrefixHistory
 from kvlm.kv_cache.snapshot import SnapshotInfo, cached_prefix_blocks, snapshot_header
-from kvlm.kv_cache.storage import KVCache, KVElement, NoKVCache
+from kvlm.kv_cache.storage import KVCache, KVElement, NoKVCache, PagedKVCache
 from kvlm.kv_policy import BoundedKV
 from kvlm.loader import resolve_model
 from kvlm.loader.build import load_model
@@ -86,16 +86,18 @@ class Engine:
                                                    f"== 0; this model's is {model_config.head_dim}: use float16")
 
         self.kv_cache: KVCache
-        self.kv_cache, self.block_manager = make_kv_cache(cfg, model_config, self.max_model_len,
-                                                          self._kv_formula_bytes_per_token, self.kv_cache_dtype,
-                                                          self.device,
-                                                          compute_dtype=self.dtype)
+        self.kv_cache, self.block_manager, groups = make_kv_cache(cfg, model_config, self.max_model_len,
+                                                                  self._kv_formula_bytes_per_token,
+                                                                  self.kv_cache_dtype, self.device,
+                                                                  compute_dtype=self.dtype)
         history = None
         if self.block_manager.enable_prefix_caching:
-            self.block_manager.set_extra_keys(self._prefix_hash_keys())
+            keys = self._prefix_hash_keys()
+            for bm in [self.block_manager] + [bm for bm, _ in groups]:  # one chain: groups share the hashes
+                bm.set_extra_keys(keys)
             history = PrefixHistory(cfg.block_size, describe=self.tokenizer.decode)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens,
-                                   recompute_all=not cfg.enable_kv_cache, prefix_history=history)
+                                   recompute_all=not cfg.enable_kv_cache, prefix_history=history, groups=groups)
         self.runner = ModelRunner(self.model, self.kv_cache, self.device, self.tokenizer.eos_token_ids)
         self.output_processor = OutputProcessor(self.tokenizer.eos_token_ids, self.max_model_len)
         self.requests: dict[str, Request] = {}  # live requests by id, for abort()
@@ -207,6 +209,9 @@ class Engine:
         if not cfg.enable_kv_cache or cfg.kv_cache_layout != "paged":
             raise ParameterError("max_kv_tokens", "max_kv_tokens (a bounded KV cache) needs the paged KV cache; "
                                  "drop --no-kv-cache / --kv-cache-layout contiguous")
+        if self.scheduler.groups:
+            raise ParameterError("max_kv_tokens", "max_kv_tokens (sinks + window) is not supported yet on models "
+                                 "with sliding-window layers (Gemma 3): those layers keep only their window already")
         sinks = params.sink_tokens if params.sink_tokens is not None else cfg.sink_tokens
         return BoundedKV.make(n, sinks, self.block_manager.block_size, self.max_model_len)
 
@@ -221,8 +226,14 @@ class Engine:
         return True
 
     # -- prefix cache ------------------------------------------------------------------------------
+    def _no_groups_for_snapshots(self) -> None:
+        if self.scheduler.groups:
+            raise SnapshotError("KV snapshots are not supported yet for models with sliding-window layers "
+                                "(Gemma 3): their layers keep their K/V in pools of their own")
+
     def save_prefix(self, token_ids: list[int], path: str | os.PathLike) -> SnapshotInfo:
         """Write the K/V of `token_ids`' full blocks to a safetensors snapshot (computing them if needed)."""
+        self._no_groups_for_snapshots()
         nblk = len(token_ids) // self.block_manager.block_size
         if nblk and len(cached_prefix_blocks(self.block_manager, token_ids)) < nblk:
             req = self.add_request(list(token_ids), SamplingParams(temperature=0, max_tokens=1))
@@ -232,6 +243,7 @@ class Engine:
 
     def load_prefix(self, path: str | os.PathLike) -> SnapshotInfo:
         """Load a snapshot into the prefix cache; `SnapshotError` (engine unchanged) if it does not fit."""
+        self._no_groups_for_snapshots()
         return kv_snapshot.load_prefix(self.block_manager, self.kv_cache, self._snapshot_header(), path,
                                        vocab_size=self.model_config.vocab_size, max_model_len=self.max_model_len)
 
@@ -314,24 +326,45 @@ class Engine:
             deltas.append(StreamDelta(req.request_id, "", [], True, "abort"))
         return deltas
 
+    def _kv_bytes(self, req: Request, kept: int) -> tuple[int, int]:
+        """(bytes of the blocks `req` holds, bytes of them filled), over every layer group: group 0 holds
+        `kept` filled tokens, a sliding group those from its first held block on."""
+        bs = self.block_manager.block_size
+        slot = self._group_slot_bytes
+        held = (len(req.block_table) - req.block_table.count(EVICTED)) * bs * slot[0]
+        used = kept * slot[0]
+        for g, table in enumerate(req.group_tables, 1):
+            held += (len(table) - table.count(EVICTED)) * bs * slot[g]
+            used += (req.num_computed_tokens - req.group_evicted[g - 1] * bs) * slot[g]
+        return round(held), round(used)
+
+    @functools.cached_property
+    def _group_slot_bytes(self) -> list[float]:
+        """K/V bytes of one token slot in each layer group (all of its layers), from the pool's tensors."""
+        cache = self.kv_cache
+        if not isinstance(cache, PagedKVCache):
+            return [float(self.kv_bytes_per_token)]
+        out = [0.0] * len(cache.group_blocks)
+        for layer, g in enumerate(cache.layer_group):
+            out[g] += cache.slot_bytes(layer)
+        return out
+
     def _update(self, reqs: list[Request], num_new: list[int], result: StepResult) -> list[StreamDelta]:
         now = time.perf_counter()
         bm = self.block_manager
-        bpt, bs = self.kv_bytes_per_token, bm.block_size
         for req, n in zip(reqs, num_new):
             m = req.metrics
             start = req.num_computed_tokens
             m.num_prefilled_tokens += max(0, min(start + n, req.num_prompt_tokens) - start)
             m.num_computed_tokens += n
             req.num_computed_tokens += n
-            bm.cache_full_blocks(req)  # newly full blocks become reusable (no-op without prefix caching)
+            self.scheduler.cache_full_blocks(req)  # newly full blocks become reusable (every layer group)
             m.blocks_held = len(req.block_table) - req.block_table.count(EVICTED)
             if bm.enable_prefix_caching:
                 m.blocks_shared = sum(1 for b in req.block_table if b != EVICTED and bm.ref_counts[b] > 1)
-            m.kv_bytes_held = m.blocks_held * bs * bpt if self.config.enable_kv_cache else 0
             kept = req.num_computed_tokens if req.kv_policy is None else min(
                 req.num_computed_tokens, req.kv_policy.attended(req.num_computed_tokens - 1))
-            m.kv_bytes_used = kept * bpt if self.config.enable_kv_cache else 0
+            m.kv_bytes_held, m.kv_bytes_used = self._kv_bytes(req, kept) if self.config.enable_kv_cache else (0, 0)
             if not self.config.enable_kv_cache:
                 req.num_computed_tokens = 0  # nothing is kept: the next step recomputes everything
         deltas = []

@@ -55,10 +55,16 @@ class _StepRows:
     shifts: list[int]  # per request: its rows' position minus their index in what attention reads
     logits_rows: list[int]  # rows that end their sequence: those requests sample a token
     samplers: list[Request]
+    # layer groups 1.. (sliding-window layers' own pools): per group, the rows' slots and the padded tables
+    group_slots: list[list[int]]
+    group_tables: list[list[list[int]]]
 
     @classmethod
-    def collect(cls, batch: ScheduledBatch, block_size: int) -> _StepRows:
-        r = cls(list(batch.requests), [], [], [], [], [], [], [], [], [], [])
+    def collect(cls, batch: ScheduledBatch, block_size: int, null_blocks: tuple[int, ...] = ()) -> _StepRows:
+        """null_blocks[g - 1]: the id extra group g's evicted entries read (its zero-filled null block)."""
+        r = cls(list(batch.requests), starts=[], ids=[], positions=[], slots=[], query_lens=[], seq_lens=[],
+                tables=[], shifts=[], logits_rows=[], samplers=[], group_slots=[[] for _ in null_blocks],
+                group_tables=[])
         tables = []
         for req, n in zip(batch.requests, batch.num_new_tokens):
             start = req.num_computed_tokens
@@ -82,6 +88,12 @@ class _StepRows:
                 r.samplers.append(req)
         max_blocks = max(len(t) for t in tables)
         r.tables = [t + [0] * (max_blocks - len(t)) for t in tables]
+        for g, null in enumerate(null_blocks):
+            slots = r.group_slots[g]
+            gt = [[null if b < 0 else b for b in req.group_tables[g]] for req in batch.requests]
+            for start, n, t in zip(r.starts, batch.num_new_tokens, gt):
+                slots.extend(t[p // block_size] * block_size + p % block_size for p in range(start, start + n))
+            r.group_tables.append([t + [null] * (max_blocks - len(t)) for t in gt])
         return r
 
 
@@ -104,6 +116,9 @@ class ModelRunner:
         # DECODE steps on the paged cache run every layer in one native call where the model allows
         # (model/fused_decode.py), with the same per-row attention.
         self.fused = FusedDecoder.create(model, kv_cache) if self.in_place else None
+        # Layer groups 1.. (sliding layers' own pools, kv_cache/layer_groups.py): their null blocks' ids.
+        self.null_blocks = tuple(kv_cache.group_blocks[1:]) if isinstance(kv_cache, PagedKVCache) else ()
+        assert not self.null_blocks or self.fused is None, "the fused decode step reads one block table"
         # Teacher-forced scoring (`Engine.prompt_logits`): called after each step's forward with every
         # request's (request, first position, its rows' final hidden states (n, hidden)); None: not called.
         self.hidden_observer: Callable[[Request, int, torch.Tensor], None] | None = None
@@ -116,7 +131,7 @@ class ModelRunner:
         prefill (`prepare_prefill`, which also takes the decode rows of a mixed step). With the native
         kernels every row then attends in place over the cache (`meta.in_place`): one computation for
         every row, whatever the plan."""
-        rows = _StepRows.collect(batch, self.kv_cache.block_size)
+        rows = _StepRows.collect(batch, self.kv_cache.block_size, self.null_blocks)
         if all(n == 1 for n in rows.query_lens):
             meta = self.prepare_decode(rows)
         else:
@@ -183,6 +198,9 @@ class ModelRunner:
             q_pad_index=q_pad_index,
             attn_mask=attn_mask,
             logits_indices=torch.tensor(rows.logits_rows, device=dev),
+            group_slots=tuple(torch.tensor(s, device=dev) for s in rows.group_slots),
+            group_tables=tuple(torch.tensor(t, dtype=torch.int32 if in_place else torch.int64, device=dev)
+                               for t in rows.group_tables),
             in_place=in_place,
             row_seq=row_seq,
             row_ctx=row_ctx,

@@ -18,6 +18,10 @@ Bounded caches (`kv_policy.BoundedKV`): before a running request's step, the blo
 go back to the pool (`BlockManager.evict`); at the first eviction its sink blocks are swapped for private
 copies, and whenever the window moves the runner re-rotates their keys (`ScheduledBatch.block_copies`,
 `sink_moves`). A step's rows of such a request never straddle a move of the window (`chunk_limit`).
+
+Layer groups (`kv_cache/layer_groups.py`): a model with sliding-window layers has a block manager per
+extra group (`groups`: (manager, window)); every allocation, eviction, release and prefix hit is made in
+all of them, and a request's rows per step are capped at the smallest window (`chunk_cap`).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from kvlm.kv_cache.block_manager import BlockManager
+from kvlm.kv_cache.layer_groups import GroupView, evict_upto
 from kvlm.kv_cache.prefix_misses import PrefixHistory
 from kvlm.request import Request, RequestStatus
 
@@ -57,8 +62,11 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 recompute_all: bool = False, prefix_history: PrefixHistory | None = None) -> None:
+                 recompute_all: bool = False, prefix_history: PrefixHistory | None = None,
+                 groups: list[tuple[BlockManager, int]] | None = None) -> None:
         self.bm = block_manager
+        self.groups = groups or []  # layer groups 1..: (their block manager, their window)
+        self.chunk_cap = min((w for _, w in self.groups), default=None)
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         # recompute_all: no KV cache, every step feeds each request's whole history (no chunking then).
         self.recompute_all = recompute_all
@@ -70,6 +78,8 @@ class Scheduler:
         self.prefix_cache_hits = 0
 
     def add(self, req: Request) -> None:
+        n = len(self.groups)
+        req.group_tables, req.group_cached, req.group_evicted = [[] for _ in range(n)], [0] * n, [0] * n
         req.status = RequestStatus.WAITING
         self.waiting.append(req)
 
@@ -80,7 +90,47 @@ class Scheduler:
     def _wanted(self, req: Request, budget: int) -> int:
         remaining = req.num_tokens - req.num_computed_tokens
         n = remaining if self.recompute_all else min(remaining, budget)
+        if self.chunk_cap is not None:
+            n = min(n, self.chunk_cap)
         return n if req.kv_policy is None else req.kv_policy.chunk_limit(req.num_computed_tokens, n)
+
+    # -- layer groups ------------------------------------------------------------------------------
+    def _views(self, req: Request) -> list[tuple[BlockManager, GroupView, int]]:
+        return [(bm, GroupView(req, g), w) for g, (bm, w) in enumerate(self.groups, 1)]
+
+    def _groups_fit(self, req: Request, num_tokens: int, hits: list[tuple[int, list[int]]] | None = None) -> bool:
+        """Whether every extra group can hold `num_tokens` of `req` (after its window eviction; `hits`:
+        per group, the EVICTED entries and cached blocks a prefix hit gives it at admission)."""
+        for i, (bm, view, _) in enumerate(self._views(req)):
+            skip, cached = hits[i] if hits else (0, [])
+            if not bm.can_allocate(view, num_tokens, cached, skip=skip):
+                return False
+        return True
+
+    def _groups_allocate(self, req: Request, num_tokens: int, hits: list[tuple[int, list[int]]] | None = None) -> None:
+        for i, (bm, view, _) in enumerate(self._views(req)):
+            skip, cached = hits[i] if hits else (0, [])
+            bm.allocate(view, num_tokens, cached, skip=skip)
+
+    def _groups_evict(self, req: Request) -> None:
+        """Give back the blocks the next rows of `req` (and all later ones) no longer see in each group."""
+        for bm, view, w in self._views(req):
+            bm.evict(view, evict_upto(req.num_computed_tokens, w, bm.block_size))
+
+    def _window_hit(self, req: Request, hit: list[int]) -> tuple[list[int], list[tuple[int, list[int]]]]:
+        """The longest prefix of `hit` (group 0's cached blocks) that every extra group can serve: its
+        blocks inside the window of the first token computed after it (layer_groups.py)."""
+        for k in range(len(hit), -1, -1):
+            parts = []
+            for bm, view, w in self._views(req):
+                first = evict_upto(k * bm.block_size, w, bm.block_size)
+                blocks = bm.find_window_blocks(view, k, first) if k else []
+                if blocks is None:
+                    break
+                parts.append((first, blocks))
+            else:
+                return hit[:k], parts
+        return [], [(0, []) for _ in self.groups]
 
     def _evict(self, req: Request) -> int:
         """Give back the blocks a bounded request's window has left before its next rows; returns the
@@ -117,7 +167,10 @@ class Scheduler:
                 continue
             n = self._wanted(req, budget)
             extra = self._evict(req) if req.kv_policy is not None else 0
-            while not self.bm.can_allocate(req, req.num_computed_tokens + n, extra=extra):
+            if self.groups:
+                self._groups_evict(req)
+            while not (self.bm.can_allocate(req, req.num_computed_tokens + n, extra=extra)
+                       and self._groups_fit(req, req.num_computed_tokens + n)):
                 victim = self.running[-1]
                 self._preempt(victim)
                 batch.preempted.append(victim)
@@ -126,6 +179,7 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING:
                 continue
             self.bm.allocate(req, req.num_computed_tokens + n)
+            self._groups_allocate(req, req.num_computed_tokens + n)
             if req.kv_policy is not None:
                 self._move_sinks(req, batch, extra)
             batch.requests.append(req)
@@ -140,17 +194,22 @@ class Scheduler:
             if req is None:
                 break
             hit = [] if req.params.prompt_logprobs is not None else self.bm.find_cached_prefix(req)
+            ghits = None
+            if self.groups:
+                hit, ghits = self._window_hit(req, hit)
             if pending and len(hit) < len(req.block_hashes) and req.block_hashes[len(hit)] in pending:
                 break  # its next block is being computed this step: wait one step and reuse it instead
             req.num_computed_tokens = len(hit) * self.bm.block_size
             n = self._wanted(req, budget)
             # Without a cache a request cannot be chunked: it may exceed the budget only when alone.
             too_big = self.recompute_all and n > budget and bool(batch.requests)
-            if too_big or not self.bm.can_allocate(req, req.num_computed_tokens + n, hit):
+            if too_big or not (self.bm.can_allocate(req, req.num_computed_tokens + n, hit)
+                               and self._groups_fit(req, req.num_computed_tokens + n, ghits)):
                 req.num_computed_tokens = 0  # waiting requests hold nothing
                 break
             self.waiting.remove(req)
             self.bm.allocate(req, req.num_computed_tokens + n, hit)
+            self._groups_allocate(req, req.num_computed_tokens + n, ghits)
             req.status = RequestStatus.RUNNING
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = now
@@ -164,6 +223,9 @@ class Scheduler:
         if self.bm.readers is not None:  # debug mode: nobody writes into a block another one reads
             for req, n in zip(batch.requests, batch.num_new_tokens):
                 self.bm.assert_writable(req, req.num_computed_tokens, req.num_computed_tokens + n)
+                for bm, view, _ in self._views(req):
+                    if bm.readers is not None:
+                        bm.assert_writable(view, req.num_computed_tokens, req.num_computed_tokens + n)
         return batch
 
     def _pending_blocks(self, batch: ScheduledBatch) -> set[bytes] | None:
@@ -201,7 +263,7 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
-        self.bm.free(req)
+        self._free(req)
         req.num_computed_tokens = 0
         req.status = RequestStatus.WAITING
         req.metrics.num_preemptions += 1
@@ -214,5 +276,23 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        self.bm.free(req)
+        self._free(req)
         req.status = RequestStatus.FINISHED
+
+    def _free(self, req: Request) -> None:
+        self.bm.free(req)
+        for bm, view, _ in self._views(req):
+            bm.free(view)
+
+    def cache_full_blocks(self, req: Request) -> None:
+        """After a step: register `req`'s newly full blocks in every group's prefix cache."""
+        self.bm.cache_full_blocks(req)
+        for bm, view, _ in self._views(req):
+            bm.cache_full_blocks(view)
+
+    def check(self) -> None:
+        """The block managers' invariants over every request that may hold blocks."""
+        reqs = list(self.running)
+        self.bm.check(reqs)
+        for g, (bm, _) in enumerate(self.groups, 1):
+            bm.check([GroupView(r, g) for r in reqs])

@@ -122,7 +122,7 @@ class BlockManager:
         return self.block_tokens[b] == tokens and self.block_parent[b] == parent
 
     def _parent(self, table: list[int], i: int) -> Parent | None:
-        return None if i == 0 else (table[i - 1], self.generation[table[i - 1]])
+        return None if i == 0 or table[i - 1] == EVICTED else (table[i - 1], self.generation[table[i - 1]])
 
     # -- prefix lookup -----------------------------------------------------------------------------
     def find_cached_prefix(self, req: Request, max_blocks: int | None = None) -> list[int]:
@@ -145,25 +145,49 @@ class BlockManager:
             hit.append(b)
         return hit
 
+    def find_window_blocks(self, req: Request, num_blocks: int, first: int) -> list[int] | None:
+        """A sliding group's part of a prefix hit of `num_blocks` blocks: its cached blocks [first,
+        num_blocks) (those inside the window of the first token computed after the hit), or None if one
+        is missing. The first is matched by hash and tokens (its predecessor is gone by design), each
+        later one by hash, tokens and parent, as `find_cached_prefix` matches them."""
+        if not self.enable_prefix_caching:
+            return None if num_blocks else []
+        bs, hashes = self.block_size, self.block_hashes(req, num_blocks)
+        out: list[int] = []
+        for i in range(first, num_blocks):
+            b = self.hash_to_block.get(hashes[i])
+            tokens = tuple(req.token_ids[i * bs : (i + 1) * bs])
+            parent = (out[-1], self.generation[out[-1]]) if out else None
+            if b is None or self.block_tokens[b] != tokens or (out and self.block_parent[b] != parent):
+                return None
+            out.append(b)
+        return out
+
     # -- allocation --------------------------------------------------------------------------------
-    def can_allocate(self, req: Request, num_tokens: int, cached: Sequence[int] = (), extra: int = 0) -> bool:
+    def can_allocate(self, req: Request, num_tokens: int, cached: Sequence[int] = (), extra: int = 0,
+                     skip: int = 0) -> bool:
         """Could `req` hold slots for its first `num_tokens` tokens (taking the `cached` prefix blocks
-        first), and `extra` more blocks (private copies), with the blocks free now?"""
-        need = self.blocks_for(num_tokens) - len(req.block_table) - len(cached) + extra
+        first, after `skip` entries a sliding group needs no more), and `extra` more blocks (private
+        copies), with the blocks free now?"""
+        need = self.blocks_for(num_tokens) - len(req.block_table) - skip - len(cached) + extra
         revived = sum(1 for b in cached if self.ref_counts[b] == 0)  # they leave the cached-free pool
         return need <= self.num_free_blocks - revived
 
-    def allocate(self, req: Request, num_tokens: int, cached: Sequence[int] = ()) -> None:
-        """Grow `req.block_table` to cover `num_tokens` tokens: first the `cached` prefix blocks (shared,
-        from `find_cached_prefix`), then fresh ones. Call `can_allocate` first."""
-        if not self.can_allocate(req, num_tokens, cached):
-            need = self.blocks_for(num_tokens) - len(req.block_table) - len(cached)
+    def allocate(self, req: Request, num_tokens: int, cached: Sequence[int] = (), skip: int = 0) -> None:
+        """Grow `req.block_table` to cover `num_tokens` tokens: first `skip` EVICTED entries (a sliding
+        group's blocks before the window of a prefix hit), then the `cached` prefix blocks (shared, from
+        `find_cached_prefix` / `find_window_blocks`), then fresh ones. Call `can_allocate` first."""
+        if not self.can_allocate(req, num_tokens, cached, skip=skip):
+            need = self.blocks_for(num_tokens) - len(req.block_table) - skip - len(cached)
             raise RuntimeError(f"out of KV blocks: need {need}, have {self.num_free_blocks}")
-        assert not cached or not req.block_table, "a cached prefix is taken at admission only"
+        assert not (cached or skip) or not req.block_table, "a cached prefix is taken at admission only"
+        if skip:
+            req.block_table.extend([EVICTED] * skip)
+            req.evicted_upto = skip
         for b in cached:
             self._take(b, req)
             req.block_table.append(b)
-        req.num_cached_blocks = max(req.num_cached_blocks, len(cached))
+        req.num_cached_blocks = max(req.num_cached_blocks, skip + len(cached))
         for _ in range(self.blocks_for(num_tokens) - len(req.block_table)):
             b = self._pop_free()
             self._take(b, req)
@@ -174,10 +198,9 @@ class BlockManager:
         return 1 << 62 if req.kv_policy is None else req.kv_policy.max_tokens // self.block_size
 
     def evict(self, req: Request, upto: int) -> int:
-        """Give back `req`'s blocks [sink_blocks, upto) of its table (a bounded cache's window moved on);
-        returns how many were given back now."""
-        assert req.kv_policy is not None
-        start = max(req.evicted_upto, req.kv_policy.sink_blocks)
+        """Give back `req`'s blocks [sink_blocks, upto) of its table (a bounded cache's window moved on, or
+        a sliding layer group's: from 0); returns how many were given back now."""
+        start = max(req.evicted_upto, req.kv_policy.sink_blocks if req.kv_policy is not None else 0)
         n = 0
         for i in range(start, min(upto, len(req.block_table))):
             self._release(req.block_table[i], req)
@@ -232,7 +255,7 @@ class BlockManager:
         in the same step) is swapped for the cached one and its own copy freed, so one hash names one
         block. A stale cached-free block under the same hash (a collision, or an orphan whose parent was
         evicted) is evicted for ours; a colliding block that someone reads stops registration here."""
-        if not self.enable_prefix_caching or req.evicted_upto:
+        if not self.enable_prefix_caching or (req.kv_policy is not None and req.evicted_upto):
             return  # (a bounded cache registers nothing once it evicts: see the module docstring)
         bs, table = self.block_size, req.block_table
         num_full = min(req.num_computed_tokens // bs, len(table), self._registrable(req))

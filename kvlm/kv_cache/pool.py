@@ -14,6 +14,7 @@ import torch
 from kvlm.config import EngineConfig, ModelConfig
 from kvlm.errors import ParameterError
 from kvlm.kv_cache.block_manager import BlockManager
+from kvlm.kv_cache.layer_groups import LayerGroups
 from kvlm.kv_cache.storage import ContiguousKVCache, KVCache, KVElement, NoKVCache, PagedKVCache
 
 MAX_KV_SHARE = 0.9  # the largest share of available memory a KV pool may take
@@ -59,28 +60,48 @@ def kv_pool_budget(cfg: EngineConfig, max_model_len: int, kv_bytes_per_token: in
 
 def make_kv_cache(cfg: EngineConfig, mc: ModelConfig, max_model_len: int, kv_bytes_per_token: int,
                   dtype: KVElement, device: torch.device,
-                  compute_dtype: torch.dtype | None = None) -> tuple[KVCache, BlockManager]:
-    """The KV cache for `cfg.kv_cache_layout` and the block manager that hands out its slots. `dtype` is
-    the K/V element type (a float type or a quantized format), `compute_dtype` the model's (what attention
-    reads back; default `dtype`). `kv_bytes_per_token` is the format's formula; the pool's tensors then
-    take that many bytes per slot (`cache.bytes_per_token` counts them)."""
+                  compute_dtype: torch.dtype | None = None
+                  ) -> tuple[KVCache, BlockManager, list[tuple[BlockManager, int]]]:
+    """The KV cache for `cfg.kv_cache_layout`, the block manager that hands out its slots, and, for a model
+    with sliding-window layers on the paged layout, each extra layer group's (block manager, window)
+    (`layer_groups.py`). `dtype` is the K/V element type (a float type or a quantized format),
+    `compute_dtype` the model's (what attention reads back; default `dtype`). `kv_bytes_per_token` is the
+    format's formula; the pool's tensors then take that many bytes per slot (`cache.bytes_per_token`).
+
+    Layer groups: each sliding group gets room for `max_num_seqs` requests' windows (plus a chunk), and
+    the full layers the rest of the budget; the default budget sizes the full layers as it sizes a pool."""
     layers = mc.num_hidden_layers
     if not cfg.enable_kv_cache:
-        return NoKVCache(dtype), BlockManager(cfg.max_num_seqs, max_model_len)
+        return NoKVCache(dtype), BlockManager(cfg.max_num_seqs, max_model_len), []
     if cfg.kv_cache_layout == "contiguous":
         cache = ContiguousKVCache(layers, cfg.max_num_seqs, max_model_len, mc.num_key_value_heads, mc.head_dim,
                                   dtype, device, compute_dtype)
-        return cache, BlockManager(cfg.max_num_seqs, max_model_len)
-    per_block = kv_bytes_per_token * cfg.block_size
-    budget = kv_pool_budget(cfg, max_model_len, kv_bytes_per_token, device)
-    num_blocks = budget // per_block
+        return cache, BlockManager(cfg.max_num_seqs, max_model_len), []
+    bs, groups = cfg.block_size, LayerGroups.of(mc.layer_windows, layers)
+    per_layer = kv_bytes_per_token / layers
+    group_blocks = [0] + [cfg.max_num_seqs * groups.blocks_per_seq(g, bs) for g in range(1, groups.num_groups)]
+    sliding = sum(n * bs * per_layer * len(groups.layers(g)) for g, n in enumerate(group_blocks))
+    full_bpt = per_layer * len(groups.layers(0))
+    per_block = full_bpt * bs
+    if not per_block:  # every layer slides: group 0 keeps the bookkeeping (tables, prefix hashes), no tensors
+        num_blocks, budget = cfg.max_num_seqs * -(-max_model_len // bs), 0
+    else:
+        budget = kv_pool_budget(cfg, max_model_len, int(full_bpt) if groups.sliding else kv_bytes_per_token, device)
+        if cfg.kv_cache_memory is not None:
+            budget -= int(sliding)
+        num_blocks = int(budget // per_block)
     if num_blocks < 1:
         raise ParameterError("kv_cache_memory",
-                             f"kv_cache_memory: {budget} B is smaller than one KV block ({per_block} B)")
-    cache = PagedKVCache(layers, num_blocks, cfg.block_size, mc.num_key_value_heads, mc.head_dim, dtype, device,
-                         compute_dtype)
+                             f"kv_cache_memory: {budget} B is smaller than one KV block ({per_block:.0f} B)"
+                             + (f" after the sliding layers' {sliding:.0f} B" if sliding else ""))
+    group_blocks[0] = num_blocks
+    cache = PagedKVCache(layers, num_blocks, bs, mc.num_key_value_heads, mc.head_dim, dtype, device,
+                         compute_dtype, layer_group=list(groups.group_of), group_blocks=group_blocks)
     # Only the paged layout can share blocks between requests: prefix caching lives here.
-    return cache, BlockManager(num_blocks, cfg.block_size, enable_prefix_caching=cfg.enable_prefix_caching)
+    pc = cfg.enable_prefix_caching
+    extra = [(BlockManager(n, bs, enable_prefix_caching=pc), groups.windows[g])
+             for g, n in enumerate(group_blocks) if g]
+    return cache, BlockManager(num_blocks, bs, enable_prefix_caching=pc), extra  # type: ignore[misc]
 
 
 def describe_kv_pool(cfg: EngineConfig, cache: KVCache, bm: BlockManager, max_model_len: int,

@@ -195,12 +195,13 @@ class _LayerStorage:
     which `fetch` zeroes (`_zero_padding`)."""
 
     def __init__(self, num_layers: int, shape: tuple[int, ...], dtype: KVElement, device: torch.device,
-                 compute_dtype: torch.dtype | None = None) -> None:
+                 compute_dtype: torch.dtype | None = None, first_dims: list[int] | None = None) -> None:
         *lead, self.head_dim = shape  # (..., kv_heads, D): stored as (..., kv_heads, stored_row)
         row, tensor_dtype = stored_row(dtype, self.head_dim)
         self.element = dtype
-        self.k = [torch.empty(*lead, row, dtype=tensor_dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.empty(*lead, row, dtype=tensor_dtype, device=device) for _ in range(num_layers)]
+        dims = first_dims or [lead[0]] * num_layers  # per layer, when layers' pools differ (layer groups)
+        self.k = [torch.empty(n, *lead[1:], row, dtype=tensor_dtype, device=device) for n in dims]
+        self.v = [torch.empty(n, *lead[1:], row, dtype=tensor_dtype, device=device) for n in dims]
         # what fetch() returns (the model's activations)
         self.compute_dtype = compute_dtype or (torch.float32 if isinstance(dtype, KVQuantFormat) else dtype)
 
@@ -218,7 +219,12 @@ class _LayerStorage:
     @property
     def bytes_per_token(self) -> float:
         """K/V bytes one token slot takes, counted from the pool's tensors (codes and scales), all layers."""
-        return self.nbytes / (self.num_blocks * self.block_size)
+        return sum(self.slot_bytes(i) for i in range(len(self.k)))
+
+    def slot_bytes(self, layer: int) -> float:
+        """K/V bytes of one token slot of one layer, from its tensors."""
+        k, v = self.k[layer], self.v[layer]
+        return (k[0].numel() * k.element_size() + v[0].numel() * v.element_size()) / self.block_size
 
     @property
     def resident_bytes(self) -> int | None:
@@ -239,29 +245,49 @@ class _LayerStorage:
 
 class PagedKVCache(_LayerStorage):
     """Block pools per layer: k[layer] and v[layer] are (num_blocks, block_size, kv_heads, D), or (...,
-    kv_heads, row_bytes) uint8 for a quantized format (each head row's groups, `kernels/kv_quant.py`)."""
+    kv_heads, row_bytes) uint8 for a quantized format (each head row's groups, `kernels/kv_quant.py`).
+
+    Layer groups (`layer_groups.py`: sliding-window layers keep only their window): layer l belongs to
+    group layer_group[l]; group 0's pools have num_blocks blocks and read meta's block tables and slots,
+    group g's have group_blocks[g] blocks plus a zero-filled null block (id group_blocks[g], what an
+    evicted entry reads) and read meta.group_tables[g - 1] / group_slots[g - 1]."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
-                 dtype: KVElement, device: torch.device, compute_dtype: torch.dtype | None = None) -> None:
-        super().__init__(num_layers, (num_blocks, block_size, kv_heads, head_dim), dtype, device, compute_dtype)
+                 dtype: KVElement, device: torch.device, compute_dtype: torch.dtype | None = None,
+                 layer_group: list[int] | None = None, group_blocks: list[int] | None = None) -> None:
+        self.layer_group = layer_group or [0] * num_layers
+        self.group_blocks = group_blocks or [num_blocks]
+        dims = [num_blocks if g == 0 else self.group_blocks[g] + 1 for g in self.layer_group]
+        super().__init__(num_layers, (num_blocks, block_size, kv_heads, head_dim), dtype, device, compute_dtype,
+                         first_dims=dims)
+        for layer, g in enumerate(self.layer_group):
+            if g:
+                self.k[layer][-1].zero_()
+                self.v[layer][-1].zero_()
         self.block_size, self.num_blocks = block_size, num_blocks
         # Gather buffers reused by every layer (a layer's attention is done before the next one reads):
         # allocating megabytes per layer per step costs page faults that dominate batched decode on CPU.
         self._kbuf = self.k[0].new_empty(0, *self.k[0].shape[1:])
         self._vbuf = torch.empty_like(self._kbuf)
 
+    def _group(self, layer: int, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """The slot mapping and block tables layer `layer` reads in this step (its group's)."""
+        g = self.layer_group[layer]
+        return (meta.slot_mapping, meta.block_tables) if g == 0 else (meta.group_slots[g - 1], meta.group_tables[g - 1])
+
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
         kc, vc = self.k[layer], self.v[layer]
         kvh, D = kc.shape[2], kc.shape[3]
-        kc.view(-1, kvh, D).index_copy_(0, meta.slot_mapping, self._encode(k))
-        vc.view(-1, kvh, D).index_copy_(0, meta.slot_mapping, self._encode(v))
+        slots = self._group(layer, meta)[0]
+        kc.view(-1, kvh, D).index_copy_(0, slots, self._encode(k))
+        vc.view(-1, kvh, D).index_copy_(0, slots, self._encode(v))
 
     def fetch(self, layer: int, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         kc, vc = self.k[layer], self.v[layer]
         kvh, D = kc.shape[2], kc.shape[3]
         L = meta.max_seq_len
         nblk = -(-L // self.block_size)
-        bt = meta.block_tables[:, :nblk]  # (B, nblk)
+        bt = self._group(layer, meta)[1][:, :nblk]  # (B, nblk)
         B = bt.shape[0]
         # Gather each sequence's blocks: (B, nblk, bs, kvh, D) -> (B, kvh, L, D). Padding beyond a
         # sequence's length is masked by the attention mask.
@@ -291,7 +317,7 @@ class PagedKVCache(_LayerStorage):
             vc.index_copy_(0, idx, v[layer].to(device=vc.device, dtype=vc.dtype))
 
     def blocks(self, layer: int, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self.k[layer], self.v[layer], meta.block_tables  # pools (num_blocks, block_size, kv_heads, D)
+        return self.k[layer], self.v[layer], self._group(layer, meta)[1]  # pools (blocks, block_size, kv_heads, D)
 
     # Bounded caches (kv_policy.py): private copies of sink blocks, and their keys re-rotated in place.
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
