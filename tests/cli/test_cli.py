@@ -76,6 +76,8 @@ def commands(model: Path, files: dict[str, Path]) -> dict[str, list[str]]:
                               '"required":["a"],"additionalProperties":false}', "--json"],
         "grammar": gen + ["hi", "--grammar", str(files["grammar"]), "--json"],
         "json_schema_file_stream": ["-q", "generate", m, "hi", "--json-schema", str(files["schema"])],
+        "bounded": gen + ["the quick brown fox " * 6, "--max-model-len", "64", "--block-size", "4", "--max-kv-tokens",
+                          "32", "--max-tokens", "40", "--ignore-eos", "--json"],
     }
 
 
@@ -102,6 +104,8 @@ BAD_INPUT: dict[str, tuple[list[str], int, list[str]]] = {
     "constraint_and_ignore_eos": (["generate", "hi", "--regex", "a", "--ignore-eos"], 2, ["ignore_eos"]),
     "temperature_inf": (["generate", "hi", "--temperature", "inf"], 2, ["temperature", "inf"]),
     "too_many_words": (["generate", "hello", "world"], 2, ["PROMPT", "quote"]),
+    "max_kv_tokens_not_a_block_multiple": (["generate", "hi", "--max-kv-tokens", "30"], 2,
+                                           ["max_kv_tokens", "multiple of the block size"]),
 }
 
 
@@ -187,6 +191,13 @@ def test_generate_json(runs, api_greedy) -> None:
     assert doc["stats"]["generated_tokens"] == len(ids)
     assert doc["stats"]["prompt_tokens"] == len(doc["prompt_token_ids"])
     assert ids == api_greedy("hello", 8).token_ids
+
+
+def test_bounded_cache_runs_past_the_context(runs) -> None:
+    """--max-kv-tokens: a 120-token prompt and 40 new tokens in a 64-token context, on 32 tokens of K/V."""
+    doc = ok_json(runs("bounded"))
+    assert len(doc["prompt_token_ids"]) > 64 and len(doc["token_ids"]) == 40 and doc["finish_reason"] == "length"
+    assert doc["stats"]["kv_evicted_tokens"] > len(doc["prompt_token_ids"]) + 40 - 32 - 8
 
 
 def test_no_kv_cache_gives_the_same_tokens(runs) -> None:

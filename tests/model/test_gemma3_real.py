@@ -66,3 +66,15 @@ def test_shipped_chat_template(engine: Engine) -> None:
                     "<start_of_turn>user\nBye<end_of_turn>\n<start_of_turn>model\n")
     assert tok.encode("<end_of_turn>", add_special_tokens=False) == [106]
     assert 106 in tok.eos_token_ids and 1 in tok.eos_token_ids
+
+
+def test_kv_pool_at_32k_follows_the_layers_windows(gemma3_gguf: Path) -> None:
+    """One sequence at Gemma 3's 32k context: 3 full layers hold 32,768 tokens, the 15 sliding ones their
+    512-token window (plus a chunk, `layer_groups.py`): the pool is at most 1.1x that formula (about 207 MiB
+    in float32), where every layer full would take 1.13 GiB."""
+    eng = Engine(gemma3_gguf, EngineConfig(max_model_len=32768, max_num_seqs=1), quiet=True)
+    mc = eng.model_config
+    per_layer = mc.kv_bytes_per_token(4) / mc.num_hidden_layers
+    formula = sum(32768 if w is None else w for w in mc.layer_windows) * per_layer
+    assert round(formula / 2**20) == 207
+    assert formula <= eng.kv_cache.nbytes <= 1.1 * formula
