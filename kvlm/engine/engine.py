@@ -209,11 +209,16 @@ class Engine:
         if not cfg.enable_kv_cache or cfg.kv_cache_layout != "paged":
             raise ParameterError("max_kv_tokens", "max_kv_tokens (a bounded KV cache) needs the paged KV cache; "
                                  "drop --no-kv-cache / --kv-cache-layout contiguous")
-        if self.scheduler.groups:
-            raise ParameterError("max_kv_tokens", "max_kv_tokens (sinks + window) is not supported yet on models "
-                                 "with sliding-window layers (Gemma 3): those layers keep only their window already")
         sinks = params.sink_tokens if params.sink_tokens is not None else cfg.sink_tokens
-        return BoundedKV.make(n, sinks, self.block_manager.block_size, self.max_model_len)
+        policy = BoundedKV.make(n, sinks, self.block_manager.block_size, self.max_model_len)
+        # Sliding layer groups keep their own window and never see the sinks: the kept tokens must cover it.
+        widest = max((w for _, w in self.scheduler.groups), default=0)
+        if widest and policy.window - policy.block_size < widest:
+            least = widest + policy.num_sinks + policy.block_size
+            raise ParameterError("max_kv_tokens", f"max_kv_tokens must be at least {least} on this model (its "
+                                 f"sliding layers' window of {widest} tokens, the {policy.num_sinks} sinks and a "
+                                 f"block), got {n}")
+        return policy
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its blocks; False if it is unknown or already finished."""
@@ -328,14 +333,15 @@ class Engine:
 
     def _kv_bytes(self, req: Request, kept: int) -> tuple[int, int]:
         """(bytes of the blocks `req` holds, bytes of them filled), over every layer group: group 0 holds
-        `kept` filled tokens, a sliding group those from its first held block on."""
+        `kept` filled tokens, a sliding group all its blocks full but the last."""
         bs = self.block_manager.block_size
         slot = self._group_slot_bytes
         held = (len(req.block_table) - req.block_table.count(EVICTED)) * bs * slot[0]
         used = kept * slot[0]
         for g, table in enumerate(req.group_tables, 1):
-            held += (len(table) - table.count(EVICTED)) * bs * slot[g]
-            used += (req.num_computed_tokens - req.group_evicted[g - 1] * bs) * slot[g]
+            blocks = len(table) - table.count(EVICTED)
+            held += blocks * bs * slot[g]
+            used += (blocks * bs - (len(table) * bs - req.num_computed_tokens)) * slot[g]  # all full but the last
         return round(held), round(used)
 
     @functools.cached_property

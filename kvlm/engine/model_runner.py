@@ -93,6 +93,9 @@ class _StepRows:
             gt = [[null if b < 0 else b for b in req.group_tables[g]] for req in batch.requests]
             for start, n, t in zip(r.starts, batch.num_new_tokens, gt):
                 slots.extend(t[p // block_size] * block_size + p % block_size for p in range(start, start + n))
+            # a bounded request reads [sinks | kept] in every group (its sinks outside a sliding window)
+            gt = [t if req.kv_policy is None else req.kv_policy.virtual_table(t, start)
+                  for req, start, t in zip(batch.requests, r.starts, gt)]
             r.group_tables.append([t + [null] * (max_blocks - len(t)) for t in gt])
         return r
 
@@ -263,8 +266,8 @@ class ModelRunner:
             blocks = req.block_table[: req.kv_policy.sink_blocks]
             if req.sink_keys is None:
                 req.sink_keys = cache.read_keys(blocks)  # (layers, num_sinks, kv_heads, D), as first computed
-            for layer in range(req.sink_keys.shape[0]):
-                cache.write_keys(layer, blocks, self.model.shift_keys(layer, req.sink_keys[layer], req.sink_shift))
+            for i, layer in enumerate(cache.group0_layers):  # sliding layer groups never see the sinks
+                cache.write_keys(layer, blocks, self.model.shift_keys(layer, req.sink_keys[i], req.sink_shift))
 
     def _prompt_logprobs(self, batch: ScheduledBatch, hidden: torch.Tensor) -> None:
         """Append to `req.prompt_logprobs` the log-probabilities of the prompt tokens this chunk predicts.

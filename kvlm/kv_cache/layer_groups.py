@@ -106,7 +106,9 @@ class GroupView:
     num_tokens = property(lambda self: self.req.num_tokens)
     block_hashes = property(lambda self: self.req.block_hashes)
     num_computed_tokens = property(lambda self: self.req.num_computed_tokens)
-    kv_policy = property(lambda self: None)  # a sliding group's rule is its window (bounded caches: group 0)
+    # A bounded request's: its sinks stay listed (their block, never read: outside the window), and a
+    # sliding group registers nothing of it once it evicts (K/V computed under the policy are its own).
+    kv_policy = property(lambda self: self.req.kv_policy)
 
     def reset_bounded_state(self) -> None:
         self.evicted_upto = 0

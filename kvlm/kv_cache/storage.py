@@ -320,19 +320,26 @@ class PagedKVCache(_LayerStorage):
         return self.k[layer], self.v[layer], self._group(layer, meta)[1]  # pools (blocks, block_size, kv_heads, D)
 
     # Bounded caches (kv_policy.py): private copies of sink blocks, and their keys re-rotated in place.
+    @property
+    def group0_layers(self) -> list[int]:
+        """The layers whose pools group 0's block ids address (all of them without layer groups)."""
+        return [i for i, g in enumerate(self.layer_group) if g == 0]
+
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        """K and V of block src copied into block dst, every layer, for each (src, dst)."""
+        """K and V of group 0's block src copied into its block dst, each of its layers, for each (src, dst)."""
         src = torch.tensor([a for a, _ in pairs], dtype=torch.long, device=self.k[0].device)
         dst = torch.tensor([b for _, b in pairs], dtype=torch.long, device=self.k[0].device)
-        for kc, vc in zip(self.k, self.v):
+        for layer in self.group0_layers:
+            kc, vc = self.k[layer], self.v[layer]
             kc.index_copy_(0, dst, kc.index_select(0, src))
             vc.index_copy_(0, dst, vc.index_select(0, src))
 
     def read_keys(self, block_ids: list[int]) -> torch.Tensor:
-        """The keys of `block_ids` as the model computes with them: (layers, n * block_size, kv_heads, D)."""
+        """The keys of group 0's `block_ids` as the model computes with them, (len(group0_layers), n *
+        block_size, kv_heads, D), in the order of `group0_layers`."""
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.k[0].device)
-        return torch.stack([decode_kv(kc.index_select(0, idx), self.element, self.head_dim, self.compute_dtype)
-                            .flatten(0, 1) for kc in self.k])
+        return torch.stack([decode_kv(self.k[i].index_select(0, idx), self.element, self.head_dim,
+                                      self.compute_dtype).flatten(0, 1) for i in self.group0_layers])
 
     def write_keys(self, layer: int, block_ids: list[int], k: torch.Tensor) -> None:
         """Store keys k (n * block_size, kv_heads, D) into `block_ids` of `layer` (rounded / quantized)."""

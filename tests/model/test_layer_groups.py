@@ -84,10 +84,33 @@ def test_pool_bytes_follow_the_per_layer_formula(model: Path) -> None:
     assert eng.kv_bytes_per_token == round(mc.kv_bytes_per_token(4))  # the per-token cost is counted per layer
 
 
+def test_sinks_and_window_on_sliding_layers_bit_for_bit(model: Path) -> None:
+    """--max-kv-tokens on Gemma: the full layer keeps sinks + window, the sliding ones their own window (the
+    kept tokens cover it); alone == batch, chunked == whole, preempted == not, and memory stays flat."""
+    bounded = dict(block_size=4, max_kv_tokens=24, sink_tokens=4, max_model_len=64)
+    prompts = random_prompts(3, 33, lo=10, hi=80)
+    params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+    reqs: list = []
+    eng = Engine(model, EngineConfig(**bounded), quiet=True)
+    ref = run_engine(eng, prompts, params, requests=reqs)
+    assert all(r.metrics.num_evicted_tokens > 0 for r in reqs)
+    eng.scheduler.check()
+    assert_identical(ref, run_engine(Engine(model, EngineConfig(**bounded, max_num_batched_tokens=5), quiet=True),
+                                     prompts, params), "chunked")
+    for i, p in enumerate(prompts):
+        t, lg = run_engine(Engine(model, EngineConfig(**bounded), quiet=True), [p], params)
+        assert_identical(({i: ref[0][i]}, {i: ref[1][i]}), ({i: t[0]}, {i: lg[0]}), f"alone vs batch ({i})")
+    reqs = []
+    small = Engine(model, EngineConfig(**bounded, max_num_seqs=3, kv_cache_memory=3 * 6 * 5 * 1024 + 14 * 1024),
+                   quiet=True)
+    assert_identical(ref, run_engine(small, prompts, params, requests=reqs), "preempted vs not")
+    assert sum(r.metrics.num_preemptions for r in reqs) > 0
+
+
 def test_what_is_not_supported_yet_says_so(model: Path, tmp_path: Path) -> None:
     eng = Engine(model, EngineConfig(block_size=4), quiet=True)
-    with pytest.raises(ParameterError) as e:
-        eng.add_request([1, 2, 3], SamplingParams(max_kv_tokens=32))
-    assert e.value.param == "max_kv_tokens"
+    with pytest.raises(ParameterError) as e:  # the kept tokens must cover the sliding layers' window
+        eng.add_request([1, 2, 3], SamplingParams(max_kv_tokens=12, sink_tokens=4))
+    assert e.value.param == "max_kv_tokens" and "at least 16" in str(e.value)
     with pytest.raises(SnapshotError):
         eng.save_prefix(list(range(12)), tmp_path / "s.safetensors")
