@@ -54,6 +54,8 @@ class ServerMetrics:
         self.prompt_tokens = counter("kvlm:prompt_tokens", "Prompt tokens of finished requests.").labels(**lbl)
         self.generation_tokens = counter("kvlm:generation_tokens", "Generated tokens.").labels(**lbl)
         self.preemptions = counter("kvlm:num_preemptions", "Preemptions (by recompute).").labels(**lbl)
+        self.evicted = counter("kvlm:kv_evicted_tokens",
+                               "Tokens whose K/V a bounded cache (--max-kv-tokens) gave back.").labels(**lbl)
         self.prefix_queries = counter("kvlm:prefix_cache_queries",
                                       "Prompt tokens looked up in the prefix cache.").labels(**lbl)
         self.prefix_hits = counter("kvlm:prefix_cache_hits", "Prompt tokens found in the prefix cache.").labels(**lbl)
@@ -82,6 +84,7 @@ class ServerMetrics:
         self.prefix_queries.inc(m.num_prompt_tokens)
         self.prefix_hits.inc(m.num_cached_tokens)
         self.preemptions.inc(m.num_preemptions)
+        self.evicted.inc(m.num_evicted_tokens)
         self.success.labels(model_name=self._name, finished_reason=req.finish_reason or "abort").inc()
         if m.first_token_time is not None:
             self.ttft.observe(m.first_token_time - m.arrival_time)

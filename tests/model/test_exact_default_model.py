@@ -106,3 +106,22 @@ def test_seeded_sampling_bit_identical(setup, smollm2_gguf: Path) -> None:
     nocache = LLM(str(smollm2_gguf), num_threads=2, enable_kv_cache=False)
     short = SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=16, ignore_eos=True, logprobs=5)
     _check("seeded, no KV cache", [_truncate(o, 16) for o in ref], nocache.generate(prompts[:6], short, use_tqdm=False))
+
+
+def test_bounded_cache_paths_bit_identical(setup, smollm2_gguf: Path) -> None:
+    """--max-kv-tokens 256 (sinks(16) + window(240)): the 12 prompts, two over 1,000 tokens, and 64 greedy
+    tokens past the budget: alone, in one batch, chunked (7 and 64 tokens a step) and preempted, bit for bit."""
+    _, prompts = setup
+    bounded = SamplingParams(temperature=0, max_tokens=300, ignore_eos=True, logprobs=5, max_kv_tokens=256)
+    llm = LLM(str(smollm2_gguf), num_threads=2, enable_prefix_caching=False)
+    ref = [llm.generate([p], bounded, use_tqdm=False)[0] for p in prompts]
+    assert all(o.metrics.num_evicted_tokens > 0 for o in ref)
+    _check("bounded, in one batch", ref, llm.generate(prompts, bounded, use_tqdm=False))
+    for budget in (7, 64):
+        chunked = LLM(str(smollm2_gguf), num_threads=2, max_num_batched_tokens=budget)
+        _check(f"bounded, chunked ({budget})", ref, chunked.generate(prompts, bounded, use_tqdm=False))
+    per_token = llm.llm_engine.kv_bytes_per_token
+    small = LLM(str(smollm2_gguf), num_threads=2, kv_cache_memory=800 * per_token, enable_prefix_caching=False)
+    outs = small.generate(prompts, bounded, use_tqdm=False)
+    assert sum(o.metrics.num_preemptions for o in outs) > 0
+    _check("bounded, preempted", ref, outs)

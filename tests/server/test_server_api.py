@@ -94,6 +94,9 @@ def test_bounded_kv_request_runs_past_the_context(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(**{**kw, "extra_body": {"max_kv_tokens": 60}})
     assert e.value.body["param"] == "max_kv_tokens"
+    metrics = httpx.get(str(client.base_url).removesuffix("/v1/") + "/metrics").text
+    counted = [line for line in metrics.splitlines() if line.startswith("kvlm:kv_evicted_tokens_total")]
+    assert counted and float(counted[0].split()[-1]) >= 2 * r.usage.model_extra["kv_evicted_tokens"]
 
 
 def test_chat_sync_and_async_stream(client, aclient):
