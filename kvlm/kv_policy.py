@@ -25,6 +25,7 @@ of rotating num_sinks keys per block of tokens (re-rotating the kept window inst
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 from kvlm.errors import ParameterError
@@ -111,6 +112,12 @@ class BoundedKV:
         if f == 0:
             return table
         return table[: self.sink_blocks] + table[f // self.block_size :]
+
+    def block_hash(self, prefix_hash: bytes) -> bytes:
+        """The prefix-cache name of a block computed after the first eviction: its prefix hash keyed by the
+        policy (its K/V depend on what the policy kept, so only a request with the same policy may reuse it)."""
+        return hashlib.sha256(b"kvlm-bounded\0%d,%d,%d\0" % (self.max_tokens, self.num_sinks, self.block_size)
+                              + prefix_hash).digest()
 
     def describe(self) -> str:
         rounded = f" ({self.sink_tokens} rounded up to whole blocks)" if self.num_sinks != self.sink_tokens else ""

@@ -31,7 +31,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from kvlm.kv_cache.block_manager import BlockManager
+from kvlm.kv_cache.block_manager import EVICTED, BlockManager
+from kvlm.kv_cache.bounded_prefix import extend_bounded_hit
 from kvlm.kv_cache.layer_groups import GroupView, evict_upto
 from kvlm.kv_cache.prefix_misses import PrefixHistory
 from kvlm.request import Request, RequestStatus
@@ -121,6 +122,8 @@ class Scheduler:
         """The longest prefix of `hit` (group 0's cached blocks) that every extra group can serve: its
         blocks inside the window of the first token computed after it (layer_groups.py)."""
         for k in range(len(hit), -1, -1):
+            if k < len(hit) and EVICTED in hit[:k]:
+                return [], [(0, []) for _ in self.groups]  # a bounded hit is whole or nothing
             parts = []
             for bm, view, w in self._views(req):
                 first = evict_upto(k * bm.block_size, w, bm.block_size)
@@ -140,7 +143,7 @@ class Scheduler:
         upto = policy.evict_upto(p)
         if upto <= req.evicted_upto:
             return 0
-        first = req.evicted_upto == 0
+        first = req.sink_shift == 0  # its sinks are not private copies yet
         self.bm.evict(req, upto)
         req.metrics.num_evicted_tokens = max(req.metrics.num_evicted_tokens, policy.kept_start(p) - policy.num_sinks)
         return policy.sink_blocks if first else 0
@@ -194,22 +197,36 @@ class Scheduler:
             if req is None:
                 break
             hit = [] if req.params.prompt_logprobs is not None else self.bm.find_cached_prefix(req)
+            plain = hit
+            if req.kv_policy is not None and hit:
+                hit = extend_bounded_hit(self.bm, req, hit)  # past its first eviction: sinks + window
             ghits = None
             if self.groups:
                 hit, ghits = self._window_hit(req, hit)
+                if not hit and plain:  # the groups could not serve the extended hit: the plain one, then
+                    hit, ghits = self._window_hit(req, plain)
+            moved = EVICTED in hit  # a bounded hit past the first eviction: its sinks move now
+            extra = req.kv_policy.sink_blocks if moved and req.kv_policy is not None else 0
             if pending and len(hit) < len(req.block_hashes) and req.block_hashes[len(hit)] in pending:
                 break  # its next block is being computed this step: wait one step and reuse it instead
             req.num_computed_tokens = len(hit) * self.bm.block_size
             n = self._wanted(req, budget)
             # Without a cache a request cannot be chunked: it may exceed the budget only when alone.
             too_big = self.recompute_all and n > budget and bool(batch.requests)
-            if too_big or not (self.bm.can_allocate(req, req.num_computed_tokens + n, hit)
+            if too_big or not (self.bm.can_allocate(req, req.num_computed_tokens + n, hit, extra=extra)
                                and self._groups_fit(req, req.num_computed_tokens + n, ghits)):
                 req.num_computed_tokens = 0  # waiting requests hold nothing
                 break
             self.waiting.remove(req)
             self.bm.allocate(req, req.num_computed_tokens + n, hit)
             self._groups_allocate(req, req.num_computed_tokens + n, ghits)
+            if moved:
+                policy = req.kv_policy
+                assert policy is not None
+                req.evicted_upto = policy.evict_upto(req.num_computed_tokens)
+                req.metrics.num_evicted_tokens = max(req.metrics.num_evicted_tokens,
+                                                     policy.kept_start(req.num_computed_tokens) - policy.num_sinks)
+                self._move_sinks(req, batch, extra)
             req.status = RequestStatus.RUNNING
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = now

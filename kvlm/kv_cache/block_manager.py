@@ -25,8 +25,11 @@ request writes into a block another one reads.
 Bounded caches (`kv_policy.BoundedKV`: sinks + window). `evict` releases a request's blocks that its
 window has left, leaving EVICTED (-1) in their place so block i still holds tokens i * block_size ..;
 `make_private` swaps a block for a private copy (the sinks, before their keys are re-rotated in place).
-Only blocks wholly before the first eviction (tokens < max_tokens, computed exactly as an unbounded
-cache computes them) are registered or looked up. Invariants (checked by `check()` and the tests):
+Blocks wholly before the first eviction (tokens < max_tokens, computed exactly as an unbounded cache
+computes them) are registered under their prefix hash; later ones under that hash keyed by the policy
+(`BoundedKV.block_hash`), for requests with the same policy only (`kv_cache/bounded_prefix.py`).
+
+Invariants (checked by `check()` and the tests):
   * ref counts are never negative and equal the number of block tables holding the block;
   * free + cached-free + used == num_blocks, each block in exactly one of the three;
   * a hash maps to at most one block and a cached block's hash maps back to it;
@@ -155,7 +158,7 @@ class BlockManager:
         bs, hashes = self.block_size, self.block_hashes(req, num_blocks)
         out: list[int] = []
         for i in range(first, num_blocks):
-            b = self.hash_to_block.get(hashes[i])
+            b = self.hash_to_block.get(self.hash_at(req, hashes, i))
             tokens = tuple(req.token_ids[i * bs : (i + 1) * bs])
             parent = (out[-1], self.generation[out[-1]]) if out else None
             if b is None or self.block_tokens[b] != tokens or (out and self.block_parent[b] != parent):
@@ -170,7 +173,7 @@ class BlockManager:
         first, after `skip` entries a sliding group needs no more), and `extra` more blocks (private
         copies), with the blocks free now?"""
         need = self.blocks_for(num_tokens) - len(req.block_table) - skip - len(cached) + extra
-        revived = sum(1 for b in cached if self.ref_counts[b] == 0)  # they leave the cached-free pool
+        revived = sum(1 for b in cached if b != EVICTED and self.ref_counts[b] == 0)  # leave the cached-free pool
         return need <= self.num_free_blocks - revived
 
     def allocate(self, req: Request, num_tokens: int, cached: Sequence[int] = (), skip: int = 0) -> None:
@@ -184,14 +187,21 @@ class BlockManager:
         if skip:
             req.block_table.extend([EVICTED] * skip)
             req.evicted_upto = skip
-        for b in cached:
-            self._take(b, req)
+        for b in cached:  # (a bounded request's hit past its first eviction holds EVICTED entries)
+            if b != EVICTED:
+                self._take(b, req)
             req.block_table.append(b)
         req.num_cached_blocks = max(req.num_cached_blocks, skip + len(cached))
         for _ in range(self.blocks_for(num_tokens) - len(req.block_table)):
             b = self._pop_free()
             self._take(b, req)
             req.block_table.append(b)
+
+    def hash_at(self, req: Request, hashes: list[bytes], i: int) -> bytes:
+        """The name block i of `req` is registered under (see the module docstring, bounded caches)."""
+        if req.kv_policy is None or i < self._registrable(req):
+            return hashes[i]
+        return req.kv_policy.block_hash(hashes[i])
 
     def _registrable(self, req: Request) -> int:
         """Leading blocks of `req` whose K/V any request computes alike (all, unless its cache is bounded)."""
@@ -255,15 +265,17 @@ class BlockManager:
         in the same step) is swapped for the cached one and its own copy freed, so one hash names one
         block. A stale cached-free block under the same hash (a collision, or an orphan whose parent was
         evicted) is evicted for ours; a colliding block that someone reads stops registration here."""
-        if not self.enable_prefix_caching or (req.kv_policy is not None and req.evicted_upto):
-            return  # (a bounded cache registers nothing once it evicts: see the module docstring)
+        if not self.enable_prefix_caching:
+            return
         bs, table = self.block_size, req.block_table
-        num_full = min(req.num_computed_tokens // bs, len(table), self._registrable(req))
+        num_full = min(req.num_computed_tokens // bs, len(table))
         if num_full <= req.num_cached_blocks:
             return
         hashes = self.block_hashes(req, num_full)
         for i in range(req.num_cached_blocks, num_full):
-            h, mine = hashes[i], table[i]
+            h, mine = self.hash_at(req, hashes, i), table[i]
+            if mine == EVICTED:
+                break  # (registration fell behind a bounded cache's window: those blocks are gone)
             tokens = tuple(req.token_ids[i * bs : (i + 1) * bs])
             parent = self._parent(table, i)
             other = self.hash_to_block.get(h)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_runs import assert_identical, random_prompts, run_engine
+from engine_runs import assert_identical, chat_turns, random_prompts, run_engine
 from tiny_models import tiny_config, write_tiny_gguf
 
 from kvlm import EngineConfig, SamplingParams
@@ -146,3 +146,14 @@ def test_bad_settings_name_their_field(model: Path, cfg: dict, field: str) -> No
         eng.add_request([1, 2], SamplingParams(max_kv_tokens=33))
     with pytest.raises(ParameterError):
         SamplingParams(sink_tokens=-1)
+
+
+def test_endless_chat_reuses_the_window_across_turns(model: Path) -> None:
+    """Past the first eviction, a turn's prefix hit is the previous turn's sinks and kept window (blocks
+    registered under the policy's hash): each turn prefills only its new tokens, bit for bit the same as
+    recomputing the whole history."""
+    hit, cached = chat_turns(model, True, **BOUNDED)
+    miss, _ = chat_turns(model, False, **BOUNDED)
+    for i, (a, b) in enumerate(zip(hit, miss)):
+        assert_identical(a, b, f"turn {i}: prefix hit vs recompute")
+    assert cached[-1] > 2 * BOUNDED["max_kv_tokens"] and all(b > a for a, b in zip(cached[1:], cached[2:]))

@@ -78,3 +78,22 @@ def assert_same_logits(a: list[torch.Tensor] | torch.Tensor, b: list[torch.Tenso
         torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
     else:
         assert torch.equal(a, b), f"logits differ (max |diff| {float((a - b).abs().max()):.3g})"
+
+
+def chat_turns(path: Path, prefix: bool, **cfg) -> tuple[list[tuple[dict, dict]], list[int]]:
+    """Eight turns of a chat (each turn's prompt: the history, then a new message), as `kvlm chat` sends
+    them, on an engine with `cfg` (a bounded cache: an endless chat); returns each turn's (tokens, logits)
+    and how many of its prompt tokens the cache served."""
+    from kvlm import EngineConfig
+
+    eng = Engine(path, EngineConfig(**cfg, enable_prefix_caching=prefix), quiet=True)
+    history, turns, cached = [5, 6, 7], [], []
+    for turn in range(8):
+        history = history + [(31 * turn + j) % 200 + 20 for j in range(5)]
+        reqs: list = []
+        turns.append(run_engine(eng, [history], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+                                requests=reqs))
+        cached.append(reqs[0].metrics.num_cached_tokens)
+        history = history + turns[-1][0][0]
+        eng.scheduler.check()
+    return turns, cached

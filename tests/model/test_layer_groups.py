@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from engine_runs import assert_identical, random_prompts, run_engine
+from engine_runs import assert_identical, chat_turns, random_prompts, run_engine
 from tiny_gemma import WINDOW, gemma3_config, gemma3_state, write_gemma3_gguf
 
 from kvlm import EngineConfig, SamplingParams
@@ -114,3 +114,14 @@ def test_what_is_not_supported_yet_says_so(model: Path, tmp_path: Path) -> None:
     assert e.value.param == "max_kv_tokens" and "at least 16" in str(e.value)
     with pytest.raises(SnapshotError):
         eng.save_prefix(list(range(12)), tmp_path / "s.safetensors")
+
+
+def test_endless_chat_on_sliding_layers(model: Path) -> None:
+    """The multi-turn chat of tests/engine/test_bounded.py on Gemma: each sliding group serves its window
+    of the previous turn, and the turns are bit for bit those of recomputing the history."""
+    cfg = dict(block_size=4, max_kv_tokens=24, sink_tokens=4, max_model_len=64)
+    hit, cached = chat_turns(model, True, **cfg)
+    miss, _ = chat_turns(model, False, **cfg)
+    for i, (a, b) in enumerate(zip(hit, miss)):
+        assert_identical(a, b, f"turn {i}: prefix hit vs recompute")
+    assert cached[-1] > 48
