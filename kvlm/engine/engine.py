@@ -25,13 +25,13 @@ from kvlm.engine.model_runner import ModelRunner, StepResult
 from kvlm.engine.output_processor import OutputProcessor
 from kvlm.engine.scheduler import ScheduledBatch, Scheduler
 from kvlm.engine.threads import ThreadGovernor
-from kvlm.errors import ParameterError, PromptTooLongError, SnapshotError
+from kvlm.errors import ParameterError, PromptTooLongError
 from kvlm.kernels.kv_quant import FORMATS, GROUP, KVQuantFormat
 from kvlm.kv_cache import snapshot as kv_snapshot
 from kvlm.kv_cache.block_manager import EVICTED
 from kvlm.kv_cache.pool import describe_kv_pool, make_kv_cache
 from kvlm.kv_cache.prefix_misses import PrefixHistory
-from kvlm.kv_cache.snapshot import SnapshotInfo, cached_prefix_blocks, snapshot_header
+from kvlm.kv_cache.snapshot import SnapshotInfo, prefix_cached, snapshot_header
 from kvlm.kv_cache.storage import KVCache, KVElement, NoKVCache, PagedKVCache
 from kvlm.kv_policy import BoundedKV
 from kvlm.loader import resolve_model
@@ -231,32 +231,28 @@ class Engine:
         return True
 
     # -- prefix cache ------------------------------------------------------------------------------
-    def _no_groups_for_snapshots(self) -> None:
-        if self.scheduler.groups:
-            raise SnapshotError("KV snapshots are not supported yet for models with sliding-window layers "
-                                "(Gemma 3): their layers keep their K/V in pools of their own")
-
     def save_prefix(self, token_ids: list[int], path: str | os.PathLike) -> SnapshotInfo:
         """Write the K/V of `token_ids`' full blocks to a safetensors snapshot (computing them if needed)."""
-        self._no_groups_for_snapshots()
+        groups = self.scheduler.groups
         nblk = len(token_ids) // self.block_manager.block_size
-        if nblk and len(cached_prefix_blocks(self.block_manager, token_ids)) < nblk:
+        if nblk and not prefix_cached(self.block_manager, token_ids, groups):
             req = self.add_request(list(token_ids), SamplingParams(temperature=0, max_tokens=1))
             while not req.is_finished:
                 self.step()
-        return kv_snapshot.save_prefix(self.block_manager, self.kv_cache, self._snapshot_header(), token_ids, path)
+        return kv_snapshot.save_prefix(self.block_manager, self.kv_cache, self._snapshot_header(), token_ids, path,
+                                       groups)
 
     def load_prefix(self, path: str | os.PathLike) -> SnapshotInfo:
         """Load a snapshot into the prefix cache; `SnapshotError` (engine unchanged) if it does not fit."""
-        self._no_groups_for_snapshots()
         return kv_snapshot.load_prefix(self.block_manager, self.kv_cache, self._snapshot_header(), path,
-                                       vocab_size=self.model_config.vocab_size, max_model_len=self.max_model_len)
+                                       vocab_size=self.model_config.vocab_size, max_model_len=self.max_model_len,
+                                       groups=self.scheduler.groups)
 
     def _snapshot_header(self) -> dict[str, str]:
         mc = self.model_config
         return snapshot_header(self.model_fingerprint, self.config.dtype, self.kv_cache_dtype,
                                self.block_manager.block_size, mc.num_hidden_layers, mc.num_key_value_heads,
-                               mc.head_dim)
+                               mc.head_dim, getattr(self.kv_cache, "layer_group", None))
 
     def prompt_logits(self, token_ids: list[int], first: int, max_kv_tokens: int | None = None,
                       sink_tokens: int | None = None) -> Iterator[tuple[int, torch.Tensor]]:

@@ -2,7 +2,10 @@
 
 File layout (safetensors, so loading never unpickles anything):
   tensors  k, v       (layers, blocks, block_size, kv_heads, head_dim) in the engine's KV cache dtype, or
-                      (..., kv_heads, row_bytes) uint8 for int8 / int4 (the pool's bytes as stored)
+                      (..., kv_heads, row_bytes) uint8 for int8 / int4 (the pool's bytes as stored); with
+                      layer groups (sliding-window layers, `layer_groups.py`) the full layers' only, and
+           k1, v1 ..  per sliding group g: its layers' blocks inside the window of the token after the
+                      snapshot (what a prefix hit there needs), (layers of g, blocks, block_size, ...)
            token_ids  (blocks * block_size,) int64: the tokens whose K/V these are (full blocks only)
   metadata format "kvlm-prefix-snapshot/1"; model_fingerprint (sha256 over the model's files); dtype;
            kv_dtype; block_size; kv_layout ("paged", layers, kv_heads, head_dim); num_tokens; crc32 of the
@@ -29,6 +32,7 @@ import torch
 from kvlm.errors import SnapshotError
 from kvlm.kernels.kv_quant import FORMATS
 from kvlm.kv_cache.block_manager import BlockManager
+from kvlm.kv_cache.layer_groups import GroupView, evict_upto
 from kvlm.kv_cache.storage import KVCache, KVElement, PagedKVCache, stored_row
 from kvlm.request import Request
 from kvlm.sampling_params import SamplingParams
@@ -51,12 +55,31 @@ def _checksum(*tensors: torch.Tensor) -> str:
     return f"{crc:08x}"
 
 
+Groups = list[tuple[BlockManager, int]]  # layer groups 1..: (block manager, window)
+
+
 def snapshot_header(model_fingerprint: str, dtype: str, kv_dtype: KVElement, block_size: int, layers: int,
-                    kv_heads: int, head_dim: int) -> dict[str, str]:
-    """The metadata a snapshot for this engine carries, and that a snapshot must carry to load."""
+                    kv_heads: int, head_dim: int, layer_group: list[int] | None = None) -> dict[str, str]:
+    """The metadata a snapshot for this engine carries, and that a snapshot must carry to load
+    (`layer_group`: each layer's group, for a model with sliding-window layers)."""
+    layout = {"layout": "paged", "layers": layers, "kv_heads": kv_heads, "head_dim": head_dim}
+    if layer_group and any(layer_group):
+        layout["layer_group"] = list(layer_group)
     return {"format": FORMAT, "model_fingerprint": model_fingerprint, "dtype": dtype,
             "kv_dtype": str(kv_dtype).removeprefix("torch."), "block_size": str(block_size),
-            "kv_layout": json.dumps({"layout": "paged", "layers": layers, "kv_heads": kv_heads, "head_dim": head_dim})}
+            "kv_layout": json.dumps(layout)}
+
+
+def _group_firsts(nblk: int, bs: int, groups: Groups) -> list[int]:
+    """Per sliding group, its first block a prefix hit of `nblk` blocks needs."""
+    return [evict_upto(nblk * bs, w, bs) for _, w in groups]
+
+
+def _holder(name: str, tokens: list[int], groups: Groups) -> Request:
+    req = Request(name, list(tokens), len(tokens), SamplingParams())
+    n = len(groups)
+    req.group_tables, req.group_cached, req.group_evicted = [[] for _ in range(n)], [0] * n, [0] * n
+    return req
 
 
 def _paged_cache(cache: KVCache, bm: BlockManager) -> PagedKVCache:
@@ -72,8 +95,18 @@ def cached_prefix_blocks(bm: BlockManager, token_ids: list[int]) -> list[int]:
     return bm.find_cached_prefix(probe, max_blocks=nblk)
 
 
+def prefix_cached(bm: BlockManager, token_ids: list[int], groups: Groups = ()) -> bool:
+    """Whether the prefix cache holds everything a snapshot of `token_ids` saves (every group's part)."""
+    nblk = len(token_ids) // bm.block_size
+    if len(cached_prefix_blocks(bm, token_ids)) < nblk:
+        return False
+    probe = _holder("snapshot", token_ids, groups)
+    return all(gbm.find_window_blocks(GroupView(probe, g), nblk, first) is not None
+               for g, ((gbm, _), first) in enumerate(zip(groups, _group_firsts(nblk, bm.block_size, groups)), 1))
+
+
 def save_prefix(bm: BlockManager, cache: KVCache, header: dict[str, str], token_ids: list[int],
-                path: str | os.PathLike) -> SnapshotInfo:
+                path: str | os.PathLike, groups: Groups = ()) -> SnapshotInfo:
     """Write the cached K/V of `token_ids`' full blocks to `path`. The caller computes them first
     (`Engine.save_prefix` runs the prompt when `cached_prefix_blocks` falls short)."""
     from safetensors.torch import save_file
@@ -87,27 +120,38 @@ def save_prefix(bm: BlockManager, cache: KVCache, header: dict[str, str], token_
     if len(blocks) < nblk:  # only if the pool is too small to keep the whole prompt cached
         raise SnapshotError(f"only {len(blocks)} of the prompt's {nblk} blocks stayed cached; use a larger KV pool")
     k, v = cache.read_blocks(blocks)  # read now: no step runs before the copy is made
-    k, v = k.cpu().contiguous(), v.cpu().contiguous()
+    tensors = {"k": k.cpu().contiguous(), "v": v.cpu().contiguous()}
+    probe = _holder("snapshot", token_ids, groups)
+    for g, ((gbm, w), first) in enumerate(zip(groups, _group_firsts(nblk, bm.block_size, groups)), 1):
+        found = gbm.find_window_blocks(GroupView(probe, g), nblk, first)
+        if found is None:
+            raise SnapshotError(f"the sliding layers' window ({w} tokens) of the prompt did not stay cached; "
+                                "use a larger KV pool")
+        kg, vg = cache.read_blocks(found, g)
+        tensors[f"k{g}"], tensors[f"v{g}"] = kg.cpu().contiguous(), vg.cpu().contiguous()
     ids = torch.tensor(token_ids[: nblk * bm.block_size], dtype=torch.int64)
-    meta = {**header, "num_tokens": str(ids.numel()), "crc32": _checksum(k, v, ids)}
+    meta = {**header, "num_tokens": str(ids.numel()), "crc32": _checksum(*tensors.values(), ids)}
     tmp = Path(f"{path}.tmp")
-    save_file({"k": k, "v": v, "token_ids": ids}, str(tmp), metadata=meta)
+    save_file({**tensors, "token_ids": ids}, str(tmp), metadata=meta)
     os.replace(tmp, path)
     return SnapshotInfo(str(path), ids.numel(), nblk, 0)
 
 
-def read_snapshot(path: str | os.PathLike, header: dict[str, str],
-                  vocab_size: int) -> tuple[list[int], torch.Tensor, torch.Tensor]:
-    """Read a snapshot and check it against `header` (this engine's): (token ids, k, v). Raises SnapshotError."""
+def read_snapshot(path: str | os.PathLike, header: dict[str, str], vocab_size: int,
+                  windows: list[int] = ()) -> tuple[list[int], dict[str, torch.Tensor]]:
+    """Read a snapshot and check it against `header` (this engine's; `windows`: its sliding groups'):
+    (token ids, the K/V tensors by name: k, v, then k1, v1, ...). Raises SnapshotError."""
     from safetensors import SafetensorError, safe_open
 
+    kv_names = ["k", "v"] + [f"{x}{g}" for g in range(1, len(windows) + 1) for x in "kv"]
     try:
         with safe_open(str(path), framework="pt") as f:
             meta = f.metadata() or {}
             names = set(f.keys())
-            if names != {"k", "v", "token_ids"} or meta.get("format") != FORMAT:
-                raise SnapshotError(f"{path}: not a kvlm prefix snapshot")
-            k, v, ids = f.get_tensor("k"), f.get_tensor("v"), f.get_tensor("token_ids")
+            if names != {*kv_names, "token_ids"} or meta.get("format") != FORMAT:
+                raise SnapshotError(f"{path}: not a kvlm prefix snapshot" + (" for this model's layer groups"
+                                                                              if meta.get("format") == FORMAT else ""))
+            kv, ids = {n: f.get_tensor(n) for n in kv_names}, f.get_tensor("token_ids")
     except SnapshotError:
         raise
     except FileNotFoundError:
@@ -124,35 +168,48 @@ def read_snapshot(path: str | os.PathLike, header: dict[str, str],
     bs, lay = int(header["block_size"]), json.loads(header["kv_layout"])
     name = header["kv_dtype"]
     row, kv_dtype = stored_row(FORMATS[name] if name in FORMATS else getattr(torch, name), lay["head_dim"])
-    shape = (lay["layers"], ids.numel() // bs, bs, lay["kv_heads"], row)
+    nblk, group_of = ids.numel() // bs, lay.get("layer_group", [0] * lay["layers"])
+    firsts = [0] + [evict_upto(nblk * bs, w, bs) for w in windows]
+    shapes = {n: (group_of.count(int(n[1:] or 0)), nblk - firsts[int(n[1:] or 0)], bs, lay["kv_heads"], row)
+              for n in kv_names}
     if (ids.dtype != torch.int64 or ids.ndim != 1 or ids.numel() % bs or str(ids.numel()) != meta.get("num_tokens")
-            or tuple(k.shape) != shape or tuple(v.shape) != shape or k.dtype != kv_dtype or v.dtype != kv_dtype):
+            or any(tuple(t.shape) != shapes[n] or t.dtype != kv_dtype for n, t in kv.items())):
         raise SnapshotError(f"{path}: corrupt snapshot (tensor shapes disagree with its header)")
-    if _checksum(k, v, ids) != meta.get("crc32"):
+    if _checksum(*kv.values(), ids) != meta.get("crc32"):
         raise SnapshotError(f"{path}: corrupt snapshot (checksum mismatch)")
     tokens = ids.tolist()
     if any(not 0 <= t < vocab_size for t in tokens):
         raise SnapshotError(f"{path}: corrupt snapshot (token ids outside the vocabulary)")
-    return tokens, k, v
+    return tokens, kv
 
 
 def load_prefix(bm: BlockManager, cache: KVCache, header: dict[str, str], path: str | os.PathLike, *,
-                vocab_size: int, max_model_len: int) -> SnapshotInfo:
-    """Put a snapshot's blocks into the prefix cache. All checks come first: on error nothing changed."""
+                vocab_size: int, max_model_len: int, groups: Groups = ()) -> SnapshotInfo:
+    """Put a snapshot's blocks into the prefix cache (every layer group's). All checks come first: on error
+    nothing changed."""
     cache = _paged_cache(cache, bm)
-    tokens, k, v = read_snapshot(path, header, vocab_size)
-    nblk = len(tokens) // bm.block_size
+    tokens, kv = read_snapshot(path, header, vocab_size, [w for _, w in groups])
+    bs = bm.block_size
+    nblk = len(tokens) // bs
     if nblk > bm.num_blocks or len(tokens) >= max_model_len:
         raise SnapshotError(f"{path}: {len(tokens)} tokens do not fit this engine's KV pool or context")
-    holder = Request(f"snapshot-load-{os.fspath(path)}", tokens, len(tokens), SamplingParams())
+    holder = _holder(f"snapshot-load-{os.fspath(path)}", tokens, groups)
     hit = bm.find_cached_prefix(holder, max_blocks=nblk)
-    if not bm.can_allocate(holder, nblk * bm.block_size, hit):
+    firsts = _group_firsts(nblk, bs, groups)
+    views = [GroupView(holder, g) for g in range(1, len(groups) + 1)]
+    if not bm.can_allocate(holder, nblk * bs, hit) or not all(
+            gbm.can_allocate(view, nblk * bs, skip=first) for (gbm, _), view, first in zip(groups, views, firsts)):
         raise SnapshotError(f"{path}: needs {nblk - len(hit)} free KV blocks, {bm.num_free_blocks} are free now")
-    bm.allocate(holder, nblk * bm.block_size, hit)  # may evict least recently used cached blocks
+    bm.allocate(holder, nblk * bs, hit)  # may evict least recently used cached blocks
     new = holder.block_table[len(hit):]
     if new:
-        cache.write_blocks(new, k[:, len(hit):], v[:, len(hit):])
+        cache.write_blocks(new, kv["k"][:, len(hit):], kv["v"][:, len(hit):])
     holder.num_computed_tokens = len(tokens)
     bm.cache_full_blocks(holder)
     bm.free(holder)  # the blocks stay cached (ref 0, in the LRU) for the next request with this prefix
+    for g, ((gbm, _), view, first) in enumerate(zip(groups, views, firsts), 1):
+        gbm.allocate(view, nblk * bs, skip=first)  # the window's blocks (an equal cached one wins below)
+        cache.write_blocks(view.block_table[first:], kv[f"k{g}"], kv[f"v{g}"], g)
+        gbm.cache_full_blocks(view)
+        gbm.free(view)
     return SnapshotInfo(str(path), len(tokens), nblk, len(new))

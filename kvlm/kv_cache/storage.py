@@ -303,18 +303,24 @@ class PagedKVCache(_LayerStorage):
         return self._as_compute(kk, vv)
 
     # Whole-block access for KV snapshots (the only way other modules touch the pool tensors).
-    def read_blocks(self, block_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copies of the K and V of `block_ids`, each (layers, n, block_size, kv_heads, D)."""
-        idx = torch.tensor(block_ids, dtype=torch.long, device=self.k[0].device)
-        return (torch.stack([kc.index_select(0, idx) for kc in self.k]),
-                torch.stack([vc.index_select(0, idx) for vc in self.v]))
+    def group_layers(self, g: int) -> list[int]:
+        """The layers of layer group g (all of them for g = 0 without layer groups)."""
+        return [i for i, x in enumerate(self.layer_group) if x == g]
 
-    def write_blocks(self, block_ids: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store k, v (layers, n, block_size, kv_heads, D) into `block_ids` (cast to the pool's dtype)."""
+    def read_blocks(self, block_ids: list[int], g: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of the K and V of group g's `block_ids`, each (group g's layers, n, block_size, kv_heads, D)."""
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.k[0].device)
-        for layer, (kc, vc) in enumerate(zip(self.k, self.v)):
-            kc.index_copy_(0, idx, k[layer].to(device=kc.device, dtype=kc.dtype))
-            vc.index_copy_(0, idx, v[layer].to(device=vc.device, dtype=vc.dtype))
+        layers = self.group_layers(g)
+        return (torch.stack([self.k[i].index_select(0, idx) for i in layers]),
+                torch.stack([self.v[i].index_select(0, idx) for i in layers]))
+
+    def write_blocks(self, block_ids: list[int], k: torch.Tensor, v: torch.Tensor, g: int = 0) -> None:
+        """Store k, v (group g's layers, n, block_size, kv_heads, D) into its `block_ids` (cast to the pool's dtype)."""
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.k[0].device)
+        for j, layer in enumerate(self.group_layers(g)):
+            kc, vc = self.k[layer], self.v[layer]
+            kc.index_copy_(0, idx, k[j].to(device=kc.device, dtype=kc.dtype))
+            vc.index_copy_(0, idx, v[j].to(device=vc.device, dtype=vc.dtype))
 
     def blocks(self, layer: int, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.k[layer], self.v[layer], self._group(layer, meta)[1]  # pools (blocks, block_size, kv_heads, D)
@@ -323,7 +329,7 @@ class PagedKVCache(_LayerStorage):
     @property
     def group0_layers(self) -> list[int]:
         """The layers whose pools group 0's block ids address (all of them without layer groups)."""
-        return [i for i, g in enumerate(self.layer_group) if g == 0]
+        return self.group_layers(0)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """K and V of group 0's block src copied into its block dst, each of its layers, for each (src, dst)."""

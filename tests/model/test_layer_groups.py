@@ -107,13 +107,34 @@ def test_sinks_and_window_on_sliding_layers_bit_for_bit(model: Path) -> None:
     assert sum(r.metrics.num_preemptions for r in reqs) > 0
 
 
-def test_what_is_not_supported_yet_says_so(model: Path, tmp_path: Path) -> None:
+def test_max_kv_tokens_must_cover_the_window(model: Path) -> None:
     eng = Engine(model, EngineConfig(block_size=4), quiet=True)
     with pytest.raises(ParameterError) as e:  # the kept tokens must cover the sliding layers' window
         eng.add_request([1, 2, 3], SamplingParams(max_kv_tokens=12, sink_tokens=4))
     assert e.value.param == "max_kv_tokens" and "at least 16" in str(e.value)
+
+
+def test_snapshot_holds_every_groups_part(model: Path, tmp_path: Path) -> None:
+    """A snapshot of a 30-token prompt saves the full layer's blocks and the sliding layers' window blocks;
+    loaded into a fresh engine, the next request takes them all from the cache and computes the same bits
+    as without it. Another model's engine refuses it."""
+    prompt = random_prompts(1, 34, lo=30, hi=30)[0]
+    eng = Engine(model, EngineConfig(block_size=4), quiet=True)
+    info = eng.save_prefix(prompt, tmp_path / "s.safetensors")
+    assert info.num_blocks == 7
+    fresh = Engine(model, EngineConfig(block_size=4), quiet=True)
+    assert fresh.load_prefix(tmp_path / "s.safetensors").blocks_loaded == 7
+    fresh.scheduler.check()
+    reqs: list = []
+    got = run_engine(fresh, [prompt + [3, 4]], LONG, requests=reqs)
+    assert reqs[0].metrics.num_cached_tokens == 28
+    ref = run_engine(Engine(model, EngineConfig(block_size=4, enable_prefix_caching=False), quiet=True),
+                     [prompt + [3, 4]], LONG)
+    assert_identical(ref, got, "snapshot loaded vs computed")
+    other = write_gemma3_gguf(tmp_path / "other.gguf", gemma3_config(layer_types=["full_attention"] * 6),
+                              gemma3_state(gemma3_config()), tensor_type="Q8_0")
     with pytest.raises(SnapshotError):
-        eng.save_prefix(list(range(12)), tmp_path / "s.safetensors")
+        Engine(other, EngineConfig(block_size=4), quiet=True).load_prefix(tmp_path / "s.safetensors")
 
 
 def test_endless_chat_on_sliding_layers(model: Path) -> None:
