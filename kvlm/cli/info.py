@@ -119,6 +119,10 @@ def cmd_kv_size(a: argparse.Namespace) -> int:
     print(f"  dtype:            {describe_dtype(a.dtype)}")
     print(f"  per token:        {per_tok:,.0f} B ({per_tok / 1024:.1f} KiB)")
     print(f"  {a.batch} x {a.context} tokens: {total:,.0f} B ({total / 2**20:.1f} MiB)")
+    if doc["windowed_total_bytes"] is not None:
+        w = doc["windowed_total_bytes"]
+        print(f"  with its sliding layers at their window (what the engine's pools hold): {w:,.0f} B "
+              f"({w / 2**20:.1f} MiB)")
     print(f"  MHA equivalent ({c.num_attention_heads} kv heads): {mha:,.0f} B/token, {total_mha / 2**20:.1f} MiB "
           f"-> GQA saves {100 * (1 - per_tok / mha):.0f}%")
     print(f"  outgrows the weights ({c.num_parameters:,} params x {b:g} B = {weights / 2**20:,.1f} MiB) "

@@ -126,6 +126,11 @@ class Engine:
         return round(self.kv_cache.bytes_per_token)
 
     @property
+    def max_kv_tokens(self) -> int | None:
+        """The engine-wide bounded cache's budget (`--max-kv-tokens`; None: unbounded)."""
+        return self.config.max_kv_tokens
+
+    @property
     def _kv_formula_bytes_per_token(self) -> int:
         e = self.kv_cache_dtype
         per_value = e.bytes_per_value if isinstance(e, KVQuantFormat) else torch.finfo(e).bits / 8

@@ -83,4 +83,7 @@ def kv_size(c: ModelConfig, dtype: str, context: int, batch: int) -> dict[str, A
             "bytes_per_token": per_tok, "total_bytes": per_tok * context * batch, "mha_bytes_per_token": mha,
             "mha_total_bytes": mha * context * batch, "gqa_saving": 1 - per_tok / mha,
             "parameters": c.num_parameters, "weight_bytes": c.num_parameters * b,  # weights in the cache's dtype
-            "crossover_context": crossover_context(c, batch=batch)}  # same for every dtype: b cancels
+            "crossover_context": crossover_context(c, batch=batch),  # same for every dtype: b cancels
+            # sliding-window layers hold at most their window (kv_cache/layer_groups.py); None: no such layers
+            "windowed_total_bytes": None if not c.layer_windows else
+            sum(min(context, w or context) for w in c.layer_windows) * per_tok / c.num_hidden_layers * batch}

@@ -18,6 +18,7 @@ from kvlm.tokenizer.tokenizer import Tokenizer
 class RemoteMetrics:
     num_cached_tokens: int = 0
     kv_bytes_held: int = 0
+    num_evicted_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -34,7 +35,7 @@ class RemoteRequest:
     @classmethod
     def of(cls, r: Request) -> RemoteRequest:
         return cls(r.num_prompt_tokens, r.num_output_tokens, r.stop_reason, r.prompt_logprobs,
-                   RemoteMetrics(r.metrics.num_cached_tokens, r.metrics.kv_bytes_held))
+                   RemoteMetrics(r.metrics.num_cached_tokens, r.metrics.kv_bytes_held, r.metrics.num_evicted_tokens))
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +51,7 @@ class ReplicaInfo:
     num_blocks: int
     root_hash: bytes  # the pool's prefix-hash root: the router hashes prompts from it
     cache_line: str  # describe_cache(), for the ready line
+    max_kv_tokens: int | None = None  # the replicas' engine-wide bounded cache (None: unbounded)
 
 
 def error_record(e: BaseException) -> tuple[str, str, str, str | None]:

@@ -50,7 +50,7 @@ class EngineReplica:
     def describe(self) -> ReplicaInfo:
         e, bm = self.engine, self.engine.block_manager
         return ReplicaInfo(e.tokenizer, e.model_config, e.max_model_len, e.model_path, bm.block_size,
-                           bm.num_blocks, bm.root_hash, e.describe_cache())
+                           bm.num_blocks, bm.root_hash, e.describe_cache(), e.config.max_kv_tokens)
 
     async def generate(self, ids: list[int], params: SamplingParams, request_id: str,
                        route: Any = None) -> AsyncIterator[tuple[Any, ...]]:

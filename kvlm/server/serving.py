@@ -166,7 +166,7 @@ class OpenAIServing:
 
     def _bounded(self, r: CompletionRequest | ChatCompletionRequest) -> bool:
         """Does this request run on a bounded KV cache (its own max_kv_tokens, or the engine's)?"""
-        return r.max_kv_tokens is not None or self.engine.config.max_kv_tokens is not None
+        return r.max_kv_tokens is not None or self.engine.max_kv_tokens is not None
 
     def _params(self, r: CompletionRequest | ChatCompletionRequest, max_tokens: int, i: int,
                 logprobs: int | None, prompt_logprobs: int | None,
