@@ -20,7 +20,6 @@ from kvlm.errors import ParameterError
 from kvlm.sampling_params import StructuredOutputsParams
 from kvlm.structured.grammar import build_tokenizer, cache_key, grammar_text
 from kvlm.structured.matcher import RequestGrammar
-from kvlm.structured.prefetch import MaskPrefetcher
 
 if TYPE_CHECKING:
     import llguidance
@@ -30,17 +29,15 @@ if TYPE_CHECKING:
 
 class GrammarCompiler:
     """Compiles `StructuredOutputsParams` for one tokenizer; thread-safe. `max_cached` grammars are kept
-    (least recently used evicted). With `prefetch`, each request's next mask is computed on a thread of its
-    own as soon as a token is accepted (`MaskPrefetcher`)."""
+    (least recently used evicted)."""
 
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int, max_cached: int = 256, prefetch: bool = True) -> None:
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, max_cached: int = 256) -> None:
         self.tokenizer, self.vocab_size, self.max_cached = tokenizer, vocab_size, max_cached
         self._lltok: llguidance.LLTokenizer | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._cache: OrderedDict[str, Future] = OrderedDict()
         self._lock = threading.Lock()
         self.compile_seconds: dict[str, float] = {}  # last compile time per cache key (bench reads it)
-        self.prefetcher = MaskPrefetcher() if prefetch else None  # None: each mask is computed when sampled
 
     @property
     def mask_words(self) -> int:
@@ -50,7 +47,7 @@ class GrammarCompiler:
 
     def request_grammar(self, spec: StructuredOutputsParams) -> RequestGrammar:
         """A new request's grammar state, its compile submitted (or found in the cache)."""
-        return RequestGrammar(self.submit(spec), self.mask_words, self.prefetcher)
+        return RequestGrammar(self.submit(spec), self.mask_words)
 
     @property
     def lltokenizer(self) -> llguidance.LLTokenizer:
@@ -97,8 +94,6 @@ class GrammarCompiler:
         return matcher
 
     def close(self) -> None:
-        if self.prefetcher is not None:
-            self.prefetcher.close()
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
 

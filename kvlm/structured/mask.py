@@ -1,12 +1,11 @@
 """Applying grammar masks to a step's logits: only the constrained rows change.
 
-Each constrained request's grammar gives its bitmask (int32 words, bit t % 32 of word t // 32: token t
-allowed), usually computed already, while the step's forward pass ran (`structured.prefetch`). The rows are
-stacked into one (R, W) tensor and one call writes -inf where a bit is 0 or missing: the native kernel
-(`kernels/csrc/token_mask.cpp`: one thread, an all-ones word skipped without touching its 32 logits) on
-float32 CPU logits, else `apply_token_bitmask_ref` (pure PyTorch, any device). Rows without a grammar are
-not read or written, so their logits keep every bit. Not llguidance's torch helpers: they are
-`torch.compile` functions, an Inductor C++ build on a CPU's first call.
+Each constrained request's grammar fills its bitmask (int32 words, bit t % 32 of word t // 32: token t
+allowed) into its own buffer; the rows are stacked into one (R, W) tensor and one call writes -inf in place
+where a bit is 0 or missing: the native kernel (`kernels/csrc/token_mask.cpp`: an all-ones word is skipped
+without touching its 32 logits) on float32 CPU logits, else `apply_token_bitmask_ref` (pure PyTorch, any
+device). Rows without a grammar are not read or written, so their logits keep every bit. Not llguidance's
+torch helpers: they are `torch.compile` functions, an Inductor C++ build on a CPU's first call.
 """
 
 from __future__ import annotations

@@ -133,7 +133,7 @@ def test_eos_only_where_accepting_and_forced_when_stopped() -> None:
     for d in "23":
         g.accept(tok.encode(d, add_special_tokens=False)[0])
     assert g.is_stopped and allowed() == {eos}  # three digits: nothing else can follow, EOS is forced
-    g.rollback(1)
+    g.matcher.rollback(1)
     assert not g.is_stopped and allowed() > {eos}
 
 

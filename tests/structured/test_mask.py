@@ -1,20 +1,15 @@
 """The token mask: the native kernel, its PyTorch reference and a plain numpy unpack give the same bits for
 all-zero, all-one and mixed words, vocabularies that are not a multiple of 32 and grammars over fewer or
-more ids than the logits; rows without a grammar keep every bit (NaN payloads included); the prefetched
-mask is the one computed on the spot, token after token."""
+more ids than the logits; rows without a grammar keep every bit (NaN payloads included)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
-from tiny_models import byte_level_fields
 
 from kvlm.kernels import native
-from kvlm.sampling_params import StructuredOutputsParams as SO
-from kvlm.structured.compiler import GrammarCompiler
 from kvlm.structured.mask import apply_grammar_masks, apply_token_bitmask, apply_token_bitmask_ref
-from kvlm.tokenizer.tokenizer import Tokenizer
 
 SHAPES = [(64, 2), (70, 3), (70, 2), (300, 10), (33, 1), (31, 1), (49152, 1536), (49216, 1536)]
 
@@ -79,21 +74,3 @@ def test_copy_or_in_place() -> None:
     assert torch.equal(logits.view(torch.int32), before.view(torch.int32))  # the input is untouched
     same = apply_grammar_masks(logits, rows, [Fixed(m) for m in bitmask], inplace=True)
     assert same is logits and torch.equal(logits.view(torch.int32), expect.view(torch.int32))
-
-
-def test_prefetched_masks_equal_masks_computed_on_the_spot() -> None:
-    """Token after token of a JSON object, the mask the prefetcher's thread filled after each accept equals
-    the one computed synchronously by a grammar without a prefetcher."""
-    tok = Tokenizer.from_gguf_fields(byte_level_fields())
-    spec = SO(json={"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}},
-                    "required": ["a", "b"]})
-    eager, lazy = GrammarCompiler(tok, tok.vocab_size), GrammarCompiler(tok, tok.vocab_size, prefetch=False)
-    g, h = eager.request_grammar(spec), lazy.request_grammar(spec)
-    assert g._prefetcher is not None and h._prefetcher is None
-    for t in tok.encode('{"a":12,"b":"xy"}', add_special_tokens=False):
-        assert torch.equal(g.mask(), h.mask())
-        assert g.accept(t) and h.accept(t)
-        g._wait()
-        assert g._mask_at == g.num_consumed  # the prefetcher filled the mask of this state
-    assert torch.equal(g.mask(), h.mask()) and g.is_accepting
-    eager.close()
