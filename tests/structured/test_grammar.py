@@ -211,3 +211,22 @@ def test_compact_json_by_default() -> None:
     assert not accepts(comp, SO(json={"type": "object"}), tok, spaced)
     assert accepts(comp, SO(json={"type": "object"}, whitespace_pattern=" ?"), tok, spaced)
     assert re.fullmatch(r"\{.*\}", spaced)
+
+
+@pytest.mark.slow
+def test_choice_mask_is_every_prefix_token_smollm2(smollm2_tokenizer: Tokenizer) -> None:
+    """choice=["yes", "no"] on SmolLM2's whole vocabulary: the first mask allows exactly the ids whose text is
+    a non-empty prefix of a choice, and after "n" exactly those finishing "no". (README's
+    `--choice yes --choice no` answering "no" is the model's own pick among these: SmolLM2-135M puts "no"
+    at log-probability -4.71 and "yes" at -5.22 there, and answers "No." unconstrained.)"""
+    tok = smollm2_tokenizer
+    g = GrammarCompiler(tok, tok.vocab_size).request_grammar(SO(choice=["yes", "no"]))
+    texts = [tok.decode([i]) for i in range(tok.vocab_size)]
+
+    def allowed() -> set[int]:
+        bits = np.unpackbits(grammar_bitmask([g]).numpy().view(np.uint8), bitorder="little")[: tok.vocab_size]
+        return set(np.nonzero(bits)[0].tolist())
+
+    assert allowed() == {i for i, t in enumerate(texts) if t and ("yes".startswith(t) or "no".startswith(t))}
+    assert g.accept(tok.encode("n", add_special_tokens=False)[0])
+    assert allowed() == {i for i, t in enumerate(texts) if t and "o".startswith(t)}
