@@ -251,7 +251,7 @@ class ModelRunner:
         if not samplers:
             return StepResult([], [], [], None)
         logits = self.model.compute_logits(hidden[meta.logits_indices])  # (N, vocab) float32
-        out = sample(logits, samplers, self.eos_token_ids)
+        out = sample(logits, samplers, self.eos_token_ids, writable=not keep_logits)  # kept logits stay unmasked
         return StepResult(samplers, out.token_ids, out.logprobs, logits if keep_logits else None)
 
     def _move_sinks(self, batch: ScheduledBatch) -> None:

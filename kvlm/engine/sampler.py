@@ -124,13 +124,16 @@ def ban_stop_tokens(logits: torch.Tensor, reqs: list[Request], eos_token_ids: fr
     return logits
 
 
-def sample(logits: torch.Tensor, reqs: list[Request], eos_token_ids: frozenset[int] = frozenset()) -> SamplerOutput:
-    """logits: (B, V) float32, row i for reqs[i]. Returns the chosen token of each row."""
+def sample(logits: torch.Tensor, reqs: list[Request], eos_token_ids: frozenset[int] = frozenset(),
+           writable: bool = False) -> SamplerOutput:
+    """logits: (B, V) float32, row i for reqs[i]. Returns the chosen token of each row. `logits` is not
+    modified unless `writable` (the caller keeps no use for them): the grammar masks then go in place."""
     want_logprobs = any(r.params.logprobs is not None for r in reqs)
     raw_logprobs = logits.log_softmax(-1) if want_logprobs else None
     constrained = [i for i, r in enumerate(reqs) if r.grammar is not None]
     if constrained:
-        logits = apply_grammar_masks(logits, constrained, [reqs[i].grammar for i in constrained])  # type: ignore[misc]
+        logits = apply_grammar_masks(logits, constrained, [reqs[i].grammar for i in constrained],  # type: ignore[misc]
+                                     inplace=writable)
     if any(r.params.logit_bias for r in reqs):
         logits = apply_logit_bias(logits.clone(), reqs)
     if any(r.params.min_tokens for r in reqs):

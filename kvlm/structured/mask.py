@@ -1,111 +1,84 @@
 """Applying grammar masks to a step's logits: only the constrained rows change.
 
-Each constrained row's matcher writes its bitmask (int32 words, bit t % 32 of word t // 32: token t
-allowed) into a numpy buffer, and each such row of a copy of the logits gets -inf where a bit is 0: on CPU
-32 tokens at a time (`_mask_row`: all-zero words in one assignment, all-one words skipped, only mixed words
-unpacked), on a GPU by one `masked_fill`. Per row that is ~10x cheaper than unpacking all 49,152 bits when
-most tokens are allowed (inside a JSON string). Rows without a grammar are not read or written, so their
-logits keep every bit. Not llguidance's torch helpers: they are `torch.compile`
-functions, an Inductor C++ build on a CPU's first call.
+Each constrained request's grammar fills its bitmask (int32 words, bit t % 32 of word t // 32: token t
+allowed) into its own buffer; the rows are stacked into one (R, W) tensor and one call writes -inf in place
+where a bit is 0 or missing: the native kernel (`kernels/csrc/token_mask.cpp`: an all-ones word is skipped
+without touching its 32 logits) on float32 CPU logits, else `apply_token_bitmask_ref` (pure PyTorch, any
+device). Rows without a grammar are not read or written, so their logits keep every bit. Not llguidance's
+torch helpers: they are `torch.compile` functions, an Inductor C++ build on a CPU's first call.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import functools
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
+from kvlm.kernels import native
+
 if TYPE_CHECKING:
     from kvlm.structured.matcher import RequestGrammar
 
-
-def allowed_tokens(bitmask: np.ndarray, vocab_size: int) -> torch.Tensor:
-    """(R, ceil(V/32)) int32 bitmask -> (R, V) bool, True where a token is allowed."""
-    bits = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")[:, :vocab_size]
-    if bits.shape[1] < vocab_size:  # a grammar over fewer ids than the logits: the rest are forbidden
-        bits = np.pad(bits, ((0, 0), (0, vocab_size - bits.shape[1])))
-    return torch.from_numpy(bits).to(torch.bool)
+_SHIFTS = torch.arange(32, dtype=torch.int32)
 
 
-def fill_bitmask(grammars: list[RequestGrammar]) -> np.ndarray:
-    """The bitmask rows of `grammars`, one per grammar (they share one tokenizer, so one width)."""
-    mask = np.zeros((len(grammars), grammars[0].mask_words), dtype=np.int32)
-    for j, g in enumerate(grammars):
-        g.fill_mask(mask[j])
-    return mask
+def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """(R, W) int32 bitmask -> (R, vocab_size) bool, True where a token is allowed (ids past 32 W: False).
+    On CPU by numpy's unpack (one pass, ~6 µs a row); elsewhere by shifts on the device."""
+    R, W = bitmask.shape
+    if bitmask.device.type == "cpu":
+        packed = bitmask.contiguous().numpy().view(np.uint8)  # little-endian: byte k of word i = tokens 32i+8k..
+        bits = torch.from_numpy(np.unpackbits(packed, axis=1, bitorder="little")).view(torch.bool)  # (R, 32 W)
+    else:
+        bits = unpack_by_shifts(bitmask)
+    if W * 32 >= vocab_size:
+        return bits[:, :vocab_size]
+    return torch.cat([bits, bits.new_zeros(R, vocab_size - W * 32)], dim=1)
 
 
-def apply_grammar_masks(logits: torch.Tensor, rows: list[int], grammars: list[RequestGrammar]) -> torch.Tensor:
-    """logits: (B, V) float32. Returns a copy whose rows[j] has -inf wherever grammars[j] forbids a token
-    (ids past the grammar's vocabulary included); every other row is the input's, bit for bit."""
+def unpack_by_shifts(bitmask: torch.Tensor) -> torch.Tensor:
+    """(R, W) int32 -> (R, 32 W) bool by shifts on the bitmask's device (an arithmetic shift keeps bit b)."""
+    R, W = bitmask.shape
+    return ((bitmask.unsqueeze(-1) >> _SHIFTS.to(bitmask.device)) & 1).reshape(R, W * 32).bool()
+
+
+def apply_token_bitmask_ref(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
+    """In place: logits[rows[j]] gets -inf wherever bitmask[j] has a 0 bit or no bit. logits (B, V) float32,
+    bitmask (R, W) int32, rows (R,) int64 (distinct)."""
+    rows = rows.to(logits.device)
+    allowed = allowed_tokens(bitmask.to(logits.device), logits.shape[1])
+    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+
+
+@functools.cache
+def _native_op() -> Any:
+    return torch.ops.kvlm_kernels.apply_token_bitmask.default
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
+    """`apply_token_bitmask_ref`, natively where the logits are float32 CPU rows and the kernels are built."""
+    if (logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2
+            and logits.stride(1) == 1 and native.active_isa() != "reference"):
+        _native_op()(logits, bitmask.contiguous(), rows)
+    else:
+        apply_token_bitmask_ref(logits, bitmask, rows)
+
+
+def grammar_bitmask(grammars: Sequence[RequestGrammar]) -> torch.Tensor:
+    """(R, W) int32: the bitmask of each grammar's current state (they share one tokenizer, so one width)."""
+    return torch.stack([g.mask() for g in grammars])
+
+
+def apply_grammar_masks(logits: torch.Tensor, rows: list[int], grammars: Sequence[RequestGrammar],
+                        inplace: bool = False) -> torch.Tensor:
+    """logits: (B, V) float32. Returns logits whose rows[j] has -inf wherever grammars[j] forbids a token
+    (ids past the grammar's vocabulary included); every other row is the input's, bit for bit. The input
+    itself is written when `inplace` (the caller needs no unmasked copy), else a copy is."""
     if not rows:
         return logits
-    V = logits.shape[1]
-    mask = fill_bitmask(grammars)
-    out = logits.clone()
-    if out.device.type != "cpu":
-        idx = torch.tensor(rows, device=out.device)
-        out[idx] = out[idx].masked_fill(~allowed_tokens(mask, V).to(out.device), float("-inf"))
-        return out
-    view = out.numpy()  # shares the copy's memory
-    if rows == list(range(out.shape[0])):  # every row constrained (the usual all-JSON batch): one pass
-        _mask_rows(view, mask)
-    else:
-        for j, row in enumerate(rows):
-            _mask_row(view[row], mask[j])
+    out = logits if inplace else logits.clone()
+    apply_token_bitmask(out, grammar_bitmask(grammars), torch.tensor(rows, dtype=torch.long))
     return out
-
-
-def _mask_rows(logits: np.ndarray, words: np.ndarray) -> None:
-    """`_mask_row` for every row of (R, V) `logits` at once (row j by words[j])."""
-    R, V = logits.shape
-    n = min(words.shape[1], V // 32)
-    if n * 32 != V or words.shape[1] != n:  # a ragged tail: row by row
-        for j in range(R):
-            _mask_row(logits[j], words[j])
-        return
-    blocks = logits.reshape(R, n, 32)  # a view
-    open_words = words != 0
-    if open_words.sum() < open_words.size // 2:
-        keep = blocks[open_words]
-        blocks[:] = -np.inf
-        blocks[open_words] = keep
-    else:
-        blocks[~open_words] = -np.inf
-    mixed = open_words & (words != -1)
-    if mixed.any():
-        bits = np.unpackbits(words[mixed].view(np.uint8).reshape(-1, 4), axis=1, bitorder="little")  # (M, 32)
-        part = blocks[mixed]
-        part[bits == 0] = -np.inf
-        blocks[mixed] = part
-
-
-def _mask_row(logits: np.ndarray, words: np.ndarray) -> None:
-    """In place: -inf where `words` (int32 bitmask) has a 0 bit, or has no bit. By 32-token words: a word
-    of all zeros is one slice assignment and a word of all ones is skipped, so only the few words mixing
-    both are unpacked (a JSON string allows almost every token; a structural state almost none)."""
-    V = logits.shape[0]
-    n = min(words.shape[0], V // 32)  # whole words inside the logits
-    blocks = logits[: n * 32].reshape(n, 32)  # a view
-    w = words[:n]
-    open_words = np.flatnonzero(w)
-    if open_words.size < n // 2:  # mostly forbidden (a structural state): clear all, put the open words back
-        keep = blocks[open_words]
-        blocks[:] = -np.inf
-        blocks[open_words] = keep
-    else:
-        blocks[w == 0] = -np.inf
-    mixed = np.flatnonzero((w != 0) & (w != -1))
-    if mixed.size:
-        bits = np.unpackbits(w[mixed].view(np.uint8).reshape(-1, 4), axis=1, bitorder="little")  # (M, 32)
-        part = blocks[mixed]
-        part[bits == 0] = -np.inf
-        blocks[mixed] = part
-    tail = logits[n * 32:]  # ids past the last whole word: from a last partial word, else forbidden
-    if tail.size:
-        if words.shape[0] > n:
-            bits = np.unpackbits(words[n : n + 1].view(np.uint8), bitorder="little")[: tail.size]
-            tail[bits == 0] = -np.inf
-        else:
-            tail[:] = -np.inf

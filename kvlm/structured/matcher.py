@@ -3,9 +3,10 @@
 The engine gives each constrained request one (n > 1 means n requests, so n matchers). While the
 compile is pending the scheduler leaves the request waiting (`ready` is False) and runs the others.
 Then the request's matcher (a private copy of the compiled prototype) fills that request's mask row
-before each sample and consumes each token the output processor appends. Preemption by recompute keeps
-a request's output tokens (they are prefilled again, never sampled again), so the matcher keeps its state
-and is never rolled back or replayed; an aborted request drops it.
+(its own buffer, so a step allocates nothing for it) before each sample and consumes each token the
+output processor appends. Preemption by recompute keeps a request's output tokens (they are prefilled
+again, never sampled again), so the matcher keeps its state and is never rolled back or replayed; an
+aborted request drops it.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 from concurrent.futures import Future
 from typing import Any
 
-import numpy as np
+import torch
 
 
 class RequestGrammar:
@@ -22,6 +23,8 @@ class RequestGrammar:
         self.mask_words = mask_words  # int32 words of this grammar's bitmask: ceil(its vocabulary / 32)
         self._matcher: Any = None
         self.num_consumed = 0  # output tokens the matcher has accepted
+        self._mask = torch.zeros(mask_words, dtype=torch.int32)  # (W,) filled by `mask`
+        self._mask_ptr = self._mask.data_ptr()
 
     @property
     def ready(self) -> bool:
@@ -39,11 +42,12 @@ class RequestGrammar:
             self._matcher = self.future.result().deep_copy()
         return self._matcher
 
-    def fill_mask(self, row: np.ndarray) -> None:
-        """Write the allowed-token bitmask (int32 words, bit t % 32 of word t // 32) into `row`. A stopped
-        matcher allows EOS only; one in error allows EOS only too, so the request ends."""
-        assert row.dtype == np.int32 and row.flags["C_CONTIGUOUS"]
-        self.matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+    def mask(self) -> torch.Tensor:
+        """(W,) int32: the allowed-token bitmask of the current state (bit t % 32 of word t // 32). A stopped
+        matcher allows EOS only; one in error allows EOS only too, so the request ends. The tensor is this
+        grammar's buffer, written again by the next call."""
+        self.matcher.unsafe_compute_mask_ptr(self._mask_ptr, self.mask_words * 4)
+        return self._mask
 
     def accept(self, token: int) -> bool:
         """Advance past a sampled token; False if the grammar refused it (the matcher is then in error)."""

@@ -17,6 +17,7 @@ from typing import Any
 
 import kvlm.engine.model_runner as model_runner
 import kvlm.engine.sampler as sampler
+import kvlm.structured.mask as mask
 from kvlm import LLM, SamplingParams, StructuredOutputsParams
 from kvlm.bench.structured import PROMPT, RECORDS
 from kvlm.structured.matcher import RequestGrammar
@@ -53,6 +54,8 @@ if eng.runner.fused is not None:
 timed(eng.runner.model, "compute_logits", "logits")
 timed(model_runner, "sample", "sample")
 timed(sampler, "apply_grammar_masks", "mask")
+timed(mask, "grammar_bitmask", "mask fill")
+timed(mask, "apply_token_bitmask", "mask apply")
 timed(eng, "_update", "update")
 timed(eng.runner, "execute", "execute")
 timed(eng.scheduler, "schedule", "schedule")

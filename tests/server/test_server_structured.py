@@ -272,3 +272,21 @@ def test_default_model_required_call_valid_20_of_20(smollm2_server) -> None:
             messages=[{"role": "user", "content": "Will it rain in Lyon this week?"}])
         assert r.choices[0].finish_reason == "tool_calls", seed
         jsonschema.validate(json.loads(r.choices[0].message.tool_calls[0].function.arguments), params)
+
+
+@pytest.mark.slow
+def test_default_model_auto_answers_in_text_untouched_by_the_grammar(smollm2_server) -> None:
+    """tool_choice="auto" on the default model: SmolLM2-135M-Instruct (function calling is claimed only for
+    the 1.7B model) answers the weather question in text: `<` opens the reply with probability ~0.7%, and
+    `LLM.chat` with seeds 0-59 at temperature 1.0 wrote no call. Until a call tag appears the lazy grammar
+    allows every token, so the greedy answer is the one the same prompt gets with no grammar at all (the
+    tools' system prompt sent as a plain system message)."""
+    from kvlm.structured.tools import SMOLLM2, check_tools, tools_system_prompt
+
+    tools = [WEATHER]
+    kw = dict(model="smollm2", temperature=0, max_tokens=40)
+    auto = smollm2_server.chat.completions.create(messages=ASK, tools=tools, tool_choice="auto", **kw).choices[0]
+    system = {"role": "system", "content": tools_system_prompt(check_tools(tools), SMOLLM2)}
+    plain = smollm2_server.chat.completions.create(messages=[system, *ASK], **kw).choices[0]
+    assert not auto.message.tool_calls and auto.finish_reason in ("stop", "length")
+    assert auto.message.content and auto.message.content == plain.message.content
