@@ -232,3 +232,22 @@ def test_kvlm_chat_reuses_earlier_turns(tiny_gguf: Path, monkeypatch: pytest.Mon
     first, second = ([int(w) for w in ln.replace("[", " ").split() if w.isdigit()] for ln in stats)
     assert first[1] == 0  # nothing cached before the first turn
     assert second[1] >= first[0] // 4 * 4 and second[2] < second[0] / 2
+
+
+def test_kvlm_chat_runs_past_the_context_with_a_bounded_cache(tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """`kvlm chat --max-kv-tokens`: ten turns whose history outgrows the 64-token context; each turn still
+    prefills only its new tokens (the earlier turns' sinks and window come from the cache)."""
+    import builtins
+
+    from kvlm.cli.main import main
+
+    lines = iter([f"turn {i}: tell me more" for i in range(10)] + ["/exit"])
+    monkeypatch.setattr(builtins, "input", lambda prompt="": next(lines))
+    assert main(["-q", "chat", str(tiny_gguf), "--block-size", "4", "--max-model-len", "64", "--max-kv-tokens",
+                 "32", "--max-tokens", "8", "--ignore-eos"]) == 0
+    stats = [[int(w) for w in ln.replace("[", " ").split() if w.isdigit()]
+             for ln in capsys.readouterr().err.splitlines() if "prompt tokens:" in ln]
+    assert len(stats) == 10 and stats[-1][0] > 64  # the history is past the context
+    for (before, _, _, _), (_, reused, prefilled, _) in zip(stats, stats[1:]):
+        assert reused >= before and prefilled < 50  # the whole previous turn reused; its reply and message run
