@@ -211,11 +211,18 @@ class BlockManager:
         """Give back `req`'s blocks [sink_blocks, upto) of its table (a bounded cache's window moved on, or
         a sliding layer group's: from 0); returns how many were given back now."""
         start = max(req.evicted_upto, req.kv_policy.sink_blocks if req.kv_policy is not None else 0)
-        n = 0
+        n, own = 0, self._registrable(req)
         for i in range(start, min(upto, len(req.block_table))):
-            self._release(req.block_table[i], req)
+            b = req.block_table[i]
+            self._release(b, req)
             req.block_table[i] = EVICTED
             n += 1
+            if i >= own and b in self.cached_free:
+                # A block only this policy's requests can reuse, and only with the window it left: free it
+                # outright, so the next allocation takes this warm block, not an untouched page (RSS stays flat).
+                del self.cached_free[b]
+                self._forget(b)
+                self.free_blocks.appendleft(b)
         req.evicted_upto = max(req.evicted_upto, upto)
         return n
 
@@ -327,7 +334,7 @@ class BlockManager:
             if self.block_hash[b] is not None:
                 self.cached_free[b] = None  # most recently freed: evicted last
             else:
-                self.free_blocks.append(b)
+                self.free_blocks.appendleft(b)  # reused first: its pages are resident already
 
     # -- checks ------------------------------------------------------------------------------------
     def enable_debug(self) -> None:
