@@ -168,7 +168,8 @@ def _q4_search(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             best = (err, d16, c)
         else:
             better = err < best[0]
-            best = (torch.where(better, err, best[0]), torch.where(better, d16, best[1]), torch.where(better, c, best[2]))
+            best = (torch.where(better, err, best[0]), torch.where(better, d16, best[1]),
+                    torch.where(better, c, best[2]))
     assert best is not None
     return best[1], best[2]
 
