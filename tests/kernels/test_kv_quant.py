@@ -101,7 +101,7 @@ def test_hand_decoded_groups() -> None:
     nib = np.array([raw4[2 + (i % 16)] >> (4 * (i // 16)) & 15 for i in range(32)])  # byte j: j low, j + 16 high
     want4 = (nib - 8).astype(np.float32) * d4
     assert np.array_equal(dequantize(quantize(x, INT4), INT4, 32).numpy()[0], want4)
-    # the scale search as documented: the plain rule (d = m / -8), then m / -t for t = 7, 7.25, .., 9 with
+    # the scale search as documented: the plain rule (d = m / -8), then m / -t for t = 7.5, 8, 8.5 with
     # the scale refitted by least squares; the smallest squared error wins (float64 sums in halves)
     def tree(e: np.ndarray) -> np.float64:
         e = e.astype(np.float64)
@@ -114,7 +114,7 @@ def test_hand_decoded_groups() -> None:
 
     m = rot[np.argmax(np.abs(rot))]  # the signed value of largest magnitude
     cands = []
-    for k, t in enumerate((8.0,) + tuple(7 + 0.25 * k for k in range(9))):
+    for k, t in enumerate((8.0, 7.5, 8.0, 8.5)):
         d = f16(m / np.float32(-t))
         c = np.clip(np.round(rot * (np.float32(1) / d)), -8, 7).astype(np.float32)
         if k:

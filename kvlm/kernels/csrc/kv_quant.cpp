@@ -80,11 +80,26 @@ KVQ_INLINE void hadamard_one(float* x, int64_t D) {
     }
 }
 
-// 32 doubles -> their sum in kv_quant._tree_sum's order (halves added: 32 -> 16 -> ... -> 1), in place.
-KVQ_INLINE double tree_sum(double* e) {
-    for (int h = 16; h >= 1; h >>= 1)
-        for (int i = 0; i < h; i++) e[i] = e[i] + e[i + h];
-    return e[0];
+typedef double v8d __attribute__((vector_size(64)));
+typedef float v8f __attribute__((vector_size(32)));
+typedef int64_t i8d __attribute__((vector_size(64)));
+
+// 32 doubles, as 4 vectors of 8 (p[j] = elements 8j .. 8j + 7) -> their sum in kv_quant._tree_sum's
+// order: halves added, 32 -> 16 -> 8 (whole vectors), then 8 -> 4 -> 2 -> 1 inside one vector.
+KVQ_INLINE double tree_sum(const v8d* p) {
+    v8d t = (p[0] + p[2]) + (p[1] + p[3]);  // element i < 16: e[i] + e[i + 16]; then i < 8: + the i + 8 one
+    t = t + __builtin_shuffle(t, (i8d){4, 5, 6, 7, 4, 5, 6, 7});
+    t = t + __builtin_shuffle(t, (i8d){2, 3, 2, 3, 2, 3, 2, 3});
+    return t[0] + t[1];
+}
+
+// 32 floats -> 4 vectors of 8 doubles (exact).
+KVQ_INLINE void widen32(const float* f, v8d* out) {
+    for (int j = 0; j < 4; j++) {
+        v8f h;
+        std::memcpy(&h, f + 8 * j, sizeof h);
+        out[j] = __builtin_convertvector(h, v8d);
+    }
 }
 
 // One group of 32 floats -> 34 bytes (float16 scale, 32 int8 codes).
@@ -106,7 +121,8 @@ KVQ_INLINE void q8_group(const float* x, uint8_t* dst) {
 }
 
 // int4's scale candidates (kv_quant.py Q4_CANDIDATES): d = m / -t; the first is the plain rule, not refitted.
-constexpr float Q4_CANDIDATES[10] = {8.0f, 7.0f, 7.25f, 7.5f, 7.75f, 8.0f, 8.25f, 8.5f, 8.75f, 9.0f};
+constexpr float Q4_CANDIDATES[] = {8.0f, 7.5f, 8.0f, 8.5f};
+constexpr int Q4_N = sizeof(Q4_CANDIDATES) / sizeof(float);
 
 // One group of 32 floats -> 18 bytes (float16 scale, byte j = c_j | c_{j+16} << 4): kv_quant._q4_search.
 KVQ_INLINE void q4_group(const float* x, uint8_t* dst) {
@@ -121,10 +137,12 @@ KVQ_INLINE void q4_group(const float* x, uint8_t* dst) {
             lo[i] = lo[i] < lo[i + h] ? lo[i] : lo[i + h];
         }
     const float m = hi[0] >= -lo[0] ? hi[0] : lo[0];  // signed extreme, the positive one on a tie
+    v8d xd[4];
+    widen32(x, xd);
     double best = 0.0;
     uint8_t best_d[2];
-    float best_c[32];
-    for (int k = 0; k < 10; k++) {
+    float best_c[32], prev[32];
+    for (int k = 0; k < Q4_N; k++) {
         uint8_t d16[2];
         float inv;
         float df = kv_scale(m / -Q4_CANDIDATES[k], d16, &inv);
@@ -134,21 +152,23 @@ KVQ_INLINE void q4_group(const float* x, uint8_t* dst) {
             v = v < -8.0f ? -8.0f : v;
             c[i] = v > 7.0f ? 7.0f : v;
         }
+        if (k > 1 && std::memcmp(c, prev, sizeof(c)) == 0) continue;  // the previous refitted candidate's codes:
+        // the same scale and error again, and a tie keeps the earlier one, so skipping changes no bit
+        v8d cd[4];
+        widen32(c, cd);
         if (k > 0) {  // least squares for these codes: sum(x c) / sum(c^2), exact products in float64
-            double xc[32], cc[32];
-            for (int i = 0; i < 32; i++) {
-                xc[i] = static_cast<double>(x[i]) * static_cast<double>(c[i]);
-                cc[i] = static_cast<double>(c[i]) * static_cast<double>(c[i]);
-            }
+            std::memcpy(prev, c, sizeof(c));
+            v8d xc[4], cc[4];
+            for (int j = 0; j < 4; j++) xc[j] = xd[j] * cd[j], cc[j] = cd[j] * cd[j];
             const double sxc = tree_sum(xc), scc = tree_sum(cc);
             float unused;
             df = kv_scale(scc > 0.0 ? static_cast<float>(sxc / scc) : 0.0f, d16, &unused);
         }
-        double e[32];
-        for (int i = 0; i < 32; i++) {
-            const float r = x[i] - c[i] * df;  // c * df is exact in float32
-            e[i] = static_cast<double>(r) * static_cast<double>(r);
-        }
+        float r[32];
+        for (int i = 0; i < 32; i++) r[i] = x[i] - c[i] * df;  // c * df is exact in float32
+        v8d e[4];
+        widen32(r, e);
+        for (int j = 0; j < 4; j++) e[j] = e[j] * e[j];
         const double err = tree_sum(e);
         if (k == 0 || err < best) {
             best = err;
