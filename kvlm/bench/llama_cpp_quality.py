@@ -41,7 +41,7 @@ def main(path: str, spec: dict) -> dict:
     llms = {name: Llama(model_path=path, n_threads=spec["threads"], n_threads_batch=spec["threads"], n_ctx=n_ctx,
                         n_batch=min(n_ctx, 512), flash_attn=True, logits_all=True, type_k=spec["types"][name],
                         type_v=spec["types"][name], verbose=False) for name in names}
-    stats = {name: {"nll": 0.0, "n": 0, "agree": 0, "kld": []} for name in names}
+    stats = {name: {"nll": 0.0, "n": 0, "agree": 0, "kld": [], "d": 0.0, "d2": 0.0} for name in names}
     for win in wins:
         target = np.array(win[first + 1 :])
         kept = None
@@ -62,6 +62,9 @@ def main(path: str, spec: dict) -> dict:
                     b = kept[r : r + ROWS].astype(np.float64)
                     st["kld"].append((np.exp(b) * (b - lp)).sum(-1))
                     st["agree"] += int((b.argmax(-1) == lp.argmax(-1)).sum())
+                    dn = (b - lp)[np.arange(len(t)), t]  # per-token NLL minus the baseline's (quality.py's _Score)
+                    st["d"] += float(dn.sum())
+                    st["d2"] += float((dn * dn).sum())
             if name == base:
                 kept = np.concatenate(rows)
     out = []
@@ -71,8 +74,10 @@ def main(path: str, spec: dict) -> dict:
         row = {"type": name, "tokens": st["n"], "ppl": math.exp(st["nll"] / st["n"])}
         if st["kld"]:
             k = np.concatenate(st["kld"])
+            var = max(st["d2"] / st["n"] - (st["d"] / st["n"]) ** 2, 0.0)
             row.update(mean_kld=float(k.mean()), p99_kld=float(np.quantile(k, 0.99)),
-                       top1_agreement=st["agree"] / st["n"], ppl_delta=row["ppl"] / base_ppl - 1)
+                       top1_agreement=st["agree"] / st["n"], ppl_delta=row["ppl"] / base_ppl - 1,
+                       ppl_delta_se=math.sqrt(var / max(st["n"] - 1, 1)))
         out.append(row)
     return {"version": getattr(llama_cpp, "__version__", "?"), "baseline": base, "flash_attn": True, "types": out}
 

@@ -85,6 +85,7 @@ class _Score:
     def __init__(self) -> None:
         self.nll, self.n, self.agree = 0.0, 0, 0
         self.kld: list[Any] = []  # float64 tensors, one per block of rows
+        self.diff = [0.0, 0.0]  # sum and sum of squares of the per-token NLL difference against the baseline
 
     def add(self, lp: Any, target: Any, base: Any | None) -> None:
         """lp (n, vocab) float64 log-probs, target (n,) the true next tokens, base the baseline's (n, vocab)."""
@@ -92,6 +93,9 @@ class _Score:
         self.n += lp.shape[0]
         if base is not None:
             self.kld.append((base.exp() * (base - lp)).sum(-1))
+            dn = (base - lp).gather(1, target[:, None])  # this token's NLL minus the baseline's
+            self.diff[0] += float(dn.sum())
+            self.diff[1] += float((dn * dn).sum())
             self.agree += int((base.argmax(-1) == lp.argmax(-1)).sum())
 
     def result(self) -> dict[str, Any]:
@@ -102,8 +106,11 @@ class _Score:
         out: dict[str, Any] = {"tokens": self.n, "ppl": math.exp(self.nll / self.n)}
         if self.kld:
             k = torch.cat(self.kld)
+            # the standard error of the mean per-token NLL difference (paired), as a fraction of perplexity:
+            # how far Δppl moves with the tokens sampled (tokens of one window are not independent, so a floor)
+            var = max(self.diff[1] / self.n - (self.diff[0] / self.n) ** 2, 0.0)
             out.update(mean_kld=float(k.mean()), p99_kld=float(torch.quantile(k.float(), 0.99)),
-                       top1_agreement=self.agree / self.n)
+                       top1_agreement=self.agree / self.n, ppl_delta_se=math.sqrt(var / max(self.n - 1, 1)))
         return out
 
 
@@ -243,7 +250,7 @@ def _gates(doc: dict[str, Any]) -> dict[str, bool]:
 
 def print_table(d: dict[str, Any]) -> None:
     print(f"{d['model']}: {d['windows']} windows of {d['context']} tokens, scored on the second half; {d['text']}")
-    print(f"{'engine':10} {'dtype':8} {'KV':9} {'B/token':>8} {'ppl':>9} {'Δppl':>8} {'mean KLD':>10} "
+    print(f"{'engine':10} {'dtype':8} {'KV':9} {'B/token':>8} {'ppl':>9} {'Δppl':>8} {'±se':>7} {'mean KLD':>10} "
           f"{'p99 KLD':>10} {'top-1':>7}  against")
     for r in d["rows"]:
         _print_row("kvlm", r["dtype"], r["kv_cache_dtype"], r,
@@ -256,11 +263,12 @@ def print_table(d: dict[str, Any]) -> None:
 
 def _print_row(engine: str, dtype: str, kv: str, r: dict[str, Any], against: str) -> None:
     delta = f"{100 * r['ppl_delta']:+.3f}%" if "ppl_delta" in r else ""
+    se = f"{100 * r['ppl_delta_se']:.3f}%" if "ppl_delta_se" in r else ""
     kld = f"{r['mean_kld']:.2e}" if "mean_kld" in r else ""
     p99 = f"{r['p99_kld']:.2e}" if "p99_kld" in r else ""
     top = f"{100 * r['top1_agreement']:.2f}%" if "top1_agreement" in r else ""
-    print(f"{engine:10} {dtype:8} {kv:9} {r['bytes_per_token']:8} {r['ppl']:9.4f} {delta:>8} {kld:>10} {p99:>10} "
-          f"{top:>7}  {against}")
+    print(f"{engine:10} {dtype:8} {kv:9} {r['bytes_per_token']:8} {r['ppl']:9.4f} {delta:>8} {se:>7} {kld:>10} "
+          f"{p99:>10} {top:>7}  {against}")
 
 
 def plot(d: dict[str, Any], path: str) -> str | None:

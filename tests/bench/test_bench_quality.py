@@ -78,6 +78,10 @@ def test_rows_and_gates(model: Path, text: Path) -> None:
         else:
             assert r["mean_kld"] >= -1e-9 and r["p99_kld"] >= r["mean_kld"] - 1e-9 and 0 <= r["top1_agreement"] <= 1
             assert r["ppl_delta"] == pytest.approx(r["ppl"] / rows[(against, "float32", None)]["ppl"] - 1)
+            # the paired per-token NLL difference: its standard error is at most its root mean square, and
+            # a float16 cache under float32 activations moves no token's NLL by much
+            assert 0 <= r["ppl_delta_se"] < 1
+    assert rows[("float32", "float16", "float32")]["ppl_delta_se"] < 1e-3
     bpt = {kv: rows[("auto", kv, "auto")]["bytes_per_token"] for kv in ("float16", "int8", "int4")}
     assert bpt == {"float16": 2 * 2 * 2 * 32 * 2, "int8": 2 * 2 * 2 * 34, "int4": 2 * 2 * 2 * 18}
     assert set(d["gates"]) == {f"{g} (--dtype {dt})" for g in ("int8_mean_kld_le_1e-3", "int8_ppl_within_0.5%",

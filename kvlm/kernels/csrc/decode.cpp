@@ -302,11 +302,11 @@ void decode_step(int64_t plan_id, const at::Tensor& x, const at::Tensor& positio
         }
         tm.lap(T_KV_WRITE);
         if (rotated)  // q H . k H = q . k; the output comes back as (p V) H
-            for (int64_t i = 0; i < B * nh; i++) kvlm::hadamard_row(q + i * D, D);
+            kvlm::hadamard_rows(q, B * nh, D);
         TORCH_CHECK(kvlm::paged_attention(t, kv_dtype, q, kc, vc, bt, lens, attn, B, nh, kvh, D, BS, MB, scale),
                     "kvlm decode: attention failed");
         if (rotated)
-            for (int64_t i = 0; i < B * nh; i++) kvlm::hadamard_row(attn + i * D, D);
+            kvlm::hadamard_rows(attn, B * nh, D);
         tm.lap(T_ATTENTION);
         run_linear(t, ly.o, attn, B, h, p.act);
         tm.lap(T_MATMUL);
