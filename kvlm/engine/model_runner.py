@@ -235,8 +235,8 @@ class ModelRunner:
         # A chunk of q tokens ending at sequence length s has contexts s-q+1 .. s.
         self.num_context_tokens += sum(q * s - q * (q - 1) // 2 for q, s in zip(meta.query_lens, meta.seq_lens))
         fused = self.fused is not None and meta.in_place and meta.kind is StepKind.DECODE
-        if fused and int(meta.positions.max()) >= self.model.max_positions:
-            fused = False  # past the RoPE table (a bounded cache): the module path computes those rows
+        if fused and not self.fused.fits(meta.positions):  # type: ignore[union-attr]
+            fused = False  # too many rows past the context for the RoPE table's scratch: the module path
         if fused:
             hidden = self.fused(input_ids, meta, self.kv_cache)  # (B, hidden), all layers in one native call
         else:

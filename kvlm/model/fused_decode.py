@@ -31,6 +31,7 @@ from kvlm.kernels.kv_quant import KVQuantFormat
 from kvlm.kernels.paged_attention import KV_DTYPES
 from kvlm.kernels.quant import kernel_path
 from kvlm.kv_cache.storage import PagedKVCache
+from kvlm.model.llama import ROPE_SCRATCH
 from kvlm.model.quant_layers import QuantLinear
 
 # Seconds per part of a profiled step, in decode.cpp's order.
@@ -111,6 +112,26 @@ class FusedDecoder:
         plan = native.ops().decode_plan_create(tensors, spec, float(eps))
         return cls(model, plan)
 
+    def fits(self, positions: torch.Tensor) -> bool:
+        """Whether this step's positions fit the RoPE table and its scratch rows (see `_positions`)."""
+        return int((positions >= self.model.max_positions).sum()) <= ROPE_SCRATCH
+
+    def _positions(self, positions: torch.Tensor) -> torch.Tensor:
+        """positions (B,) as the native step reads them: past the context (a bounded cache's generation),
+        a row's cos / sin are `rope_rows`' (what the module path computes) written into the table's
+        scratch rows, and the row reads those."""
+        n = self.model.max_positions
+        far = positions >= n
+        if not bool(far.any()):
+            return positions
+        cos, sin = self.model.rope_rows(positions[far])
+        k = cos.shape[0]
+        self.model.rope_cos[n : n + k] = cos
+        self.model.rope_sin[n : n + k] = sin
+        out = positions.clone()
+        out[far] = torch.arange(n, n + k, dtype=positions.dtype, device=positions.device)
+        return out
+
     def __call__(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_cache: PagedKVCache) -> torch.Tensor:
         """input_ids (B,) of a decode-only step -> final hidden states (B, hidden) float32."""
         assert meta.in_place and meta.seq_lens_tensor is not None
@@ -118,6 +139,6 @@ class FusedDecoder:
         if self._out.shape != x.shape:
             self._out = torch.empty_like(x)
         prof = self.profile if self.profile is not None else self._no_profile
-        self._ops.decode_step(self.plan, x, meta.positions, meta.slot_mapping, meta.block_tables,
+        self._ops.decode_step(self.plan, x, self._positions(meta.positions), meta.slot_mapping, meta.block_tables,
                               meta.seq_lens_tensor, kv_cache.k, kv_cache.v, self._isa, self._out, prof)
         return self._out

@@ -82,6 +82,18 @@ def test_equivalences_bit_for_bit(model: Path, kv: str) -> None:
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("kv", ["auto", "int8"])
+def test_fused_decode_past_the_context_equals_the_module_path(model: Path, kv: str) -> None:
+    """Decode rows past the RoPE table (positions up to 190 in a 64-token context) read rope_rows' cos / sin
+    from the table's scratch rows in the fused native step: the same bits as the module path."""
+    prompts = random_prompts(3, 22, lo=3, hi=70)
+    fused = Engine(model, EngineConfig(**BOUNDED, kv_cache_dtype=kv), quiet=True)
+    module = Engine(model, EngineConfig(**BOUNDED, kv_cache_dtype=kv), quiet=True)
+    assert fused.runner.fused is not None
+    module.runner.fused = None
+    assert_identical(run_engine(fused, prompts), run_engine(module, prompts), "fused vs module past the context")
+
+
 def test_prefix_hit_and_preemption_bit_for_bit(model: Path) -> None:
     shared = random_prompts(1, 23, lo=24, hi=24)[0]
     prompts = [shared + p for p in random_prompts(3, 24, lo=2, hi=20)]
