@@ -122,6 +122,7 @@ def part_c(model: str | None, threads: int) -> dict[str, Any] | None:
     from kvlm.loader import load_config, resolve_model
     from kvlm.loader.registry import model_path
 
+    name = model or "gemma3-270m"
     path = model or (str(model_path("gemma3-270m")) if model_path("gemma3-270m").is_file() else None)
     if path is None:
         log("long: (c) skipped: no Gemma 3 file (kvlm pull gemma3-270m, or --gemma FILE)")
@@ -129,7 +130,7 @@ def part_c(model: str | None, threads: int) -> dict[str, Any] | None:
     mc = load_config(resolve_model(str(path), quiet=True))
     per_layer = mc.kv_bytes_per_token(4) / mc.num_hidden_layers  # float32 K/V, one layer, one token
     wins = mc.layer_windows or [None] * mc.num_hidden_layers
-    out: dict[str, Any] = {"model": str(path), "layers": mc.num_hidden_layers,
+    out: dict[str, Any] = {"model": name, "layers": mc.num_hidden_layers,
                            "full_layers": sum(w is None for w in wins), "windows": sorted({w for w in wins if w})}
     for ctx in (4096, 32768):
         eng = Engine(path, EngineConfig(max_model_len=ctx, max_num_seqs=1, num_threads=threads), quiet=True)
@@ -149,10 +150,9 @@ def run(model: str = DEFAULT_MODEL, threads: int = 2, tokens: int = 8192, window
 
     from kvlm import EngineConfig
     from kvlm.engine.engine import Engine
-    from kvlm.loader import resolve_model
 
     torch.set_num_threads(threads)
-    doc: dict[str, Any] = run_header("long", resolve_model(model, quiet=True), threads)
+    doc: dict[str, Any] = run_header("long", model, threads)
     ctx = max(tokens, 2 * budget)
     # two sequences of room: a bounded request holds up to max_kv_tokens + one block
     cfg = EngineConfig(num_threads=threads, max_model_len=min(ctx, 8192), max_num_seqs=2,
