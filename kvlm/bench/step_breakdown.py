@@ -90,6 +90,9 @@ class _TimedFused:
     def __init__(self, inner: Any, clock: _Clock) -> None:
         self.inner, self.clock = inner, clock
 
+    def fits(self, positions: torch.Tensor) -> bool:
+        return self.inner.fits(positions)
+
     def __call__(self, *args: Any) -> torch.Tensor:
         t = time.perf_counter()
         out = self.inner(*args)
