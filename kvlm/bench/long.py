@@ -23,7 +23,6 @@ import argparse
 import math
 import os
 import time
-from pathlib import Path
 from typing import Any
 
 from kvlm.bench.common import DEFAULT_MODEL, Bench, add_model_args, log, run_header, standalone
@@ -36,16 +35,12 @@ def _rss_mib() -> float:
 
 
 def _text_ids(engine: Any, text: str | None, n: int) -> tuple[list[int], str]:
-    from kvlm.bench.quality import kjv_text
-    from kvlm.paths import kvlm_home
+    from kvlm.bench.quality import text_file
 
-    if text is None:
-        path, source = kjv_text(kvlm_home())
-    else:
-        path, source = Path(text), f"--text {text}"
-        if not path.is_file():
-            raise ValueError(f"--text {text}: no such file")
-    ids = engine.tokenizer.encode(path.read_text(encoding="utf-8"))
+    path, source = text_file(text)
+    raw = path.read_bytes()
+    raw = raw[: 8 * n + 1024]  # ~4 bytes a token: ample, and the 4 MB text is not tokenized whole
+    ids = engine.tokenizer.encode(raw.decode("utf-8", "ignore"))
     if len(ids) < n:
         raise ValueError(f"the text has {len(ids)} tokens; --tokens asks for {n}")
     return ids[:n], source

@@ -73,6 +73,18 @@ def kjv_text(home: Path) -> tuple[Path, str]:
     return out, source
 
 
+def text_file(text: str | None) -> tuple[Path, str]:
+    """(the text to score, where it came from): `--text FILE`, else the pinned KJV (`kjv_text`)."""
+    from kvlm.paths import kvlm_home
+
+    if text is None:
+        return kjv_text(kvlm_home())
+    path = Path(text)
+    if not path.is_file():
+        raise ValueError(f"--text {text}: no such file")
+    return path, f"--text {text}"
+
+
 def windows(ids: list[int], context: int, count: int) -> list[list[int]]:
     """The first `count` (0: all) non-overlapping windows of `context` tokens."""
     n = len(ids) // context if count == 0 else min(count, len(ids) // context)
@@ -169,17 +181,11 @@ def run(model: str = DEFAULT_MODEL, threads: int = 2, context: int = 1024, chunk
 
     from kvlm.config import ModelConfig
     from kvlm.loader import resolve_model
-    from kvlm.paths import kvlm_home
 
     if context < 4 or context % 2:
         raise ValueError(f"--context must be an even number >= 4, got {context}")
     torch.set_num_threads(threads)
-    if text is None:
-        text_path, source = kjv_text(kvlm_home())
-    else:
-        text_path, source = Path(text), f"--text {text}"
-        if not text_path.is_file():
-            raise ValueError(f"--text {text}: no such file")
+    text_path, source = text_file(text)
     raw = text_path.read_bytes()
     engines = _engines(model, threads, list(dtypes), list(kv_cache_dtypes), context, chunk)
     tok = next(iter(engines.values())).tokenizer
