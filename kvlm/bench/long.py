@@ -59,10 +59,10 @@ def perplexity(engine: Any, ids: list[int], max_kv_tokens: int | None, sink_toke
 
 
 def part_a(engine: Any, ids: list[int], windows: list[int], sinks: int) -> list[dict[str, Any]]:
-    full = engine.max_model_len  # nothing is evicted before the context's end
+    bs = engine.block_manager.block_size
+    full = engine.max_model_len // bs * bs  # nothing is evicted before the context's end
     rows = [{"policy": "full", "max_kv_tokens": full, **perplexity(engine, ids, full, 0)}]
     log(f"long: full {rows[-1]['ppl']:.3f}")
-    bs = engine.block_manager.block_size
     for w in windows:
         for s in (0, sinks):
             pol = engine.kv_policy(_params(w + (-(-s // bs) * bs if s else 0), s))
@@ -127,7 +127,8 @@ def part_c(model: str | None, threads: int) -> dict[str, Any] | None:
     wins = mc.layer_windows or [None] * mc.num_hidden_layers
     out: dict[str, Any] = {"model": name, "layers": mc.num_hidden_layers,
                            "full_layers": sum(w is None for w in wins), "windows": sorted({w for w in wins if w})}
-    for ctx in (4096, 32768):
+    out["contexts"] = sorted({min(c, mc.max_position_embeddings) for c in (4096, 32768)})  # a shorter model: its own
+    for ctx in out["contexts"]:
         eng = Engine(path, EngineConfig(max_model_len=ctx, max_num_seqs=1, num_threads=threads), quiet=True)
         every = mc.num_hidden_layers * ctx * per_layer
         windowed = sum(ctx if w is None else min(ctx, w) for w in wins) * per_layer
@@ -148,7 +149,7 @@ def run(model: str = DEFAULT_MODEL, threads: int = 2, tokens: int = 8192, window
 
     torch.set_num_threads(threads)
     doc: dict[str, Any] = run_header("long", model, threads)
-    ctx = max(tokens, 2 * budget)
+    ctx = -(-max(tokens, 2 * budget) // 16) * 16  # whole blocks: `full` is a budget of the whole context
     # two sequences of room: a bounded request holds up to max_kv_tokens + one block
     cfg = EngineConfig(num_threads=threads, max_model_len=min(ctx, 8192), max_num_seqs=2,
                        enable_prefix_caching=False, adaptive_threads=False)
@@ -186,7 +187,7 @@ def print_table(d: dict[str, Any]) -> None:
         g = d["gemma"]
         print(f"\n(c) Gemma 3 K/V, float32: {g['full_layers']} full layers + "
               f"{g['layers'] - g['full_layers']} windowed ({g['windows']})")
-        for ctx in ("4096", "32768"):
+        for ctx in map(str, g["contexts"]):
             r = g[ctx]
             print(f"  {ctx:>6} tokens: kvlm's pool {fmt_bytes(r['pool_bytes'])} = {r['pool_vs_formula']:.2f}x the "
                   f"per-layer formula ({fmt_bytes(r['per_layer_bytes'])}); every layer full would be "
