@@ -28,7 +28,8 @@ from kvlm.engine.threads import ThreadGovernor
 from kvlm.errors import ParameterError, PromptTooLongError
 from kvlm.kernels.kv_quant import FORMATS, GROUP, KVQuantFormat
 from kvlm.kv_cache import snapshot as kv_snapshot
-from kvlm.kv_cache.block_manager import EVICTED
+from kvlm.kv_cache.block_manager import held_blocks
+from kvlm.kv_cache.layer_groups import GroupView
 from kvlm.kv_cache.pool import describe_kv_pool, make_kv_cache
 from kvlm.kv_cache.prefix_misses import PrefixHistory
 from kvlm.kv_cache.snapshot import SnapshotInfo, prefix_cached, snapshot_header
@@ -337,10 +338,10 @@ class Engine:
         `kept` filled tokens, a sliding group all its blocks full but the last."""
         bs = self.block_manager.block_size
         slot = self._group_slot_bytes
-        held = (len(req.block_table) - req.block_table.count(EVICTED)) * bs * slot[0]
+        held = len(held_blocks(req)) * bs * slot[0]
         used = kept * slot[0]
         for g, table in enumerate(req.group_tables, 1):
-            blocks = len(table) - table.count(EVICTED)
+            blocks = len(held_blocks(GroupView(req, g)))
             held += blocks * bs * slot[g]
             used += (blocks * bs - (len(table) * bs - req.num_computed_tokens)) * slot[g]  # all full but the last
         return round(held), round(used)
@@ -366,9 +367,10 @@ class Engine:
             m.num_computed_tokens += n
             req.num_computed_tokens += n
             self.scheduler.cache_full_blocks(req)  # newly full blocks become reusable (every layer group)
-            m.blocks_held = len(req.block_table) - req.block_table.count(EVICTED)
+            held = held_blocks(req)
+            m.blocks_held = len(held)
             if bm.enable_prefix_caching:
-                m.blocks_shared = sum(1 for b in req.block_table if b != EVICTED and bm.ref_counts[b] > 1)
+                m.blocks_shared = sum(1 for b in held if bm.ref_counts[b] > 1)
             kept = req.num_computed_tokens if req.kv_policy is None else min(
                 req.num_computed_tokens, req.kv_policy.attended(req.num_computed_tokens - 1))
             m.kv_bytes_held, m.kv_bytes_used = self._kv_bytes(req, kept) if self.config.enable_kv_cache else (0, 0)

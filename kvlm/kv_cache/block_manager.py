@@ -62,6 +62,14 @@ def prefix_block_hashes(root_hash: bytes, token_ids: Sequence[int], block_size: 
         out.append(hash_block(out[-1] if out else root_hash, token_ids[i * block_size : (i + 1) * block_size]))
     return out
 
+def held_blocks(req: Request) -> list[int]:
+    """The blocks `req`'s table still holds, without scanning its EVICTED run: past the first few (sinks)
+    every entry before `evicted_upto` is EVICTED and none after it, so an endless request costs O(window)."""
+    s = req.kv_policy.sink_blocks if req.kv_policy is not None else 0
+    t = req.block_table
+    return [b for b in t[:s] if b != EVICTED] + t[max(s, req.evicted_upto) :]
+
+
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False) -> None:
         self.num_blocks, self.block_size = num_blocks, block_size
@@ -366,6 +374,7 @@ class BlockManager:
         counts = [0] * self.num_blocks
         for r in requests:
             held = [b for b in r.block_table if b != EVICTED]
+            assert held_blocks(r) == held, f"{r.request_id}: an EVICTED entry outside its evicted run"
             assert len(set(held)) == len(held), f"{r.request_id} holds a block twice"
             for b in held:
                 counts[b] += 1
