@@ -89,13 +89,13 @@ class _StepRows:
         max_blocks = max(len(t) for t in tables)
         r.tables = [t + [0] * (max_blocks - len(t)) for t in tables]
         for g, null in enumerate(null_blocks):
-            slots = r.group_slots[g]
-            gt = [[null if b < 0 else b for b in req.group_tables[g]] for req in batch.requests]
-            for start, n, t in zip(r.starts, batch.num_new_tokens, gt):
-                slots.extend(t[p // block_size] * block_size + p % block_size for p in range(start, start + n))
-            # a bounded request reads [sinks | kept] in every group (its sinks outside a sliding window)
-            gt = [t if req.kv_policy is None else req.kv_policy.virtual_table(t, start)
-                  for req, start, t in zip(batch.requests, r.starts, gt)]
+            slots, gt = r.group_slots[g], []
+            for req, start, n in zip(batch.requests, r.starts, batch.num_new_tokens):
+                raw = req.group_tables[g]  # the blocks this step writes are held, never EVICTED
+                slots.extend(raw[p // block_size] * block_size + p % block_size for p in range(start, start + n))
+                # a bounded request reads [sinks | kept] in every group (its sinks outside a sliding window)
+                t = raw if req.kv_policy is None else req.kv_policy.virtual_table(raw, start)
+                gt.append([null if b < 0 else b for b in t])  # EVICTED entries read the null block
             r.group_tables.append([t + [null] * (max_blocks - len(t)) for t in gt])
         return r
 
