@@ -20,7 +20,7 @@ if TYPE_CHECKING:  # torch and tokenizers load with the model, not with `kvlm kv
 
     from kvlm.tokenizer.tokenizer import Tokenizer
 
-__all__ = ["DEFAULT_MODEL", "load_checkpoint", "load_config", "resolve_model"]
+__all__ = ["DEFAULT_MODEL", "f32_blocks", "load_checkpoint", "load_config", "resolve_model"]
 
 
 def _gguf_file(path: Path) -> Path | None:
@@ -55,17 +55,17 @@ def load_checkpoint(path: str | os.PathLike,
 
             config, state = load_hf_dir(p)
             if quantized:  # 2-D weights on the native row kernel (fixed order per output: row-invariant)
-                state = {k: _as_f32_blocks(v) if v.ndim == 2 else v for k, v in state.items()}
+                state = {k: f32_blocks(v) if v.ndim == 2 else v for k, v in state.items()}
             tokenizer = Tokenizer.from_hf_dir(p)
     except TokenizerError as e:
         raise ModelLoadError(f"{p}: bad tokenizer: {e}") from None
     return config, state, tokenizer
 
 
-def _as_f32_blocks(w: torch.Tensor) -> Any:
-    """A dense float32 (N, K) weight as an F32 `QuantTensor` over the same bytes: the default path then
-    multiplies it with the native row kernel, whose rows are bit-identical in any batch or chunk, instead
-    of BLAS (which stays the `--dtype float32` reference)."""
+def f32_blocks(w: torch.Tensor) -> Any:
+    """A dense float32 (N, K) weight as an F32 `QuantTensor` over the same bytes: the native row kernel
+    then multiplies it, whose rows are bit-identical in any batch or chunk and whose sums (16 lanes, then a
+    fixed tree) round less than BLAS's (`--dtype float32` on CPU takes it too, `loader.build`)."""
     import torch
 
     from kvlm.kernels.ggml_types import GGMLQuantizationType

@@ -18,7 +18,8 @@ import torch
 
 from kvlm.config import ModelConfig
 from kvlm.errors import ParameterError
-from kvlm.loader import load_checkpoint
+from kvlm.kernels import native
+from kvlm.loader import f32_blocks, load_checkpoint
 from kvlm.loader.mapped_pages import release_unused
 from kvlm.model.gemma3 import Gemma3ForCausalLM
 from kvlm.model.llama import LlamaForCausalLM
@@ -54,8 +55,13 @@ def context_length(requested: int | None, config: ModelConfig) -> int:
 def load_model(path: Path, max_model_len: int | None, dtype: torch.dtype, device: torch.device, *,
                quantized: bool) -> LoadedModel:
     """quantized: GGUF weights stay in their block formats (the CPU `--dtype auto` path); otherwise every
-    weight is dequantized to `dtype` at load (the dense reference path)."""
+    weight is dequantized to `dtype` at load (the dense path). Dense float32 on a CPU with the native
+    kernels multiplies on the row kernel (`f32_blocks`), as `--dtype auto` does a safetensors folder's:
+    its rows are bit-identical in any batch at any thread count, and its sums round less than BLAS's
+    (scripts/experiments/dense_rows_error.py), which left Gemma 3's logits 1.5e-4 from transformers'."""
     config, state, tokenizer = load_checkpoint(path, quantized=quantized)
+    if not quantized and dtype == torch.float32 and device.type == "cpu" and native.active_isa() != "reference":
+        state = {k: f32_blocks(v) if isinstance(v, torch.Tensor) and v.ndim == 2 else v for k, v in state.items()}
     n_ctx = context_length(max_model_len, config)
     cls = Gemma3ForCausalLM if config.model_type == "gemma3_text" else LlamaForCausalLM
     with torch.device("meta"):  # no random init of weights that load_weights replaces

@@ -32,8 +32,13 @@ def main() -> None:
     path = pull("gemma3-270m")
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
                                                            dtype=torch.float32).eval()
+    # The same dequantized weights computed in float64 (eager attention): the float32 paths' common reference.
+    hf64 = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                             dtype=torch.float32).eval().double()
+    hf64.config._attn_implementation = "eager"
     engine = Engine(path, EngineConfig(dtype="float32", num_threads=2, adaptive_threads=False), quiet=True)
-    print(f"{'tokens':>6} {'kvlm-hf':>9} {'hf sdpa-eager':>14} {'hf cached-full':>15}  (max |logit difference|)")
+    print(f"{'tokens':>6} {'kvlm-hf':>9} {'hf sdpa-eager':>14} {'hf cached-full':>15} {'kvlm-f64':>9} "
+          f"{'hf cached-f64':>14} {'hf sdpa-f64':>12} {'hf eager-f64':>13}  (max |logit difference|)")
     for text in PROMPTS:
         ids = engine.tokenizer.encode(text)
         tokens, logits = run_engine(engine, [ids], SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True))
@@ -45,10 +50,13 @@ def main() -> None:
             sdpa = hf(seq).logits[0, n:n + STEPS]
             hf.config._attn_implementation = "eager"
             eager = hf(seq).logits[0, n:n + STEPS]
+            exact = hf64(seq).logits[0, n:n + STEPS]
         gen = torch.stack([step[0] for step in out.logits])
         ours = torch.stack(logits[0])
         print(f"{len(ids):>6} {(ours - gen).abs().max().item():>9.2e} {(sdpa - eager).abs().max().item():>14.2e} "
-              f"{(gen - eager).abs().max().item():>15.2e}")
+              f"{(gen - eager).abs().max().item():>15.2e} {(ours.double() - exact).abs().max().item():>9.2e} "
+              f"{(gen.double() - exact).abs().max().item():>14.2e} {(sdpa.double() - exact).abs().max().item():>12.2e} "
+              f"{(eager.double() - exact).abs().max().item():>13.2e}")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Bit-exact engine equivalences on the default path (`--dtype auto`), for every weight format with a kernel.
+"""Bit-exact engine equivalences on the default path (`--dtype auto`), for every weight format with a kernel,
+and on the `--dtype float32` path.
 
 A token's logits must have the same bits cached or recomputed, alone or in any batch, chunked or whole,
 paged or contiguous, from the prefix cache or computed, preempted or not, at 1 or 2 threads. Here on tiny
@@ -93,3 +94,26 @@ def test_prefix_hit_and_preemption_bit_for_bit(model: Path) -> None:
     pre = run_engine(small, prompts, GREEDY, requests=reqs)
     assert sum(r.metrics.num_preemptions for r in reqs) > 0
     assert_identical(off, pre, "preempted vs not")
+
+
+@pytest.mark.parametrize("fmt", ["Q4_1", "Q6_K", "safetensors"])
+def test_float32_path_bit_for_bit(fmt: str, tmp_path: Path) -> None:
+    """`--dtype float32` on a CPU with the kernels: weights dequantized at load multiply on the row kernel as
+    F32 blocks (loader/build.py), attention is the one native computation: exact across step shapes too."""
+    if native.active_isa() == "reference":
+        pytest.skip("the native kernels are not built here")
+    if fmt == "safetensors":
+        path = write_tiny_hf_dir(tmp_path / "hf", tiny_config(tie_word_embeddings=False))
+    else:
+        cfg = tiny_config(hidden_size=256, intermediate_size=256, head_dim=64) if fmt == "Q6_K" else tiny_config()
+        with pytest.MonkeyPatch.context() as mp:
+            if not can_quantize(gguf.GGMLQuantizationType[fmt]):
+                mp.setattr(gguf.quants, "quantize", synthetic_quantize)
+            path = write_tiny_gguf(tmp_path / f"tiny-{fmt}.gguf", cfg, tensor_type=fmt)
+    prompts = random_prompts(5, 15, lo=3, hi=70)
+    ref = run(path, prompts, dtype="float32", block_size=4)
+    assert_identical(ref, run(path, prompts, dtype="float32", block_size=4, enable_kv_cache=False), "cache vs none")
+    assert_identical(ref, run(path, prompts, dtype="float32", block_size=4, max_num_batched_tokens=7), "chunked")
+    for i, p in enumerate(prompts):
+        t, lg = run(path, [p], dtype="float32", block_size=4)
+        assert_identical(({i: ref[0][i]}, {i: ref[1][i]}), ({i: t[0]}, {i: lg[0]}), f"alone vs batch (prompt {i})")

@@ -72,8 +72,8 @@ def test_greedy_64_tokens_match_transformers(smollm2_llm: LLM, hf_model: Any, ki
 
 
 def test_cache_equals_no_cache_on_real_model(smollm2_gguf: Path, smollm2_llm: LLM) -> None:
-    """Greedy tokens identical with and without the cache; each cached decode step's logits equal the
-    full recompute's (float32, 1e-3)."""
+    """Greedy tokens identical with and without the cache; each cached decode step's logits have the full
+    recompute's bits (`--dtype float32` runs the row kernel and the one attention computation too)."""
     ids = smollm2_llm.render_chat(CHAT)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     cached = smollm2_llm.llm_engine
@@ -84,7 +84,7 @@ def test_cache_equals_no_cache_on_real_model(smollm2_gguf: Path, smollm2_llm: LL
         cached.step(keep_logits=True)
         nocache.step(keep_logits=True)
         a, b = cached.last_result.logits[0], nocache.last_result.logits[0]
-        assert (a - b).abs().max().item() < 1e-3
+        assert torch.equal(a, b), f"step {steps}: max |diff| {(a - b).abs().max().item():.2e}"
         steps += 1
     assert steps == 24
     assert ra.output_token_ids == rb.output_token_ids
