@@ -87,8 +87,8 @@ class Engine:
             raise ParameterError("kv_cache_dtype", f"kv_cache_dtype {self.kv_cache_dtype} needs head_dim % {GROUP} "
                                                    f"== 0; this model's is {model_config.head_dim}: use float16")
 
-        # int8 / int4: keys stored centered on the model's mean key (model/k_center.py): one prefill at load
-        self.k_center = (calibrate_k_center(self.model, self.tokenizer, self.max_model_len)
+        # int8 / int4: keys stored centered on the model's mean key (model/k_center.py), one prefill at load
+        self.k_center = (calibrate_k_center(self.model, model_config.vocab_size, self.max_model_len)
                          if isinstance(self.kv_cache_dtype, KVQuantFormat) else None)
         self.kv_cache: KVCache
         self.kv_cache, self.block_manager, groups = make_kv_cache(cfg, model_config, self.max_model_len,
