@@ -350,10 +350,12 @@ class PagedKVCache(_LayerStorage):
         """The keys of group 0's `block_ids` as the model computes with them (uncentered: + k_center),
         (len(group0_layers), n * block_size, kv_heads, D), in the order of `group0_layers`."""
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.k[0].device)
-        mu = self.k_center
-        return torch.stack([(decode_kv(self.k[i].index_select(0, idx), self.element, self.head_dim, torch.float32)
-                             + (0 if mu is None else mu[i])).to(self.compute_dtype).flatten(0, 1)
-                            for i in self.group0_layers])
+        def keys(i: int) -> torch.Tensor:  # (n, block_size, kv_heads, D)
+            if self.k_center is None:
+                return decode_kv(self.k[i].index_select(0, idx), self.element, self.head_dim, self.compute_dtype)
+            k = decode_kv(self.k[i].index_select(0, idx), self.element, self.head_dim, torch.float32)
+            return (k + self.k_center[i]).to(self.compute_dtype)
+        return torch.stack([keys(i).flatten(0, 1) for i in self.group0_layers])
 
     def write_keys(self, layer: int, block_ids: list[int], k: torch.Tensor) -> None:
         """Store keys k (n * block_size, kv_heads, D) into `block_ids` of `layer` (centered, rounded / quantized)."""
