@@ -3,10 +3,11 @@
 SmolLM2-135M's keys (post-RoPE) carry a large per-channel mean that every token's int4 codes must spend
 their range on. A quantized cache stores k - mu instead (`kv_cache/storage.py`, `csrc/decode.cpp`), which
 changes no attention output in exact arithmetic: q . (k - mu) = q . k - q . mu is the same shift for
-every key of a query row, and softmax ignores it. docs/kv_quant.md measures what it buys.
+every key of a query row, and softmax ignores it (attention logits go into softmax as they are: models
+with attention soft-capping are refused at load, `config.py`). docs/kv_quant.md measures what it buys.
 
 mu comes from one prefill at engine load of a fixed sequence, `CALIBRATION_TOKENS` token ids drawn from
-Python's `random.Random(CALIBRATION_SEED)` (Mersenne Twister: the same ids on every platform and version),
+Python's `random.Random(CALIBRATION_SEED)` (Mersenne Twister and CPython's randrange: the same ids everywhere),
 through the model as loaded, with a float32 cache, summed in float64 and rounded to float16: the same
 model file gives the same mu bits on every run (the native path's bits do not depend on the thread count;
 the float16 rounding absorbs the reference path's last-bit differences). No text, no download. Measured on
