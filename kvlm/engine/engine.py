@@ -39,6 +39,7 @@ from kvlm.loader import resolve_model
 from kvlm.loader.build import load_model
 from kvlm.loader.fingerprint import model_files, model_fingerprint
 from kvlm.loader.heap import trim_heap
+from kvlm.model.k_center import calibrate_k_center, center_digest
 from kvlm.outputs import StreamDelta
 from kvlm.request import Request
 from kvlm.sampling_params import SamplingParams
@@ -86,11 +87,14 @@ class Engine:
             raise ParameterError("kv_cache_dtype", f"kv_cache_dtype {self.kv_cache_dtype} needs head_dim % {GROUP} "
                                                    f"== 0; this model's is {model_config.head_dim}: use float16")
 
+        # int8 / int4: keys stored centered on the model's mean key (model/k_center.py), one prefill at load
+        self.k_center = (calibrate_k_center(self.model, model_config.vocab_size, self.max_model_len)
+                         if isinstance(self.kv_cache_dtype, KVQuantFormat) else None)
         self.kv_cache: KVCache
         self.kv_cache, self.block_manager, groups = make_kv_cache(cfg, model_config, self.max_model_len,
                                                                   self._kv_formula_bytes_per_token,
                                                                   self.kv_cache_dtype, self.device,
-                                                                  compute_dtype=self.dtype)
+                                                                  compute_dtype=self.dtype, k_center=self.k_center)
         history = None
         if self.block_manager.enable_prefix_caching:
             keys = self._prefix_hash_keys()
@@ -142,6 +146,7 @@ class Engine:
         files = [[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in model_files(self.model_path)]
         return json.dumps({"model": files, "config": dataclasses.asdict(self.model_config), "dtype": self.config.dtype,
                            "kv_dtype": str(self.kv_cache_dtype), "kv_layout": self.config.kv_cache_layout,
+                           "k_center": center_digest(self.k_center),
                            "block_size": self.config.block_size})
 
     @functools.cached_property
@@ -258,7 +263,7 @@ class Engine:
         mc = self.model_config
         return snapshot_header(self.model_fingerprint, self.config.dtype, self.kv_cache_dtype,
                                self.block_manager.block_size, mc.num_hidden_layers, mc.num_key_value_heads,
-                               mc.head_dim, getattr(self.kv_cache, "layer_group", None))
+                               mc.head_dim, getattr(self.kv_cache, "layer_group", None), center_digest(self.k_center))
 
     def prompt_logits(self, token_ids: list[int], first: int, max_kv_tokens: int | None = None,
                       sink_tokens: int | None = None) -> Iterator[tuple[int, torch.Tensor]]:

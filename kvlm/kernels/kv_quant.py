@@ -222,6 +222,13 @@ def dequantize(raw: torch.Tensor, fmt: KVQuantFormat, head_dim: int) -> torch.Te
     return (q * d).reshape(*lead, head_dim)
 
 
+def centered(k: torch.Tensor, k_center: torch.Tensor | None, layer: int) -> torch.Tensor:
+    """Keys k (..., kv_heads, D) as a centered cache stores them: k - k_center[layer], one float32 subtraction
+    per value (the fused decode step's too, `csrc/decode.cpp`); k itself where k_center is None.
+    k_center (layers, kv_heads, D) float32: the mean key per layer and kv head (`model/k_center.py`)."""
+    return k if k_center is None else k.float() - k_center[layer]
+
+
 def unrotated(values: torch.Tensor, fmt: KVQuantFormat) -> torch.Tensor:
     """`dequantize`'s values back in the model's basis (x H H = x): what the codes stand for."""
     return hadamard(values) if fmt.rotate else values

@@ -60,22 +60,23 @@ def kv_pool_budget(cfg: EngineConfig, max_model_len: int, kv_bytes_per_token: in
 
 def make_kv_cache(cfg: EngineConfig, mc: ModelConfig, max_model_len: int, kv_bytes_per_token: int,
                   dtype: KVElement, device: torch.device,
-                  compute_dtype: torch.dtype | None = None
+                  compute_dtype: torch.dtype | None = None, k_center: torch.Tensor | None = None
                   ) -> tuple[KVCache, BlockManager, list[tuple[BlockManager, int]]]:
     """The KV cache for `cfg.kv_cache_layout`, the block manager that hands out its slots, and, for a model
     with sliding-window layers on the paged layout, each extra layer group's (block manager, window)
     (`layer_groups.py`). `dtype` is the K/V element type (a float type or a quantized format),
     `compute_dtype` the model's (what attention reads back; default `dtype`). `kv_bytes_per_token` is the
     format's formula; the pool's tensors then take that many bytes per slot (`cache.bytes_per_token`).
+    `k_center` (layers, kv_heads, D) float32: keys are stored centered (`storage.py`, `model/k_center.py`).
 
     Layer groups: each sliding group gets room for `max_num_seqs` requests' windows (plus a chunk), and
     the full layers the rest of the budget; the default budget sizes the full layers as it sizes a pool."""
     layers = mc.num_hidden_layers
     if not cfg.enable_kv_cache:
-        return NoKVCache(dtype), BlockManager(cfg.max_num_seqs, max_model_len), []
+        return NoKVCache(dtype, k_center), BlockManager(cfg.max_num_seqs, max_model_len), []
     if cfg.kv_cache_layout == "contiguous":
         cache = ContiguousKVCache(layers, cfg.max_num_seqs, max_model_len, mc.num_key_value_heads, mc.head_dim,
-                                  dtype, device, compute_dtype)
+                                  dtype, device, compute_dtype, k_center=k_center)
         return cache, BlockManager(cfg.max_num_seqs, max_model_len), []
     bs, groups = cfg.block_size, LayerGroups.of(mc.layer_windows, layers)
     per_layer = kv_bytes_per_token / layers
@@ -96,7 +97,8 @@ def make_kv_cache(cfg: EngineConfig, mc: ModelConfig, max_model_len: int, kv_byt
                              + (f" after the sliding layers' {sliding:.0f} B" if sliding else ""))
     group_blocks[0] = num_blocks
     cache = PagedKVCache(layers, num_blocks, bs, mc.num_key_value_heads, mc.head_dim, dtype, device,
-                         compute_dtype, layer_group=list(groups.group_of), group_blocks=group_blocks)
+                         compute_dtype, layer_group=list(groups.group_of), group_blocks=group_blocks,
+                         k_center=k_center)
     # Only the paged layout can share blocks between requests: prefix caching lives here.
     pc = cfg.enable_prefix_caching
     extra = [(BlockManager(n, bs, enable_prefix_caching=pc), groups.windows[g])

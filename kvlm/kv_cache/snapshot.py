@@ -8,12 +8,13 @@ File layout (safetensors, so loading never unpickles anything):
                       snapshot (what a prefix hit there needs), (layers of g, blocks, block_size, ...)
            token_ids  (blocks * block_size,) int64: the tokens whose K/V these are (full blocks only)
   metadata format "kvlm-prefix-snapshot/1"; model_fingerprint (sha256 over the model's files); dtype;
-           kv_dtype; block_size; kv_layout ("paged", layers, kv_heads, head_dim); num_tokens; crc32 of the
-           tensors' bytes (a flipped byte in the data is caught, not served).
+           kv_dtype; block_size; kv_layout ("paged", layers, kv_heads, head_dim); k_center ("none", or a
+           digest of the mean key an int8 / int4 cache subtracts, `model/k_center.py`; absent: "none");
+           num_tokens; crc32 of the tensors' bytes (a flipped byte in the data is caught, not served).
 
 The functions work on a block manager, a paged cache and the header this engine expects
 (`snapshot_header`); they know nothing of the engine. `load_prefix` checks everything before it touches
-the pool: a snapshot for another model, dtype, block size or layout, or a corrupt or truncated file
+the pool: a snapshot for another model, dtype, block size, layout or K center, or a corrupt or truncated file
 raises `SnapshotError` (one line) and leaves the cache unchanged and serving. Loaded blocks enter the
 prefix cache as cached-free blocks, exactly as if a request had computed them, so the next request
 starting with those tokens reuses them (and the LRU may evict them like any other cached block).
@@ -59,15 +60,18 @@ Groups = list[tuple[BlockManager, int]]  # layer groups 1..: (block manager, win
 
 
 def snapshot_header(model_fingerprint: str, dtype: str, kv_dtype: KVElement, block_size: int, layers: int,
-                    kv_heads: int, head_dim: int, layer_group: list[int] | None = None) -> dict[str, str]:
+                    kv_heads: int, head_dim: int, layer_group: list[int] | None = None,
+                    k_center: str = "none") -> dict[str, str]:
     """The metadata a snapshot for this engine carries, and that a snapshot must carry to load
-    (`layer_group`: each layer's group, for a model with sliding-window layers)."""
+    (`layer_group`: each layer's group, for a model with sliding-window layers; `k_center`: the digest of
+    the K center the cache subtracts from its keys, `model/k_center.center_digest`, "none" if it stores them
+    as computed)."""
     layout = {"layout": "paged", "layers": layers, "kv_heads": kv_heads, "head_dim": head_dim}
     if layer_group and any(layer_group):
         layout["layer_group"] = list(layer_group)
     return {"format": FORMAT, "model_fingerprint": model_fingerprint, "dtype": dtype,
             "kv_dtype": str(kv_dtype).removeprefix("torch."), "block_size": str(block_size),
-            "kv_layout": json.dumps(layout)}
+            "kv_layout": json.dumps(layout), "k_center": k_center}
 
 
 def _group_firsts(nblk: int, bs: int, groups: Groups) -> list[int]:
@@ -159,9 +163,11 @@ def read_snapshot(path: str | os.PathLike, header: dict[str, str], vocab_size: i
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
         raise SnapshotError(f"{path}: corrupt or truncated snapshot ({str(e).splitlines()[0]})") from None
     for key, label in (("model_fingerprint", "model"), ("dtype", "dtype"), ("kv_dtype", "KV cache dtype"),
-                       ("block_size", "block size"), ("kv_layout", "KV layout")):
-        if meta.get(key) != header[key]:
-            got, exp = meta.get(key, "missing"), header[key]
+                       ("block_size", "block size"), ("kv_layout", "KV layout"), ("k_center", "K center")):
+        # a snapshot without k_center (written before centering existed) holds uncentered keys
+        got = meta.get(key, "none" if key == "k_center" else None)
+        if got != header[key]:
+            got, exp = got or "missing", header[key]
             if key == "model_fingerprint":
                 got, exp = got[:12], exp[:12]
             raise SnapshotError(f"{path}: snapshot is for another {label} ({got}; this engine: {exp})")

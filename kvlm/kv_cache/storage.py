@@ -17,6 +17,10 @@ a quantized format (`kernels/kv_quant.py`: int8 / int4 codes with a float16 scal
 pools then uint8 (..., kv_heads, row_bytes)): `write` rounds or quantizes to it, `fetch` returns the
 compute dtype (dequantized), `blocks` hands out the stored bytes for the kernel to read in place, and
 NoKVCache rounds the same way, so every attention path (prefill, decode, recompute) sees the same K/V.
+A quantized cache may hold its keys centered (`k_center`, (layers, kv_heads, D) float32, `model/k_center.py`):
+every write stores the codes of k - mu, so `fetch` and `blocks` give K - mu, which changes no attention
+output (q . mu is the same for every key of a query row) but is what the codes carry; `read_keys` adds mu
+back and `write_keys` subtracts it, so keys re-rotated for a bounded cache are rotated uncentered.
 
 The cache knows tensors and slots; it does not know requests, blocks' owners or the model.
 """
@@ -30,7 +34,7 @@ from typing import Protocol
 import torch
 
 from kvlm.attention.metadata import AttentionMetadata
-from kvlm.kernels.kv_quant import KVQuantFormat, dequantize, quantize, unrotated
+from kvlm.kernels.kv_quant import KVQuantFormat, centered, dequantize, quantize, unrotated
 
 # What a cache stores per K/V value: a torch float type, or a quantized format.
 KVElement = torch.dtype | KVQuantFormat
@@ -112,13 +116,13 @@ class NoKVCache:
     nbytes = 0
     bytes_per_token = 0.0
 
-    def __init__(self, dtype: KVElement | None = None) -> None:
-        self.dtype = dtype
+    def __init__(self, dtype: KVElement | None = None, k_center: torch.Tensor | None = None) -> None:
+        self.dtype, self.k_center = dtype, k_center
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
         elem = self.dtype if self.dtype is not None else k.dtype
         # only until fetch(): the current step's tokens are the whole context
-        self._kv = (encode_kv(k, elem), encode_kv(v, elem), k.dtype, k.shape[-1])
+        self._kv = (encode_kv(centered(k, self.k_center, layer), elem), encode_kv(v, elem), k.dtype, k.shape[-1])
 
     def blocks(self, layer: int, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         assert meta.query_lens == meta.seq_lens and meta.row_seq is not None, \
@@ -195,18 +199,19 @@ class _LayerStorage:
     which `fetch` zeroes (`_zero_padding`)."""
 
     def __init__(self, num_layers: int, shape: tuple[int, ...], dtype: KVElement, device: torch.device,
-                 compute_dtype: torch.dtype | None = None, first_dims: list[int] | None = None) -> None:
+                 compute_dtype: torch.dtype | None = None, first_dims: list[int] | None = None,
+                 k_center: torch.Tensor | None = None) -> None:
         *lead, self.head_dim = shape  # (..., kv_heads, D): stored as (..., kv_heads, stored_row)
         row, tensor_dtype = stored_row(dtype, self.head_dim)
-        self.element = dtype
+        self.element, self.k_center = dtype, k_center  # k_center: (layers, kv_heads, D) float32 or None
         dims = first_dims or [lead[0]] * num_layers  # per layer, when layers' pools differ (layer groups)
         self.k = [torch.empty(n, *lead[1:], row, dtype=tensor_dtype, device=device) for n in dims]
         self.v = [torch.empty(n, *lead[1:], row, dtype=tensor_dtype, device=device) for n in dims]
         # what fetch() returns (the model's activations)
         self.compute_dtype = compute_dtype or (torch.float32 if isinstance(dtype, KVQuantFormat) else dtype)
 
-    def _encode(self, x: torch.Tensor) -> torch.Tensor:
-        return encode_kv(x, self.element)
+    def _encode_k(self, layer: int, k: torch.Tensor) -> torch.Tensor:
+        return encode_kv(centered(k, self.k_center, layer), self.element)
 
     def _as_compute(self, kk: torch.Tensor, vv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return (decode_kv(kk, self.element, self.head_dim, self.compute_dtype),
@@ -254,12 +259,13 @@ class PagedKVCache(_LayerStorage):
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
                  dtype: KVElement, device: torch.device, compute_dtype: torch.dtype | None = None,
-                 layer_group: list[int] | None = None, group_blocks: list[int] | None = None) -> None:
+                 layer_group: list[int] | None = None, group_blocks: list[int] | None = None,
+                 k_center: torch.Tensor | None = None) -> None:
         self.layer_group = layer_group or [0] * num_layers
         self.group_blocks = group_blocks or [num_blocks]
         dims = [num_blocks if g == 0 else self.group_blocks[g] + 1 for g in self.layer_group]
         super().__init__(num_layers, (num_blocks, block_size, kv_heads, head_dim), dtype, device, compute_dtype,
-                         first_dims=dims)
+                         first_dims=dims, k_center=k_center)
         for layer, g in enumerate(self.layer_group):
             if g:
                 self.k[layer][-1].zero_()
@@ -279,8 +285,8 @@ class PagedKVCache(_LayerStorage):
         kc, vc = self.k[layer], self.v[layer]
         kvh, D = kc.shape[2], kc.shape[3]
         slots = self._group(layer, meta)[0]
-        kc.view(-1, kvh, D).index_copy_(0, slots, self._encode(k))
-        vc.view(-1, kvh, D).index_copy_(0, slots, self._encode(v))
+        kc.view(-1, kvh, D).index_copy_(0, slots, self._encode_k(layer, k))
+        vc.view(-1, kvh, D).index_copy_(0, slots, encode_kv(v, self.element))
 
     def fetch(self, layer: int, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         kc, vc = self.k[layer], self.v[layer]
@@ -341,17 +347,21 @@ class PagedKVCache(_LayerStorage):
             vc.index_copy_(0, dst, vc.index_select(0, src))
 
     def read_keys(self, block_ids: list[int]) -> torch.Tensor:
-        """The keys of group 0's `block_ids` as the model computes with them, (len(group0_layers), n *
-        block_size, kv_heads, D), in the order of `group0_layers`."""
+        """The keys of group 0's `block_ids` as the model computes with them (uncentered: + k_center),
+        (len(group0_layers), n * block_size, kv_heads, D), in the order of `group0_layers`."""
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.k[0].device)
-        return torch.stack([decode_kv(self.k[i].index_select(0, idx), self.element, self.head_dim,
-                                      self.compute_dtype).flatten(0, 1) for i in self.group0_layers])
+        def keys(i: int) -> torch.Tensor:  # (n, block_size, kv_heads, D)
+            if self.k_center is None:
+                return decode_kv(self.k[i].index_select(0, idx), self.element, self.head_dim, self.compute_dtype)
+            k = decode_kv(self.k[i].index_select(0, idx), self.element, self.head_dim, torch.float32)
+            return (k + self.k_center[i]).to(self.compute_dtype)
+        return torch.stack([keys(i).flatten(0, 1) for i in self.group0_layers])
 
     def write_keys(self, layer: int, block_ids: list[int], k: torch.Tensor) -> None:
-        """Store keys k (n * block_size, kv_heads, D) into `block_ids` of `layer` (rounded / quantized)."""
+        """Store keys k (n * block_size, kv_heads, D) into `block_ids` of `layer` (centered, rounded / quantized)."""
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.k[0].device)
         kc = self.k[layer]
-        kc.index_copy_(0, idx, self._encode(k).view(len(block_ids), *kc.shape[1:]))
+        kc.index_copy_(0, idx, self._encode_k(layer, k).view(len(block_ids), *kc.shape[1:]))
 
 
 class ContiguousKVCache(_LayerStorage):
@@ -362,8 +372,10 @@ class ContiguousKVCache(_LayerStorage):
     """
 
     def __init__(self, num_layers: int, max_seqs: int, max_len: int, kv_heads: int, head_dim: int,
-                 dtype: KVElement, device: torch.device, compute_dtype: torch.dtype | None = None) -> None:
-        super().__init__(num_layers, (max_seqs, max_len, kv_heads, head_dim), dtype, device, compute_dtype)
+                 dtype: KVElement, device: torch.device, compute_dtype: torch.dtype | None = None,
+                 k_center: torch.Tensor | None = None) -> None:
+        super().__init__(num_layers, (max_seqs, max_len, kv_heads, head_dim), dtype, device, compute_dtype,
+                         k_center=k_center)
         self.block_size, self.num_blocks = max_len, max_seqs
 
     def blocks(self, layer: int, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -372,8 +384,8 @@ class ContiguousKVCache(_LayerStorage):
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
         row = meta.slot_mapping // self.block_size
         off = meta.slot_mapping % self.block_size
-        self.k[layer][row, off] = self._encode(k)  # (T, kvh, D) into (row, off)
-        self.v[layer][row, off] = self._encode(v)
+        self.k[layer][row, off] = self._encode_k(layer, k)  # (T, kvh, D) into (row, off)
+        self.v[layer][row, off] = encode_kv(v, self.element)
 
     def fetch(self, layer: int, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         kc, vc = self.k[layer], self.v[layer]

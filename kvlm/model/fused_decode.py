@@ -9,7 +9,8 @@ quantized projections and its RoPE tables: a "plan" on the C++ side) and then ru
 It applies where the module path would run the same kernels: CPU, float32 activations, every projection
 a `QuantLinear` on a native kernel path (no dense fallback), a paged KV cache (float32, float16 or
 bfloat16; the step rounds K/V into it as the module path's index_copy_ does; or int8 / int4, which the
-step quantizes with the native quantizer the module path's write also runs, `csrc/kv_quantize.h`) and the native
+step quantizes with the native quantizer the module path's write also runs, `csrc/kv_quantize.h`, after
+subtracting the cache's K center as the module path's write does, `model/k_center.py`) and the native
 paged attention. Anything else (the float32 reference path, a contiguous cache, CUDA, no extension)
 keeps the module path, which stays the reference: tests compare the two token for token.
 `KVLM_FUSED_DECODE=0` turns it off.
@@ -79,6 +80,7 @@ class FusedDecoder:
         self._isa = native.isa_id(native.active_isa())
         self._out = torch.empty(0)  # (B, hidden) result, reused while B stays the same
         self._no_profile = torch.empty(0, dtype=torch.float64)  # "not profiling", without an allocation per step
+        self._no_center = torch.empty(0)  # an uncentered cache's k_center (`model/k_center.py`)
         self._finalizer = weakref.finalize(self, self._ops.decode_plan_free, plan)
         self.profile: torch.Tensor | None = None  # set to zeros(5, float64) to accumulate seconds per part
 
@@ -139,6 +141,7 @@ class FusedDecoder:
         if self._out.shape != x.shape:
             self._out = torch.empty_like(x)
         prof = self.profile if self.profile is not None else self._no_profile
+        mu = kv_cache.k_center if kv_cache.k_center is not None else self._no_center
         self._ops.decode_step(self.plan, x, self._positions(meta.positions), meta.slot_mapping, meta.block_tables,
-                              meta.seq_lens_tensor, kv_cache.k, kv_cache.v, self._isa, self._out, prof)
+                              meta.seq_lens_tensor, kv_cache.k, kv_cache.v, mu, self._isa, self._out, prof)
         return self._out

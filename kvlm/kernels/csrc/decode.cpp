@@ -204,9 +204,12 @@ void run_linear(const KvlmKernels* t, const Linear& lin, const float* x, int64_t
 // k_caches/v_caches: per layer (num_blocks, block_size, kv_heads, D) float32, float16 or bfloat16, or int8 / int4
 // codes (uint8, last dim D / 32 * 34 or 18; each new token quantized on write). profile: empty, or a
 // float64 (5,) tensor that accumulates seconds in norm/elementwise, matmul, kv write, attention, other.
+// k_center: empty, or (layers, kv_heads, D) float32 subtracted from each new key before it is stored (a
+// centered int8 / int4 cache, kvlm/model/k_center.py): one float32 subtraction per value, kv_quant.centered's.
 void decode_step(int64_t plan_id, const at::Tensor& x, const at::Tensor& positions, const at::Tensor& slots,
                  const at::Tensor& block_tables, const at::Tensor& context_lens, at::TensorList k_caches,
-                 at::TensorList v_caches, int64_t isa, const at::Tensor& out, const at::Tensor& profile) {
+                 at::TensorList v_caches, const at::Tensor& k_center, int64_t isa, const at::Tensor& out,
+                 const at::Tensor& profile) {
     Plan& p = get_plan(plan_id);
     const KvlmKernels* t = kvlm::table(isa);
     const int64_t H = p.hidden, nh = p.nh, kvh = p.kvh, D = p.D, I = p.inter, L = p.layers.size();
@@ -243,6 +246,12 @@ void decode_step(int64_t plan_id, const at::Tensor& x, const at::Tensor& positio
         TORCH_CHECK(k_caches[l].is_contiguous() && v_caches[l].is_contiguous() && k_caches[l].sizes() == kc0.sizes() &&
                         v_caches[l].sizes() == kc0.sizes() && k_caches[l].scalar_type() == kv_type &&
                         v_caches[l].scalar_type() == kv_type, "kvlm decode: layer ", l, " cache differs");
+    const float* mu = nullptr;
+    if (k_center.numel()) {
+        TORCH_CHECK(k_center.scalar_type() == at::kFloat && k_center.is_contiguous() && k_center.numel() == L * kvh * D,
+                    "kvlm decode: k_center must be contiguous float32 (layers, kv_heads, D)");
+        mu = k_center.const_data_ptr<float>();
+    }
     const int64_t* pos = positions.const_data_ptr<int64_t>();
     const int64_t* slot = slots.const_data_ptr<int64_t>();
     const int32_t* bt = block_tables.const_data_ptr<int32_t>();
@@ -296,7 +305,9 @@ void decode_step(int64_t plan_id, const at::Tensor& x, const at::Tensor& positio
         void* kc = k_caches[l].mutable_data_ptr();
         void* vc = v_caches[l].mutable_data_ptr();
         for (int64_t b = 0; b < B; b++) {
-            const float* row = qkv + b * nqkv;
+            float* row = qkv + b * nqkv;
+            if (mu)  // the key is not read again this step (q was copied out): center it in place
+                for (int64_t i = 0; i < kvh * D; i++) row[nh * D + i] -= mu[l * kvh * D + i];
             store(kc, slot[b] * kvh * row_len, row + nh * D, kvh * D, D);
             store(vc, slot[b] * kvh * row_len, row + (nh + kvh) * D, kvh * D, D);
         }
@@ -333,5 +344,5 @@ TORCH_LIBRARY_FRAGMENT(kvlm_kernels, m) {
     m.def("decode_plan_create(Tensor[] tensors, int[] spec, float eps) -> int", &decode_plan_create);
     m.def("decode_plan_free(int plan) -> ()", &decode_plan_free);
     m.def("decode_step(int plan, Tensor x, Tensor positions, Tensor slots, Tensor block_tables, Tensor context_lens, "
-          "Tensor[] k_caches, Tensor[] v_caches, int isa, Tensor(a!) out, Tensor(b!) profile) -> ()", &decode_step);
+          "Tensor[] k_caches, Tensor[] v_caches, Tensor k_center, int isa, Tensor(a!) out, Tensor(b!) profile) -> ()", &decode_step);
 }

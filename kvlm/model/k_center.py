@@ -1,0 +1,104 @@
+"""The K center of a quantized KV cache: the mean post-RoPE key per layer and kv head of a model.
+
+SmolLM2-135M's keys (post-RoPE) carry a large per-channel mean that every token's int4 codes must spend
+their range on. A quantized cache stores k - mu instead (`kv_cache/storage.py`, `csrc/decode.cpp`), which
+changes no attention output in exact arithmetic: q . (k - mu) = q . k - q . mu is the same shift for
+every key of a query row, and softmax ignores it (attention logits go into softmax as they are: models
+with attention soft-capping are refused at load, `config.py`). docs/kv_quant.md measures what it buys.
+
+mu comes from one prefill at engine load of a fixed sequence, `CALIBRATION_TOKENS` token ids drawn from
+Python's `random.Random(CALIBRATION_SEED)` (Mersenne Twister and CPython's randrange: the same ids everywhere),
+through the model as loaded, with a float32 cache, summed in float64 and rounded to float16: the same
+model file gives the same mu bits on every run (the native path's bits do not depend on the thread count;
+the float16 rounding absorbs the reference path's last-bit differences). No text, no download. Measured on
+the default model (docs/kv_quant.md, `scripts/experiments/kv_k_center_calibration.py`): these ids do as
+well as a page of written text or 1,024 tokens of the scored text itself, within the measurement's noise;
+512 of them do worse.
+
+This module knows the model's forward and a cache that records keys; not the engine, not requests.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import random
+import time
+
+import torch
+
+from kvlm.attention.metadata import AttentionMetadata, StepKind
+from kvlm.kernels import native
+from kvlm.kv_cache.storage import NoKVCache
+
+log = logging.getLogger("kvlm")
+
+CALIBRATION_TOKENS = 1024
+CALIBRATION_SEED = 0
+
+
+class _KeySums(NoKVCache):
+    """A float32 `NoKVCache` for one sequence that also sums each layer's new keys (float64)."""
+
+    def __init__(self) -> None:
+        super().__init__(torch.float32)
+        self.sums: dict[int, torch.Tensor] = {}
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
+        self.sums[layer] = k.double().sum(0)  # (kv_heads, D) over the T rows
+        super().write(layer, k, v, meta)
+
+
+def calibration_ids(vocab_size: int, n: int = CALIBRATION_TOKENS, seed: int = CALIBRATION_SEED) -> list[int]:
+    """n token ids uniform over the vocabulary, from a seeded Mersenne Twister."""
+    rng = random.Random(seed)
+    return [rng.randrange(vocab_size) for _ in range(n)]
+
+
+def prefill_meta(T: int, device: torch.device, in_place: bool) -> AttentionMetadata:
+    """The metadata of one sequence's whole prefill of T tokens from position 0 (a cache that keeps
+    nothing, `NoKVCache`, serves it). in_place: every row attends with the native in-place kernel."""
+    positions = torch.arange(T, device=device)
+    i32 = torch.int32
+    return AttentionMetadata(
+        kind=StepKind.PREFILL, positions=positions, slot_mapping=positions,
+        block_tables=torch.zeros(1, 1, dtype=i32 if in_place else torch.long, device=device),
+        query_lens=(T,), seq_lens=(T,), q_pad_index=None, attn_mask=None,  # a lone whole prompt: causal
+        logits_indices=torch.tensor([T - 1], device=device), in_place=in_place,
+        row_seq=torch.zeros(T, dtype=i32, device=device) if in_place else None,
+        row_ctx=(positions + 1).to(i32) if in_place else None,
+        seq_lens_tensor=torch.tensor([T], dtype=i32, device=device) if in_place else None,
+    )
+
+
+@torch.inference_mode()
+def mean_keys(model: torch.nn.Module, ids: list[int], in_place: bool) -> torch.Tensor:
+    """The mean post-RoPE key of each layer and kv head over one prefill of `ids` (positions 0..T-1) with
+    a float32 cache: (layers, kv_heads, D) float32, rounded to float16 values. in_place: attend with the
+    native in-place kernel (the engine's CPU path), else the reference."""
+    dev = model.model.norm.weight.device  # (embed_tokens may be a QuantEmbedding, without .weight)
+    meta = prefill_meta(len(ids), dev, in_place)
+    cache = _KeySums()
+    model(torch.tensor(ids, device=dev), meta.positions, cache, meta)
+    T = len(ids)
+    sums = torch.stack([cache.sums[i] for i in range(len(cache.sums))])  # (layers, kv_heads, D) float64
+    return (sums / T).to(torch.float16).to(torch.float32)
+
+
+def calibrate_k_center(model: torch.nn.Module, vocab_size: int, max_len: int) -> torch.Tensor:
+    """The engine's K center for `model`: `mean_keys` over `calibration_ids` (at most max_len of them), on
+    the path the engine's steps take (the native in-place attention on CPU where it is built)."""
+    t0 = time.perf_counter()
+    ids = calibration_ids(vocab_size, min(CALIBRATION_TOKENS, max_len))
+    in_place = model.model.norm.weight.device.type == "cpu" and native.active_isa() != "reference"
+    mu = mean_keys(model, ids, in_place).contiguous()
+    log.info("kvlm: K center: %d calibration tokens in %.2f s", len(ids), time.perf_counter() - t0)
+    return mu
+
+
+def center_digest(k_center: torch.Tensor | None) -> str:
+    """What snapshots and the prefix cache's root hash record of a cache's K center: "none", or the first
+    16 hex digits of sha256 over its float32 bytes."""
+    if k_center is None:
+        return "none"
+    return hashlib.sha256(k_center.detach().cpu().contiguous().numpy().tobytes()).hexdigest()[:16]
