@@ -30,7 +30,8 @@ def test_cli_prints_a_table_and_one_json_line(model: Path, tmp_path: Path, capsy
     assert d["plot"] == str(png) and png.stat().st_size > 1000
     assert json.loads(json.dumps(d)) == d
     ppl = {r["policy"].split(" (")[0]: r for r in d["perplexity"]}
-    assert set(ppl) == {"full", "window(32)", "sinks(16)"} and ppl["full"]["scored"] == 199
+    assert set(ppl) == {"full", "window(32)", "sinks(16)", "window(32) recomputed"}
+    assert all(r["scored"] == 199 for r in d["perplexity"])  # every token once, the recomputed reference too
     assert all(r["ppl"] > 1 for r in d["perplexity"]) and ppl["full"]["vs_full"] == 1.0
     g = d["generation"]
     assert g["tokens"] == 300 and g["max_kv_bytes_held"] <= g["budget_bytes"]
@@ -40,3 +41,27 @@ def test_cli_prints_a_table_and_one_json_line(model: Path, tmp_path: Path, capsy
         r = d["gemma"][ctx]
         assert r["per_layer_bytes"] <= r["pool_bytes"] < r["all_full_bytes"]
     assert "(a) perplexity" in table and "(b) 300 generated tokens" in table and "(c) Gemma 3" in table
+
+
+def test_recomputed_window_scores_each_token_from_its_own_prompt(model: Path) -> None:
+    """A window as long as the text is `full`; with a shorter one, token t (t >= window) is predicted from
+    a prompt starting at q - window, q = t's stretch start (window + stride * k): each token computed
+    from its own prompt here gives the same perplexity."""
+    import math
+
+    import torch
+
+    from kvlm import EngineConfig
+    from kvlm.bench.long import perplexity, recomputed
+    from kvlm.engine.engine import Engine
+
+    eng = Engine(model, EngineConfig(max_model_len=256, enable_prefix_caching=False), quiet=True)
+    ids = [int(t) for t in torch.randint(3, 200, (90,), generator=torch.Generator().manual_seed(0))]
+    assert recomputed(eng, ids, 90, 16)["ppl"] == perplexity(eng, ids, None, 0)["ppl"]
+    nll = 0.0
+    for t in range(1, 90):
+        lo = 0 if t < 32 else 32 + (t - 32) // 16 * 16 - 32
+        ((p0, logits),) = eng.prompt_logits(ids[lo : t + 1], t - lo - 1)
+        nll -= float(logits[0].double().log_softmax(-1)[ids[t]])
+    r = recomputed(eng, ids, 32, 16)
+    assert r["scored"] == 89 and math.isclose(r["ppl"], math.exp(nll / 89), rel_tol=1e-12)
