@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from kvlm.request import Request
 
@@ -71,6 +72,18 @@ def evict_upto(p: int, window: int, block_size: int) -> int:
     return max(0, p - window + 1) // block_size
 
 
+def _group_entry(field: str) -> property:
+    """A `GroupView` attribute: group g's entry of the request's per-group list `field`, read and written."""
+
+    def get(view: GroupView) -> Any:
+        return getattr(view.req, field)[view.g - 1]
+
+    def put(view: GroupView, value: Any) -> None:
+        getattr(view.req, field)[view.g - 1] = value
+
+    return property(get, put)
+
+
 class GroupView:
     """A request as the block manager of extra group g sees it: that group's table and counters, the
     request's tokens and hashes. (`BlockManager` reads these attributes only, so one class serves all.)"""
@@ -80,25 +93,9 @@ class GroupView:
     def __init__(self, req: Request, g: int) -> None:
         self.req, self.g = req, g
 
-    @property
-    def block_table(self) -> list[int]:
-        return self.req.group_tables[self.g - 1]
-
-    @property
-    def num_cached_blocks(self) -> int:
-        return self.req.group_cached[self.g - 1]
-
-    @num_cached_blocks.setter
-    def num_cached_blocks(self, n: int) -> None:
-        self.req.group_cached[self.g - 1] = n
-
-    @property
-    def evicted_upto(self) -> int:
-        return self.req.group_evicted[self.g - 1]
-
-    @evicted_upto.setter
-    def evicted_upto(self, n: int) -> None:
-        self.req.group_evicted[self.g - 1] = n
+    block_table = _group_entry("group_tables")
+    num_cached_blocks = _group_entry("group_cached")
+    evicted_upto = _group_entry("group_evicted")
 
     # shared with the request
     request_id = property(lambda self: self.req.request_id)
