@@ -61,6 +61,15 @@ class ScheduledBatch:
         return sum(self.num_new_tokens)
 
 
+def _count_evicted(req: Request) -> None:
+    """Usage's evicted tokens of a bounded request: those between its sinks and its kept window (never
+    less than counted before: a preempted request's count stays)."""
+    policy = req.kv_policy
+    assert policy is not None
+    kept = policy.kept_start(req.num_computed_tokens)
+    req.metrics.num_evicted_tokens = max(req.metrics.num_evicted_tokens, kept - policy.num_sinks)
+
+
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  recompute_all: bool = False, prefix_history: PrefixHistory | None = None,
@@ -145,7 +154,7 @@ class Scheduler:
             return 0
         first = req.sink_shift == 0  # its sinks are not private copies yet
         self.bm.evict(req, upto)
-        req.metrics.num_evicted_tokens = max(req.metrics.num_evicted_tokens, policy.kept_start(p) - policy.num_sinks)
+        _count_evicted(req)
         return policy.sink_blocks if first else 0
 
     def _move_sinks(self, req: Request, batch: ScheduledBatch, extra: int) -> None:
@@ -224,8 +233,7 @@ class Scheduler:
                 policy = req.kv_policy
                 assert policy is not None
                 req.evicted_upto = policy.evict_upto(req.num_computed_tokens)
-                req.metrics.num_evicted_tokens = max(req.metrics.num_evicted_tokens,
-                                                     policy.kept_start(req.num_computed_tokens) - policy.num_sinks)
+                _count_evicted(req)
                 self._move_sinks(req, batch, extra)
             req.status = RequestStatus.RUNNING
             if req.metrics.first_scheduled_time is None:
