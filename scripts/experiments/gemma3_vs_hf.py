@@ -10,6 +10,7 @@ section quotes come from this. Needs transformers and the model (`kvlm pull gemm
 
 from __future__ import annotations
 
+import copy
 import sys
 from pathlib import Path
 
@@ -33,8 +34,7 @@ def main() -> None:
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
                                                            dtype=torch.float32).eval()
     # The same dequantized weights computed in float64 (eager attention): the float32 paths' common reference.
-    hf64 = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                             dtype=torch.float32).eval().double()
+    hf64 = copy.deepcopy(hf).double()
     hf64.config._attn_implementation = "eager"
     engine = Engine(path, EngineConfig(dtype="float32", num_threads=2, adaptive_threads=False), quiet=True)
     print(f"{'tokens':>6} {'kvlm-hf':>9} {'hf sdpa-eager':>14} {'hf cached-full':>15} {'kvlm-f64':>9} "

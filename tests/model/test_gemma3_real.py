@@ -8,6 +8,7 @@ about a minute."""
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any
 
@@ -40,12 +41,11 @@ def engine(gemma3_gguf: Path) -> Engine:
 
 
 @pytest.fixture(scope="module")
-def hf64(gemma3_gguf: Path) -> Any:
+def hf64(hf: Any) -> Any:
     """The same dequantized weights computed in float64 (eager attention; RoPE angles stay float32, as
-    transformers computes them): the exact answer the float32 paths round away from."""
-    transformers = need("transformers")
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(gemma3_gguf.parent), gguf_file=gemma3_gguf.name,
-                                                              dtype=torch.float32).eval().double()
+    transformers computes them): the exact answer the float32 paths round away from. A copy of `hf`:
+    the GGUF is not dequantized twice."""
+    model = copy.deepcopy(hf).double()
     model.config._attn_implementation = "eager"
     return model
 
