@@ -43,6 +43,10 @@ class AttentionMetadata:
     row_seq: torch.Tensor | None = None  # (T,) int32: each row's sequence (its row in block_tables)
     row_ctx: torch.Tensor | None = None  # (T,) int32: each row's context length (position + 1)
     seq_lens_tensor: torch.Tensor | None = None  # (B,) int32 seq_lens, for the fused decode step
+    # A cache whose position-0 keys are centered on k0 (kernels/kv_quant.py, KeyCenter): (B,) uint8, 1 where
+    # sequence b's context starts at its position-0 key (not where a bounded cache without sinks has
+    # evicted it); None: every sequence's does.
+    k0_seqs: torch.Tensor | None = None
     # DECODE batches of sequences with very different lengths are attended in groups of similar length,
     # so that short sequences are not padded to the longest (attention.decode.plan_length_groups). Each
     # group is a metadata of its own whose `rows` are its tokens' rows in this batch.

@@ -32,8 +32,9 @@ from kvlm.kv_cache.block_manager import held_blocks
 from kvlm.kv_cache.layer_groups import GroupView
 from kvlm.kv_cache.pool import describe_kv_pool, make_kv_cache
 from kvlm.kv_cache.prefix_misses import PrefixHistory
+from kvlm.kv_cache.recompute import NoKVCache
 from kvlm.kv_cache.snapshot import SnapshotInfo, prefix_cached, snapshot_header
-from kvlm.kv_cache.storage import KVCache, KVElement, NoKVCache, PagedKVCache
+from kvlm.kv_cache.storage import KVCache, KVElement, PagedKVCache
 from kvlm.kv_policy import BoundedKV
 from kvlm.loader import resolve_model
 from kvlm.loader.build import load_model

@@ -53,6 +53,7 @@ class _StepRows:
     seq_lens: list[int]
     tables: list[list[int]]  # block tables padded with 0 to the longest (what attention reads)
     shifts: list[int]  # per request: its rows' position minus their index in what attention reads
+    k0_first: list[int]  # per request: 1 if what attention reads starts at its position-0 key (KeyCenter)
     logits_rows: list[int]  # rows that end their sequence: those requests sample a token
     samplers: list[Request]
     # layer groups 1.. (sliding-window layers' own pools): per group, the rows' slots and the padded tables
@@ -63,7 +64,8 @@ class _StepRows:
     def collect(cls, batch: ScheduledBatch, block_size: int, null_blocks: tuple[int, ...] = ()) -> _StepRows:
         """null_blocks[g - 1]: the id extra group g's evicted entries read (its zero-filled null block)."""
         r = cls(list(batch.requests), starts=[], ids=[], positions=[], slots=[], query_lens=[], seq_lens=[],
-                tables=[], shifts=[], logits_rows=[], samplers=[], group_slots=[[] for _ in null_blocks],
+                tables=[], shifts=[], k0_first=[], logits_rows=[], samplers=[],
+                group_slots=[[] for _ in null_blocks],
                 group_tables=[])
         tables = []
         for req, n in zip(batch.requests, batch.num_new_tokens):
@@ -78,10 +80,12 @@ class _StepRows:
             if policy is None:
                 r.seq_lens.append(start + n)
                 r.shifts.append(0)
+                r.k0_first.append(1)
                 tables.append(bt)
             else:  # a bounded cache: attention reads [sinks | kept], one table for the step's rows
                 r.seq_lens.append(policy.attended(start + n - 1))
                 r.shifts.append(policy.ctx_shift(start))
+                r.k0_first.append(int(policy.num_sinks > 0 or policy.kept_start(start) == 0))  # sinks keep it
                 tables.append(policy.virtual_table(bt, start))
             if start + n == req.num_tokens:  # this chunk reaches the end: the request gets a token
                 r.logits_rows.append(len(r.ids) - 1)
@@ -98,6 +102,11 @@ class _StepRows:
                 gt.append([null if b < 0 else b for b in t])  # EVICTED entries read the null block
             r.group_tables.append([t + [null] * (max_blocks - len(t)) for t in gt])
         return r
+
+
+def _k0_seqs(k0_first: list[int], device: torch.device) -> torch.Tensor | None:
+    """AttentionMetadata.k0_seqs: None where every sequence's context starts at its position-0 key."""
+    return None if all(k0_first) else torch.tensor(k0_first, dtype=torch.uint8, device=device)
 
 
 class ModelRunner:
@@ -175,7 +184,7 @@ class ModelRunner:
         if B >= self.min_group_batch:
             plan = plan_length_groups(rows.seq_lens, group_cost=self.group_cost)
             if len(plan) > 1:
-                groups = tuple(self._group_metadata(idx, rows.tables, rows.seq_lens) for idx in plan)
+                groups = tuple(self._group_metadata(idx, rows.tables, rows.seq_lens, rows.k0_first) for idx in plan)
         return self._metadata(rows, StepKind.DECODE, q_pad_index=q_pad_index, attn_mask=mask, groups=groups)
 
     def _metadata(self, rows: _StepRows, kind: StepKind, *, q_pad_index: torch.Tensor | None = None,
@@ -209,9 +218,11 @@ class ModelRunner:
             row_ctx=row_ctx,
             seq_lens_tensor=seq_lens_tensor,
             groups=groups,
+            k0_seqs=_k0_seqs(rows.k0_first, dev),
         )
 
-    def _group_metadata(self, idx: list[int], tables: list[list[int]], seq_lens: list[int]) -> AttentionMetadata:
+    def _group_metadata(self, idx: list[int], tables: list[list[int]], seq_lens: list[int],
+                        k0_first: list[int]) -> AttentionMetadata:
         """Metadata of a group of decoding sequences (one token each, so token row == sequence index)."""
         dev = self.device
         lens = [seq_lens[i] for i in idx]
@@ -223,7 +234,7 @@ class ModelRunner:
             block_tables=torch.tensor([tables[i][:nblk] for i in idx], device=dev),
             query_lens=(1,) * len(idx), seq_lens=tuple(lens), q_pad_index=None,
             attn_mask=None if len(idx) == 1 else build_attn_mask([1] * len(idx), lens, dev),
-            logits_indices=rows, rows=rows,
+            logits_indices=rows, rows=rows, k0_seqs=_k0_seqs([k0_first[i] for i in idx], dev),
         )
 
     @torch.inference_mode()

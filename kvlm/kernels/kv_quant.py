@@ -49,6 +49,7 @@ over `dequantize`'s values, bit for bit.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -222,11 +223,65 @@ def dequantize(raw: torch.Tensor, fmt: KVQuantFormat, head_dim: int) -> torch.Te
     return (q * d).reshape(*lead, head_dim)
 
 
-def centered(k: torch.Tensor, k_center: torch.Tensor | None, layer: int) -> torch.Tensor:
-    """Keys k (..., kv_heads, D) as a centered cache stores them: k - k_center[layer], one float32 subtraction
-    per value (the fused decode step's too, `csrc/decode.cpp`); k itself where k_center is None.
-    k_center (layers, kv_heads, D) float32: the mean key per layer and kv head (`model/k_center.py`)."""
-    return k if k_center is None else k.float() - k_center[layer]
+@dataclass(frozen=True, eq=False)
+class KeyCenter:
+    """What a centered int8 / int4 cache subtracts from each key before quantizing it (`model/k_center.py`):
+    mu, the model's mean key, from every key but a sequence's first; k0, the mean position-0 key, from the
+    keys at position 0, which attention sinks make both atypical (far from mu) and heavily weighted. Exact
+    in exact arithmetic: q . (k - mu) shifts every score of a row alike, which softmax ignores, and
+    attention adds q . (k0 - mu) back to the score of a sequence's position-0 key (`delta`; the native
+    kernel reads rotated rows and takes `delta_rot` = delta H: kernels.h, KvlmPagedAttn.k0_delta).
+    mu, k0: (layers, kv_heads, D) float32 (float16 values); k0 None: position 0 is centered on mu too."""
+
+    mu: torch.Tensor
+    k0: torch.Tensor | None = None
+
+    @property
+    def delta(self) -> torch.Tensor | None:
+        """(layers, kv_heads, D) float32 k0 - mu, or None."""
+        if self.k0 is None:
+            return None
+        if not hasattr(self, "_delta"):
+            object.__setattr__(self, "_delta", (self.k0 - self.mu).contiguous())
+        return self._delta  # type: ignore[attr-defined]
+
+    @property
+    def delta_rot(self) -> torch.Tensor | None:
+        """`delta` Hadamard-rotated (the basis the kernel reads codes in), contiguous; or None."""
+        if self.k0 is None:
+            return None
+        if not hasattr(self, "_delta_rot"):
+            object.__setattr__(self, "_delta_rot", hadamard(self.delta).contiguous())  # type: ignore[arg-type]
+        return self._delta_rot  # type: ignore[attr-defined]
+
+
+class K0Correction(NamedTuple):
+    """One layer's position-0 key correction for attention over a cache centered by a `KeyCenter` with k0."""
+
+    delta: torch.Tensor  # (kv_heads, D) float32 k0 - mu: what the references add to the fetched key
+    delta_rot: torch.Tensor  # (kv_heads, D) float32 delta H: what the native kernel dots with rotated q
+    seqs: torch.Tensor | None  # (B,) uint8: the sequences whose token 0 is their position-0 key; None: all
+
+    @classmethod
+    def of(cls, center: KeyCenter | None, layer: int, seqs: torch.Tensor | None) -> K0Correction | None:
+        if center is None or center.k0 is None:
+            return None
+        return cls(center.delta[layer], center.delta_rot[layer], seqs)  # type: ignore[index]
+
+
+def centered(k: torch.Tensor, center: KeyCenter | None, layer: int,
+             positions: torch.Tensor | None = None) -> torch.Tensor:
+    """Keys k (T, kv_heads, D) as a centered cache stores them: k - mu[layer], and k - k0[layer] for the rows
+    at position 0 (positions (T,) int64; None: no row is); one float32 subtraction per value (the fused
+    decode step's too, `csrc/decode.cpp`, whose rows are never at position 0). k itself where center is None."""
+    if center is None:
+        return k
+    out = k.float() - center.mu[layer]
+    if center.k0 is not None and positions is not None:
+        first = positions == 0
+        if bool(first.any()):
+            out[first] = k[first].float() - center.k0[layer]
+    return out
 
 
 def unrotated(values: torch.Tensor, fmt: KVQuantFormat) -> torch.Tensor:

@@ -50,11 +50,15 @@ def _check_out(q: torch.Tensor, out: torch.Tensor | None) -> None:
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     seq_ids: torch.Tensor, ctx_lens: torch.Tensor, scale: float,
-                    out: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
+                    out: torch.Tensor | None = None, window: int = 0,
+                    k0: kv_quant.K0Correction | None = None) -> torch.Tensor:
     """q (T, H, D); k_cache, v_cache (num_blocks, block_size, kv_heads, D); block_tables (B, max_blocks)
     int32; seq_ids (T,) int32, the block table row of each query row; ctx_lens (T,) int32, the cached
     tokens row t attends (its position + 1 for causal attention; 0 gives zeros) -> (T, H, D).
     window > 0 (a sliding-window layer): row t attends only tokens ctx_lens[t] - window .. ctx_lens[t] - 1.
+    k0: a centered cache's position-0 key correction (`kv_quant.KeyCenter`): the score of token 0 of each
+    sequence in k0.seqs (None: every one) gets scale * q . (k0 - mu) added (the kernel: one fixed-order dot
+    of the rotated q with k0.delta_rot per row and head; the reference adds k0.delta to the gathered key).
 
     Row t's bits equal `paged_decode_attention(q[t:t+1], k_cache, v_cache, block_tables[s:s+1],
     ctx_lens[t:t+1], scale)` with s = seq_ids[t]. `out` (contiguous float32, q's shape), if given,
@@ -62,7 +66,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if window < 0:
         raise ValueError(f"window must be >= 0 (0: no sliding window), got {window}")
     return _call("paged_attention", paged_attention_ref, q, k_cache, v_cache, out, scale,
-                 block_tables, seq_ids, ctx_lens, window=window)
+                 block_tables, seq_ids, ctx_lens, window=window, k0=k0)
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -78,29 +82,36 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 
 def _call(op: str, ref, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor | None,
-          scale: float, *index: torch.Tensor, **kw: int) -> torch.Tensor:
+          scale: float, *index: torch.Tensor, k0: kv_quant.K0Correction | None = None, **kw: int) -> torch.Tensor:
     """The native op `op` where it takes these inputs, else `ref`; `index` are the int32 tensors (block
     tables, then the per-row or per-sequence ids / lengths) in the op's order; `kw` the op's trailing
-    int options (window)."""
+    int options (window); k0 the position-0 key correction (`paged_attention`)."""
     _check_out(q, out)
     fmt = kv_quant.format_of(k_cache, q.shape[-1])
     if fmt is not None and fmt.rotate and _native(q, k_cache, v_cache) is not None:
         # the kernel reads codes of rotated rows: q H . k H = q . k, and (p V H) H = p V. (The references
         # rotate the dequantized rows back themselves.)
-        y = kv_quant.hadamard(_run(op, ref, kv_quant.hadamard(q), k_cache, v_cache, None, scale, *index, **kw))
+        y = kv_quant.hadamard(_run(op, ref, kv_quant.hadamard(q), k_cache, v_cache, None, scale, *index, k0=k0,
+                                   rotated=True, **kw))
         return y if out is None else out.copy_(y)
-    return _run(op, ref, q, k_cache, v_cache, out, scale, *index, **kw)
+    return _run(op, ref, q, k_cache, v_cache, out, scale, *index, k0=k0, **kw)
 
 
 def _run(op: str, ref, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor | None,
-         scale: float, *index: torch.Tensor, **kw: int) -> torch.Tensor:
+         scale: float, *index: torch.Tensor, k0: kv_quant.K0Correction | None = None, rotated: bool = False,
+         **kw: int) -> torch.Tensor:
     isa = _native(q, k_cache, v_cache)
     if isa is None:
-        y = ref(q, k_cache, v_cache, *index, scale, **kw)
+        y = ref(q, k_cache, v_cache, *index, scale, **kw) if k0 is None else ref(q, k_cache, v_cache, *index, scale,
+                                                                                 **kw, k0=k0)
         return y if out is None else out.copy_(y)
     q = q.contiguous()
     if out is None:
         out = torch.empty_like(q)
+    k0_args = ()
+    if k0 is not None:
+        seqs = None if k0.seqs is None else k0.seqs.to(torch.uint8).contiguous()
+        k0_args = ((k0.delta_rot if rotated else k0.delta).contiguous(), seqs)
     getattr(native.ops(), op)(q, k_cache, v_cache, *(x.to(torch.int32).contiguous() for x in index), float(scale),
-                              native.isa_id(isa), out, *kw.values())
+                              native.isa_id(isa), out, *kw.values(), *k0_args)
     return out

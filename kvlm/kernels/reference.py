@@ -14,6 +14,7 @@ import torch
 from kvlm.kernels import kv_quant
 
 if TYPE_CHECKING:
+    from kvlm.kernels.kv_quant import K0Correction
     from kvlm.kernels.quant_tensor import QuantTensor
 
 
@@ -96,7 +97,8 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                        seq_ids: torch.Tensor, ctx_lens: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
+                        seq_ids: torch.Tensor, ctx_lens: torch.Tensor, scale: float, window: int = 0,
+                        k0: K0Correction | None = None) -> torch.Tensor:
     """Query rows of any sequences: gather each sequence's blocks once, then SDPA of its rows with a
     per-row key mask (row t sees tokens < ctx_lens[t], and with window > 0 none before ctx_lens[t] -
     window), each K/V head's query heads folded together.
@@ -104,7 +106,8 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     q (T, H, D); caches (num_blocks, block_size, kv_heads, D) of any float type (or int8 / int4 codes,
     dequantized); block_tables (B,
     max_blocks); seq_ids, ctx_lens (T,) -> (T, H, D) in q's dtype, computed in float32; zeros for a row
-    with ctx_lens 0.
+    with ctx_lens 0. k0: token 0 of each sequence in k0.seqs (None: all) reads k + k0.delta (a centered
+    cache's position-0 key, `kv_quant.KeyCenter`).
     """
     import torch.nn.functional as F
 
@@ -122,6 +125,9 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         blocks = block_tables[s, : (length + block_size - 1) // block_size].long()
         k = _dense(k_cache[blocks], d).reshape(-1, kv_heads, d)[:length].transpose(0, 1)  # (kv_heads, L, D)
         v = _dense(v_cache[blocks], d).reshape(-1, kv_heads, d)[:length].transpose(0, 1)
+        if k0 is not None and (k0.seqs is None or bool(k0.seqs[s])):
+            k = k.clone()
+            k[:, 0] += k0.delta.to(k)
         n = rows.numel()
         # (kv_heads, group * n, D): query head h = g * group + i uses K/V head g; row-major (i, row).
         qg = q[rows].float().reshape(n, kv_heads, group, d).permute(1, 2, 0, 3).reshape(kv_heads, group * n, d)

@@ -13,9 +13,11 @@ import torch
 
 from kvlm.config import EngineConfig, ModelConfig
 from kvlm.errors import ParameterError
+from kvlm.kernels.kv_quant import KeyCenter
 from kvlm.kv_cache.block_manager import BlockManager
 from kvlm.kv_cache.layer_groups import LayerGroups
-from kvlm.kv_cache.storage import ContiguousKVCache, KVCache, KVElement, NoKVCache, PagedKVCache
+from kvlm.kv_cache.recompute import NoKVCache
+from kvlm.kv_cache.storage import ContiguousKVCache, KVCache, KVElement, PagedKVCache
 
 MAX_KV_SHARE = 0.9  # the largest share of available memory a KV pool may take
 
@@ -60,14 +62,14 @@ def kv_pool_budget(cfg: EngineConfig, max_model_len: int, kv_bytes_per_token: in
 
 def make_kv_cache(cfg: EngineConfig, mc: ModelConfig, max_model_len: int, kv_bytes_per_token: int,
                   dtype: KVElement, device: torch.device,
-                  compute_dtype: torch.dtype | None = None, k_center: torch.Tensor | None = None
+                  compute_dtype: torch.dtype | None = None, k_center: KeyCenter | None = None
                   ) -> tuple[KVCache, BlockManager, list[tuple[BlockManager, int]]]:
     """The KV cache for `cfg.kv_cache_layout`, the block manager that hands out its slots, and, for a model
     with sliding-window layers on the paged layout, each extra layer group's (block manager, window)
     (`layer_groups.py`). `dtype` is the K/V element type (a float type or a quantized format),
     `compute_dtype` the model's (what attention reads back; default `dtype`). `kv_bytes_per_token` is the
     format's formula; the pool's tensors then take that many bytes per slot (`cache.bytes_per_token`).
-    `k_center` (layers, kv_heads, D) float32: keys are stored centered (`storage.py`, `model/k_center.py`).
+    `k_center` (a `KeyCenter`): keys are stored centered (`storage.py`, `model/k_center.py`).
 
     Layer groups: each sliding group gets room for `max_num_seqs` requests' windows (plus a chunk), and
     the full layers the rest of the budget; the default budget sizes the full layers as it sizes a pool."""

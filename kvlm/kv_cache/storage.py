@@ -9,18 +9,21 @@ Three implementations:
 * `ContiguousKVCache`: one row of max_model_len slots per sequence, (max_seqs, kv_heads, max_len, D),
   so a lone sequence's context is a view with no gather. It is the paged cache's bookkeeping with
   block_size = max_model_len (one block per sequence), only the storage layout differs.
-* `NoKVCache`: keeps nothing; valid only when every step recomputes each sequence from position 0
-  (the engine's `enable_kv_cache=False` mode, which shows what the cache saves).
+* `NoKVCache` (`recompute.py`): keeps nothing; valid only when every step recomputes each sequence from
+  position 0 (the engine's `enable_kv_cache=False` mode, which shows what the cache saves).
 
 The cache's element type may be narrower than the model's (float16 K/V under float32 activations), or
 a quantized format (`kernels/kv_quant.py`: int8 / int4 codes with a float16 scale per 32 values, the
 pools then uint8 (..., kv_heads, row_bytes)): `write` rounds or quantizes to it, `fetch` returns the
 compute dtype (dequantized), `blocks` hands out the stored bytes for the kernel to read in place, and
 NoKVCache rounds the same way, so every attention path (prefill, decode, recompute) sees the same K/V.
-A quantized cache may hold its keys centered (`k_center`, (layers, kv_heads, D) float32, `model/k_center.py`):
-every write stores the codes of k - mu, so `fetch` and `blocks` give K - mu, which changes no attention
-output (q . mu is the same for every key of a query row) but is what the codes carry; `read_keys` adds mu
-back and `write_keys` subtracts it, so keys re-rotated for a bounded cache are rotated uncentered.
+A quantized cache may hold its keys centered (`k_center`, a `KeyCenter`, `model/k_center.py`): every write
+stores the codes of k - mu (k - k0 for a key at position 0), so `fetch` gives K - mu (adding k0 - mu to
+the position-0 key of each sequence whose context starts there, `AttentionMetadata.k0_seqs`) and `blocks`
+the codes, with `k0_correction` the correction the kernel adds to that key's score; centering changes no
+attention output (q . mu is the same for every key of a query row) but is what the codes carry.
+`read_keys` adds the centers back and `write_keys` subtracts them, so keys re-rotated for a bounded cache
+are rotated uncentered.
 
 The cache knows tensors and slots; it does not know requests, blocks' owners or the model.
 """
@@ -34,7 +37,7 @@ from typing import Protocol
 import torch
 
 from kvlm.attention.metadata import AttentionMetadata
-from kvlm.kernels.kv_quant import KVQuantFormat, centered, dequantize, quantize, unrotated
+from kvlm.kernels.kv_quant import K0Correction, KeyCenter, KVQuantFormat, centered, dequantize, quantize, unrotated
 
 # What a cache stores per K/V value: a torch float type, or a quantized format.
 KVElement = torch.dtype | KVQuantFormat
@@ -74,15 +77,10 @@ class KVCache(Protocol):
         row's context in place (`attention.paged.paged_attention`)."""
         ...
 
-
-def _pad_new_tokens(x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-    """(T, kvh, D) flat new tokens -> (B, kvh, max_q, D), each sequence's tokens first, then zeros."""
-    if meta.num_seqs == 1:
-        return x.transpose(0, 1).unsqueeze(0)
-    assert meta.q_pad_index is not None
-    out = x.new_zeros(meta.num_seqs * meta.max_query_len, *x.shape[1:])
-    out[meta.q_pad_index] = x
-    return out.view(meta.num_seqs, meta.max_query_len, *x.shape[1:]).transpose(1, 2)
+    def k0_correction(self, layer: int, meta: AttentionMetadata) -> K0Correction | None:
+        """For in-place attention over a cache whose position-0 keys are centered on k0 (`KeyCenter`): the
+        layer's correction for meta's sequences; None for any other cache."""
+        ...
 
 
 def encode_kv(x: torch.Tensor, elem: KVElement) -> torch.Tensor:
@@ -97,55 +95,26 @@ def decode_kv(x: torch.Tensor, elem: KVElement, head_dim: int, dtype: torch.dtyp
     return x if x.dtype == dtype else x.to(dtype)
 
 
+def add_k0_delta(kk: torch.Tensor, center: KeyCenter | None, layer: int, meta: AttentionMetadata) -> torch.Tensor:
+    """Fetched keys kk (B, kv_heads, L, D), K - mu as a centered cache gives them back, with k0 - mu added to
+    token 0 of each sequence whose context starts at its position-0 key (stored as codes of k - k0), so
+    that every key reads as k - mu; in place (kk is a fresh dequantized copy)."""
+    if center is None or center.delta is None or kk.shape[2] == 0:
+        return kk
+    d = center.delta[layer].to(device=kk.device, dtype=kk.dtype)  # (kv_heads, D)
+    if meta.k0_seqs is None:
+        kk[:, :, 0] += d
+    else:
+        sel = meta.k0_seqs.to(device=kk.device, dtype=torch.bool)
+        kk[sel, :, 0] += d
+    return kk
+
+
 def stored_row(elem: KVElement, head_dim: int) -> tuple[int, torch.dtype]:
     """The last dimension and element type of a cache of `elem` holding rows of head_dim values."""
     if isinstance(elem, KVQuantFormat):
         return elem.row_bytes(head_dim), torch.uint8
     return head_dim, elem
-
-
-class NoKVCache:
-    """Stores nothing between steps: each step must carry each sequence's whole history (recompute mode).
-    K/V are rounded (or quantized) to `dtype`, as a cache of that type would store them. For in-place
-    attention the step's stored K/V are laid out as one block per sequence, (B, max_seq_len, kv_heads, D
-    or row_bytes), which lives until the next write: the same bytes at the same positions a cache would
-    hold, so every row computes the same."""
-
-    block_size = 1 << 30
-    num_blocks = 1 << 30
-    nbytes = 0
-    bytes_per_token = 0.0
-
-    def __init__(self, dtype: KVElement | None = None, k_center: torch.Tensor | None = None) -> None:
-        self.dtype, self.k_center = dtype, k_center
-
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
-        elem = self.dtype if self.dtype is not None else k.dtype
-        # only until fetch(): the current step's tokens are the whole context
-        self._kv = (encode_kv(centered(k, self.k_center, layer), elem), encode_kv(v, elem), k.dtype, k.shape[-1])
-
-    def blocks(self, layer: int, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        assert meta.query_lens == meta.seq_lens and meta.row_seq is not None, \
-            "NoKVCache needs every sequence recomputed from position 0"
-        k, v, _, _ = self._kv
-        B, L = meta.num_seqs, meta.max_seq_len
-        kb = k.new_zeros(B, L, *k.shape[1:])  # zeros: untouched slots are never NaN
-        vb = torch.zeros_like(kb)
-        rows, pos = meta.row_seq.long(), meta.positions
-        kb[rows, pos] = k
-        vb[rows, pos] = v
-        return kb, vb, torch.arange(B, dtype=torch.int32, device=k.device)[:, None]
-
-    def fetch(self, layer: int, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        assert meta.query_lens == meta.seq_lens, "NoKVCache needs every sequence recomputed from position 0"
-        k, v, dtype, D = self._kv
-        elem = self.dtype if self.dtype is not None else dtype
-        k, v = decode_kv(k, elem, D, dtype), decode_kv(v, elem, D, dtype)
-        return _pad_new_tokens(k, meta), _pad_new_tokens(v, meta)
-
-    def update_and_fetch(self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata):
-        self.write(layer, k, v, meta)
-        return self.fetch(layer, meta)
 
 
 def _zero_padding(kk: torch.Tensor, vv: torch.Tensor, seq_lens: tuple[int, ...]) -> None:
@@ -200,22 +169,26 @@ class _LayerStorage:
 
     def __init__(self, num_layers: int, shape: tuple[int, ...], dtype: KVElement, device: torch.device,
                  compute_dtype: torch.dtype | None = None, first_dims: list[int] | None = None,
-                 k_center: torch.Tensor | None = None) -> None:
+                 k_center: KeyCenter | None = None) -> None:
         *lead, self.head_dim = shape  # (..., kv_heads, D): stored as (..., kv_heads, stored_row)
         row, tensor_dtype = stored_row(dtype, self.head_dim)
-        self.element, self.k_center = dtype, k_center  # k_center: (layers, kv_heads, D) float32 or None
+        self.element, self.k_center = dtype, k_center  # k_center: the keys' centers, or None
         dims = first_dims or [lead[0]] * num_layers  # per layer, when layers' pools differ (layer groups)
         self.k = [torch.empty(n, *lead[1:], row, dtype=tensor_dtype, device=device) for n in dims]
         self.v = [torch.empty(n, *lead[1:], row, dtype=tensor_dtype, device=device) for n in dims]
         # what fetch() returns (the model's activations)
         self.compute_dtype = compute_dtype or (torch.float32 if isinstance(dtype, KVQuantFormat) else dtype)
 
-    def _encode_k(self, layer: int, k: torch.Tensor) -> torch.Tensor:
-        return encode_kv(centered(k, self.k_center, layer), self.element)
+    def _encode_k(self, layer: int, k: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+        return encode_kv(centered(k, self.k_center, layer, positions), self.element)
 
-    def _as_compute(self, kk: torch.Tensor, vv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return (decode_kv(kk, self.element, self.head_dim, self.compute_dtype),
-                decode_kv(vv, self.element, self.head_dim, self.compute_dtype))
+    def _as_compute(self, kk: torch.Tensor, vv: torch.Tensor, layer: int,
+                    meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        kk = add_k0_delta(decode_kv(kk, self.element, self.head_dim, self.compute_dtype), self.k_center, layer, meta)
+        return kk, decode_kv(vv, self.element, self.head_dim, self.compute_dtype)
+
+    def k0_correction(self, layer: int, meta: AttentionMetadata) -> K0Correction | None:
+        return K0Correction.of(self.k_center, layer, meta.k0_seqs)
 
     @property
     def nbytes(self) -> int:
@@ -260,7 +233,7 @@ class PagedKVCache(_LayerStorage):
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
                  dtype: KVElement, device: torch.device, compute_dtype: torch.dtype | None = None,
                  layer_group: list[int] | None = None, group_blocks: list[int] | None = None,
-                 k_center: torch.Tensor | None = None) -> None:
+                 k_center: KeyCenter | None = None) -> None:
         self.layer_group = layer_group or [0] * num_layers
         self.group_blocks = group_blocks or [num_blocks]
         dims = [num_blocks if g == 0 else self.group_blocks[g] + 1 for g in self.layer_group]
@@ -285,7 +258,7 @@ class PagedKVCache(_LayerStorage):
         kc, vc = self.k[layer], self.v[layer]
         kvh, D = kc.shape[2], kc.shape[3]
         slots = self._group(layer, meta)[0]
-        kc.view(-1, kvh, D).index_copy_(0, slots, self._encode_k(layer, k))
+        kc.view(-1, kvh, D).index_copy_(0, slots, self._encode_k(layer, k, meta.positions))
         vc.view(-1, kvh, D).index_copy_(0, slots, encode_kv(v, self.element))
 
     def fetch(self, layer: int, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -306,7 +279,7 @@ class PagedKVCache(_LayerStorage):
         kk = kg.view(B, nblk * self.block_size, kvh, D)[:, :L].transpose(1, 2)
         vv = vg.view(B, nblk * self.block_size, kvh, D)[:, :L].transpose(1, 2)
         _zero_padding(kk, vv, meta.seq_lens)
-        return self._as_compute(kk, vv)
+        return self._as_compute(kk, vv, layer, meta)
 
     # Whole-block access for KV snapshots (the only way other modules touch the pool tensors).
     def group_layers(self, g: int) -> list[int]:
@@ -347,21 +320,29 @@ class PagedKVCache(_LayerStorage):
             vc.index_copy_(0, dst, vc.index_select(0, src))
 
     def read_keys(self, block_ids: list[int]) -> torch.Tensor:
-        """The keys of group 0's `block_ids` as the model computes with them (uncentered: + k_center),
-        (len(group0_layers), n * block_size, kv_heads, D), in the order of `group0_layers`."""
+        """The keys of group 0's `block_ids`, a sequence's first blocks (its sinks), as the model computes
+        with them (uncentered: + mu, + k0 for its position-0 key), (len(group0_layers), n * block_size,
+        kv_heads, D), in the order of `group0_layers`."""
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.k[0].device)
-        def keys(i: int) -> torch.Tensor:  # (n, block_size, kv_heads, D)
-            if self.k_center is None:
-                return decode_kv(self.k[i].index_select(0, idx), self.element, self.head_dim, self.compute_dtype)
-            k = decode_kv(self.k[i].index_select(0, idx), self.element, self.head_dim, torch.float32)
-            return (k + self.k_center[i]).to(self.compute_dtype)
-        return torch.stack([keys(i).flatten(0, 1) for i in self.group0_layers])
+        c = self.k_center
+        def keys(i: int) -> torch.Tensor:  # (n * block_size, kv_heads, D)
+            k = decode_kv(self.k[i].index_select(0, idx), self.element, self.head_dim,
+                          torch.float32 if c is not None else self.compute_dtype).flatten(0, 1)
+            if c is None:
+                return k
+            out = k + c.mu[i]
+            if c.k0 is not None:
+                out[0] = k[0] + c.k0[i]
+            return out.to(self.compute_dtype)
+        return torch.stack([keys(i) for i in self.group0_layers])
 
     def write_keys(self, layer: int, block_ids: list[int], k: torch.Tensor) -> None:
-        """Store keys k (n * block_size, kv_heads, D) into `block_ids` of `layer` (centered, rounded / quantized)."""
+        """Store keys k (n * block_size, kv_heads, D) into `block_ids` of `layer`, a sequence's first blocks
+        (its sinks: row 0 is its position-0 key), centered, rounded / quantized."""
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.k[0].device)
         kc = self.k[layer]
-        kc.index_copy_(0, idx, self._encode_k(layer, k).view(len(block_ids), *kc.shape[1:]))
+        positions = torch.arange(k.shape[0], device=k.device)
+        kc.index_copy_(0, idx, self._encode_k(layer, k, positions).view(len(block_ids), *kc.shape[1:]))
 
 
 class ContiguousKVCache(_LayerStorage):
@@ -373,7 +354,7 @@ class ContiguousKVCache(_LayerStorage):
 
     def __init__(self, num_layers: int, max_seqs: int, max_len: int, kv_heads: int, head_dim: int,
                  dtype: KVElement, device: torch.device, compute_dtype: torch.dtype | None = None,
-                 k_center: torch.Tensor | None = None) -> None:
+                 k_center: KeyCenter | None = None) -> None:
         super().__init__(num_layers, (max_seqs, max_len, kv_heads, head_dim), dtype, device, compute_dtype,
                          k_center=k_center)
         self.block_size, self.num_blocks = max_len, max_seqs
@@ -384,7 +365,7 @@ class ContiguousKVCache(_LayerStorage):
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
         row = meta.slot_mapping // self.block_size
         off = meta.slot_mapping % self.block_size
-        self.k[layer][row, off] = self._encode_k(layer, k)  # (T, kvh, D) into (row, off)
+        self.k[layer][row, off] = self._encode_k(layer, k, meta.positions)  # (T, kvh, D) into (row, off)
         self.v[layer][row, off] = encode_kv(v, self.element)
 
     def fetch(self, layer: int, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -393,8 +374,8 @@ class ContiguousKVCache(_LayerStorage):
         if meta.num_seqs == 1:
             r = int(meta.block_tables[0, 0])  # the runner builds block tables on the host
             # views, no copy (same dtype): (1, L, kvh, D) -> (1, kvh, L, D)
-            return self._as_compute(kc[r : r + 1, :L].transpose(1, 2), vc[r : r + 1, :L].transpose(1, 2))
+            return self._as_compute(kc[r : r + 1, :L].transpose(1, 2), vc[r : r + 1, :L].transpose(1, 2), layer, meta)
         rows = meta.block_tables[:, 0].long()
         kk, vv = kc[rows, :L].transpose(1, 2), vc[rows, :L].transpose(1, 2)  # advanced indexing: copies we may zero
         _zero_padding(kk, vv, meta.seq_lens)
-        return self._as_compute(kk, vv)
+        return self._as_compute(kk, vv, layer, meta)

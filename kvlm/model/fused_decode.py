@@ -80,7 +80,8 @@ class FusedDecoder:
         self._isa = native.isa_id(native.active_isa())
         self._out = torch.empty(0)  # (B, hidden) result, reused while B stays the same
         self._no_profile = torch.empty(0, dtype=torch.float64)  # "not profiling", without an allocation per step
-        self._no_center = torch.empty(0)  # an uncentered cache's k_center (`model/k_center.py`)
+        self._no_center = torch.empty(0)  # an uncentered cache's k_center (`model/k_center.py`), or no k0
+        self._no_k0_seqs = torch.empty(0, dtype=torch.uint8)  # every sequence's token 0 is its position 0
         self._finalizer = weakref.finalize(self, self._ops.decode_plan_free, plan)
         self.profile: torch.Tensor | None = None  # set to zeros(5, float64) to accumulate seconds per part
 
@@ -141,7 +142,11 @@ class FusedDecoder:
         if self._out.shape != x.shape:
             self._out = torch.empty_like(x)
         prof = self.profile if self.profile is not None else self._no_profile
-        mu = kv_cache.k_center if kv_cache.k_center is not None else self._no_center
+        c, none = kv_cache.k_center, self._no_center
+        mu = c.mu if c is not None else none
+        k0_delta = c.delta_rot if c is not None and c.k0 is not None else none  # (layers, kv_heads, D), rotated
+        k0_seqs = meta.k0_seqs if meta.k0_seqs is not None else self._no_k0_seqs
         self._ops.decode_step(self.plan, x, self._positions(meta.positions), meta.slot_mapping, meta.block_tables,
-                              meta.seq_lens_tensor, kv_cache.k, kv_cache.v, mu, self._isa, self._out, prof)
+                              meta.seq_lens_tensor, kv_cache.k, kv_cache.v, mu, k0_delta, k0_seqs, self._isa,
+                              self._out, prof)
         return self._out

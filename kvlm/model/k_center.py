@@ -15,6 +15,11 @@ the default model (docs/kv_quant.md, `scripts/experiments/kv_k_center_calibratio
 well as a page of written text or 1,024 tokens of the scored text itself, within the measurement's noise;
 512 of them do worse.
 
+The keys at position 0 are centered on a center of their own, k0 (`KeyCenter`): with no earlier token to
+attend, the first token becomes the model's attention sink, its key is far from mu and alike for every
+token (so mu leaves its codes a large, heavily weighted error), and attention adds q . (k0 - mu) back
+to its score. k0 is the mean position-0 key of `FIRST_KEY_TOKENS` one-token prefills of seeded ids.
+
 This module knows the model's forward and a cache that records keys; not the engine, not requests.
 """
 
@@ -29,12 +34,16 @@ import torch
 
 from kvlm.attention.metadata import AttentionMetadata, StepKind
 from kvlm.kernels import native
-from kvlm.kv_cache.storage import NoKVCache
+from kvlm.kernels.kv_quant import KeyCenter
+from kvlm.kv_cache.recompute import NoKVCache
 
 log = logging.getLogger("kvlm")
 
 CALIBRATION_TOKENS = 1024
 CALIBRATION_SEED = 0
+# k0, the mean position-0 key: one-token prefills of this many more seeded ids (docs/kv_quant.md)
+FIRST_KEY_TOKENS = 64
+FIRST_KEY_SEED = 1
 
 
 class _KeySums(NoKVCache):
@@ -72,33 +81,49 @@ def prefill_meta(T: int, device: torch.device, in_place: bool) -> AttentionMetad
 
 
 @torch.inference_mode()
-def mean_keys(model: torch.nn.Module, ids: list[int], in_place: bool) -> torch.Tensor:
-    """The mean post-RoPE key of each layer and kv head over one prefill of `ids` (positions 0..T-1) with
-    a float32 cache: (layers, kv_heads, D) float32, rounded to float16 values. in_place: attend with the
-    native in-place kernel (the engine's CPU path), else the reference."""
+def key_sums(model: torch.nn.Module, ids: list[int], in_place: bool) -> torch.Tensor:
+    """The sum of the post-RoPE keys of each layer and kv head over one prefill of `ids` (positions
+    0..T-1) with a float32 cache: (layers, kv_heads, D) float64. in_place: attend with the native in-place
+    kernel (the engine's CPU path), else the reference."""
     dev = model.model.norm.weight.device  # (embed_tokens may be a QuantEmbedding, without .weight)
     meta = prefill_meta(len(ids), dev, in_place)
     cache = _KeySums()
     model(torch.tensor(ids, device=dev), meta.positions, cache, meta)
-    T = len(ids)
-    sums = torch.stack([cache.sums[i] for i in range(len(cache.sums))])  # (layers, kv_heads, D) float64
-    return (sums / T).to(torch.float16).to(torch.float32)
+    return torch.stack([cache.sums[i] for i in range(len(cache.sums))])
 
 
-def calibrate_k_center(model: torch.nn.Module, vocab_size: int, max_len: int) -> torch.Tensor:
-    """The engine's K center for `model`: `mean_keys` over `calibration_ids` (at most max_len of them), on
-    the path the engine's steps take (the native in-place attention on CPU where it is built)."""
+def mean_keys(model: torch.nn.Module, ids: list[int], in_place: bool) -> torch.Tensor:
+    """`key_sums` / T: (layers, kv_heads, D) float32, rounded to float16 values."""
+    return (key_sums(model, ids, in_place) / len(ids)).to(torch.float16).to(torch.float32)
+
+
+def mean_first_keys(model: torch.nn.Module, ids: list[int], in_place: bool) -> torch.Tensor:
+    """The mean position-0 key over one-token prefills of each of `ids` (a position-0 key depends on its
+    token only), summed in float64 in the order of `ids`: (layers, kv_heads, D) float32, float16 values."""
+    total = sum((key_sums(model, [i], in_place) for i in ids[1:]), key_sums(model, ids[:1], in_place))
+    return (total / len(ids)).to(torch.float16).to(torch.float32)
+
+
+def calibrate_k_center(model: torch.nn.Module, vocab_size: int, max_len: int) -> KeyCenter:
+    """The engine's K center for `model`: mu = `mean_keys` over `calibration_ids` (at most max_len of
+    them) and k0 = `mean_first_keys` over `FIRST_KEY_TOKENS` more, on the path the engine's steps take
+    (the native in-place attention on CPU where it is built)."""
     t0 = time.perf_counter()
     ids = calibration_ids(vocab_size, min(CALIBRATION_TOKENS, max_len))
     in_place = model.model.norm.weight.device.type == "cpu" and native.active_isa() != "reference"
     mu = mean_keys(model, ids, in_place).contiguous()
-    log.info("kvlm: K center: %d calibration tokens in %.2f s", len(ids), time.perf_counter() - t0)
-    return mu
+    k0 = mean_first_keys(model, calibration_ids(vocab_size, FIRST_KEY_TOKENS, FIRST_KEY_SEED), in_place)
+    log.info("kvlm: K center: %d + %d calibration tokens in %.2f s", len(ids), FIRST_KEY_TOKENS,
+             time.perf_counter() - t0)
+    return KeyCenter(mu, k0.contiguous())
 
 
-def center_digest(k_center: torch.Tensor | None) -> str:
+def center_digest(center: KeyCenter | None) -> str:
     """What snapshots and the prefix cache's root hash record of a cache's K center: "none", or the first
-    16 hex digits of sha256 over its float32 bytes."""
-    if k_center is None:
+    16 hex digits of sha256 over mu's float32 bytes, then k0's."""
+    if center is None:
         return "none"
-    return hashlib.sha256(k_center.detach().cpu().contiguous().numpy().tobytes()).hexdigest()[:16]
+    h = hashlib.sha256(center.mu.detach().cpu().contiguous().numpy().tobytes())
+    if center.k0 is not None:
+        h.update(center.k0.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]

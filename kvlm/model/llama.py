@@ -129,7 +129,8 @@ class Attention(nn.Module):
         if meta.in_place:  # every row over the cache's blocks: one computation for every step's rows
             kv_cache.write(layer, k, v, meta)
             k_blocks, v_blocks, tables = kv_cache.blocks(layer, meta)
-            return paged_attention(q, k_blocks, v_blocks, tables, meta, self.scale, window=self.window or 0)
+            return paged_attention(q, k_blocks, v_blocks, tables, meta, self.scale, window=self.window or 0,
+                                   k0=kv_cache.k0_correction(layer, meta))
         if not meta.groups or self.window:
             kk, vv = kv_cache.update_and_fetch(layer, k, v, meta)  # (B, kvh, L, D)
             if self.window:

@@ -66,18 +66,19 @@ def test_one_layer_logits_equal_recomputing_sinks_plus_window(tmp_path: Path) ->
     assert worst < 1e-4, worst
 
 
-@pytest.mark.parametrize("kv", ["auto", "int8"])
-def test_equivalences_bit_for_bit(model: Path, kv: str) -> None:
+@pytest.mark.parametrize(("kv", "sinks"), [("auto", 4), ("int8", 4), ("int8", 0)])
+def test_equivalences_bit_for_bit(model: Path, kv: str, sinks: int) -> None:
     prompts = random_prompts(4, 21, lo=3, hi=70)
-    ref = run(model, prompts, kv_cache_dtype=kv)
-    assert_identical(ref, run(model, prompts, kv_cache_dtype=kv, max_num_batched_tokens=7), "chunked (7 a step)")
+    ref = run(model, prompts, kv_cache_dtype=kv, sink_tokens=sinks)
+    assert_identical(ref, run(model, prompts, kv_cache_dtype=kv, sink_tokens=sinks, max_num_batched_tokens=7),
+                     "chunked (7 a step)")
     for i, p in enumerate(prompts):
-        t, lg = run(model, [p], kv_cache_dtype=kv)
+        t, lg = run(model, [p], kv_cache_dtype=kv, sink_tokens=sinks)
         assert_identical(({i: ref[0][i]}, {i: ref[1][i]}), ({i: t[0]}, {i: lg[0]}), f"alone vs batch ({i})")
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        assert_identical(ref, run(model, prompts, kv_cache_dtype=kv), "1 vs 2 threads")
+        assert_identical(ref, run(model, prompts, kv_cache_dtype=kv, sink_tokens=sinks), "1 vs 2 threads")
     finally:
         torch.set_num_threads(before)
 
@@ -92,6 +93,25 @@ def test_fused_decode_past_the_context_equals_the_module_path(model: Path, kv: s
     assert fused.runner.fused is not None
     module.runner.fused = None
     assert_identical(run_engine(fused, prompts), run_engine(module, prompts), "fused vs module past the context")
+
+
+def test_a_window_without_sinks_stops_correcting_the_position0_key(model: Path) -> None:
+    """An int8 cache stores position-0 keys centered on k0 (kernels/kv_quant.py, KeyCenter), and attention
+    corrects token 0 of what it reads while that is the position-0 key: with sinks always, without them
+    until the window leaves it (then token 0 is another key, stored centered on mu)."""
+    for sinks, after in ((4, None), (0, [0])):
+        eng = Engine(model, EngineConfig(**{**BOUNDED, "sink_tokens": sinks}, kv_cache_dtype="int8"), quiet=True)
+        assert eng.k_center is not None and eng.k_center.k0 is not None
+        seen, prepare = [], eng.runner.prepare
+
+        def record(batch, prepare=prepare, seen=seen):  # noqa: ANN001, ANN202
+            ids, meta, samplers = prepare(batch)
+            seen.append(None if meta.k0_seqs is None else meta.k0_seqs.tolist())
+            return ids, meta, samplers
+
+        eng.runner.prepare = record
+        run_engine(eng, [[5, 6, 7]], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
+        assert seen[0] is None and seen[-1] == after, (sinks, seen[-1])
 
 
 def test_prefix_hit_and_preemption_bit_for_bit(model: Path) -> None:

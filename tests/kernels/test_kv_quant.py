@@ -146,23 +146,31 @@ def _quant_cache(gen: torch.Generator, nb: int, bs: int, kvh: int, d: int, fmt: 
     return quantize(k, fmt), quantize(v, fmt)
 
 
-@pytest.mark.parametrize("fmt", FMTS, ids=str)
-@pytest.mark.parametrize(("heads", "kvh", "d", "bs"), [(9, 3, 64, 16), (4, 2, 128, 7), (6, 6, 32, 48)])
-def test_kernel_reads_codes_as_the_float_kernel_reads_their_values(
-        isa: str, fmt: kv_quant.KVQuantFormat, heads: int, kvh: int, d: int, bs: int) -> None:
-    gen = torch.Generator().manual_seed(heads * d + bs)
+def _attention_case(gen: torch.Generator, fmt: kv_quant.KVQuantFormat, heads: int, kvh: int, d: int, bs: int):
+    """A quantized cache of 4 sequences (1, 17, 130, 300 tokens) in shuffled blocks, and query rows: causal
+    prefill rows of sequence 2 and decode rows of the others, in shuffled order. Returns (q, kq, vq,
+    tables, seq_ids, ctx_lens)."""
     lens = [1, 17, 130, 300]
     mb = max(-(-n // bs) for n in lens)
     nb = len(lens) * mb + 2
     kq, vq = _quant_cache(gen, nb, bs, kvh, d, fmt)
     tables = torch.randperm(nb, generator=gen)[: len(lens) * mb].reshape(len(lens), mb).to(torch.int32)
-    # rows: causal prefill rows of sequence 2, decode rows of the others, in shuffled order
     seq = [0, 1, 3] + [2] * 130
     ctx = [lens[0], lens[1], lens[3]] + list(range(1, 131))
     perm = torch.randperm(len(seq), generator=gen)
     seq_ids = torch.tensor(seq, dtype=torch.int32)[perm]
     ctx_lens = torch.tensor(ctx, dtype=torch.int32)[perm]
     q = torch.randn(len(seq), heads, d, generator=gen)
+    return q, kq, vq, tables, seq_ids, ctx_lens
+
+
+@pytest.mark.parametrize("fmt", FMTS, ids=str)
+@pytest.mark.parametrize(("heads", "kvh", "d", "bs"), [(9, 3, 64, 16), (4, 2, 128, 7), (6, 6, 32, 48)])
+def test_kernel_reads_codes_as_the_float_kernel_reads_their_values(
+        isa: str, fmt: kv_quant.KVQuantFormat, heads: int, kvh: int, d: int, bs: int) -> None:
+    gen = torch.Generator().manual_seed(heads * d + bs)
+    q, kq, vq, tables, seq_ids, ctx_lens = _attention_case(gen, fmt, heads, kvh, d, bs)
+    seq = seq_ids.tolist()
     scale = d**-0.5
     got = paged_attention(q, kq, vq, tables, seq_ids, ctx_lens, scale)
     kf, vf = dequantize(kq, fmt, d).contiguous(), dequantize(vq, fmt, d).contiguous()  # rotated rows' values
@@ -172,6 +180,39 @@ def test_kernel_reads_codes_as_the_float_kernel_reads_their_values(
                                rtol=2e-5, atol=2e-5)
     for t in (0, 5, len(seq) - 1):  # a row alone: the same bits
         alone = paged_attention(q[t : t + 1], kq, vq, tables, seq_ids[t : t + 1], ctx_lens[t : t + 1], scale)
+        assert torch.equal(alone, got[t : t + 1])
+
+
+@pytest.mark.parametrize("fmt", FMTS, ids=str)
+def test_kernel_adds_the_position0_key_correction(isa: str, fmt: kv_quant.KVQuantFormat) -> None:
+    """A cache centered by a KeyCenter with k0 stores its position-0 keys as codes of k - k0: with the
+    K0Correction every row reads that key as (k - k0) + (k0 - mu), i.e. as every other key, k - mu (to
+    float32 rounding, against the float kernel over the keys so corrected and the reference), for the
+    sequences k0.seqs names only, a row's bits alone as in the call; without it the output is not that."""
+    kvh, d = 3, 64
+    gen = torch.Generator().manual_seed(7)
+    q, kq, vq, tables, seq_ids, ctx_lens = _attention_case(gen, fmt, 9, kvh, d, 16)
+    seq = seq_ids.tolist()
+    scale = d**-0.5
+    delta = torch.randn(kvh, d, generator=gen) * 3  # k0 - mu
+    center = kv_quant.KeyCenter(torch.zeros(1, kvh, d), delta[None])
+    seqs = torch.tensor([1, 0, 1, 1], dtype=torch.uint8)  # sequence 1's token 0 is not its position 0
+    k0 = kv_quant.K0Correction.of(center, 0, seqs)
+    got = paged_attention(q, kq, vq, tables, seq_ids, ctx_lens, scale, k0=k0)
+    kf = kv_quant.unrotated(dequantize(kq, fmt, d), fmt)  # the model's basis
+    vf = kv_quant.unrotated(dequantize(vq, fmt, d), fmt)
+    for s in (0, 2, 3):
+        kf[tables[s, 0], 0] += delta  # token 0 of each corrected sequence
+    want = paged_attention(q, kf.contiguous(), vf.contiguous(), tables, seq_ids, ctx_lens, scale)
+    torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(got, paged_attention_ref(q, kq, vq, tables, seq_ids, ctx_lens, scale, k0=k0),
+                               rtol=2e-5, atol=2e-5)
+    plain = paged_attention(q, kq, vq, tables, seq_ids, ctx_lens, scale)
+    one, others = seq_ids == 1, seq_ids != 1
+    assert torch.equal(got[one], plain[one])  # sequence 1: not corrected, the same bits
+    assert (got[others] - plain[others]).abs().max() > 1e-2  # the others: corrected
+    for t in (0, 5, len(seq) - 1):  # a row alone: the same bits
+        alone = paged_attention(q[t : t + 1], kq, vq, tables, seq_ids[t : t + 1], ctx_lens[t : t + 1], scale, k0=k0)
         assert torch.equal(alone, got[t : t + 1])
 
 

@@ -17,8 +17,16 @@ from kvlm import EngineConfig, SamplingParams
 from kvlm.engine.engine import Engine
 from kvlm.errors import SnapshotError
 from kvlm.kernels import kv_quant, native
-from kvlm.kv_cache.storage import NoKVCache, PagedKVCache
-from kvlm.model.k_center import calibration_ids, center_digest, mean_keys, prefill_meta
+from kvlm.kv_cache.recompute import NoKVCache
+from kvlm.kv_cache.storage import PagedKVCache
+from kvlm.model.k_center import (
+    FIRST_KEY_SEED,
+    FIRST_KEY_TOKENS,
+    calibration_ids,
+    center_digest,
+    mean_keys,
+    prefill_meta,
+)
 
 KV = ["int8", "int4"]
 
@@ -52,10 +60,18 @@ def float_keys(eng: Engine, ids: list[int]) -> dict[int, torch.Tensor]:
 def test_k_center_is_the_seeded_mean_key_and_deterministic(model: Path) -> None:
     a = Engine(model, EngineConfig(kv_cache_dtype="int4"), quiet=True)
     assert Engine(model, EngineConfig(kv_cache_dtype="float32"), quiet=True).k_center is None  # float caches: none
-    mu = a.k_center
+    mu, k0 = a.k_center.mu, a.k_center.k0
     mc = a.model_config
-    assert mu.shape == (mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim) and mu.dtype == torch.float32
-    assert torch.equal(mu, mu.half().float()) and mu.abs().sum() > 0  # float16 values, not all zero
+    for c in (mu, k0):
+        assert c.shape == (mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim) and c.dtype == torch.float32
+        assert torch.equal(c, c.half().float()) and c.abs().sum() > 0  # float16 values, not all zero
+    # k0: the mean position-0 key of one-token prefills of other seeded ids (a key at position 0 sees only
+    # its own token)
+    first = calibration_ids(mc.vocab_size, FIRST_KEY_TOKENS, FIRST_KEY_SEED)
+    want0 = torch.stack([torch.stack([float_keys(a, [t])[i][0].double() for t in first]).mean(0)
+                         for i in range(mc.num_hidden_layers)])
+    torch.testing.assert_close(k0.double(), want0, rtol=2**-10, atol=2**-24)
+    assert not torch.equal(k0, mu)
     ids = calibration_ids(mc.vocab_size, min(1024, a.max_model_len))
     assert ids == calibration_ids(mc.vocab_size, len(ids)) and len(set(ids)) > len(ids) // 4  # seeded, spread
     keys = float_keys(a, ids)
@@ -68,8 +84,11 @@ def test_k_center_is_the_seeded_mean_key_and_deterministic(model: Path) -> None:
     finally:
         torch.set_num_threads(threads)
     again = Engine(model, EngineConfig(kv_cache_dtype="int4"), quiet=True).k_center
-    assert torch.equal(one, mu) and torch.equal(again, mu)
-    assert center_digest(mu) == center_digest(one.clone()) != center_digest(mu + 1) and center_digest(None) == "none"
+    for c in (one, again):
+        assert torch.equal(c.mu, mu) and torch.equal(c.k0, k0)
+    digest = center_digest(a.k_center)
+    assert digest == center_digest(kv_quant.KeyCenter(one.mu.clone(), one.k0.clone())) and center_digest(None) == "none"
+    assert digest != center_digest(kv_quant.KeyCenter(mu + 1, k0)) != center_digest(kv_quant.KeyCenter(mu, k0 + 1))
     in_place = mean_keys(a.model, ids[:64], native.active_isa() != "reference")
     torch.testing.assert_close(in_place, mean_keys(a.model, ids[:64], False), rtol=2**-9, atol=2**-20)
 
@@ -93,27 +112,35 @@ def test_every_write_stores_the_codes_of_the_centered_key(model: Path, kv: str) 
             block = req.block_table[0] if req.block_table else block
             eng.step()
         ids = req.token_ids[:-1]  # the last token's K/V was never written
-        k0 = float_keys(eng, ids)[0]  # (T, kv_heads, D)
+        keys = float_keys(eng, ids)[0]  # (T, kv_heads, D)
         stored = eng.kv_cache.k[0][block, : len(ids)]  # (T, kv_heads, row_bytes) uint8
-        mu = eng.k_center
-        assert torch.equal(stored, kv_quant.quantize(k0 - mu[0], fmt)), f"fused={fused}"
-        assert not torch.equal(stored, kv_quant.quantize(k0, fmt))  # the center is not a no-op here
+        c = eng.k_center
+        want = keys - c.mu[0]
+        want[0] = keys[0] - c.k0[0]  # the position-0 key: centered on k0
+        assert torch.equal(stored, kv_quant.quantize(want, fmt)), f"fused={fused}"
+        assert not torch.equal(stored, kv_quant.quantize(keys, fmt))  # the center is not a no-op here
+        assert not torch.equal(stored[:1], kv_quant.quantize(keys[:1] - c.mu[0], fmt))  # nor is k0
 
 
 @pytest.mark.parametrize("kv", KV)
 def test_sink_keys_are_re_rotated_uncentered(kv: str) -> None:
-    """read_keys gives back what the codes stand for (+ mu), write_keys centers what it stores: a key
-    re-rotated for a bounded cache is rotated in the model's basis, then centered."""
+    """read_keys gives back what the codes stand for (+ mu, + k0 for the first blocks' position-0 key),
+    write_keys centers what it stores: a key re-rotated for a bounded cache is rotated in the model's
+    basis, then centered."""
     fmt = kv_quant.FORMATS[kv]
     mu = (torch.randn(2, 2, 32) * 4).half().float()
-    cache = PagedKVCache(2, 4, 4, 2, 32, fmt, torch.device("cpu"), k_center=mu)
-    k = torch.randn(8, 2, 32) + mu[1]  # two blocks of 4 tokens
+    k0 = (torch.randn(2, 2, 32) * 8).half().float()
+    cache = PagedKVCache(2, 4, 4, 2, 32, fmt, torch.device("cpu"), k_center=kv_quant.KeyCenter(mu, k0))
+    k = torch.randn(8, 2, 32) + mu[1]  # two blocks of 4 tokens: a sequence's sinks, its position-0 key first
+    k[0] += k0[1] - mu[1]
     cache.write_keys(1, [2, 0], k)
-    assert torch.equal(cache.k[1][[2, 0]].flatten(0, 1), kv_quant.quantize(k - mu[1], fmt))
+    want = k - mu[1]
+    want[0] = k[0] - k0[1]
+    assert torch.equal(cache.k[1][[2, 0]].flatten(0, 1), kv_quant.quantize(want, fmt))
     back = cache.read_keys([2, 0])[1]  # (8, kv_heads, D): layer 1
     codes = kv_quant.unrotated(kv_quant.dequantize(cache.k[1][[2, 0]].flatten(0, 1), fmt, 32), fmt)
-    assert torch.equal(back, codes + mu[1])
-    assert (back - k).abs().max() < (k - mu[1]).abs().max() / (4 if kv == "int4" else 60)
+    assert torch.equal(back[1:], codes[1:] + mu[1]) and torch.equal(back[0], codes[0] + k0[1])
+    assert (back - k).abs().max() < want.abs().max() / (4 if kv == "int4" else 60)
 
 
 def _rewrite_meta(src: Path, dst: Path, **changes: str | None) -> None:

@@ -206,10 +206,12 @@ void run_linear(const KvlmKernels* t, const Linear& lin, const float* x, int64_t
 // float64 (5,) tensor that accumulates seconds in norm/elementwise, matmul, kv write, attention, other.
 // k_center: empty, or (layers, kv_heads, D) float32 subtracted from each new key before it is stored (a
 // centered int8 / int4 cache, kvlm/model/k_center.py): one float32 subtraction per value, kv_quant.centered's.
+// k0_delta: empty, or (layers, kv_heads, D) float32, the position-0 key's center correction per layer (rotated,
+// KvlmPagedAttn), with k0_seqs empty (every sequence) or (B,) uint8.
 void decode_step(int64_t plan_id, const at::Tensor& x, const at::Tensor& positions, const at::Tensor& slots,
                  const at::Tensor& block_tables, const at::Tensor& context_lens, at::TensorList k_caches,
-                 at::TensorList v_caches, const at::Tensor& k_center, int64_t isa, const at::Tensor& out,
-                 const at::Tensor& profile) {
+                 at::TensorList v_caches, const at::Tensor& k_center, const at::Tensor& k0_delta,
+                 const at::Tensor& k0_seqs, int64_t isa, const at::Tensor& out, const at::Tensor& profile) {
     Plan& p = get_plan(plan_id);
     const KvlmKernels* t = kvlm::table(isa);
     const int64_t H = p.hidden, nh = p.nh, kvh = p.kvh, D = p.D, I = p.inter, L = p.layers.size();
@@ -252,12 +254,26 @@ void decode_step(int64_t plan_id, const at::Tensor& x, const at::Tensor& positio
                     "kvlm decode: k_center must be contiguous float32 (layers, kv_heads, D)");
         mu = k_center.const_data_ptr<float>();
     }
+    const float* k0d = nullptr;
+    const uint8_t* k0s = nullptr;
+    if (k0_delta.numel()) {
+        TORCH_CHECK(mu && k0_delta.scalar_type() == at::kFloat && k0_delta.is_contiguous() && k0_delta.numel() == L * kvh * D,
+                    "kvlm decode: k0_delta must be contiguous float32 (layers, kv_heads, D), with k_center");
+        k0d = k0_delta.const_data_ptr<float>();
+        if (k0_seqs.numel()) {
+            TORCH_CHECK(k0_seqs.scalar_type() == at::kByte && k0_seqs.is_contiguous() && k0_seqs.numel() == B,
+                        "kvlm decode: k0_seqs must be contiguous uint8 (B,)");
+            k0s = k0_seqs.const_data_ptr<uint8_t>();
+        }
+    }
     const int64_t* pos = positions.const_data_ptr<int64_t>();
     const int64_t* slot = slots.const_data_ptr<int64_t>();
     const int32_t* bt = block_tables.const_data_ptr<int32_t>();
     const int32_t* lens = context_lens.const_data_ptr<int32_t>();
     for (int64_t b = 0; b < B; b++) {  // the kernels trust these: check them once per step
         TORCH_CHECK(pos[b] >= 0 && pos[b] < p.max_pos, "kvlm decode: position ", pos[b], " beyond the RoPE table");
+        // a position-0 key is centered on k0, which this step does not store (prefill writes position 0)
+        TORCH_CHECK(!k0d || pos[b] > 0, "kvlm decode: a decode row at position 0 with a k0-centered cache");
         TORCH_CHECK(slot[b] >= 0 && slot[b] < NB * BS, "kvlm decode: slot ", slot[b], " outside the cache");
         TORCH_CHECK(lens[b] >= 1 && lens[b] <= MB * BS, "kvlm decode: context length ", lens[b], " exceeds its table");
         for (int64_t j = 0; j * BS < lens[b]; j++)
@@ -314,7 +330,8 @@ void decode_step(int64_t plan_id, const at::Tensor& x, const at::Tensor& positio
         tm.lap(T_KV_WRITE);
         if (rotated)  // q H . k H = q . k; the output comes back as (p V) H
             kvlm::hadamard_rows(q, B * nh, D);
-        TORCH_CHECK(kvlm::paged_attention(t, kv_dtype, q, kc, vc, bt, lens, attn, B, nh, kvh, D, BS, MB, scale),
+        TORCH_CHECK(kvlm::paged_attention(t, kv_dtype, q, kc, vc, bt, lens, attn, B, nh, kvh, D, BS, MB, scale,
+                                          k0d ? k0d + l * kvh * D : nullptr, k0s),
                     "kvlm decode: attention failed");
         if (rotated)
             kvlm::hadamard_rows(attn, B * nh, D);
@@ -344,5 +361,6 @@ TORCH_LIBRARY_FRAGMENT(kvlm_kernels, m) {
     m.def("decode_plan_create(Tensor[] tensors, int[] spec, float eps) -> int", &decode_plan_create);
     m.def("decode_plan_free(int plan) -> ()", &decode_plan_free);
     m.def("decode_step(int plan, Tensor x, Tensor positions, Tensor slots, Tensor block_tables, Tensor context_lens, "
-          "Tensor[] k_caches, Tensor[] v_caches, Tensor k_center, int isa, Tensor(a!) out, Tensor(b!) profile) -> ()", &decode_step);
+          "Tensor[] k_caches, Tensor[] v_caches, Tensor k_center, Tensor k0_delta, Tensor k0_seqs, int isa, Tensor(a!) out, "
+          "Tensor(b!) profile) -> ()", &decode_step);
 }

@@ -31,17 +31,20 @@ bool has_int8(const KvlmKernels* t, int qtype);
 // caches (num_blocks, BS, KVH, D) of kv_dtype (ggml id). Row t's bits are those of a decode of that row
 // alone with L = ctx_lens[t], at any T, row order, mix of sequences and thread count (KvlmPagedAttn);
 // rows of one sequence are tiled so each K/V group is read once per tile. The caller has checked the
-// tables. window > 0: row t attends only its last `window` tokens (a sliding-window layer). Returns false
-// for an unsupported kv_dtype.
+// tables. window > 0: row t attends only its last `window` tokens (a sliding-window layer). k0_delta,
+// k0_seqs: the position-0 key's center correction (KvlmPagedAttn), NULL for none. Returns false for an
+// unsupported kv_dtype.
 bool paged_attention_rows(const KvlmKernels* t, int kv_dtype, const float* q, const void* k_cache,
                           const void* v_cache, const int32_t* block_tables, const int32_t* seq_ids,
                           const int32_t* ctx_lens, float* out, int64_t T, int64_t H, int64_t KVH, int64_t D,
-                          int64_t BS, int64_t MB, float scale, int64_t window = 0);
+                          int64_t BS, int64_t MB, float scale, int64_t window = 0,
+                          const float* k0_delta = nullptr, const uint8_t* k0_seqs = nullptr);
 
 // Decode: out (B, H, D) = attention of q (B, H, D), sequence b over its seq_lens[b] cached tokens through
 // block table row b; paged_attention_rows with seq_ids = 0 .. B - 1.
 bool paged_attention(const KvlmKernels* t, int kv_dtype, const float* q, const void* k_cache, const void* v_cache,
                      const int32_t* block_tables, const int32_t* seq_lens, float* out, int64_t B, int64_t H,
-                     int64_t KVH, int64_t D, int64_t BS, int64_t MB, float scale);
+                     int64_t KVH, int64_t D, int64_t BS, int64_t MB, float scale,
+                     const float* k0_delta = nullptr, const uint8_t* k0_seqs = nullptr);
 
 }  // namespace kvlm

@@ -566,7 +566,21 @@ struct AttnRow {
     float* sc;       // (H, chunk) scores, then exp(score - max)
     int64_t n;
     int64_t skip;    // leading tokens of the chunk before the row's sliding window (masked to -inf)
+    bool k0;         // the chunk holds the row's position-0 key, stored centered on k0 (KvlmPagedAttn)
 };
+
+// Row r's score of its token 0 += scale * (q_h . k0_delta[h / G]) per head h, the dot in a fixed order:
+// 16-lane products summed over D / 16, then hsum (the position-0 key's center correction, KvlmPagedAttn).
+KVLM_INLINE void attn_k0_correct(const KvlmPagedAttn* a, const AttnRow& r) {
+    const int64_t H = a->H, D = a->D, G = H / a->kv_heads, CH = a->chunk;
+    for (int64_t h = 0; h < H; h++) {
+        const float* q = r.q + h * D;
+        const float* d = a->k0_delta + (h / G) * D;
+        v16 s = (v16){};
+        for (int64_t i = 0; i < D; i += 16) s += ld(q + i) * ld(d + i);
+        r.sc[h * CH] += hsum(s) * a->scale;
+    }
+}
 
 // (row, head) pairs per register block: the K pass keeps P pairs' q (P * NV vectors) and one token's K
 // (NV); the V pass P pairs' acc (P * NV) and one token's V (NV). AVX-512 has 32 vector registers; AVX2
@@ -853,6 +867,9 @@ void attn_chunk(const KvlmPagedAttn* a, const int32_t* tab, int64_t t0, AttnRow*
             for (; u < np; u++) attn_k_pairs<E, NV, 1>(a, kc + g * E::head(D), off, pr, grp);
         }
     }
+    if (t0 == 0 && a->k0_delta)
+        for (int64_t j = 0; j < nr; j++)
+            if (rows[j].k0) attn_k0_correct(a, rows[j]);
     // Softmax of the chunk, per row and head: p = exp(s - max) in place, den = sum p (lanes, then one
     // fixed-order sum). An empty row (n = 0) gets max -inf, den 0. Tokens before a sliding window first
     // become -inf (a row is only here with at least one token of its window in the chunk).
@@ -972,6 +989,8 @@ void paged_attn_t(const KvlmPagedAttn* a, float* scratch, int64_t i0, int64_t i1
             r.sc = scratch + (j - j0) * H * CH;
             r.n = L - t0 < CH ? L - t0 : CH;
             r.skip = first(L) > t0 ? first(L) - t0 : 0;
+            r.k0 = a->k0_delta && t0 == 0 && r.skip == 0 && r.n > 0 &&
+                   (!a->k0_seqs || a->k0_seqs[a->seq_ids ? a->seq_ids[t] : t]);
             if (live(L) == 1) {  // one chunk: normalized straight into out below
                 r.acc = a->out + t * H * D;
                 r.mx = scratch + KVLM_ATTN_TILE * H * CH + (j - j0) * 2 * H;

@@ -7,6 +7,8 @@
 
 #include <algorithm>
 #include <atomic>
+#include <optional>
+#include <utility>
 #include <vector>
 
 #include "drivers.h"
@@ -104,7 +106,8 @@ static int64_t window_start(int64_t L, int64_t window) { return window > 0 && L 
 bool paged_attention_rows(const KvlmKernels* t, int kv_dtype, const float* q, const void* k_cache,
                           const void* v_cache, const int32_t* block_tables, const int32_t* seq_ids,
                           const int32_t* ctx_lens, float* out, int64_t T, int64_t H, int64_t KVH, int64_t D,
-                          int64_t BS, int64_t MB, float scale, int64_t window) {
+                          int64_t BS, int64_t MB, float scale, int64_t window, const float* k0_delta,
+                          const uint8_t* k0_seqs) {
     if (kv_dtype != T_F32 && kv_dtype != T_F16 && kv_dtype != T_BF16 && kv_dtype != KV_Q8 && kv_dtype != KV_Q4)
         return false;
     if (T == 0) return true;
@@ -186,7 +189,7 @@ bool paged_attention_rows(const KvlmKernels* t, int kv_dtype, const float* q, co
         }
         const KvlmPagedAttn a{kv_dtype, q, k_cache, v_cache, block_tables, seq_ids, ctx_lens, out, H, KVH, D, BS, MB,
                               ATTN_CHUNK, scale, order.data(), tiles.data(), items.data(), part_first.data(),
-                              part.data(), pending.data(), window};
+                              part.data(), pending.data(), window, k0_delta, k0_seqs};
         const int64_t* bnd = bound.data();  // (a thread_local's name would mean each worker's own vector)
         at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
             thread_local std::vector<float> scratch;  // (KVLM_ATTN_TILE, H, ATTN_CHUNK) scores, (KVLM_ATTN_TILE, 2 H)
@@ -202,9 +205,10 @@ bool paged_attention_rows(const KvlmKernels* t, int kv_dtype, const float* q, co
 
 bool paged_attention(const KvlmKernels* t, int kv_dtype, const float* q, const void* k_cache, const void* v_cache,
                      const int32_t* block_tables, const int32_t* seq_lens, float* out, int64_t B, int64_t H,
-                     int64_t KVH, int64_t D, int64_t BS, int64_t MB, float scale) {
+                     int64_t KVH, int64_t D, int64_t BS, int64_t MB, float scale, const float* k0_delta,
+                     const uint8_t* k0_seqs) {
     return paged_attention_rows(t, kv_dtype, q, k_cache, v_cache, block_tables, nullptr, seq_lens, out, B, H, KVH, D,
-                                BS, MB, scale, 0);
+                                BS, MB, scale, 0, k0_delta, k0_seqs);
 }
 
 }  // namespace kvlm
@@ -313,9 +317,23 @@ void check_tables(const int32_t* bt, const int64_t* max_len, int64_t B, int64_t 
     }
 }
 
+// The position-0 key's center correction (KvlmPagedAttn): k0_delta (kv_heads, D) float32, k0_seqs (B,) uint8.
+std::pair<const float*, const uint8_t*> k0_args(const std::optional<at::Tensor>& k0_delta,
+                                                const std::optional<at::Tensor>& k0_seqs, int64_t KVH, int64_t D,
+                                                int64_t B) {
+    if (!k0_delta.has_value() || !k0_delta->defined()) return {nullptr, nullptr};
+    TORCH_CHECK(k0_delta->scalar_type() == at::kFloat && k0_delta->is_contiguous() && k0_delta->numel() == KVH * D,
+                "paged attention: k0_delta must be contiguous float32 (kv_heads, D)");
+    if (!k0_seqs.has_value() || !k0_seqs->defined()) return {k0_delta->const_data_ptr<float>(), nullptr};
+    TORCH_CHECK(k0_seqs->scalar_type() == at::kByte && k0_seqs->is_contiguous() && k0_seqs->numel() == B,
+                "paged attention: k0_seqs must be contiguous uint8 (one per block table row)");
+    return {k0_delta->const_data_ptr<float>(), k0_seqs->const_data_ptr<uint8_t>()};
+}
+
 void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, int64_t isa,
-                            const at::Tensor& out) {
+                            const at::Tensor& out, const std::optional<at::Tensor>& k0_delta,
+                            const std::optional<at::Tensor>& k0_seqs) {
     check_caches(q, k_cache, v_cache, out);
     TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 && block_tables.is_contiguous() &&
                     seq_lens.scalar_type() == at::kInt && seq_lens.dim() == 1 && seq_lens.is_contiguous(),
@@ -331,16 +349,19 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
         max_len[b] = lens[b];
     }
     check_tables(bt, max_len.data(), B, MB, BS, k_cache.size(0));
+    const auto [k0d, k0s] = k0_args(k0_delta, k0_seqs, KVH, D, B);
     const bool ok = kvlm::paged_attention(table(isa), kv_dtype_id(k_cache, D), q.const_data_ptr<float>(),
                                           k_cache.const_data_ptr(), v_cache.const_data_ptr(), bt, lens,
-                                          out.mutable_data_ptr<float>(), B, H, KVH, D, BS, MB, static_cast<float>(scale));
+                                          out.mutable_data_ptr<float>(), B, H, KVH, D, BS, MB, static_cast<float>(scale),
+                                          k0d, k0s);
     TORCH_CHECK(ok, "kvlm kernels: unsupported KV cache dtype");
 }
 
 // Any query rows: row t attends the first ctx_lens[t] tokens of the sequence in block_tables row seq_ids[t].
 void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_tables, const at::Tensor& seq_ids, const at::Tensor& ctx_lens,
-                     double scale, int64_t isa, const at::Tensor& out, int64_t window) {
+                     double scale, int64_t isa, const at::Tensor& out, int64_t window,
+                     const std::optional<at::Tensor>& k0_delta, const std::optional<at::Tensor>& k0_seqs) {
     check_caches(q, k_cache, v_cache, out);
     TORCH_CHECK(window >= 0, "paged attention: window must be >= 0 (0: no sliding window)");
     TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 && block_tables.is_contiguous() &&
@@ -360,10 +381,11 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
         max_len[sid[r]] = std::max<int64_t>(max_len[sid[r]], lens[r]);
     }
     check_tables(bt, max_len.data(), B, MB, BS, k_cache.size(0));
+    const auto [k0d, k0s] = k0_args(k0_delta, k0_seqs, KVH, D, B);
     const bool ok = kvlm::paged_attention_rows(table(isa), kv_dtype_id(k_cache, D), q.const_data_ptr<float>(),
                                                k_cache.const_data_ptr(), v_cache.const_data_ptr(), bt, sid, lens,
                                                out.mutable_data_ptr<float>(), T, H, KVH, D, BS, MB,
-                                               static_cast<float>(scale), window);
+                                               static_cast<float>(scale), window, k0d, k0s);
     TORCH_CHECK(ok, "kvlm kernels: unsupported KV cache dtype");
 }
 
@@ -376,7 +398,9 @@ TORCH_LIBRARY(kvlm_kernels, m) {
     m.def("fake_quantize_act(Tensor x, int isa, Tensor(a!) out) -> ()", &fake_quantize_act);
     m.def("dequantize(Tensor w, int qtype, int K, int isa, Tensor(a!) out) -> ()", &dequantize);
     m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
-          "float scale, int isa, Tensor(a!) out) -> ()", &paged_decode_attention);
+          "float scale, int isa, Tensor(a!) out, Tensor? k0_delta=None, Tensor? k0_seqs=None) -> ()",
+          &paged_decode_attention);
     m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_ids, "
-          "Tensor ctx_lens, float scale, int isa, Tensor(a!) out, int window=0) -> ()", &paged_attention);
+          "Tensor ctx_lens, float scale, int isa, Tensor(a!) out, int window=0, Tensor? k0_delta=None, "
+          "Tensor? k0_seqs=None) -> ()", &paged_attention);
 }
