@@ -7,23 +7,28 @@ consecutive values of that row:
   then 32 int8 codes q_i = round_half_even(x_i * (1 / d)), clamped to [-127, 127]. x_i ~ q_i * d.
   Error bound: |x_i - q_i d| <= d / 2 + amax * 2^-10 + 2^-18 (half a step, plus the float16 rounding of
   d, relative and, where d is a float16 subnormal, absolute).
-* `int4` (18 bytes per group, q4_0-like): float16 scale d, then 16 bytes: byte j holds code c_j in its
-  low nibble and c_{j+16} in its high nibble, codes c_i in 0..15, x_i ~ (c_i - 8) d. The scale is the
-  best of `Q4_CANDIDATES` (an error-minimizing search, llama.cpp's make_qx_quants idea): candidate 0 is
-  the plain rule, d = m / -8 (m the group's signed value of largest magnitude, the positive one on a tie),
-  codes c_i = clamp(round_half_even(x_i * (1 / d)), -8, 7) + 8, so m decodes to -8 d; candidate k >= 1
-  takes the codes of d_k = m / -t_k (t_k = 7.5, 8, 8.5) the same way, then refits the scale
-  to those codes by least squares, d = sum(x c) / sum(c^2) (float64, c the signed codes). The group keeps
-  the candidate of smallest squared error sum((x_i - c_i d)^2) (d as stored, in float16; float64 sums,
+* `int4` (18 bytes per group, q4_0's size): float16 scale d, then 16 bytes: byte j holds code c_j in its
+  low nibble and c_{j+16} in its high nibble, codes c_i in 0..15, x_i ~ Q4_LEVELS[c_i] d. The 16 levels
+  are not uniform: `Q4_LEVELS` (integers -127..111) are Lloyd-Max levels for groups of 32 Gaussian values
+  under this scale search (`scripts/experiments/kv_int4_levels.py` fits them; rotated K/V rows are close
+  to Gaussian), finer near 0 where most values are. The scale is the best of `Q4_CANDIDATES` (an
+  error-minimizing search, llama.cpp's make_qx_quants idea): candidate 0 is the plain rule,
+  d = m / Q4_LEVELS[0] (m the group's signed value of largest magnitude, the positive one on a tie), so m
+  decodes to level 0; each value's code is its nearest level, c_i = the number of midpoints between
+  consecutive levels below y_i = x_i * (1 / d) (a tie goes to the lower level); candidate k >= 1 takes
+  the codes of d_k = m / (Q4_LEVELS[0] t_k / 8) (t_k = 7.5, 8, 8.5) the same way, then refits the scale to
+  those codes by least squares, d = sum(x l) / sum(l^2) (float64, l the codes' levels). The group keeps
+  the candidate of smallest squared error sum((x_i - l_i d)^2) (d as stored, in float16; float64 sums,
   the first on a tie). Sums run in a fixed tree (halves added, 32 -> 16 -> ... -> 1: `_tree_sum`), so the
-  native twin finds the same bits. Error bound: the group's squared error is at most candidate 0's, so
-  |x_i - (c_i - 8) d| <= sqrt(32) (|d_0| + amax * 2^-10 + 2^-18), d_0 = m / -8 (the plain rule's bound,
-  |d_0| + ..., over the group's 32 values); measured on the default model, int4's mean KLD goes from
-  7.5e-2 to 6.0e-2 with it (docs/kv_quant.md).
+  native twin finds the same bits. Error bound: the group's squared error is at most candidate 0's, whose
+  values are within `Q4_HALF_GAP` |d_0| of their level (half the widest gap between levels, or the
+  distance from the top level to 127), so |x_i - l_i d| <= sqrt(32) (Q4_HALF_GAP |d_0| + amax * 2^-10 +
+  2^-18), d_0 = amax / 127. Measured on the default model (docs/kv_quant.md): the search took int4's
+  mean KLD from 7.5e-2 to 6.0e-2, the levels (against -8..7, with both K centers) from 3.7e-2 to 3.2e-2.
 
 A zero group (amax = 0, -0.0 included) gets d = 0 and codes 0 (int8) or 8 (int4): it decodes to +0.0.
-Scales saturate at float16's largest value 65504, so values beyond 127 * 65504 (int8) or 8 * 65504
-(int4) are clipped; K/V are orders of magnitude smaller. NaN and inf are not representable.
+Scales saturate at float16's largest value 65504, so values beyond 127 * 65504 (int8, and int4 whose
+extreme level is -127) are clipped; K/V are orders of magnitude smaller. NaN and inf are not representable.
 
 Both formats quantize Hadamard-rotated rows: a head row x is stored as the codes of x H (H a normalized
 Hadamard matrix, blocks of the largest power of two dividing D: 64 for SmolLM2), which spreads an
@@ -38,7 +43,8 @@ by one request is the same bytes for any other, and a recompute stores exactly w
 engine's equivalences (cache == no cache, alone == batch, chunked == whole, prefix hit == miss) hold bit
 for bit. Grouping across tokens would tie a token's codes to its neighbours'.
 
-Dequantization is one float32 multiply, code * d, the same in this reference and in the native kernel
+Dequantization is one float32 multiply, code * d (int4: level * d, the level an integer of at most 7 bits,
+so the product is exact), the same in this reference and in the native kernel
 (`kernels_attn_quant.h`), so the kernel reading codes in place computes what the float32 kernel computes
 over `dequantize`'s values, bit for bit.
 
@@ -61,6 +67,15 @@ F16_MAX = 65504.0
 # Q4_CANDIDATES has the same list). 8.0 first: the plain q4_0 rule, not refitted; then 7.5, 8, 8.5, refitted
 # (ten candidates, 7 to 9 by quarters, measured no better on the default model: docs/kv_quant.md).
 Q4_CANDIDATES = (8.0, 7.5, 8.0, 8.5)
+# int4's 16 levels in code order (csrc/kv_quantize.h and kernels_attn_quant.h have the same table): Lloyd-Max
+# levels for Gaussian groups under the scale search, scaled so the extreme is -127 and rounded to integers
+# (`scripts/experiments/kv_int4_levels.py`). The extreme negative level is the plain rule's target.
+Q4_LEVELS = (-127, -102, -82, -66, -51, -38, -25, -12, 0, 13, 25, 39, 53, 69, 87, 111)
+# Half the widest gap between consecutive levels, or 127 - the top level (values past it are clipped to it),
+# in units of d_0 = amax / 127: the plain rule's worst per-value error.
+Q4_HALF_GAP = max(max(b - a for a, b in zip(Q4_LEVELS, Q4_LEVELS[1:])) / 2, 127 - Q4_LEVELS[-1])
+_Q4_LUT = torch.tensor(Q4_LEVELS, dtype=torch.float32)
+_Q4_MIDS = (_Q4_LUT[1:] + _Q4_LUT[:-1]) / 2  # exact: integers / 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,20 +166,22 @@ def _tree_sum(e: torch.Tensor) -> torch.Tensor:
 
 
 def _q4_search(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """g (..., 32) float32 groups -> (float16 scale (..., 1), signed codes (..., 32) in -8..7, float32):
-    the candidate of `Q4_CANDIDATES` with the smallest squared error (module docstring, `int4`)."""
+    """g (..., 32) float32 groups -> (float16 scale (..., 1), codes (..., 32) in 0..15, int64): the
+    candidate of `Q4_CANDIDATES` with the smallest squared error (module docstring, `int4`)."""
     hi, lo = g.amax(-1, keepdim=True), g.amin(-1, keepdim=True)
     m = torch.where(hi >= -lo, hi, lo)  # signed value of largest magnitude, the positive one on a tie
     gd = g.double()
+    lut, mids = _Q4_LUT.to(g.device), _Q4_MIDS.to(g.device)
     best: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     for k, t in enumerate(Q4_CANDIDATES):
-        d16, inv = _scale_and_inverse(m / -t)
-        c = torch.round(g * inv).clamp(-8, 7)
-        if k > 0:  # least-squares scale for these codes: sum(x c) / sum(c^2), exact products in float64
-            cd = c.double()
-            sxc, scc = _tree_sum(gd * cd), _tree_sum(cd * cd)
-            d16, _ = _scale_and_inverse(torch.where(scc > 0, sxc / scc.clamp(min=1), 0.0).float())
-        e = (g - c * d16.float()).double()  # c * d is exact in float32 (11 + 4 significant bits)
+        d16, inv = _scale_and_inverse(m / (Q4_LEVELS[0] * t / 8))
+        c = torch.bucketize(g * inv, mids)  # the nearest level: midpoints below y (a tie: the lower level)
+        lv = lut[c]
+        if k > 0:  # least-squares scale for these levels: sum(x l) / sum(l^2), exact products in float64
+            ld = lv.double()
+            sxl, sll = _tree_sum(gd * ld), _tree_sum(ld * ld)
+            d16, _ = _scale_and_inverse(torch.where(sll > 0, sxl / sll.clamp(min=1), 0.0).float())
+        e = (g - lv * d16.float()).double()  # l * d is exact in float32 (11 + 7 significant bits)
         err = _tree_sum(e * e)
         if best is None:
             best = (err, d16, c)
@@ -203,7 +220,7 @@ def quantize_ref(x: torch.Tensor, fmt: KVQuantFormat) -> torch.Tensor:
         codes = torch.round(g * inv).clamp(-127, 127).to(torch.int8).view(torch.uint8)  # (..., G, 32)
     else:
         d16, c = _q4_search(g)
-        c = (c + 8).to(torch.uint8)  # (..., G, 32) in 0..15
+        c = c.to(torch.uint8)  # (..., G, 32) in 0..15
         codes = c[..., :16] | (c[..., 16:] << 4)  # byte j: value j low, value j + 16 high
     scale = d16.view(torch.uint8)  # (..., G, 2), little-endian float16
     return torch.cat([scale, codes], dim=-1).reshape(*lead, D // GROUP * fmt.group_bytes)
@@ -219,7 +236,7 @@ def dequantize(raw: torch.Tensor, fmt: KVQuantFormat, head_dim: int) -> torch.Te
         q = g[..., 2:].contiguous().view(torch.int8).float()  # (..., G, 32)
     else:
         b = g[..., 2:]
-        q = torch.cat([b & 15, b >> 4], dim=-1).float() - 8.0  # values 0..15 then 16..31
+        q = _Q4_LUT.to(raw.device)[torch.cat([b & 15, b >> 4], dim=-1).long()]  # values 0..15 then 16..31
     return (q * d).reshape(*lead, head_dim)
 
 
@@ -300,5 +317,5 @@ def error_bound(x: torch.Tensor, fmt: KVQuantFormat) -> torch.Tensor:
     if fmt.bits == 8:
         bound = amax / 127.0 / 2 + amax * 2.0**-10 + 2.0**-18
     else:  # the plain rule's bound over the group's 32 values (module docstring, `int4`)
-        bound = (amax / 8.0 + amax * 2.0**-10 + 2.0**-18) * GROUP**0.5
+        bound = (amax / 127.0 * Q4_HALF_GAP + amax * 2.0**-10 + 2.0**-18) * GROUP**0.5
     return bound.expand_as(g).reshape(x.shape)

@@ -5,7 +5,7 @@
 not offer, made by replacing the paged cache's write (`PagedKVCache.write`) in this process:
 
 * `int4-K`: K stored at int4 precision, V at int8: an int8 cache whose K codes are int4's (same scale,
-  codes -8..7, which the int8 layout holds exactly); `int4-V` the other way round. Which of K or V costs.
+  levels, integers the int8 layout holds exactly); `int4-V` the other way round. Which of K or V costs.
 * `int4-centered-K`: an int4 cache storing K - mu[layer, kv head], mu the mean K row (post-RoPE) over
   `--calibration-tokens` tokens of a different stretch of the text (from character 2,000,000). Attention
   is unchanged by a constant added to every key (q . (k - mu) = q . k - q . mu, the same for every key
@@ -44,12 +44,13 @@ original_write = storage.PagedKVCache.write
 
 
 def int4_as_int8(x: torch.Tensor) -> torch.Tensor:
-    """x (..., D) -> int8-layout codes holding int4's values exactly (int4's scale, codes -8..7)."""
+    """x (..., D) -> int8-layout codes holding int4's values exactly (int4's scale, its levels as int8 codes)."""
     raw = kv_quant.quantize(x, kv_quant.INT4)
     *lead, n = raw.shape
     g = raw.reshape(*lead, n // 18, 18)
     b = g[..., 2:]
-    c = (torch.cat([b & 15, b >> 4], -1).to(torch.int16) - 8).to(torch.int8).view(torch.uint8)
+    levels = torch.tensor(kv_quant.Q4_LEVELS, dtype=torch.int8)
+    c = levels[torch.cat([b & 15, b >> 4], -1).long()].view(torch.uint8)
     return torch.cat([g[..., :2], c], -1).reshape(*lead, n // 18 * 34)
 
 

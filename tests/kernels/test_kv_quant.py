@@ -62,16 +62,16 @@ def test_rotated_zero_rows_decode_to_positive_zero(fmt: kv_quant.KVQuantFormat) 
 def test_zero_negative_zero_and_max_magnitude_groups(fmt: kv_quant.KVQuantFormat) -> None:
     x = torch.zeros(4, 64)
     x[1] = -0.0
-    top = kv_quant.F16_MAX * (127 if fmt.bits == 8 else 8)  # the largest magnitude the scale represents
+    top = kv_quant.F16_MAX * 127  # the largest magnitude the scale represents (int4's extreme level is -127 too)
     x[2, :32] = torch.linspace(-top, top, 32)
     x[2, 32:] = -top
     x[3, :32] = torch.tensor([-0.0, 0.0] * 16)
-    x[3, 32:] = exact = -(127 if fmt.bits == 8 else 8) * 0.25  # scale 0.25 exactly: decodes exactly
+    x[3, 32:] = exact = -127 * 0.25  # scale 0.25 exactly: decodes exactly
     _, y = _round_trip(x, fmt)
     assert torch.equal(y[0], torch.zeros(64)) and not torch.signbit(y[:2]).any()  # zeros decode to +0.0
     assert torch.equal(y[3, :32], torch.zeros(32)) and not torch.signbit(y[3, :32]).any()
     assert torch.isfinite(y).all() and ((x - y).abs() <= error_bound(x, fmt)).all()
-    assert y[2, 32:].eq(-top).all()  # the extreme itself is exact (int4: it is the -8 code)
+    assert y[2, 32:].eq(-top).all()  # the extreme itself is exact (int4: it is level 0, -127)
     assert y[3, 32:].eq(exact).all()
 
 
@@ -99,10 +99,13 @@ def test_hand_decoded_groups() -> None:
     assert len(raw4) == 18
     d4 = np.float32(struct.unpack("<e", raw4[:2])[0])
     nib = np.array([raw4[2 + (i % 16)] >> (4 * (i // 16)) & 15 for i in range(32)])  # byte j: j low, j + 16 high
-    want4 = (nib - 8).astype(np.float32) * d4
+    levels = np.array([-127, -102, -82, -66, -51, -38, -25, -12, 0, 13, 25, 39, 53, 69, 87, 111], np.float32)
+    assert tuple(levels) == kv_quant.Q4_LEVELS  # the documented table
+    want4 = levels[nib] * d4
     assert np.array_equal(dequantize(quantize(x, INT4), INT4, 32).numpy()[0], want4)
-    # the scale search as documented: the plain rule (d = m / -8), then m / -t for t = 7.5, 8, 8.5 with
-    # the scale refitted by least squares; the smallest squared error wins (float64 sums in halves)
+    # the scale search as documented: the plain rule (d = m / -127), then m / (-127 t / 8) for t = 7.5, 8,
+    # 8.5 with the scale refitted by least squares; each value takes its nearest level (a tie: the lower);
+    # the smallest squared error wins (float64 sums in halves)
     def tree(e: np.ndarray) -> np.float64:
         e = e.astype(np.float64)
         while len(e) > 1:
@@ -114,18 +117,21 @@ def test_hand_decoded_groups() -> None:
 
     m = rot[np.argmax(np.abs(rot))]  # the signed value of largest magnitude
     cands = []
+    mids = (levels[1:] + levels[:-1]) / 2
     for k, t in enumerate((8.0, 7.5, 8.0, 8.5)):
-        d = f16(m / np.float32(-t))
-        c = np.clip(np.round(rot * (np.float32(1) / d)), -8, 7).astype(np.float32)
+        d = f16(m / np.float32(-127 * t / 8))
+        y = rot * (np.float32(1) / d)
+        c = (mids[None, :] < y[:, None]).sum(1)  # codes: how many midpoints lie below
+        lv = levels[c]
         if k:
-            d = f16(np.float32(tree(rot.astype(np.float64) * c) / tree(c.astype(np.float64) ** 2)))
-        cands.append((tree((rot - c * d).astype(np.float64) ** 2), d, c))
+            d = f16(np.float32(tree(rot.astype(np.float64) * lv) / tree(lv.astype(np.float64) ** 2)))
+        cands.append((tree((rot - lv * d).astype(np.float64) ** 2), d, c))
     err, d_best, c_best = min(cands, key=lambda e: e[0])  # min keeps the first of equal errors
-    assert d4 == d_best and np.array_equal(nib, c_best + 8)
-    assert err <= cands[0][0] and cands[0][1] == np.float32(np.float16(m / np.float32(-8)))
-    assert np.abs(cands[0][2][np.argmax(np.abs(rot))]) == 8  # the plain rule maps m to code 0 (-8 steps)
+    assert d4 == d_best and np.array_equal(nib, c_best)
+    assert err <= cands[0][0] and cands[0][1] == np.float32(np.float16(m / np.float32(-127)))
+    assert cands[0][2][np.argmax(np.abs(rot))] == 0  # the plain rule maps m to code 0 (level -127)
     d0 = abs(cands[0][1])
-    assert np.abs(want4 - xr).max() <= np.sqrt(32) * d0 + 1e-5  # the documented bound
+    assert np.abs(want4 - xr).max() <= np.sqrt(32) * d0 * kv_quant.Q4_HALF_GAP + 1e-5  # the documented bound
     # and back in the model's basis: H is orthonormal, so the group's error norm is kept
     back = kv_quant.unrotated(torch.from_numpy(want4), INT4).numpy()
     assert np.linalg.norm(back - x.numpy()[0]) <= np.sqrt(err) * 1.001 + 1e-5

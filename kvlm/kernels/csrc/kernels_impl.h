@@ -13,6 +13,7 @@
 #include <string.h>
 
 #include "kernels.h"
+#include "kv_quantize.h"  // Q4_LEVELS: the int4 KV cache's levels
 
 #if defined(KVLM_AVX2) || defined(KVLM_AVX512)
 #include <immintrin.h>

@@ -120,9 +120,18 @@ KVQ_INLINE void q8_group(const float* x, uint8_t* dst) {
     std::memcpy(dst + 2, q, 32);
 }
 
-// int4's scale candidates (kv_quant.py Q4_CANDIDATES): d = m / -t; the first is the plain rule, not refitted.
+// int4's scale candidates (kv_quant.py Q4_CANDIDATES): d = m / (Q4_LEVELS[0] * t / 8); the first is the plain
+// rule, not refitted.
 constexpr float Q4_CANDIDATES[] = {8.0f, 7.5f, 8.0f, 8.5f};
 constexpr int Q4_N = sizeof(Q4_CANDIDATES) / sizeof(float);
+// The midpoints between consecutive int4 levels (kv_quantize.h Q4_LEVELS): a value's code is how many lie below it.
+struct Q4Mids {
+    float m[15];
+    constexpr Q4Mids() : m{} {
+        for (int j = 0; j < 15; j++) m[j] = (Q4_LEVELS[j] + Q4_LEVELS[j + 1]) / 2.0f;
+    }
+};
+constexpr Q4Mids Q4_MIDS{};
 
 // One group of 32 floats -> 18 bytes (float16 scale, byte j = c_j | c_{j+16} << 4): kv_quant._q4_search.
 KVQ_INLINE void q4_group(const float* x, uint8_t* dst) {
@@ -141,22 +150,26 @@ KVQ_INLINE void q4_group(const float* x, uint8_t* dst) {
     widen32(x, xd);
     double best = 0.0;
     uint8_t best_d[2];
-    float best_c[32], prev[32];
+    uint8_t best_c[32];
+    float prev[32];
     for (int k = 0; k < Q4_N; k++) {
         uint8_t d16[2];
         float inv;
-        float df = kv_scale(m / -Q4_CANDIDATES[k], d16, &inv);
-        float c[32];
+        float df = kv_scale(m / (Q4_LEVELS[0] * Q4_CANDIDATES[k] / 8.0f), d16, &inv);
+        float c[32];  // the codes' levels
+        uint8_t ci[32];  // the codes
         for (int i = 0; i < 32; i++) {
-            float v = std::nearbyint(x[i] * inv);
-            v = v < -8.0f ? -8.0f : v;
-            c[i] = v > 7.0f ? 7.0f : v;
+            const float y = x[i] * inv;
+            int n = 0;
+            for (int j = 0; j < 15; j++) n += Q4_MIDS.m[j] < y;  // the nearest level (a tie: the lower one)
+            ci[i] = static_cast<uint8_t>(n);
+            c[i] = Q4_LEVELS[n];
         }
         if (k > 1 && std::memcmp(c, prev, sizeof(c)) == 0) continue;  // the previous refitted candidate's codes:
         // the same scale and error again, and a tie keeps the earlier one, so skipping changes no bit
         v8d cd[4];
         widen32(c, cd);
-        if (k > 0) {  // least squares for these codes: sum(x c) / sum(c^2), exact products in float64
+        if (k > 0) {  // least squares for these levels: sum(x l) / sum(l^2), exact products in float64
             std::memcpy(prev, c, sizeof(c));
             v8d xc[4], cc[4];
             for (int j = 0; j < 4; j++) xc[j] = xd[j] * cd[j], cc[j] = cd[j] * cd[j];
@@ -165,7 +178,7 @@ KVQ_INLINE void q4_group(const float* x, uint8_t* dst) {
             df = kv_scale(scc > 0.0 ? static_cast<float>(sxc / scc) : 0.0f, d16, &unused);
         }
         float r[32];
-        for (int i = 0; i < 32; i++) r[i] = x[i] - c[i] * df;  // c * df is exact in float32
+        for (int i = 0; i < 32; i++) r[i] = x[i] - c[i] * df;  // l * df is exact in float32
         v8d e[4];
         widen32(r, e);
         for (int j = 0; j < 4; j++) e[j] = e[j] * e[j];
@@ -173,13 +186,11 @@ KVQ_INLINE void q4_group(const float* x, uint8_t* dst) {
         if (k == 0 || err < best) {
             best = err;
             std::memcpy(best_d, d16, 2);
-            std::memcpy(best_c, c, sizeof(c));
+            std::memcpy(best_c, ci, sizeof(ci));
         }
     }
     std::memcpy(dst, best_d, 2);
-    for (int j = 0; j < 16; j++)
-        dst[2 + j] = static_cast<uint8_t>(static_cast<int32_t>(best_c[j] + 8.0f) |
-                                          (static_cast<int32_t>(best_c[j + 16] + 8.0f) << 4));
+    for (int j = 0; j < 16; j++) dst[2 + j] = static_cast<uint8_t>(best_c[j] | (best_c[j + 16] << 4));
 }
 
 }  // namespace

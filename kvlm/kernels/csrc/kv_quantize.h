@@ -4,11 +4,12 @@
 // AVX-512, AVX2 and the baseline with GCC's target_clones (the loader picks the clone this CPU runs); every
 // clone computes the same bits, kv_quant.quantize_ref's: each step is one IEEE operation in the same
 // order (the Hadamard rotation's butterflies, amax or signed max (exact in any order), d = amax / 127
-// (int8) or int4's scale search (kv_quant.py: candidates d = m / -t, least-squares refits and squared
-// errors summed in float64 in a fixed tree of halves), float16 by round-to-nearest-even (c10::Half),
-// inv = 1 / d, q = nearbyint(x * inv) under the default round-half-even mode, clamped), so a token's
-// codes are the same on every path. (The only multiply-adds a compiler may fuse, x - c d, x c and e^2
-// in float64, have exact products, so fusing them changes no bit.)
+// (int8) or int4's scale search (kv_quant.py: candidates d = m / (Q4_LEVELS[0] t / 8), least-squares
+// refits and squared errors summed in float64 in a fixed tree of halves), float16 by round-to-nearest-even
+// (c10::Half), inv = 1 / d, int8: q = nearbyint(x * inv) under the default round-half-even mode, clamped;
+// int4: the nearest of Q4_LEVELS to x * inv, counted by midpoints below it), so a token's codes are the
+// same on every path. (The only multiply-adds a compiler may fuse, x - c d, x c and e^2 in float64, have
+// exact products, so fusing them changes no bit.)
 //
 // Rotation: each head row is multiplied by a normalized Hadamard matrix (block-diagonal, blocks of the
 // largest power of two dividing D) before it is quantized, spreading an outlier channel over the block
@@ -19,6 +20,9 @@
 #include <cstdint>
 
 namespace kvlm {
+
+// int4's 16 levels in code order (kv_quant.py Q4_LEVELS): value = Q4_LEVELS[code] * d.
+constexpr float Q4_LEVELS[16] = {-127, -102, -82, -66, -51, -38, -25, -12, 0, 13, 25, 39, 53, 69, 87, 111};
 
 // Whether the format of `bits` stores Hadamard-rotated rows (kv_quant.py's KVQuantFormat.rotate).
 constexpr bool kv_rotates(int64_t bits) { return bits == 4 || bits == 8; }
