@@ -46,7 +46,8 @@ def quantize(g: torch.Tensor, levels: torch.Tensor) -> tuple[torch.Tensor, torch
             best = (e, c, d)
         else:
             b = e < best[0]
-            best = (torch.where(b, e, best[0]), torch.where(b[:, None], c, best[1]), torch.where(b[:, None], d, best[2]))
+            best = (torch.where(b, e, best[0]), torch.where(b[:, None], c, best[1]),
+                    torch.where(b[:, None], d, best[2]))
     assert best is not None
     return best
 
