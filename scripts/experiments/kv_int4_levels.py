@@ -21,11 +21,6 @@ import torch
 
 from kvlm.kernels import kv_quant
 
-p = argparse.ArgumentParser()
-p.add_argument("--groups", type=int, default=200_000)
-p.add_argument("--iters", type=int, default=30)
-a = p.parse_args()
-
 
 def quantize(g: torch.Tensor, levels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """g (N, 32), levels (16,) ascending, level 0 the extreme -> (squared error (N,), codes (N, 32), d (N, 1))."""
@@ -56,17 +51,26 @@ def mse(g: torch.Tensor, levels: torch.Tensor) -> float:
     return float(quantize(g, levels)[0].sum() / g.numel())
 
 
-torch.manual_seed(0)
-g = torch.randn(a.groups, 32)
-levels = torch.arange(-8, 8).float()
-print(f"uniform -8..7:   mse {mse(g, levels):.5f}")
-for _ in range(a.iters):
-    _, c, d = quantize(g, levels)
-    y = g / torch.where(d == 0, torch.ones_like(d), d)
-    levels = torch.stack([y[c == i].mean() if (c == i).any() else levels[i] for i in range(16)])
-    levels = (levels / -levels[0] * 8).sort().values
-print(f"fitted:          mse {mse(g, levels):.5f}  {[round(x, 3) for x in levels.tolist()]}")
-table = torch.round(levels / 8 * 127)
-print(f"integer table:   mse {mse(g, table):.5f}  {[int(x) for x in table.tolist()]}")
-same = tuple(int(x) for x in table.tolist()) == kv_quant.Q4_LEVELS
-print(f"the engine's Q4_LEVELS: {'the same' if same else 'DIFFERENT: ' + str(kv_quant.Q4_LEVELS)}")
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--groups", type=int, default=200_000)
+    p.add_argument("--iters", type=int, default=30)
+    a = p.parse_args()
+    torch.manual_seed(0)
+    g = torch.randn(a.groups, 32)
+    levels = torch.arange(-8, 8).float()
+    print(f"uniform -8..7:   mse {mse(g, levels):.5f}")
+    for _ in range(a.iters):
+        _, c, d = quantize(g, levels)
+        y = g / torch.where(d == 0, torch.ones_like(d), d)
+        levels = torch.stack([y[c == i].mean() if (c == i).any() else levels[i] for i in range(16)])
+        levels = (levels / -levels[0] * 8).sort().values
+    print(f"fitted:          mse {mse(g, levels):.5f}  {[round(x, 3) for x in levels.tolist()]}")
+    table = torch.round(levels / 8 * 127)
+    print(f"integer table:   mse {mse(g, table):.5f}  {[int(x) for x in table.tolist()]}")
+    same = tuple(int(x) for x in table.tolist()) == kv_quant.Q4_LEVELS
+    print(f"the engine's Q4_LEVELS: {'the same' if same else 'DIFFERENT: ' + str(kv_quant.Q4_LEVELS)}")
+
+
+if __name__ == "__main__":
+    main()
