@@ -84,6 +84,9 @@ class FusedDecoder:
         self._no_k0_seqs = torch.empty(0, dtype=torch.uint8)  # every sequence's token 0 is its position 0
         self._finalizer = weakref.finalize(self, self._ops.decode_plan_free, plan)
         self.profile: torch.Tensor | None = None  # set to zeros(5, float64) to accumulate seconds per part
+        # The cache stores position-0 keys centered on k0 (kernels/kv_quant.py, KeyCenter), which the native
+        # step does not: a step with a row at position 0 (a 1-token prompt's) runs the module path.
+        self.k0_centered = False
 
     @classmethod
     def create(cls, model: torch.nn.Module, kv_cache: object) -> FusedDecoder | None:
@@ -113,10 +116,15 @@ class FusedDecoder:
         tensors += [model.model.norm.weight.detach(), model.rope_cos.contiguous(), model.rope_sin.contiguous()]
         eps = model.model.norm.eps
         plan = native.ops().decode_plan_create(tensors, spec, float(eps))
-        return cls(model, plan)
+        dec = cls(model, plan)
+        dec.k0_centered = kv_cache.k_center is not None and kv_cache.k_center.k0 is not None
+        return dec
 
     def fits(self, positions: torch.Tensor) -> bool:
-        """Whether this step's positions fit the RoPE table and its scratch rows (see `_positions`)."""
+        """Whether this step's positions fit the RoPE table and its scratch rows (see `_positions`), and none
+        is a position-0 row of a k0-centered cache (`k0_centered`)."""
+        if self.k0_centered and bool((positions == 0).any()):
+            return False
         return int((positions >= self.model.max_positions).sum()) <= ROPE_SCRATCH
 
     def _positions(self, positions: torch.Tensor) -> torch.Tensor:

@@ -66,6 +66,20 @@ def test_equivalences_bit_for_bit(model: Path, kv: str, native_only: None) -> No
 
 
 @pytest.mark.parametrize("kv", KV)
+def test_position0_rows_in_decode_shaped_steps(model: Path, kv: str, native_only: None) -> None:
+    """A 1-token prompt, or a prompt fed a token a step, puts a position-0 row into a step of one row per
+    sequence: it runs the module path (the fused step does not center keys on k0), with the same bits."""
+    prompts = [[5], [9, 4, 33]] + random_prompts(2, 25, lo=3, hi=30)
+    ref = run(model, prompts, kv_cache_dtype=kv, block_size=4, enable_kv_cache=False)
+    assert_identical(ref, run(model, prompts, kv_cache_dtype=kv, block_size=4), "cache vs no cache")
+    assert_identical(ref, run(model, prompts, kv_cache_dtype=kv, block_size=4, max_num_batched_tokens=1),
+                     "a token a step")
+    for i in (0, 1):
+        t, lg = run(model, [prompts[i]], kv_cache_dtype=kv, block_size=4)
+        assert_identical(({i: ref[0][i]}, {i: ref[1][i]}), ({i: t[0]}, {i: lg[0]}), f"alone (prompt {i})")
+
+
+@pytest.mark.parametrize("kv", KV)
 def test_prefix_hit_preemption_and_snapshot_bit_for_bit(model: Path, kv: str, native_only: None,
                                                          tmp_path: Path) -> None:
     shared = random_prompts(1, 23, lo=40, hi=40)[0]

@@ -272,7 +272,7 @@ void decode_step(int64_t plan_id, const at::Tensor& x, const at::Tensor& positio
     const int32_t* lens = context_lens.const_data_ptr<int32_t>();
     for (int64_t b = 0; b < B; b++) {  // the kernels trust these: check them once per step
         TORCH_CHECK(pos[b] >= 0 && pos[b] < p.max_pos, "kvlm decode: position ", pos[b], " beyond the RoPE table");
-        // a position-0 key is centered on k0, which this step does not store (prefill writes position 0)
+        // a position-0 key is centered on k0, which this step does not do (FusedDecoder.fits keeps such steps off it)
         TORCH_CHECK(!k0d || pos[b] > 0, "kvlm decode: a decode row at position 0 with a k0-centered cache");
         TORCH_CHECK(slot[b] >= 0 && slot[b] < NB * BS, "kvlm decode: slot ", slot[b], " outside the cache");
         TORCH_CHECK(lens[b] >= 1 && lens[b] <= MB * BS, "kvlm decode: context length ", lens[b], " exceeds its table");
