@@ -290,7 +290,8 @@ def centered(k: torch.Tensor, center: KeyCenter | None, layer: int,
              positions: torch.Tensor | None = None) -> torch.Tensor:
     """Keys k (T, kv_heads, D) as a centered cache stores them: k - mu[layer], and k - k0[layer] for the rows
     at position 0 (positions (T,) int64; None: no row is); one float32 subtraction per value (the fused
-    decode step's too, `csrc/decode.cpp`, which is not given rows at position 0: `FusedDecoder.fits`). k itself where center is None."""
+    decode step's too, `csrc/decode.cpp`, which is not given rows at position 0: `FusedDecoder.fits`). k
+    itself where center is None."""
     if center is None:
         return k
     out = k.float() - center.mu[layer]
