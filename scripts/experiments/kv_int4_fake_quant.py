@@ -16,10 +16,10 @@ is `S:MODE:K:V`:
   scale search (this script's own quantizer).
 
 Recorded runs (docs/kv_quant.md) were made on the tree of commit e3569bd, where the engine's int4 is the
-uniform one (on a later tree `u` is the engine's levels):
+uniform one (on a later tree `u` is the engine's levels); WORKTREE is any new directory, KVLM this checkout:
 
-    git worktree add /tmp/kvlm-e3569bd e3569bd
-    cd /tmp/kvlm-e3569bd && python /path/to/kvlm/scripts/experiments/kv_int4_fake_quant.py \\
+    git worktree add WORKTREE e3569bd
+    cd WORKTREE && PYTHONPATH=. python KVLM/scripts/experiments/kv_int4_fake_quant.py \\
         0:none:u:u 1:float:u:u 4:float:u:u 16:float:u:u 1:Konly:u:u 1:Vonly:u:u 1:c0k:u:u 1:c0k:l:u 1:c0k:l:l
 """
 
