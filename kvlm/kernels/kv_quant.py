@@ -54,6 +54,7 @@ over `dequantize`'s values, bit for bit.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -67,9 +68,10 @@ F16_MAX = 65504.0
 # Q4_CANDIDATES has the same list). 8.0 first: the plain q4_0 rule, not refitted; then 7.5, 8, 8.5, refitted
 # (ten candidates, 7 to 9 by quarters, measured no better on the default model: docs/kv_quant.md).
 Q4_CANDIDATES = (8.0, 7.5, 8.0, 8.5)
-# int4's 16 levels in code order (csrc/kv_quantize.h and kernels_attn_quant.h have the same table): Lloyd-Max
-# levels for Gaussian groups under the scale search, scaled so the extreme is -127 and rounded to integers
-# (`scripts/experiments/kv_int4_levels.py`). The extreme negative level is the plain rule's target.
+# int4's 16 levels in code order (csrc/kv_quantize.h has the same table, which the quantizer and the
+# kernel read): Lloyd-Max levels for Gaussian groups under the scale search, scaled so the extreme is -127
+# and rounded to integers (`scripts/experiments/kv_int4_levels.py`). The extreme negative level is the
+# plain rule's target.
 Q4_LEVELS = (-127, -102, -82, -66, -51, -38, -25, -12, 0, 13, 25, 39, 53, 69, 87, 111)
 # Half the widest gap between consecutive levels, or 127 - the top level (values past it are clipped to it),
 # in units of d_0 = amax / 127: the plain rule's worst per-value error.
@@ -253,23 +255,15 @@ class KeyCenter:
     mu: torch.Tensor
     k0: torch.Tensor | None = None
 
-    @property
+    @functools.cached_property
     def delta(self) -> torch.Tensor | None:
         """(layers, kv_heads, D) float32 k0 - mu, or None."""
-        if self.k0 is None:
-            return None
-        if not hasattr(self, "_delta"):
-            object.__setattr__(self, "_delta", (self.k0 - self.mu).contiguous())
-        return self._delta  # type: ignore[attr-defined]
+        return None if self.k0 is None else (self.k0 - self.mu).contiguous()
 
-    @property
+    @functools.cached_property
     def delta_rot(self) -> torch.Tensor | None:
         """`delta` Hadamard-rotated (the basis the kernel reads codes in), contiguous; or None."""
-        if self.k0 is None:
-            return None
-        if not hasattr(self, "_delta_rot"):
-            object.__setattr__(self, "_delta_rot", hadamard(self.delta).contiguous())  # type: ignore[arg-type]
-        return self._delta_rot  # type: ignore[attr-defined]
+        return None if self.delta is None else hadamard(self.delta).contiguous()
 
 
 class K0Correction(NamedTuple):

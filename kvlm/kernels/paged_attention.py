@@ -102,8 +102,8 @@ def _run(op: str, ref, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
          **kw: int) -> torch.Tensor:
     isa = _native(q, k_cache, v_cache)
     if isa is None:
-        y = ref(q, k_cache, v_cache, *index, scale, **kw) if k0 is None else ref(q, k_cache, v_cache, *index, scale,
-                                                                                 **kw, k0=k0)
+        extra = {} if k0 is None else {"k0": k0}  # (the decode-only reference takes no k0)
+        y = ref(q, k_cache, v_cache, *index, scale, **kw, **extra)
         return y if out is None else out.copy_(y)
     q = q.contiguous()
     if out is None:
