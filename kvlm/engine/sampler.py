@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvlm.kernels.argmax import argmax_rows
 from kvlm.request import Request
 from kvlm.structured.mask import apply_grammar_masks
 
@@ -124,6 +125,48 @@ def ban_stop_tokens(logits: torch.Tensor, reqs: list[Request], eos_token_ids: fr
     return logits
 
 
+@dataclass(slots=True)
+class _GreedyPicks:
+    first: torch.Tensor  # (B,) each row's argmax before any mask
+    rows: dict[int, int]  # constrained greedy row -> its token, known without its mask
+
+
+def _has_penalties(r: Request) -> bool:
+    p = r.params
+    return p.repetition_penalty != 1.0 or bool(p.presence_penalty) or bool(p.frequency_penalty)
+
+
+def _greedy_picks(logits: torch.Tensor, reqs: list[Request], constrained: list[int],
+                  eos_token_ids: frozenset[int]) -> _GreedyPicks | None:
+    """Constrained greedy rows whose masked argmax is known without their mask (`RequestGrammar.
+    greedy_pick`), so the sampler neither fills nor applies it; the token is the one the mask would give,
+    bit for bit. llama.cpp's sampler takes the same shortcut (sample, check the grammar, and mask and
+    resample only if it refuses). Only where nothing else in the batch changes the logits after the mask
+    (logit bias, min_tokens, penalties), so that each row's argmax before the mask is its final one; None
+    where no row qualifies."""
+    if any(r.params.logit_bias or r.params.min_tokens or _has_penalties(r) for r in reqs):
+        return None
+    greedy = [i for i in constrained if reqs[i].params.greedy]
+    if not greedy:
+        return None
+    first = argmax_rows(logits)  # (B,)
+    top = first.tolist()
+    rows: dict[int, int] = {}
+    for i in greedy:
+        t = reqs[i].grammar.greedy_pick(top[i], eos_token_ids)  # type: ignore[union-attr]
+        if t is not None:
+            rows[i] = t
+    for i in [i for i, t in rows.items() if t >= logits.shape[1]]:
+        del rows[i]  # a forced id past the logits (a tokenizer larger than the model's vocabulary)
+    forced = [i for i, t in rows.items() if t != top[i]]
+    if forced:  # a forced token whose logit is -inf leaves the masked row all -inf: the mask decides
+        vals = logits[forced, [rows[i] for i in forced]].tolist()
+        for i, v in zip(forced, vals):
+            if v == float("-inf"):
+                del rows[i]
+    return _GreedyPicks(first, rows)
+
+
 def sample(logits: torch.Tensor, reqs: list[Request], eos_token_ids: frozenset[int] = frozenset(),
            writable: bool = False) -> SamplerOutput:
     """logits: (B, V) float32, row i for reqs[i]. Returns the chosen token of each row. `logits` is not
@@ -131,6 +174,9 @@ def sample(logits: torch.Tensor, reqs: list[Request], eos_token_ids: frozenset[i
     want_logprobs = any(r.params.logprobs is not None for r in reqs)
     raw_logprobs = logits.log_softmax(-1) if want_logprobs else None
     constrained = [i for i, r in enumerate(reqs) if r.grammar is not None]
+    picks = _greedy_picks(logits, reqs, constrained, eos_token_ids) if constrained else None
+    if picks is not None:
+        constrained = [i for i in constrained if i not in picks.rows]
     if constrained:
         logits = apply_grammar_masks(logits, constrained, [reqs[i].grammar for i in constrained],  # type: ignore[misc]
                                      inplace=writable)
@@ -138,10 +184,16 @@ def sample(logits: torch.Tensor, reqs: list[Request], eos_token_ids: frozenset[i
         logits = apply_logit_bias(logits.clone(), reqs)
     if any(r.params.min_tokens for r in reqs):
         logits = ban_stop_tokens(logits.clone(), reqs, eos_token_ids)
-    if any(r.params.repetition_penalty != 1.0 or r.params.presence_penalty or r.params.frequency_penalty
-           for r in reqs):
+    if any(_has_penalties(r) for r in reqs):
         logits = apply_penalties(logits.clone(), reqs)
-    tokens = logits.argmax(-1)  # (B,) greedy choice for every row; sampled rows are overwritten
+    if picks is None:
+        tokens = argmax_rows(logits)  # (B,) greedy choice for every row; sampled rows are overwritten
+    else:
+        tokens = picks.first  # every row's argmax before the masks; only the masked rows' have moved
+        if constrained:
+            tokens[constrained] = argmax_rows(logits[constrained])
+        for i, t in picks.rows.items():
+            tokens[i] = t
     rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
     if rows:
         dev, V = logits.device, logits.shape[1]
@@ -159,7 +211,7 @@ def sample(logits: torch.Tensor, reqs: list[Request], eos_token_ids: frozenset[i
         noise = torch.empty_like(probs)
         for j, i in enumerate(rows):
             noise[j].exponential_(generator=reqs[i].generator)
-        tokens[idx] = (probs / noise).argmax(-1)
+        tokens[idx] = argmax_rows(probs / noise)
     token_list = tokens.tolist()  # the one host sync of a step: the engine needs the ids
     lps: list[dict[int, float] | None] = [None] * len(reqs)
     if raw_logprobs is not None:

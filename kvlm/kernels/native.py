@@ -47,7 +47,7 @@ PATHS = (*ISAS, "reference")
 ENV_ISA = "KVLM_KERNEL_ISA"
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = ("ops.cpp", "decode.cpp", "elementwise.cpp", "kv_quant.cpp", "token_mask.cpp",
+_SOURCES = ("ops.cpp", "decode.cpp", "elementwise.cpp", "kv_quant.cpp", "token_mask.cpp", "argmax.cpp",
             "isa_scalar.cpp", "isa_avx2.cpp", "isa_avx512.cpp", "isa_avx512_vnni.cpp")
 _HEADERS = ("kernels.h", "kernels_impl.h", "kernels_int8.h", "kernels_int8_panel.h", "kernels_kquant.h", "drivers.h",
             "elementwise.h", "kernels_attn_quant.h", "kv_quantize.h")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import pytest
 from engine_runs import assert_same_logits, random_prompts, run_engine, small_bytes
 from tiny_models import tiny_config, write_tiny_gguf
 
+import kvlm.engine.sampler as sampler
 from kvlm import LLM, EngineConfig, SamplingParams
 from kvlm.engine.engine import Engine
 from kvlm.errors import ParameterError
@@ -105,6 +107,38 @@ def test_unconstrained_rows_bit_identical(tiny_gguf: Path) -> None:
         assert_same_logits(logits[i], base_logits[i])
 
 
+def test_greedy_shortcut_picks_what_the_mask_picks(tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Greedy constrained rows skip their mask where `RequestGrammar.greedy_pick` knows the answer; every
+    token and every step's logits are those of the same batch with the mask always applied, in a batch of
+    greedy and sampled, constrained and free rows. The shortcut must have fired, both ways (the unmasked
+    argmax kept, a forced token taken)."""
+    prompts = random_prompts(5, 4)
+
+    def greedy(spec: SO) -> SamplingParams:
+        return SamplingParams(temperature=0, max_tokens=60, structured_outputs=spec)
+
+    params = [greedy(SO(json=SCHEMA)), greedy(SO(regex="[0-9]{3}-[a-z]{2,5}")),
+              SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), sampled(SO(json=SCHEMA), 3, 60),
+              greedy(SO(choice=["alpha", "beta"]))]
+    kinds = {"kept": 0, "forced": 0}
+    pick = RequestGrammar.greedy_pick
+
+    def counting(self: RequestGrammar, token: int, eos: frozenset[int]) -> int | None:
+        p = pick(self, token, eos)
+        if p is not None:
+            kinds["kept" if p == token else "forced"] += 1
+        return p
+
+    monkeypatch.setattr(RequestGrammar, "greedy_pick", counting)
+    fast = run_engine(compiled(Engine(tiny_gguf, quiet=True), params), prompts, params)
+    monkeypatch.setattr(sampler, "_greedy_picks", lambda *args: None)
+    masked = run_engine(compiled(Engine(tiny_gguf, quiet=True), params), prompts, params)
+    assert fast[0] == masked[0]
+    for i in fast[1]:
+        assert_same_logits(fast[1][i], masked[1][i])
+    assert kinds["kept"] > 0 and kinds["forced"] > 0, kinds
+
+
 def test_seeded_sampling_reproducible(llm: LLM, tiny_gguf: Path) -> None:
     spec = SO(json=SCHEMA)
     a = texts(llm, spec, range(4))
@@ -161,7 +195,15 @@ def test_bad_grammar_refused_before_queueing(llm: LLM, tiny_gguf: Path) -> None:
     assert err.value.param == "structured_outputs"
     assert not llm.llm_engine.has_unfinished
     e = Engine(tiny_gguf, quiet=True)  # the engine alone: the request ends ("abort") once the compile fails
+    gate, compile_now = threading.Event(), e.grammars._compile
+
+    def held(*args: object) -> object:  # the compile may not finish before add_request looks at it
+        gate.wait(30)
+        return compile_now(*args)
+
+    e.grammars._compile = held  # type: ignore[method-assign]
     req = e.add_request([1, 2], SamplingParams(structured_outputs=SO(json={"type": "nonsense"})))
+    gate.set()
     while e.has_unfinished:
         e.step()
     assert req.finish_reason == "abort" and "structured_outputs" in str(req.stop_reason)
