@@ -49,28 +49,6 @@ class RequestGrammar:
         self.matcher.unsafe_compute_mask_ptr(self._mask_ptr, self.mask_words * 4)
         return self._mask
 
-    def greedy_pick(self, token: int, eos_token_ids: frozenset[int]) -> int | None:
-        """The token a greedy row picks under `mask()` when `token` is its unmasked argmax, where that
-        follows without computing the mask (one lexer step, ~1-20 us, against the mask's 20-150 us on
-        caches the forward pass has just emptied); None where the mask must decide. From llguidance's
-        `compute_mask` (parser/src/tokenparser.rs), with the grammar running:
-        * no forced bytes: the mask is every token whose bytes the parser can take, and EOS where it
-          accepts. If `token` (not EOS) can be taken, the masked argmax is `token`: it is the first index
-          of the row's maximum and the mask keeps it;
-        * forced bytes that tokenize to at least one whole token: the mask is that first token alone, so
-          it is the pick (if its logit is not -inf: the caller checks);
-        * forced bytes that make no whole token (the next token must start with them), a stopped or
-          failed grammar (the mask is EOS alone) and EOS itself: None.
-        `tests/structured/test_greedy_pick.py` checks every vocabulary id against the mask in each state
-        of several grammars."""
-        m = self.matcher
-        if m.is_stopped():
-            return None
-        if not m.compute_ff_bytes():
-            return token if token not in eos_token_ids and m.validate_tokens([token]) == 1 else None
-        forced = m.compute_ff_tokens()
-        return forced[0] if forced else None
-
     def accept(self, token: int) -> bool:
         """Advance past a sampled token; False if the grammar refused it (the matcher is then in error)."""
         self.num_consumed += 1

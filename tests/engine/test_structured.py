@@ -16,7 +16,6 @@ import pytest
 from engine_runs import assert_same_logits, random_prompts, run_engine, small_bytes
 from tiny_models import tiny_config, write_tiny_gguf
 
-import kvlm.engine.sampler as sampler
 from kvlm import LLM, EngineConfig, SamplingParams
 from kvlm.engine.engine import Engine
 from kvlm.errors import ParameterError
@@ -105,38 +104,6 @@ def test_unconstrained_rows_bit_identical(tiny_gguf: Path) -> None:
     for i in (0, 2):
         assert tokens[i] == base_tokens[i]
         assert_same_logits(logits[i], base_logits[i])
-
-
-def test_greedy_shortcut_picks_what_the_mask_picks(tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Greedy constrained rows skip their mask where `RequestGrammar.greedy_pick` knows the answer; every
-    token and every step's logits are those of the same batch with the mask always applied, in a batch of
-    greedy and sampled, constrained and free rows. The shortcut must have fired, both ways (the unmasked
-    argmax kept, a forced token taken)."""
-    prompts = random_prompts(5, 4)
-
-    def greedy(spec: SO) -> SamplingParams:
-        return SamplingParams(temperature=0, max_tokens=60, structured_outputs=spec)
-
-    params = [greedy(SO(json=SCHEMA)), greedy(SO(regex="[0-9]{3}-[a-z]{2,5}")),
-              SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), sampled(SO(json=SCHEMA), 3, 60),
-              greedy(SO(choice=["alpha", "beta"]))]
-    kinds = {"kept": 0, "forced": 0}
-    pick = RequestGrammar.greedy_pick
-
-    def counting(self: RequestGrammar, token: int, eos: frozenset[int]) -> int | None:
-        p = pick(self, token, eos)
-        if p is not None:
-            kinds["kept" if p == token else "forced"] += 1
-        return p
-
-    monkeypatch.setattr(RequestGrammar, "greedy_pick", counting)
-    fast = run_engine(compiled(Engine(tiny_gguf, quiet=True), params), prompts, params)
-    monkeypatch.setattr(sampler, "_greedy_picks", lambda *args: None)
-    masked = run_engine(compiled(Engine(tiny_gguf, quiet=True), params), prompts, params)
-    assert fast[0] == masked[0]
-    for i in fast[1]:
-        assert_same_logits(fast[1][i], masked[1][i])
-    assert kinds["kept"] > 0 and kinds["forced"] > 0, kinds
 
 
 def test_seeded_sampling_reproducible(llm: LLM, tiny_gguf: Path) -> None:
