@@ -189,6 +189,27 @@ def hf_times(model: Any, ids: list[int], max_tokens: int) -> tuple[float, float]
     return t1, (max_tokens - 1) / max(tn - t1, 1e-9)
 
 
+def step_in_turn(runs: list[tuple[Any, list[Any]]],
+                 before_step: Callable[[int], None] | None = None) -> list[list[float]]:
+    """Side by side on one machine: engines (each with its requests, already added) take one step each in
+    turn until all their requests finish, so each round of steps sees the same load. `before_step(k)` runs
+    before engine k's step (an A/B switches an implementation there). Returns each engine's decode step
+    times: its steps once every one of its requests has its first token."""
+    times: list[list[float]] = [[] for _ in runs]
+    while any(not r.is_finished for _, reqs in runs for r in reqs):
+        for k, (eng, reqs) in enumerate(runs):
+            if all(r.is_finished for r in reqs):
+                continue
+            if before_step is not None:
+                before_step(k)
+            decoding = all(r.num_output_tokens > 0 for r in reqs)
+            t0 = time.perf_counter()
+            eng.step()
+            if decoding:
+                times[k].append(time.perf_counter() - t0)
+    return times
+
+
 @contextlib.contextmanager
 def background_load(n: int) -> Iterator[None]:
     """`n` CPU-bound processes beside the benchmark (a busy laptop, a shared server), stopped after it."""

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from kvlm.bench.common import DEFAULT_MODEL, Bench, add_model_args, log, run_header, standalone
+from kvlm.bench.common import DEFAULT_MODEL, Bench, add_model_args, log, run_header, standalone, step_in_turn
 
 RECORDS = {"type": "array", "minItems": 10000, "items": {
     "type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}, "city": {"type": "string"},
@@ -54,19 +54,11 @@ def _paired(free_llm: Any, con_llm: Any, ids: list[int], batch: int, gen_tokens:
                                  ignore_eos=not constrained, structured_outputs=so if constrained else None)
                   for i in range(batch)]
         eng = llm.llm_engine
-        runs.append((eng, [eng.add_request(list(ids), p) for p in params], []))
-    while any(not r.is_finished for _, reqs, _ in runs for r in reqs):
-        for eng, reqs, steps in runs:
-            if all(r.is_finished for r in reqs):
-                continue
-            decoding = all(r.num_output_tokens > 0 for r in reqs)
-            t0 = time.perf_counter()
-            eng.step()
-            if decoding:
-                steps.append(time.perf_counter() - t0)
-    assert all(r.num_output_tokens == gen_tokens for _, reqs, _ in runs for r in reqs), \
+        runs.append((eng, [eng.add_request(list(ids), p) for p in params]))
+    free, cons = step_in_turn(runs)
+    assert all(r.num_output_tokens == gen_tokens for _, reqs in runs for r in reqs), \
         "every request must decode gen_tokens tokens"
-    return runs[0][2], runs[1][2], [r.text for r in runs[1][1]]
+    return free, cons, [r.text for r in runs[1][1]]
 
 
 def _mask_times(llm: Any, texts: list[str], batch: int) -> dict[str, float]:
