@@ -10,6 +10,9 @@ the token trie), "forced" (forced bytes that tokenize to a whole token: the mask
 a tokenization of the forced bytes) and "forced, no token" (forced bytes that make no whole token: the
 tokenization, then a trie walk under that prefix). Each fill is timed first; the state is classified after
 it (those calls then find warm caches and do not change the fill's time). Medians per row, microseconds.
+Then, outside the engine, the forced states' tokenization alone (`compute_ff_tokens`) along a fixed JSON
+text: warm (the best of 20 calls in a row) and cold (the median of 5, each right after a 2048 x 2048
+matmul has swept the caches).
 """
 
 from __future__ import annotations
@@ -56,3 +59,26 @@ total = sum(len(v) for v in fills.values())
 print(f"batch {a.batch}, {a.tokens} tokens a request: {total} mask fills")
 for k, v in sorted(fills.items()):
     print(f"  {k:17s} {len(v):5d} fills, median {statistics.median(v) * 1e6:7.1f} us")
+
+m = llm.llm_engine.grammars.compile(so).deep_copy()
+text = '[{"name":"John","age":25,"city":"New York","tags":[]},{"name":"Jane","age":30,"city":"Paris","tags":["a"]}'
+sweep = torch.randn(2048, 2048)
+warm, cold = [], []
+for t in llm.llm_engine.tokenizer.encode(text, add_special_tokens=False):
+    if m.compute_ff_bytes():
+        ts = []
+        for _ in range(20):
+            t0 = time.perf_counter()
+            m.compute_ff_tokens()
+            ts.append(time.perf_counter() - t0)
+        warm.append(min(ts))
+        ts = []
+        for _ in range(5):
+            sweep @ sweep
+            t0 = time.perf_counter()
+            m.compute_ff_tokens()
+            ts.append(time.perf_counter() - t0)
+        cold.append(statistics.median(ts))
+    m.consume_token(t)
+print(f"forced-byte tokenization over {len(warm)} forced states: warm {min(warm) * 1e6:.1f}-{max(warm) * 1e6:.1f} us, "
+      f"cold {min(cold) * 1e6:.1f}-{max(cold) * 1e6:.1f} us")
