@@ -62,8 +62,8 @@ def _paired(free_llm: Any, con_llm: Any, ids: list[int], batch: int, gen_tokens:
 
 
 def _mask_times(llm: Any, texts: list[str], batch: int) -> dict[str, float]:
-    """Per step, microseconds: filling the bitmask rows of `batch` matchers (on the engine's thread, as
-    without the prefetcher), and applying them to (batch, V) logits in place; replayed over the
+    """Per step, microseconds: filling the bitmask rows of `batch` matchers (on one thread, as the
+    engine fills them), and applying them to (batch, V) logits in place; replayed over the
     constrained outputs' own tokens."""
     from kvlm.sampling_params import StructuredOutputsParams
     from kvlm.structured.mask import apply_token_bitmask, grammar_bitmask
