@@ -22,7 +22,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
 from kvlm.bench.common import Bench, cpu_name, standalone
-from kvlm.kernels import native
+from kvlm.kernels.backend import isa_name
 from kvlm.kernels.paged_attention import paged_decode_attention
 from kvlm.kernels.quant import dequantize, qmatmul
 from kvlm.kernels.quant_tensor import QuantTensor
@@ -80,7 +80,7 @@ def bench_one(qtype: GGMLQuantizationType, n: int, k: int, m: int, min_s: float)
     t_ref = _time(lambda i: x @ wf[i].T, copies, min_s)
     t_q = _time(lambda i: qmatmul(x, ws[i]), copies, min_s)
     qbytes, fbytes = ws[0].nbytes, 4 * n * k
-    return {"format": qtype.name, "n": n, "k": k, "m": m, "path": native.active_isa(),
+    return {"format": qtype.name, "n": n, "k": k, "m": m, "path": isa_name(),
             "ms": round(t_q * 1e3, 4), "ref_ms": round(t_ref * 1e3, 4),
             "gbps": round(qbytes / t_q / 1e9, 2), "ref_gbps": round(fbytes / t_ref / 1e9, 2),
             "speedup": round(t_ref / t_q, 3)}
@@ -168,7 +168,7 @@ def run(formats: list[str], rows: list[int], threads: int | None, min_s: float,
     if threads:
         torch.set_num_threads(threads)
     cpu = cpu_name()
-    print(f"# kvlm kernels: path {native.active_isa()}, {torch.get_num_threads()} threads, {cpu}, "
+    print(f"# kvlm kernels: path {isa_name()}, {torch.get_num_threads()} threads, {cpu}, "
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     print(f"{'format':6} {'N x K':>12} {'M':>4} {'qmatmul ms':>11} {'GB/s':>7} {'f32 ms':>9} {'GB/s':>7} "
           f"{'speedup':>8}")
@@ -185,7 +185,7 @@ def run(formats: list[str], rows: list[int], threads: int | None, min_s: float,
                     print(f"{name:6} {f'{n}x{k}':>12} {m:>4} {r['ms']:>11.3f} {r['gbps']:>7.2f} "
                           f"{r['ref_ms']:>9.3f} {r['ref_gbps']:>7.2f} {r['speedup']:>7.2f}x", flush=True)
         attention = run_attention(attn_threads, min_s, cold) if attn_threads else []
-    return {"bench": "kernels", "cpu": cpu, "threads": torch.get_num_threads(), "path": native.active_isa(),
+    return {"bench": "kernels", "cpu": cpu, "threads": torch.get_num_threads(), "path": isa_name(),
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "results": results, "attention": attention}
 
 

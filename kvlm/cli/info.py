@@ -1,4 +1,5 @@
-"""`kvlm pull`, `kvlm info` and `kvlm kv-size`: fetch a model, describe it, size its KV cache (no torch)."""
+"""`kvlm pull`, `kvlm info` and `kvlm kv-size`: fetch a model, describe it, size its KV cache (torch only for
+`info`'s backend line)."""
 
 from __future__ import annotations
 
@@ -63,6 +64,7 @@ def cmd_info(a: argparse.Namespace) -> int:
             "cpu_cores": os.cpu_count() or 1,
             "threading": "torch's thread count (--threads), adaptive: fewer while other processes keep cores "
                          "busy, re-checked every 0.5 s (--no-adaptive-threads to fix it)"}
+    info["backend"] = _backend(c.head_dim)
     formats = _weight_formats(path)
     if formats:
         info["weight_formats"] = formats
@@ -70,11 +72,26 @@ def cmd_info(a: argparse.Namespace) -> int:
         print(json.dumps(info))
     else:
         for k, v in info.items():
-            if k != "weight_formats":
+            if k == "backend":
+                print(f"{'backend':26s} {v['device']}/{v['isa']}: attention {v['attention']}, "
+                      f"elementwise {v['elementwise']}, sampler {v['sampler']}")
+                for why in v["reasons"]:
+                    print(f"{'':26s} - {why}")
+            elif k != "weight_formats":
                 print(f"{k:26s} {v:,}" if isinstance(v, int) else f"{k:26s} {v}")
         for name, f in formats.items():  # which kernel computes on each stored format (--dtype auto)
             print(f"{'weights ' + name:26s} {f['tensors']} tensors, {f['bytes'] / 2**20:.1f} MiB -> {f['kernel']}")
     return 0
+
+
+def _backend(head_dim: int) -> dict[str, Any]:
+    """The kernels `kvlm generate` would run this model on here (`--dtype auto`, CPU), and why. (This
+    imports torch and loads the native kernels: the one part of `info` that does.)"""
+    import torch
+
+    from kvlm.kernels.backend import select_backend
+
+    return select_backend(torch.device("cpu"), torch.float32, head_dim).as_dict()
 
 
 def _weight_formats(path: Path) -> dict[str, Any]:

@@ -89,7 +89,8 @@ class Engine:
                                                    f"== 0; this model's is {model_config.head_dim}: use float16")
 
         # int8 / int4: keys stored centered on the model's mean key (model/k_center.py), one prefill at load
-        self.k_center = (calibrate_k_center(self.model, model_config.vocab_size, self.max_model_len)
+        self.k_center = (calibrate_k_center(self.model, model_config.vocab_size, self.max_model_len,
+                                            in_place=loaded.backend.in_place)
                          if isinstance(self.kv_cache_dtype, KVQuantFormat) else None)
         self.kv_cache: KVCache
         self.kv_cache, self.block_manager, groups = make_kv_cache(cfg, model_config, self.max_model_len,
@@ -104,7 +105,9 @@ class Engine:
             history = PrefixHistory(cfg.block_size, describe=self.tokenizer.decode)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    recompute_all=not cfg.enable_kv_cache, prefix_history=history, groups=groups)
-        self.runner = ModelRunner(self.model, self.kv_cache, self.device, self.tokenizer.eos_token_ids)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.device, loaded.backend, self.tokenizer.eos_token_ids)
+        self.backend = self.runner.backend  # the kernels this engine runs on, and why (kernels/backend.py)
+        (log.warning if self.backend.degraded else log.info)("kvlm: %s", self.backend.describe())
         self.output_processor = OutputProcessor(self.tokenizer.eos_token_ids, self.max_model_len)
         self.requests: dict[str, Request] = {}  # live requests by id, for abort()
         self.kv_policy(SamplingParams())  # a bad engine-wide --max-kv-tokens fails at start, not per request

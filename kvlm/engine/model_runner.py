@@ -18,16 +18,11 @@ from kvlm.attention.decode import plan_length_groups
 from kvlm.attention.metadata import AttentionMetadata, StepKind, build_attn_mask
 from kvlm.engine.sampler import sample
 from kvlm.engine.scheduler import ScheduledBatch
+from kvlm.kernels.backend import Backend
 from kvlm.kv_cache.storage import KVCache, PagedKVCache
 from kvlm.model.fused_decode import FusedDecoder
 from kvlm.model.llama import LlamaForCausalLM
 from kvlm.request import Request
-
-
-def _native_kernels() -> bool:
-    from kvlm.kernels.native import active_isa
-
-    return active_isa() != "reference"
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,7 +105,7 @@ def _k0_seqs(k0_first: list[int], device: torch.device) -> torch.Tensor | None:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, device: torch.device,
+    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, device: torch.device, backend: Backend,
                  eos_token_ids: frozenset[int] = frozenset()) -> None:
         self.model, self.kv_cache, self.device = model, kv_cache, device
         self.eos_token_ids = eos_token_ids  # banned until a request reaches min_tokens
@@ -121,13 +116,14 @@ class ModelRunner:
         # Work done, counted as it happens (benchmarks check their closed forms against these):
         self.num_tokens_processed = 0  # tokens fed through the model
         self.num_context_tokens = 0  # sum over those tokens of their context length (attention work)
-        # With the native kernels built, every row of every step attends in place over the cache's blocks
-        # (attention/paged.py: one computation for prefill, decode, mixed and recompute rows); else K/V
-        # are gathered per sequence and attended by SDPA, the reference.
-        self.in_place = device.type == "cpu" and _native_kernels()
+        # The backend (kernels/backend.py, decided once by the engine) says how attention runs: every row
+        # of every step over the cache's blocks in place (attention/paged.py: one computation for
+        # prefill, decode, mixed and recompute rows), or K/V gathered per sequence and attended by SDPA.
+        self.in_place = backend.in_place
         # DECODE steps on the paged cache run every layer in one native call where the model allows
-        # (model/fused_decode.py), with the same per-row attention.
-        self.fused = FusedDecoder.create(model, kv_cache) if self.in_place else None
+        # (model/fused_decode.py), with the same per-row attention; the backend records which and why.
+        self.fused, why = FusedDecoder.create(model, kv_cache, backend)
+        self.backend = backend.with_decode("fused" if self.fused is not None else "modules", why)
         # Layer groups 1.. (sliding layers' own pools, kv_cache/layer_groups.py): their null blocks' ids.
         self.null_blocks = tuple(kv_cache.group_blocks[1:]) if isinstance(kv_cache, PagedKVCache) else ()
         assert not self.null_blocks or self.fused is None, "the fused decode step reads one block table"

@@ -9,8 +9,9 @@ attribute is that function; the module is `sys.modules["kvlm.kernels.paged_atten
 `native.py`: builds and loads the C++ kernels (`csrc/`) at first use and picks the ISA path.
 """
 
+from kvlm.kernels.backend import kernel_path
 from kvlm.kernels.paged_attention import paged_attention, paged_decode_attention
-from kvlm.kernels.quant import dequantize, kernel_path, qmatmul
+from kvlm.kernels.quant import dequantize, qmatmul
 from kvlm.kernels.quant_tensor import QuantTensor
 
 __all__ = ["QuantTensor", "dequantize", "kernel_path", "paged_attention", "paged_decode_attention", "qmatmul"]

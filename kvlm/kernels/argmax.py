@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from kvlm.kernels import native
+from kvlm.kernels.backend import native_isa
 
 
 @functools.cache
@@ -24,11 +25,11 @@ def _native_op() -> Any:
 
 def argmax_rows(x: torch.Tensor, isa: str | None = None) -> torch.Tensor:
     """x (B, V) -> (B,) int64: the index of each row's maximum, as `x.argmax(-1)` gives it. `isa`: a
-    native path to take (tests), default `native.active_isa()`."""
+    native path to take (tests), default `backend.native_isa()`."""
     if x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] == 0 or x.stride(1) != 1:
         return x.argmax(-1)
-    isa = native.active_isa() if isa is None else isa
-    if isa == "reference" or not native.available():
+    isa = native_isa() if isa is None else isa
+    if isa is None or isa == "reference" or not native.available():
         return x.argmax(-1)
     out = torch.empty(x.shape[0], dtype=torch.long)
     _native_op()(x, out, native.isa_id(isa))

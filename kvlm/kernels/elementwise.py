@@ -13,11 +13,12 @@ from __future__ import annotations
 import torch
 
 from kvlm.kernels import native
+from kvlm.kernels.backend import native_isa
 from kvlm.kernels.reference import gelu_tanh_mul_ref, rms_norm_ref, rope_ref, silu_mul_ref
 
 
 def _ops(x: torch.Tensor) -> native.NativeOps | None:
-    if x.dtype != torch.float32 or x.device.type != "cpu" or native.active_isa() == "reference":
+    if native_isa(x) is None:
         return None
     return native.ops()
 

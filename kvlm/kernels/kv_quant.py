@@ -61,6 +61,7 @@ from typing import NamedTuple
 import torch
 
 from kvlm.kernels import native
+from kvlm.kernels.backend import native_isa
 
 GROUP = 32  # values per group along head_dim
 F16_MAX = 65504.0
@@ -143,7 +144,7 @@ def hadamard_ref(x: torch.Tensor) -> torch.Tensor:
 
 def hadamard(x: torch.Tensor) -> torch.Tensor:
     """`hadamard_ref`'s result, by the native op where it takes x (CPU float32)."""
-    if x.device.type != "cpu" or x.dtype != torch.float32 or native.active_isa() == "reference":
+    if native_isa(x) is None:
         return hadamard_ref(x)
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     native.ops().hadamard(x.contiguous(), out)
@@ -198,7 +199,7 @@ def _q4_search(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def quantize(x: torch.Tensor, fmt: KVQuantFormat) -> torch.Tensor:
     """x (..., D) float -> (..., D / 32 * group_bytes) uint8, the format's groups in order: the native
     kernel where it takes x (a CPU float32 tensor), else `quantize_ref`; the same bits either way."""
-    if x.device.type != "cpu" or x.dtype != torch.float32 or native.active_isa() == "reference":
+    if native_isa(x) is None:
         return quantize_ref(x, fmt)
     *lead, D = x.shape
     if D % GROUP:

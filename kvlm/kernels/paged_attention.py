@@ -27,19 +27,21 @@ from __future__ import annotations
 import torch
 
 from kvlm.kernels import kv_quant, native
+from kvlm.kernels.backend import ATTN_HEAD_DIM_MULTIPLE, native_isa
 from kvlm.kernels.reference import paged_attention_ref, paged_decode_attention_ref
 
 KV_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # cache element types the kernel reads directly
 
 
 def _native(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> str | None:
-    """The ISA path that takes these tensors, or None where the reference must serve them."""
-    isa = native.active_isa()
+    """The ISA path that takes these tensors, or None where the reference must serve them. (An engine
+    never reaches the reference here by surprise: `backend.select_backend` decides at load whether its
+    attention is this native call, from the same conditions: float32 CPU rows, head_dim % 16.)"""
+    isa = native_isa(q)
     readable = k_cache.dtype in KV_DTYPES or kv_quant.format_of(k_cache, q.shape[-1]) is not None
-    fast = (isa != "reference" and q.device.type == "cpu" and k_cache.device.type == "cpu"
-            and q.dtype == torch.float32 and k_cache.dtype == v_cache.dtype and readable
-            and k_cache.shape == v_cache.shape
-            and q.shape[-1] % 16 == 0 and k_cache.is_contiguous() and v_cache.is_contiguous())
+    fast = (isa is not None and k_cache.device.type == "cpu" and k_cache.dtype == v_cache.dtype and readable
+            and k_cache.shape == v_cache.shape and q.shape[-1] % ATTN_HEAD_DIM_MULTIPLE == 0
+            and k_cache.is_contiguous() and v_cache.is_contiguous())
     return isa if fast else None
 
 

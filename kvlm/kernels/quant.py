@@ -35,23 +35,10 @@ from __future__ import annotations
 import torch
 
 from kvlm.kernels import native
-from kvlm.kernels.ggml_types import GGMLQuantizationType
+from kvlm.kernels.backend import INT8_ACT_TYPES, INT8_ISAS, NATIVE_TYPES, native_isa
 from kvlm.kernels.quant_tensor import QuantTensor
 from kvlm.kernels.reference import dequantize_ref, qmatmul_ref
 
-# Types with a native kernel (block layouts as in ggml; gguf/quants.py documents them).
-NATIVE_TYPES = frozenset({
-    GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16,
-    GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0,
-    GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_1,
-    GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K,
-})
-# Int8 activations (the default; KVLM_KERNEL_ACT=f32 opts out) for these on the AVX2 / AVX-512 paths.
-INT8_ACT_TYPES = frozenset({
-    GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q5_0,
-    GGMLQuantizationType.Q5_1, GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K,
-})
-_INT8_ISAS = frozenset({native.ISAS.index("avx2"), native.ISAS.index("avx512"), native.ISAS.index("avx512-vnni")})
 _TYPE_IDS = {t: int(t) for t in NATIVE_TYPES}  # ggml type id, as the C++ side takes it
 GEMV_MAX_ROWS = 1 << 20  # float32 activations: up to this many rows use the row kernel, more dequantize + BLAS
 # Int8 activations: up to this many rows use the int8 kernel, more "fake-quantize x, dequantize a
@@ -65,8 +52,8 @@ def _native(w: QuantTensor, on_cpu: bool) -> tuple[native.NativeOps, int] | None
     """(ops, isa id) when w's type has a native kernel on the active path, else None (use the reference)."""
     if not on_cpu or w.qtype not in NATIVE_TYPES or not w.data.is_cpu:
         return None
-    isa = native.active_isa()
-    if isa == "reference":
+    isa = native_isa()
+    if isa is None:
         return None
     return native.ops(), native.isa_id(isa)
 
@@ -105,7 +92,7 @@ def qmatmul(x: torch.Tensor, w: QuantTensor, out: torch.Tensor | None = None) ->
     if not x2.is_contiguous():
         x2 = x2.contiguous()
     m = x2.shape[0]
-    int8 = w.qtype in INT8_ACT_TYPES and isa in _INT8_ISAS and native.int8_activations()
+    int8 = w.qtype in INT8_ACT_TYPES and native.ISAS[isa] in INT8_ISAS and native.int8_activations()
     if m <= (INT8_ROW_MAX_ROWS if int8 else GEMV_MAX_ROWS):
         y = torch.empty(m, n, dtype=torch.float32) if out is None else out.view(m, n)
         (ops.qmatmul_i8 if int8 else ops.qmatmul)(x2, _rows(w), _TYPE_IDS[w.qtype], k, isa, y)
@@ -141,16 +128,3 @@ def _rows(w: QuantTensor) -> torch.Tensor:
     """w.data with contiguous bytes in each row (the kernels allow any row stride)."""
     d = w.data
     return d if d.stride(1) == 1 else d.contiguous()
-
-
-def kernel_path(qtype: GGMLQuantizationType) -> str:
-    """Which implementation `qmatmul` uses for this tensor type: the ISA path ('avx512-vnni', 'avx512',
-    'avx2', 'scalar') or 'reference', with '+int8' where activations are quantized to int8
-    (e.g. 'avx512-vnni+int8' for Q4_1 by default; KVLM_KERNEL_ACT=f32 turns that off)."""
-    if qtype not in NATIVE_TYPES:
-        return "reference"
-    isa = native.active_isa()
-    if qtype in INT8_ACT_TYPES and isa != "reference" and native.isa_id(isa) in _INT8_ISAS \
-            and native.int8_activations():
-        return f"{isa}+int8"
-    return isa

@@ -18,7 +18,7 @@ import torch
 
 from kvlm.config import ModelConfig
 from kvlm.errors import ParameterError
-from kvlm.kernels import native
+from kvlm.kernels.backend import Backend, select_backend
 from kvlm.loader import f32_blocks, load_checkpoint
 from kvlm.loader.mapped_pages import release_unused
 from kvlm.model.gemma3 import Gemma3ForCausalLM
@@ -35,6 +35,7 @@ class LoadedModel:
     config: ModelConfig
     tokenizer: Tokenizer
     max_model_len: int  # the context this engine allows (<= the model's)
+    backend: Backend  # which kernels serve it, and why (kernels/backend.py)
 
 
 def context_length(requested: int | None, config: ModelConfig) -> int:
@@ -60,7 +61,8 @@ def load_model(path: Path, max_model_len: int | None, dtype: torch.dtype, device
     its rows are bit-identical in any batch at any thread count, and its sums round less than BLAS's
     (scripts/experiments/dense_rows_error.py), which left Gemma 3's logits 1.5e-4 from transformers'."""
     config, state, tokenizer = load_checkpoint(path, quantized=quantized)
-    if not quantized and dtype == torch.float32 and device.type == "cpu" and native.active_isa() != "reference":
+    backend = select_backend(device, dtype, config.head_dim)  # the engine's one kernel decision
+    if not quantized and backend.native_rows:
         state = {k: f32_blocks(v) if isinstance(v, torch.Tensor) and v.ndim == 2 else v for k, v in state.items()}
     n_ctx = context_length(max_model_len, config)
     cls = Gemma3ForCausalLM if config.model_type == "gemma3_text" else LlamaForCausalLM
@@ -76,4 +78,4 @@ def load_model(path: Path, max_model_len: int | None, dtype: torch.dtype, device
         model.to_input_major()
     if quantized:  # pages of the mapped file read at load but never by the model: out of RSS
         release_unused(path, weight_ranges(model))
-    return LoadedModel(model, config, tokenizer, n_ctx)
+    return LoadedModel(model, config, tokenizer, n_ctx, backend)

@@ -28,9 +28,9 @@ import torch
 
 from kvlm.attention.metadata import AttentionMetadata
 from kvlm.kernels import native
+from kvlm.kernels.backend import Backend, kernel_path
 from kvlm.kernels.kv_quant import KVQuantFormat
 from kvlm.kernels.paged_attention import KV_DTYPES
-from kvlm.kernels.quant import kernel_path
 from kvlm.kv_cache.storage import PagedKVCache
 from kvlm.model.llama import ROPE_SCRATCH
 from kvlm.model.quant_layers import QuantLinear
@@ -47,18 +47,17 @@ def _linear_spec(lin: QuantLinear, spec: list[int], tensors: list[torch.Tensor])
         tensors.append(data)
 
 
-def _eligible(model: torch.nn.Module) -> str | None:
-    """Why the fused step cannot run this model (None: it can)."""
+def _eligible(model: torch.nn.Module, kv_cache: object, backend: Backend) -> str | None:
+    """Why the fused step cannot run this model and cache (None: it can)."""
     if os.environ.get("KVLM_FUSED_DECODE", "1").strip() == "0":
         return "disabled by KVLM_FUSED_DECODE=0"
     if not getattr(model, "FUSED_DECODE", False):
         return "the fused step implements the Llama layer only"
-    if native.active_isa() == "reference" or native.ops() is None:
-        return "no native kernels"
-    if model.model.norm.weight.dtype != torch.float32 or model.model.norm.weight.device.type != "cpu":
-        return "not float32 on CPU"
-    if model.config.head_dim % 16:
-        return "head_dim is not a multiple of 16 (the paged attention kernel's vector width)"
+    if backend.attention != "paged-native" or backend.elementwise != "native":
+        return "attention or element-wise ops are not the native kernels"
+    if not isinstance(kv_cache, PagedKVCache) or not all(t.is_contiguous() for t in kv_cache.k + kv_cache.v) \
+            or (kv_cache.k[0].dtype not in KV_DTYPES and not isinstance(kv_cache.element, KVQuantFormat)):
+        return "the cache is not a paged pool the native step reads"
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
@@ -74,10 +73,10 @@ def _eligible(model: torch.nn.Module) -> str | None:
 class FusedDecoder:
     """Runs decode-only steps of `model` natively. Build with `FusedDecoder.create(model, kv_cache)`."""
 
-    def __init__(self, model: torch.nn.Module, plan: int) -> None:
+    def __init__(self, model: torch.nn.Module, plan: int, isa: str) -> None:
         self.model, self.plan = model, plan
         self._ops = native.ops()
-        self._isa = native.isa_id(native.active_isa())
+        self._isa = native.isa_id(isa)
         self._out = torch.empty(0)  # (B, hidden) result, reused while B stays the same
         self._no_profile = torch.empty(0, dtype=torch.float64)  # "not profiling", without an allocation per step
         self._no_center = torch.empty(0)  # an uncentered cache's k_center (`model/k_center.py`), or no k0
@@ -89,13 +88,12 @@ class FusedDecoder:
         self.k0_centered = False
 
     @classmethod
-    def create(cls, model: torch.nn.Module, kv_cache: object) -> FusedDecoder | None:
-        """The fused decoder for this model and cache, or None where the module path must run."""
-        if not isinstance(kv_cache, PagedKVCache) or not all(t.is_contiguous() for t in kv_cache.k + kv_cache.v) \
-                or (kv_cache.k[0].dtype not in KV_DTYPES and not isinstance(kv_cache.element, KVQuantFormat)):
-            return None
-        if _eligible(model) is not None:
-            return None
+    def create(cls, model: torch.nn.Module, kv_cache: object, backend: Backend) -> tuple[FusedDecoder | None, str]:
+        """(the fused decoder for this model and cache, or None where the module path must run; why)."""
+        why_not = _eligible(model, kv_cache, backend)
+        if why_not is not None:
+            return None, why_not
+        assert isinstance(kv_cache, PagedKVCache)
         cfg = model.config
         spec = [cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
                 cfg.head_dim, cfg.intermediate_size, model.rope_cos.shape[0], int(native.int8_activations())]
@@ -116,9 +114,9 @@ class FusedDecoder:
         tensors += [model.model.norm.weight.detach(), model.rope_cos.contiguous(), model.rope_sin.contiguous()]
         eps = model.model.norm.eps
         plan = native.ops().decode_plan_create(tensors, spec, float(eps))
-        dec = cls(model, plan)
+        dec = cls(model, plan, backend.isa)
         dec.k0_centered = kv_cache.k_center is not None and kv_cache.k_center.k0 is not None
-        return dec
+        return dec, "decode-only steps run every layer in one native call"
 
     def fits(self, positions: torch.Tensor) -> bool:
         """Whether this step's positions fit the RoPE table and its scratch rows (see `_positions`), and none

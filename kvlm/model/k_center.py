@@ -33,7 +33,6 @@ import time
 import torch
 
 from kvlm.attention.metadata import AttentionMetadata, StepKind
-from kvlm.kernels import native
 from kvlm.kernels.kv_quant import KeyCenter
 from kvlm.kv_cache.recompute import NoKVCache
 
@@ -104,13 +103,12 @@ def mean_first_keys(model: torch.nn.Module, ids: list[int], in_place: bool) -> t
     return (total / len(ids)).to(torch.float16).to(torch.float32)
 
 
-def calibrate_k_center(model: torch.nn.Module, vocab_size: int, max_len: int) -> KeyCenter:
+def calibrate_k_center(model: torch.nn.Module, vocab_size: int, max_len: int, in_place: bool) -> KeyCenter:
     """The engine's K center for `model`: mu = `mean_keys` over `calibration_ids` (at most max_len of
     them) and k0 = `mean_first_keys` over `FIRST_KEY_TOKENS` more, on the path the engine's steps take
-    (the native in-place attention on CPU where it is built)."""
+    (in_place: the backend's paged attention, `Backend.in_place`)."""
     t0 = time.perf_counter()
     ids = calibration_ids(vocab_size, min(CALIBRATION_TOKENS, max_len))
-    in_place = model.model.norm.weight.device.type == "cpu" and native.active_isa() != "reference"
     mu = mean_keys(model, ids, in_place).contiguous()
     k0 = mean_first_keys(model, calibration_ids(vocab_size, FIRST_KEY_TOKENS, FIRST_KEY_SEED), in_place)
     log.info("kvlm: K center: %d + %d calibration tokens in %.2f s", len(ids), FIRST_KEY_TOKENS,

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from kvlm.kernels import native
+from kvlm.kernels.backend import native_isa
 
 if TYPE_CHECKING:
     from kvlm.structured.matcher import RequestGrammar
@@ -60,8 +60,7 @@ def _native_op() -> Any:
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
     """`apply_token_bitmask_ref`, natively where the logits are float32 CPU rows and the kernels are built."""
-    if (logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2
-            and logits.stride(1) == 1 and native.active_isa() != "reference"):
+    if logits.dim() == 2 and logits.stride(1) == 1 and native_isa(logits) is not None:
         _native_op()(logits, bitmask.contiguous(), rows)
     else:
         apply_token_bitmask_ref(logits, bitmask, rows)

@@ -30,11 +30,11 @@ from gguf import GGMLQuantizationType as T
 from quantize import random_blocks  # noqa: E402  (tests/helpers)
 
 from kvlm.kernels import native, paged_decode_attention, quant
+from kvlm.kernels.backend import kernel_path
 from kvlm.kernels.quant import (
     INT8_ACT_TYPES,
     QuantTensor,
     dequantize,
-    kernel_path,
     qmatmul,
 )
 from kvlm.kernels.reference import (
