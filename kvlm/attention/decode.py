@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvlm.attention.metadata import AttentionMetadata
+from kvlm.attention.metadata import AttentionMetadata, GatheredRows, StepKind, build_attn_mask
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
@@ -22,7 +22,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: At
     # One query per sequence: view it as (B, kv_heads, group, D) so each K/V head serves its group of
     # query heads directly (HF's head order: head h uses kv head h // group).
     qg = q.reshape(B, kvh, nh // kvh, D)
-    mask = None if meta.attn_mask is None else meta.attn_mask[:, :, :1, :]  # (B, 1, 1, L) key padding
+    assert isinstance(meta.attn, GatheredRows)
+    mask = None if meta.attn.attn_mask is None else meta.attn.attn_mask[:, :, :1, :]  # (B, 1, 1, L) key padding
     out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
     return out.reshape(T, nh * D)
 
@@ -57,3 +58,35 @@ def plan_length_groups(seq_lens: list[int], max_groups: int = 4, group_cost: int
         groups.append(order[i:j])
         j, g = i, g - 1
     return groups[::-1]
+
+
+def decode_rows(tables: list[list[int]], seq_lens: list[int], block_size: int, device: torch.device,
+                min_group_batch: int, group_cost: int) -> GatheredRows:
+    """The gathered reference's part of a DECODE step's metadata (one row per sequence): the key padding
+    mask, and, for a batch of at least `min_group_batch` sequences whose lengths differ enough, groups
+    of similar length (`plan_length_groups`), each a metadata of its own over group 0's tables."""
+    B = len(seq_lens)
+    mask = q_pad_index = None
+    if B > 1:  # key padding for the gathered contexts; the pad index is the identity (one row each)
+        mask = build_attn_mask([1] * B, seq_lens, device)
+        q_pad_index = torch.arange(B, device=device)
+    groups: tuple[AttentionMetadata, ...] = ()
+    if B >= min_group_batch:
+        plan = plan_length_groups(seq_lens, group_cost=group_cost)
+        if len(plan) > 1:
+            groups = tuple(_group(idx, tables, seq_lens, block_size, device) for idx in plan)
+    return GatheredRows(q_pad_index, mask, groups)
+
+
+def _group(idx: list[int], tables: list[list[int]], seq_lens: list[int], block_size: int,
+           device: torch.device) -> AttentionMetadata:
+    """Metadata of a group of decoding sequences (one row each, so row == sequence index)."""
+    lens = [seq_lens[i] for i in idx]
+    nblk = -(-max(lens) // block_size)
+    rows = torch.tensor(idx, device=device)
+    mask = None if len(idx) == 1 else build_attn_mask([1] * len(idx), lens, device)
+    return AttentionMetadata(
+        kind=StepKind.DECODE, positions=rows, slots=(rows,),  # positions, slots unused: a group only fetches
+        tables=(torch.tensor([tables[i][:nblk] for i in idx], device=device),),
+        query_lens=(1,) * len(idx), seq_lens=tuple(lens), logits_indices=rows,
+        attn=GatheredRows(None, mask, rows=rows))

@@ -3,8 +3,12 @@
 Built once per step by the model runner (`engine/model_runner.py`: `prepare_prefill` / `prepare_decode`)
 and passed explicitly through the model; nothing here is global. `kind` names the plan: a step whose
 sequences each feed one row (decode) or one that carries prompt chunks (prefill, or a mixed step of
-prompt chunks and decode rows). `in_place` says that every row attends over the cache's blocks with the
-one native computation (attention/paged.py); without it the reference attends by plan.
+prompt chunks and decode rows). The fields are what every attention backend and cache reads (positions,
+slots, tables, lengths); `attn` is what the step's backend derived for itself: `PagedRows` when every row
+attends over the cache's blocks in place (attention/paged.py), `GatheredRows` when the reference attends
+each sequence's gathered context by plan (attention/prefill.py, decode.py). What a cache's policies need
+per step (a centered cache's position-0 keys, a bounded cache's virtual tables) it derives from these
+fields and its own state.
 """
 
 from __future__ import annotations
@@ -24,38 +28,61 @@ class StepKind(Enum):
 
 
 @dataclass(frozen=True, slots=True)
-class AttentionMetadata:
-    """Per-step layout of a batch of prefill chunks and decodes (T flat tokens, B sequences)."""
+class PagedRows:
+    """What the in-place paged attention derives for a step (`attention/paged.py`, `paged_rows`): row t
+    reads sequence row_seq[t]'s first row_ctx[t] tokens (its position + 1, less a bounded cache's shift)
+    through that sequence's block table, so its bits depend on its query and those K/V only."""
 
-    kind: StepKind
-    positions: torch.Tensor  # (T,) int64: position of each token in its sequence
-    slot_mapping: torch.Tensor  # (T,) int64: flat cache slot (block * block_size + offset) of each token
-    block_tables: torch.Tensor  # (B, max_blocks) int64 (int32 when in_place), padded with 0
-    query_lens: tuple[int, ...]  # new tokens per sequence (host ints: they shape tensors)
-    seq_lens: tuple[int, ...]  # context length per sequence after this step (cached + new)
+    row_seq: torch.Tensor  # (T,) int32: each row's sequence (its row in the block tables)
+    row_ctx: torch.Tensor  # (T,) int32: each row's context length
+    seq_lens: torch.Tensor  # (B,) int32: AttentionMetadata.seq_lens as the native kernels take them
+
+
+@dataclass(frozen=True, slots=True)
+class GatheredRows:
+    """What the gathered SDPA reference derives for a step (`attention/prefill.py`, `decode.py`): each
+    sequence's context fetched as (B, kv_heads, L, D), queries padded and masked where sequences differ."""
+
     q_pad_index: torch.Tensor | None  # (T,) int64: row of each token in the (B * max_query_len) padded layout
     attn_mask: torch.Tensor | None  # (B, 1, max_query_len, max_seq_len) bool, True = may attend; None = not needed
-    logits_indices: torch.Tensor  # (N,) int64: flat rows whose logits we need (a sequence's last token)
-    # With the native kernels every row attends in place over the cache's blocks (attention.paged): row t
-    # reads sequence row_seq[t]'s first row_ctx[t] cached tokens (its position + 1), so its bits depend
-    # on its query and those K/V only, never on the rest of the step.
-    in_place: bool = False
-    row_seq: torch.Tensor | None = None  # (T,) int32: each row's sequence (its row in block_tables)
-    row_ctx: torch.Tensor | None = None  # (T,) int32: each row's context length (position + 1)
-    seq_lens_tensor: torch.Tensor | None = None  # (B,) int32 seq_lens, for the fused decode step
-    # A cache whose position-0 keys are centered on k0 (kernels/kv_quant.py, KeyCenter): (B,) uint8, 1 where
-    # sequence b's context starts at its position-0 key (not where a bounded cache without sinks has
-    # evicted it); None: every sequence's does.
-    k0_seqs: torch.Tensor | None = None
     # DECODE batches of sequences with very different lengths are attended in groups of similar length,
-    # so that short sequences are not padded to the longest (attention.decode.plan_length_groups). Each
-    # group is a metadata of its own whose `rows` are its tokens' rows in this batch.
+    # so that short sequences are not padded to the longest (decode.plan_length_groups). Each group is
+    # a metadata of its own whose `rows` are its tokens' rows in this batch.
     groups: tuple[AttentionMetadata, ...] = ()
     rows: torch.Tensor | None = None  # (T_group,) int64, only in a group
-    # Layer groups besides group 0 (kv_cache/layer_groups.py: sliding-window layers with pools of their own):
-    # per group, the (T,) slots and (B, max_blocks) block tables of its pools, laid out as the two above.
-    group_slots: tuple[torch.Tensor, ...] = ()
-    group_tables: tuple[torch.Tensor, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionMetadata:
+    """Per-step layout of a batch of prefill chunks and decodes (T flat rows, B sequences): what every
+    attention backend and every cache reads; `attn` is what the backend's own builder derived from it."""
+
+    kind: StepKind
+    positions: torch.Tensor  # (T,) int64: position of each row in its sequence
+    # Per layer group (kv_cache/layer_groups.py; group 0 the full-attention layers, then each sliding
+    # window's own pool): (T,) int64 flat cache slot (block * block_size + offset) of each row ...
+    slots: tuple[torch.Tensor, ...]
+    # ... and (B, max_blocks) block tables (int32 for the paged kernels, else int64), padded
+    tables: tuple[torch.Tensor, ...]
+    query_lens: tuple[int, ...]  # new rows per sequence (host ints: they shape tensors)
+    seq_lens: tuple[int, ...]  # tokens each sequence's last row attends (cached + new; a bounded cache's fewer)
+    logits_indices: torch.Tensor  # (N,) int64: flat rows whose logits we need (a sequence's last row)
+    attn: PagedRows | GatheredRows
+
+    @property
+    def slot_mapping(self) -> torch.Tensor:
+        """Group 0's slots (T,)."""
+        return self.slots[0]
+
+    @property
+    def block_tables(self) -> torch.Tensor:
+        """Group 0's block tables (B, max_blocks)."""
+        return self.tables[0]
+
+    @property
+    def in_place(self) -> bool:
+        """Whether every row attends over the cache's blocks in place (`attention/paged.py`)."""
+        return isinstance(self.attn, PagedRows)
 
     @property
     def num_seqs(self) -> int:

@@ -12,22 +12,47 @@ decode of the same position reads.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
-from kvlm.attention.metadata import AttentionMetadata
+from kvlm.attention.metadata import AttentionMetadata, PagedRows
 from kvlm.kernels import paged_attention as _kernel
 from kvlm.kernels.kv_quant import K0Correction
 
 
-def paged_attention(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor, block_tables: torch.Tensor,
-                    meta: AttentionMetadata, scale: float, window: int = 0,
-                    k0: K0Correction | None = None) -> torch.Tensor:
-    """q (T, n_heads, D); k_blocks, v_blocks (num_blocks, block_size, kv_heads, D); block_tables (B, max_blocks)
-    int32, one row per sequence of `meta`; window > 0: each row attends its last `window` tokens only (a
-    sliding-window layer; the kernel's per-row rule holds the same). k0: a cache whose position-0 keys are
-    centered on k0 (`KVCache.k0_correction`). Returns (T, n_heads * D)."""
-    assert meta.in_place and meta.row_seq is not None and meta.row_ctx is not None
+class PagedKV(NamedTuple):
+    """One layer's K/V as a cache hands them to in-place attention (`KVCache.blocks`): what to read and
+    how; the model passes it on without looking inside."""
+
+    k: torch.Tensor  # (num_blocks, block_size, kv_heads, D) float, or quantized codes (kernels/kv_quant.py)
+    v: torch.Tensor
+    tables: torch.Tensor  # (B, max_blocks) int32, one row per sequence of the step
+    # A cache that stores a sequence's first key on a center of its own: the score correction for it
+    correction: K0Correction | None = None
+
+
+def paged_attention(q: torch.Tensor, kv: PagedKV, meta: AttentionMetadata, scale: float,
+                    window: int = 0) -> torch.Tensor:
+    """q (T, n_heads, D); kv the layer's blocks and tables (one row per sequence of `meta`); window > 0:
+    each row attends its last `window` tokens only (a sliding-window layer; the kernel's per-row rule
+    holds the same). Returns (T, n_heads * D)."""
+    rows = meta.attn
+    assert isinstance(rows, PagedRows)
     # Each row's bits are the decode kernel's for that single query at its own context length (the
     # kernel tiles the rows of one sequence against each K/V group, without changing any row's order).
-    out = _kernel(q, k_blocks, v_blocks, block_tables, meta.row_seq, meta.row_ctx, scale, window=window, k0=k0)
+    out = _kernel(q, kv.k, kv.v, kv.tables, rows.row_seq, rows.row_ctx, scale, window=window, k0=kv.correction)
     return out.reshape(q.shape[0], -1)
+
+
+def paged_rows(positions: torch.Tensor, query_lens: list[int], seq_lens: list[int], shifts: list[int]) -> PagedRows:
+    """The paged backend's part of a step's metadata. positions (T,) int64; per sequence its new rows,
+    the tokens its last row attends and its shift (a bounded cache's rows read p + 1 - shift tokens of
+    [sinks | kept]; 0 otherwise). int32, as the native kernels take them."""
+    dev = positions.device
+    qlens = torch.tensor(query_lens, device=dev)
+    row_seq = torch.repeat_interleave(torch.arange(len(query_lens), dtype=torch.int32, device=dev), qlens)
+    row_ctx = (positions + 1).to(torch.int32)  # causal: the row at position p attends p + 1 tokens
+    if any(shifts):
+        row_ctx -= torch.repeat_interleave(torch.tensor(shifts, dtype=torch.int32, device=dev), qlens)
+    return PagedRows(row_seq, row_ctx, torch.tensor(seq_lens, dtype=torch.int32, device=dev))

@@ -50,20 +50,20 @@ class CapturingCache:
 def forward_kv(model: Any, ids: list[int], causal: bool) -> CapturingCache:
     """Run `model` over ids (positions 0..T-1) with the causal mask or with none; return the per-layer
     K/V it computed."""
-    from kvlm.attention.metadata import AttentionMetadata, StepKind
+    from kvlm.attention.metadata import AttentionMetadata, GatheredRows, StepKind
 
     dev = model.model.norm.weight.device  # (embed_tokens may be a QuantEmbedding, without .weight)
     T = len(ids)
     meta = AttentionMetadata(
         kind=StepKind.PREFILL,
         positions=torch.arange(T, device=dev),
-        slot_mapping=torch.arange(T, device=dev),
-        block_tables=torch.zeros(1, 1, dtype=torch.long, device=dev),
-        query_lens=(T,), seq_lens=(T,), q_pad_index=None,
+        slots=(torch.arange(T, device=dev),),
+        tables=(torch.zeros(1, 1, dtype=torch.long, device=dev),),
+        query_lens=(T,), seq_lens=(T,),
+        logits_indices=torch.tensor([T - 1], device=dev),
         # prefill attention treats a lone sequence without a mask as causal; an all-True mask lets every
         # query see every key, including later ones.
-        attn_mask=None if causal else torch.ones(1, 1, T, T, dtype=torch.bool, device=dev),
-        logits_indices=torch.tensor([T - 1], device=dev),
+        attn=GatheredRows(None, None if causal else torch.ones(1, 1, T, T, dtype=torch.bool, device=dev)),
     )
     cache = CapturingCache()
     with torch.inference_mode():

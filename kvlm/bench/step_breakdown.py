@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from kvlm.attention.metadata import AttentionMetadata
-from kvlm.kernels.kv_quant import K0Correction
+from kvlm.attention.paged import PagedKV
 from kvlm.model.fused_decode import PROFILE_PARTS
 
 PARTS = ("weights", "attention", "kv_write", "other_ops", "sampling", "host")
@@ -68,11 +68,11 @@ class TimedKVCache:
         self.write(layer, k, v, meta)
         return self.fetch(layer, meta)
 
-    def blocks(self, layer: int, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def blocks(self, layer: int, meta: AttentionMetadata) -> PagedKV:
         return self.inner.blocks(layer, meta)
 
-    def k0_correction(self, layer: int, meta: AttentionMetadata) -> K0Correction | None:
-        return self.inner.k0_correction(layer, meta)
+    def begin_step(self, meta: AttentionMetadata) -> None:
+        self.inner.begin_step(meta)
 
 
 def _time_module(module: nn.Module, clock: _Clock, parts: tuple[str, ...], starts: list[float]) -> list[Any]:

@@ -29,6 +29,7 @@ from kvlm.errors import ParameterError, PromptTooLongError
 from kvlm.kernels.kv_quant import FORMATS, GROUP, KVQuantFormat
 from kvlm.kv_cache import snapshot as kv_snapshot
 from kvlm.kv_cache.block_manager import held_blocks
+from kvlm.kv_cache.k_center import calibrate_k_center, center_digest
 from kvlm.kv_cache.layer_groups import GroupView
 from kvlm.kv_cache.pool import describe_kv_pool, make_kv_cache
 from kvlm.kv_cache.prefix_misses import PrefixHistory
@@ -40,7 +41,6 @@ from kvlm.loader import resolve_model
 from kvlm.loader.build import load_model
 from kvlm.loader.fingerprint import model_files, model_fingerprint
 from kvlm.loader.heap import trim_heap
-from kvlm.model.k_center import calibrate_k_center, center_digest
 from kvlm.outputs import StreamDelta
 from kvlm.request import Request
 from kvlm.sampling_params import SamplingParams
@@ -88,7 +88,7 @@ class Engine:
             raise ParameterError("kv_cache_dtype", f"kv_cache_dtype {self.kv_cache_dtype} needs head_dim % {GROUP} "
                                                    f"== 0; this model's is {model_config.head_dim}: use float16")
 
-        # int8 / int4: keys stored centered on the model's mean key (model/k_center.py), one prefill at load
+        # int8 / int4: keys stored centered on the model's mean key (kv_cache/k_center.py), one prefill at load
         self.k_center = (calibrate_k_center(self.model, model_config.vocab_size, self.max_model_len,
                                             in_place=loaded.backend.in_place)
                          if isinstance(self.kv_cache_dtype, KVQuantFormat) else None)

@@ -14,8 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlm.attention.decode import plan_length_groups
-from kvlm.attention.metadata import AttentionMetadata, StepKind, build_attn_mask
+from kvlm.attention.decode import decode_rows
+from kvlm.attention.metadata import AttentionMetadata, GatheredRows, StepKind
+from kvlm.attention.paged import paged_rows
+from kvlm.attention.prefill import prefill_rows
 from kvlm.engine.sampler import sample
 from kvlm.engine.scheduler import ScheduledBatch
 from kvlm.kernels.backend import Backend
@@ -48,7 +50,6 @@ class _StepRows:
     seq_lens: list[int]
     tables: list[list[int]]  # block tables padded with 0 to the longest (what attention reads)
     shifts: list[int]  # per request: its rows' position minus their index in what attention reads
-    k0_first: list[int]  # per request: 1 if what attention reads starts at its position-0 key (KeyCenter)
     logits_rows: list[int]  # rows that end their sequence: those requests sample a token
     samplers: list[Request]
     # layer groups 1.. (sliding-window layers' own pools): per group, the rows' slots and the padded tables
@@ -59,7 +60,7 @@ class _StepRows:
     def collect(cls, batch: ScheduledBatch, block_size: int, null_blocks: tuple[int, ...] = ()) -> _StepRows:
         """null_blocks[g - 1]: the id extra group g's evicted entries read (its zero-filled null block)."""
         r = cls(list(batch.requests), starts=[], ids=[], positions=[], slots=[], query_lens=[], seq_lens=[],
-                tables=[], shifts=[], k0_first=[], logits_rows=[], samplers=[],
+                tables=[], shifts=[], logits_rows=[], samplers=[],
                 group_slots=[[] for _ in null_blocks],
                 group_tables=[])
         tables = []
@@ -75,12 +76,10 @@ class _StepRows:
             if policy is None:
                 r.seq_lens.append(start + n)
                 r.shifts.append(0)
-                r.k0_first.append(1)
                 tables.append(bt)
             else:  # a bounded cache: attention reads [sinks | kept], one table for the step's rows
                 r.seq_lens.append(policy.attended(start + n - 1))
                 r.shifts.append(policy.ctx_shift(start))
-                r.k0_first.append(int(policy.num_sinks > 0 or policy.kept_start(start) == 0))  # sinks keep it
                 tables.append(policy.virtual_table(bt, start))
             if start + n == req.num_tokens:  # this chunk reaches the end: the request gets a token
                 r.logits_rows.append(len(r.ids) - 1)
@@ -97,11 +96,6 @@ class _StepRows:
                 gt.append([null if b < 0 else b for b in t])  # EVICTED entries read the null block
             r.group_tables.append([t + [null] * (max_blocks - len(t)) for t in gt])
         return r
-
-
-def _k0_seqs(k0_first: list[int], device: torch.device) -> torch.Tensor | None:
-    """AttentionMetadata.k0_seqs: None where every sequence's context starts at its position-0 key."""
-    return None if all(k0_first) else torch.tensor(k0_first, dtype=torch.uint8, device=device)
 
 
 class ModelRunner:
@@ -150,87 +144,34 @@ class ModelRunner:
         """PREFILL (every request brings a prompt chunk) or MIXED (chunks and decode rows). In place: row t
         of a chunk attends its sequence's first position + 1 cached tokens. Reference: K/V gathered per
         sequence, attended with a causal mask offset by each chunk's cached history."""
-        dev, B = self.device, len(rows.query_lens)
         is_prompt = [start < req.num_prompt_tokens for req, start in zip(rows.requests, rows.starts)]
         kind = StepKind.PREFILL if all(is_prompt) else StepKind.MIXED
-        if self.in_place:
-            return self._metadata(rows, kind, in_place=True)
-        q_pad_index = mask = None
-        if B > 1:
-            max_q = max(rows.query_lens)
-            q_pad_index = torch.tensor(
-                [b * max_q + i for b, n in enumerate(rows.query_lens) for i in range(n)], device=dev
-            )
-        if not (B == 1 and rows.query_lens[0] == rows.seq_lens[0]):  # a lone whole prompt needs no mask
-            mask = build_attn_mask(rows.query_lens, rows.seq_lens, dev)
-        return self._metadata(rows, kind, q_pad_index=q_pad_index, attn_mask=mask)
+        return self._metadata(rows, kind, lambda: prefill_rows(rows.query_lens, rows.seq_lens, self.device))
 
     def prepare_decode(self, rows: _StepRows) -> AttentionMetadata:
         """DECODE: one row per request. In place: each row attends its whole cached context (and a paged
         step may run as one fused native call). Reference: K/V gathered per sequence, in groups of similar
         length when that saves padding (`plan_length_groups`)."""
-        dev, B = self.device, len(rows.query_lens)
-        if self.in_place:
-            return self._metadata(rows, StepKind.DECODE, in_place=True)
-        mask = q_pad_index = None
-        if B > 1:  # key padding for the gathered contexts; the pad index is the identity (one row each)
-            mask = build_attn_mask(rows.query_lens, rows.seq_lens, dev)
-            q_pad_index = torch.arange(B, device=dev)
-        groups: tuple[AttentionMetadata, ...] = ()
-        if B >= self.min_group_batch:
-            plan = plan_length_groups(rows.seq_lens, group_cost=self.group_cost)
-            if len(plan) > 1:
-                groups = tuple(self._group_metadata(idx, rows.tables, rows.seq_lens, rows.k0_first) for idx in plan)
-        return self._metadata(rows, StepKind.DECODE, q_pad_index=q_pad_index, attn_mask=mask, groups=groups)
+        return self._metadata(rows, StepKind.DECODE, lambda: decode_rows(
+            rows.tables, rows.seq_lens, self.kv_cache.block_size, self.device, self.min_group_batch, self.group_cost))
 
-    def _metadata(self, rows: _StepRows, kind: StepKind, *, q_pad_index: torch.Tensor | None = None,
-                  attn_mask: torch.Tensor | None = None, in_place: bool = False,
-                  groups: tuple[AttentionMetadata, ...] = ()) -> AttentionMetadata:
+    def _metadata(self, rows: _StepRows, kind: StepKind,
+                  gathered: Callable[[], GatheredRows]) -> AttentionMetadata:
+        """The step's common metadata, and the backend's own part: `paged_rows` in place, else `gathered`."""
         dev = self.device
         positions = torch.tensor(rows.positions, device=dev)
-        row_seq = row_ctx = seq_lens_tensor = None
-        if in_place:  # int32, as the native kernels take them
-            seq_lens_tensor = torch.tensor(rows.seq_lens, dtype=torch.int32, device=dev)
-            qlens = torch.tensor(rows.query_lens, device=dev)
-            row_seq = torch.repeat_interleave(torch.arange(len(rows.query_lens), dtype=torch.int32, device=dev), qlens)
-            row_ctx = (positions + 1).to(torch.int32)  # causal: row at position p attends p + 1 tokens
-            if any(rows.shifts):  # bounded caches: p + 1 - shift tokens of [sinks | kept]
-                row_ctx -= torch.repeat_interleave(torch.tensor(rows.shifts, dtype=torch.int32, device=dev), qlens)
+        table_dtype = torch.int32 if self.in_place else torch.int64  # int32, as the native kernels take them
+        attn = (paged_rows(positions, rows.query_lens, rows.seq_lens, rows.shifts) if self.in_place
+                else gathered())
         return AttentionMetadata(
             kind=kind,
             positions=positions,
-            slot_mapping=torch.tensor(rows.slots, device=dev),
-            block_tables=torch.tensor(rows.tables, dtype=torch.int32 if in_place else torch.int64, device=dev),
+            slots=(torch.tensor(rows.slots, device=dev), *(torch.tensor(s, device=dev) for s in rows.group_slots)),
+            tables=tuple(torch.tensor(t, dtype=table_dtype, device=dev) for t in (rows.tables, *rows.group_tables)),
             query_lens=tuple(rows.query_lens),
             seq_lens=tuple(rows.seq_lens),
-            q_pad_index=q_pad_index,
-            attn_mask=attn_mask,
             logits_indices=torch.tensor(rows.logits_rows, device=dev),
-            group_slots=tuple(torch.tensor(s, device=dev) for s in rows.group_slots),
-            group_tables=tuple(torch.tensor(t, dtype=torch.int32 if in_place else torch.int64, device=dev)
-                               for t in rows.group_tables),
-            in_place=in_place,
-            row_seq=row_seq,
-            row_ctx=row_ctx,
-            seq_lens_tensor=seq_lens_tensor,
-            groups=groups,
-            k0_seqs=_k0_seqs(rows.k0_first, dev),
-        )
-
-    def _group_metadata(self, idx: list[int], tables: list[list[int]], seq_lens: list[int],
-                        k0_first: list[int]) -> AttentionMetadata:
-        """Metadata of a group of decoding sequences (one token each, so token row == sequence index)."""
-        dev = self.device
-        lens = [seq_lens[i] for i in idx]
-        nblk = -(-max(lens) // self.kv_cache.block_size)
-        rows = torch.tensor(idx, device=dev)
-        return AttentionMetadata(
-            kind=StepKind.DECODE,
-            positions=rows, slot_mapping=rows,  # unused: a group only fetches
-            block_tables=torch.tensor([tables[i][:nblk] for i in idx], device=dev),
-            query_lens=(1,) * len(idx), seq_lens=tuple(lens), q_pad_index=None,
-            attn_mask=None if len(idx) == 1 else build_attn_mask([1] * len(idx), lens, dev),
-            logits_indices=rows, rows=rows, k0_seqs=_k0_seqs([k0_first[i] for i in idx], dev),
+            attn=attn,
         )
 
     @torch.inference_mode()
@@ -241,6 +182,7 @@ class ModelRunner:
         self.num_tokens_processed += len(input_ids)
         # A chunk of q tokens ending at sequence length s has contexts s-q+1 .. s.
         self.num_context_tokens += sum(q * s - q * (q - 1) // 2 for q, s in zip(meta.query_lens, meta.seq_lens))
+        self.kv_cache.begin_step(meta)  # the cache's own per-block records (kv_cache/storage.py)
         fused = self.fused is not None and meta.in_place and meta.kind is StepKind.DECODE
         if fused and not self.fused.fits(meta.positions):  # type: ignore[union-attr]
             fused = False  # too many rows past the context for the RoPE table's scratch: the module path

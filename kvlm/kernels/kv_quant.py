@@ -245,7 +245,7 @@ def dequantize(raw: torch.Tensor, fmt: KVQuantFormat, head_dim: int) -> torch.Te
 
 @dataclass(frozen=True, eq=False)
 class KeyCenter:
-    """What a centered int8 / int4 cache subtracts from each key before quantizing it (`model/k_center.py`):
+    """What a centered int8 / int4 cache subtracts from each key before quantizing it (`kv_cache/k_center.py`):
     mu, the model's mean key, from every key but a sequence's first; k0, the mean position-0 key, from the
     keys at position 0, which attention sinks make both atypical (far from mu) and heavily weighted. Exact
     in exact arithmetic: q . (k - mu) shifts every score of a row alike, which softmax ignores, and
@@ -285,7 +285,7 @@ def centered(k: torch.Tensor, center: KeyCenter | None, layer: int,
              positions: torch.Tensor | None = None) -> torch.Tensor:
     """Keys k (T, kv_heads, D) as a centered cache stores them: k - mu[layer], and k - k0[layer] for the rows
     at position 0 (positions (T,) int64; None: no row is); one float32 subtraction per value (the fused
-    decode step's too, `csrc/decode.cpp`, which is not given rows at position 0: `FusedDecoder.fits`). k
+    decode step's too, `csrc/decode.cpp`, which centers a position-0 row on k0 the same way). k
     itself where center is None."""
     if center is None:
         return k

@@ -69,7 +69,7 @@ def make_kv_cache(cfg: EngineConfig, mc: ModelConfig, max_model_len: int, kv_byt
     (`layer_groups.py`). `dtype` is the K/V element type (a float type or a quantized format),
     `compute_dtype` the model's (what attention reads back; default `dtype`). `kv_bytes_per_token` is the
     format's formula; the pool's tensors then take that many bytes per slot (`cache.bytes_per_token`).
-    `k_center` (a `KeyCenter`): keys are stored centered (`storage.py`, `model/k_center.py`).
+    `k_center` (a `KeyCenter`): keys are stored centered (`storage.py`, `kv_cache/k_center.py`).
 
     Layer groups: each sliding group gets room for `max_num_seqs` requests' windows (plus a chunk), and
     the full layers the rest of the budget; the default budget sizes the full layers as it sizes a pool."""

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from kvlm.attention.metadata import AttentionMetadata
+from kvlm.attention.metadata import AttentionMetadata, GatheredRows, PagedRows
+from kvlm.attention.paged import PagedKV
 from kvlm.kernels.kv_quant import K0Correction, KeyCenter, centered
 from kvlm.kv_cache.storage import KVElement, add_k0_delta, decode_kv, encode_kv
 
@@ -18,9 +19,9 @@ def _pad_new_tokens(x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
     """(T, kvh, D) flat new tokens -> (B, kvh, max_q, D), each sequence's tokens first, then zeros."""
     if meta.num_seqs == 1:
         return x.transpose(0, 1).unsqueeze(0)
-    assert meta.q_pad_index is not None
+    assert isinstance(meta.attn, GatheredRows) and meta.attn.q_pad_index is not None
     out = x.new_zeros(meta.num_seqs * meta.max_query_len, *x.shape[1:])
-    out[meta.q_pad_index] = x
+    out[meta.attn.q_pad_index] = x
     return out.view(meta.num_seqs, meta.max_query_len, *x.shape[1:]).transpose(1, 2)
 
 
@@ -45,27 +46,30 @@ class NoKVCache:
         self._kv = (encode_kv(centered(k, self.k_center, layer, meta.positions), elem), encode_kv(v, elem),
                     k.dtype, k.shape[-1])
 
-    def k0_correction(self, layer: int, meta: AttentionMetadata) -> K0Correction | None:
-        return K0Correction.of(self.k_center, layer, meta.k0_seqs)
 
-    def blocks(self, layer: int, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        assert meta.query_lens == meta.seq_lens and meta.row_seq is not None, \
+    def begin_step(self, meta: AttentionMetadata) -> None:
+        pass
+
+    def blocks(self, layer: int, meta: AttentionMetadata) -> PagedKV:
+        assert meta.query_lens == meta.seq_lens and isinstance(meta.attn, PagedRows), \
             "NoKVCache needs every sequence recomputed from position 0"
         k, v, _, _ = self._kv
         B, L = meta.num_seqs, meta.max_seq_len
         kb = k.new_zeros(B, L, *k.shape[1:])  # zeros: untouched slots are never NaN
         vb = torch.zeros_like(kb)
-        rows, pos = meta.row_seq.long(), meta.positions
+        rows, pos = meta.attn.row_seq.long(), meta.positions
         kb[rows, pos] = k
         vb[rows, pos] = v
-        return kb, vb, torch.arange(B, dtype=torch.int32, device=k.device)[:, None]
+        tables = torch.arange(B, dtype=torch.int32, device=k.device)[:, None]
+        # every sequence is recomputed from position 0, so each starts at its position-0 key
+        return PagedKV(kb, vb, tables, K0Correction.of(self.k_center, layer, None))
 
     def fetch(self, layer: int, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         assert meta.query_lens == meta.seq_lens, "NoKVCache needs every sequence recomputed from position 0"
         k, v, dtype, D = self._kv
         elem = self.dtype if self.dtype is not None else dtype
         k, v = decode_kv(k, elem, D, dtype), decode_kv(v, elem, D, dtype)
-        return add_k0_delta(_pad_new_tokens(k, meta), self.k_center, layer, meta), _pad_new_tokens(v, meta)
+        return add_k0_delta(_pad_new_tokens(k, meta), self.k_center, layer, None), _pad_new_tokens(v, meta)
 
     def update_and_fetch(self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata):
         self.write(layer, k, v, meta)

@@ -9,7 +9,7 @@ File layout (safetensors, so loading never unpickles anything):
            token_ids  (blocks * block_size,) int64: the tokens whose K/V these are (full blocks only)
   metadata format "kvlm-prefix-snapshot/1"; model_fingerprint (sha256 over the model's files); dtype;
            kv_dtype; block_size; kv_layout ("paged", layers, kv_heads, head_dim); k_center ("none", or a
-           digest of the mean key an int8 / int4 cache subtracts, `model/k_center.py`; absent: "none");
+           digest of the mean key an int8 / int4 cache subtracts, `kv_cache/k_center.py`; absent: "none");
            num_tokens; crc32 of the tensors' bytes (a flipped byte in the data is caught, not served).
 
 The functions work on a block manager, a paged cache and the header this engine expects
@@ -209,13 +209,13 @@ def load_prefix(bm: BlockManager, cache: KVCache, header: dict[str, str], path: 
     bm.allocate(holder, nblk * bs, hit)  # may evict least recently used cached blocks
     new = holder.block_table[len(hit):]
     if new:
-        cache.write_blocks(new, kv["k"][:, len(hit):], kv["v"][:, len(hit):])
+        cache.write_blocks(new, kv["k"][:, len(hit):], kv["v"][:, len(hit):], first_position=len(hit) * bs)
     holder.num_computed_tokens = len(tokens)
     bm.cache_full_blocks(holder)
     bm.free(holder)  # the blocks stay cached (ref 0, in the LRU) for the next request with this prefix
     for g, ((gbm, _), view, first) in enumerate(zip(groups, views, firsts), 1):
         gbm.allocate(view, nblk * bs, skip=first)  # the window's blocks (an equal cached one wins below)
-        cache.write_blocks(view.block_table[first:], kv[f"k{g}"], kv[f"v{g}"], g)
+        cache.write_blocks(view.block_table[first:], kv[f"k{g}"], kv[f"v{g}"], g, first_position=first * bs)
         gbm.cache_full_blocks(view)
         gbm.free(view)
     return SnapshotInfo(str(path), len(tokens), nblk, len(new))

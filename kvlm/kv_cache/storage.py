@@ -17,10 +17,11 @@ a quantized format (`kernels/kv_quant.py`: int8 / int4 codes with a float16 scal
 pools then uint8 (..., kv_heads, row_bytes)): `write` rounds or quantizes to it, `fetch` returns the
 compute dtype (dequantized), `blocks` hands out the stored bytes for the kernel to read in place, and
 NoKVCache rounds the same way, so every attention path (prefill, decode, recompute) sees the same K/V.
-A quantized cache may hold its keys centered (`k_center`, a `KeyCenter`, `model/k_center.py`): every write
+A quantized cache may hold its keys centered (`k_center`, a `KeyCenter`, `kv_cache/k_center.py`): every write
 stores the codes of k - mu (k - k0 for a key at position 0), so `fetch` gives K - mu (adding k0 - mu to
-the position-0 key of each sequence whose context starts there, `AttentionMetadata.k0_seqs`) and `blocks`
-the codes, with `k0_correction` the correction the kernel adds to that key's score; centering changes no
+the position-0 key of each sequence whose context starts there, which the cache records per block,
+`PagedKVCache.k0_seqs`) and `blocks`
+the codes, with the correction the kernel adds to that key's score (`PagedKV.correction`); centering changes no
 attention output (q . mu is the same for every key of a query row) but is what the codes carry.
 `read_keys` adds the centers back and `write_keys` subtracts them, so keys re-rotated for a bounded cache
 are rotated uncentered.
@@ -37,6 +38,7 @@ from typing import Protocol
 import torch
 
 from kvlm.attention.metadata import AttentionMetadata
+from kvlm.attention.paged import PagedKV
 from kvlm.kernels.kv_quant import K0Correction, KeyCenter, KVQuantFormat, centered, dequantize, quantize, unrotated
 
 # What a cache stores per K/V value: a torch float type, or a quantized format.
@@ -71,15 +73,16 @@ class KVCache(Protocol):
         """Bytes of K/V storage per token slot (all layers), counted from the tensors."""
         ...
 
-    def blocks(self, layer: int, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """After `write`: the layer's K and V as blocks, (num_blocks, block_size, kv_heads, D) each, and the
-        (B, max_blocks) int32 table of each of meta's sequences into them, for attention that reads every
-        row's context in place (`attention.paged.paged_attention`)."""
+    def blocks(self, layer: int, meta: AttentionMetadata) -> PagedKV:
+        """After `write`: the layer's K and V as blocks, (num_blocks, block_size, kv_heads, D) each, the
+        (B, max_blocks) int32 table of each of meta's sequences into them, and the score correction of a
+        centered cache's position-0 keys, for attention that reads every row's context in place
+        (`attention.paged.paged_attention`)."""
         ...
 
-    def k0_correction(self, layer: int, meta: AttentionMetadata) -> K0Correction | None:
-        """For in-place attention over a cache whose position-0 keys are centered on k0 (`KeyCenter`): the
-        layer's correction for meta's sequences; None for any other cache."""
+    def begin_step(self, meta: AttentionMetadata) -> None:
+        """Before a step's forward (module path or fused): the cache updates what its policies keep per
+        block from the rows about to be written (a centered cache: which blocks start at a position-0 key)."""
         ...
 
 
@@ -95,17 +98,18 @@ def decode_kv(x: torch.Tensor, elem: KVElement, head_dim: int, dtype: torch.dtyp
     return x if x.dtype == dtype else x.to(dtype)
 
 
-def add_k0_delta(kk: torch.Tensor, center: KeyCenter | None, layer: int, meta: AttentionMetadata) -> torch.Tensor:
+def add_k0_delta(kk: torch.Tensor, center: KeyCenter | None, layer: int, seqs: torch.Tensor | None) -> torch.Tensor:
     """Fetched keys kk (B, kv_heads, L, D), K - mu as a centered cache gives them back, with k0 - mu added to
-    token 0 of each sequence whose context starts at its position-0 key (stored as codes of k - k0), so
-    that every key reads as k - mu; in place (kk is a fresh dequantized copy)."""
+    token 0 of each sequence whose context starts at its position-0 key (stored as codes of k - k0; seqs
+    (B,) uint8 marks them, None: every sequence), so that every key reads as k - mu; in place (kk is a
+    fresh dequantized copy)."""
     if center is None or center.delta is None or kk.shape[2] == 0:
         return kk
     d = center.delta[layer].to(device=kk.device, dtype=kk.dtype)  # (kv_heads, D)
-    if meta.k0_seqs is None:
+    if seqs is None:
         kk[:, :, 0] += d
     else:
-        sel = meta.k0_seqs.to(device=kk.device, dtype=torch.bool)
+        sel = seqs.to(device=kk.device, dtype=torch.bool)
         kk[sel, :, 0] += d
     return kk
 
@@ -184,11 +188,33 @@ class _LayerStorage:
 
     def _as_compute(self, kk: torch.Tensor, vv: torch.Tensor, layer: int,
                     meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        kk = add_k0_delta(decode_kv(kk, self.element, self.head_dim, self.compute_dtype), self.k_center, layer, meta)
+        kk = decode_kv(kk, self.element, self.head_dim, self.compute_dtype)
+        kk = add_k0_delta(kk, self.k_center, layer, self.k0_seqs(layer, meta))
         return kk, decode_kv(vv, self.element, self.head_dim, self.compute_dtype)
 
+    def k0_seqs(self, layer: int, meta: AttentionMetadata) -> torch.Tensor | None:
+        """(B,) uint8: which of meta's sequences' contexts start at their position-0 key; None: all of them
+        (a cache whose sequences are always read from position 0)."""
+        return None
+
     def k0_correction(self, layer: int, meta: AttentionMetadata) -> K0Correction | None:
-        return K0Correction.of(self.k_center, layer, meta.k0_seqs)
+        """The layer's position-0 key correction for meta's sequences (None: an uncentered cache)."""
+        return K0Correction.of(self.k_center, layer, self.k0_seqs(layer, meta))
+
+    def decode_centers(self, meta: AttentionMetadata, none: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """What the fused decode step (`csrc/decode.cpp`) takes of this cache's centers for a step: mu,
+        k0, k0 - mu rotated, and which sequences start at their position-0 key ((layers, kv_heads, D)
+        float32 each, then (B,) uint8), each `none` where it does not apply."""
+        c = self.k_center
+        if c is None:
+            return none, none, none, none
+        if c.k0 is None:
+            return c.mu, none, none, none
+        seqs = self.k0_seqs(0, meta)
+        return c.mu, c.k0, c.delta_rot, seqs if seqs is not None else none
+
+    def begin_step(self, meta: AttentionMetadata) -> None:
+        pass
 
     @property
     def nbytes(self) -> int:
@@ -226,9 +252,16 @@ class PagedKVCache(_LayerStorage):
     kv_heads, row_bytes) uint8 for a quantized format (each head row's groups, `kernels/kv_quant.py`).
 
     Layer groups (`layer_groups.py`: sliding-window layers keep only their window): layer l belongs to
-    group layer_group[l]; group 0's pools have num_blocks blocks and read meta's block tables and slots,
-    group g's have group_blocks[g] blocks plus a zero-filled null block (id group_blocks[g], what an
-    evicted entry reads) and read meta.group_tables[g - 1] / group_slots[g - 1]."""
+    group layer_group[l]; group 0's pools have num_blocks blocks and read meta.tables[0] and
+    meta.slots[0], group g's have group_blocks[g] blocks plus a zero-filled null block (id group_blocks[g],
+    what an evicted entry reads) and read meta.tables[g] / meta.slots[g].
+
+    Position-0 keys (a cache centered by a `KeyCenter` with k0): a block whose first slot holds a
+    sequence's position-0 key stores it as codes of k - k0, and attention adds k0 - mu back to that key.
+    Which blocks do is the cache's own record (`_k0_blocks`, per group: set by `begin_step` from the rows
+    about to be written, carried by `copy_blocks`, `write_keys` and `write_blocks`); a sequence's context
+    starts at its position-0 key exactly when its table's first block is such a block (a bounded cache
+    without sinks reads from a later block once its window has moved on), so no step has to say it."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
                  dtype: KVElement, device: torch.device, compute_dtype: torch.dtype | None = None,
@@ -244,6 +277,10 @@ class PagedKVCache(_LayerStorage):
                 self.k[layer][-1].zero_()
                 self.v[layer][-1].zero_()
         self.block_size, self.num_blocks = block_size, num_blocks
+        self._k0_blocks = ([torch.zeros(n, dtype=torch.bool) for n in
+                            [num_blocks] + [b + 1 for b in self.group_blocks[1:]]]
+                           if k_center is not None and k_center.k0 is not None else None)
+        self._k0_memo: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)  # (tables, their k0_seqs)
         # Gather buffers reused by every layer (a layer's attention is done before the next one reads):
         # allocating megabytes per layer per step costs page faults that dominate batched decode on CPU.
         self._kbuf = self.k[0].new_empty(0, *self.k[0].shape[1:])
@@ -252,7 +289,27 @@ class PagedKVCache(_LayerStorage):
     def _group(self, layer: int, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """The slot mapping and block tables layer `layer` reads in this step (its group's)."""
         g = self.layer_group[layer]
-        return (meta.slot_mapping, meta.block_tables) if g == 0 else (meta.group_slots[g - 1], meta.group_tables[g - 1])
+        return meta.slots[g], meta.tables[g]
+
+    def begin_step(self, meta: AttentionMetadata) -> None:
+        """Record, per group, which blocks the step's rows start (a row written at a block's first slot):
+        those at position 0 hold a k0-centered key, the others no longer do."""
+        if self._k0_blocks is None:
+            return
+        self._k0_memo = (None, None)
+        for flags, slots in zip(self._k0_blocks, meta.slots):
+            first = (slots % self.block_size) == 0
+            if bool(first.any()):
+                flags[(slots[first] // self.block_size).cpu()] = (meta.positions[first] == 0).cpu()
+
+    def k0_seqs(self, layer: int, meta: AttentionMetadata) -> torch.Tensor | None:
+        if self._k0_blocks is None:
+            return None
+        tables = meta.tables[self.layer_group[layer]]
+        if self._k0_memo[0] is not tables:  # once per step and group: every layer of a group reads the same
+            first = self._k0_blocks[self.layer_group[layer]][tables[:, 0].long().cpu()]
+            self._k0_memo = (tables, None if bool(first.all()) else first.to(torch.uint8).to(tables.device))
+        return self._k0_memo[1]
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
         kc, vc = self.k[layer], self.v[layer]
@@ -293,16 +350,22 @@ class PagedKVCache(_LayerStorage):
         return (torch.stack([self.k[i].index_select(0, idx) for i in layers]),
                 torch.stack([self.v[i].index_select(0, idx) for i in layers]))
 
-    def write_blocks(self, block_ids: list[int], k: torch.Tensor, v: torch.Tensor, g: int = 0) -> None:
-        """Store k, v (group g's layers, n, block_size, kv_heads, D) into its `block_ids` (cast to the pool's dtype)."""
+    def write_blocks(self, block_ids: list[int], k: torch.Tensor, v: torch.Tensor, g: int = 0,
+                     first_position: int = 0) -> None:
+        """Store k, v (group g's layers, n, block_size, kv_heads, D) into its `block_ids` (cast to the pool's
+        dtype): consecutive blocks of one sequence, the first starting at `first_position`."""
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.k[0].device)
+        if self._k0_blocks is not None and block_ids:
+            self._k0_blocks[g][idx.cpu()] = False
+            self._k0_blocks[g][block_ids[0]] = first_position == 0
         for j, layer in enumerate(self.group_layers(g)):
             kc, vc = self.k[layer], self.v[layer]
             kc.index_copy_(0, idx, k[j].to(device=kc.device, dtype=kc.dtype))
             vc.index_copy_(0, idx, v[j].to(device=vc.device, dtype=vc.dtype))
 
-    def blocks(self, layer: int, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self.k[layer], self.v[layer], self._group(layer, meta)[1]  # pools (blocks, block_size, kv_heads, D)
+    def blocks(self, layer: int, meta: AttentionMetadata) -> PagedKV:
+        # pools (blocks, block_size, kv_heads, D)
+        return PagedKV(self.k[layer], self.v[layer], self._group(layer, meta)[1], self.k0_correction(layer, meta))
 
     # Bounded caches (kv_policy.py): private copies of sink blocks, and their keys re-rotated in place.
     @property
@@ -318,6 +381,8 @@ class PagedKVCache(_LayerStorage):
             kc, vc = self.k[layer], self.v[layer]
             kc.index_copy_(0, dst, kc.index_select(0, src))
             vc.index_copy_(0, dst, vc.index_select(0, src))
+        if self._k0_blocks is not None:
+            self._k0_blocks[0][dst.cpu()] = self._k0_blocks[0][src.cpu()]
 
     def read_keys(self, block_ids: list[int]) -> torch.Tensor:
         """The keys of group 0's `block_ids`, a sequence's first blocks (its sinks), as the model computes
@@ -343,6 +408,8 @@ class PagedKVCache(_LayerStorage):
         kc = self.k[layer]
         positions = torch.arange(k.shape[0], device=k.device)
         kc.index_copy_(0, idx, self._encode_k(layer, k, positions).view(len(block_ids), *kc.shape[1:]))
+        if self._k0_blocks is not None:
+            self._k0_blocks[0][block_ids[0]] = True
 
 
 class ContiguousKVCache(_LayerStorage):
@@ -359,8 +426,9 @@ class ContiguousKVCache(_LayerStorage):
                          k_center=k_center)
         self.block_size, self.num_blocks = max_len, max_seqs
 
-    def blocks(self, layer: int, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self.k[layer], self.v[layer], meta.block_tables  # (max_seqs, max_len, kv_heads, D): one block a row
+    def blocks(self, layer: int, meta: AttentionMetadata) -> PagedKV:
+        # (max_seqs, max_len, kv_heads, D): one block a row
+        return PagedKV(self.k[layer], self.v[layer], meta.block_tables, self.k0_correction(layer, meta))
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
         row = meta.slot_mapping // self.block_size

@@ -9,9 +9,9 @@ quantized projections and its RoPE tables: a "plan" on the C++ side) and then ru
 It applies where the module path would run the same kernels: CPU, float32 activations, every projection
 a `QuantLinear` on a native kernel path (no dense fallback), a paged KV cache (float32, float16 or
 bfloat16; the step rounds K/V into it as the module path's index_copy_ does; or int8 / int4, which the
-step quantizes with the native quantizer the module path's write also runs, `csrc/kv_quantize.h`, after
-subtracting the cache's K center as the module path's write does, `model/k_center.py`) and the native
-paged attention. Anything else (the float32 reference path, a contiguous cache, CUDA, no extension)
+step quantizes with the native quantizer the module path's write also runs, `csrc/kv_quantize.h`, on keys
+centered as the module path's write centers them, with what the cache gives, `decode_centers`) and the
+native paged attention. Anything else (the float32 reference path, a contiguous cache, CUDA, no extension)
 keeps the module path, which stays the reference: tests compare the two token for token.
 `KVLM_FUSED_DECODE=0` turns it off.
 
@@ -26,7 +26,7 @@ import weakref
 
 import torch
 
-from kvlm.attention.metadata import AttentionMetadata
+from kvlm.attention.metadata import AttentionMetadata, PagedRows
 from kvlm.kernels import native
 from kvlm.kernels.backend import Backend, kernel_path
 from kvlm.kernels.kv_quant import KVQuantFormat
@@ -79,13 +79,9 @@ class FusedDecoder:
         self._isa = native.isa_id(isa)
         self._out = torch.empty(0)  # (B, hidden) result, reused while B stays the same
         self._no_profile = torch.empty(0, dtype=torch.float64)  # "not profiling", without an allocation per step
-        self._no_center = torch.empty(0)  # an uncentered cache's k_center (`model/k_center.py`), or no k0
-        self._no_k0_seqs = torch.empty(0, dtype=torch.uint8)  # every sequence's token 0 is its position 0
+        self._none = torch.empty(0)  # an argument that does not apply (`PagedKVCache.decode_centers`)
         self._finalizer = weakref.finalize(self, self._ops.decode_plan_free, plan)
         self.profile: torch.Tensor | None = None  # set to zeros(5, float64) to accumulate seconds per part
-        # The cache stores position-0 keys centered on k0 (kernels/kv_quant.py, KeyCenter), which the native
-        # step does not: a step with a row at position 0 (a 1-token prompt's) runs the module path.
-        self.k0_centered = False
 
     @classmethod
     def create(cls, model: torch.nn.Module, kv_cache: object, backend: Backend) -> tuple[FusedDecoder | None, str]:
@@ -114,15 +110,10 @@ class FusedDecoder:
         tensors += [model.model.norm.weight.detach(), model.rope_cos.contiguous(), model.rope_sin.contiguous()]
         eps = model.model.norm.eps
         plan = native.ops().decode_plan_create(tensors, spec, float(eps))
-        dec = cls(model, plan, backend.isa)
-        dec.k0_centered = kv_cache.k_center is not None and kv_cache.k_center.k0 is not None
-        return dec, "decode-only steps run every layer in one native call"
+        return cls(model, plan, backend.isa), "decode-only steps run every layer in one native call"
 
     def fits(self, positions: torch.Tensor) -> bool:
-        """Whether this step's positions fit the RoPE table and its scratch rows (see `_positions`), and none
-        is a position-0 row of a k0-centered cache (`k0_centered`)."""
-        if self.k0_centered and bool((positions == 0).any()):
-            return False
+        """Whether this step's positions fit the RoPE table and its scratch rows (see `_positions`)."""
         return int((positions >= self.model.max_positions).sum()) <= ROPE_SCRATCH
 
     def _positions(self, positions: torch.Tensor) -> torch.Tensor:
@@ -143,16 +134,13 @@ class FusedDecoder:
 
     def __call__(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_cache: PagedKVCache) -> torch.Tensor:
         """input_ids (B,) of a decode-only step -> final hidden states (B, hidden) float32."""
-        assert meta.in_place and meta.seq_lens_tensor is not None
+        rows = meta.attn
+        assert isinstance(rows, PagedRows)
         x = self.model.model.embed_tokens(input_ids).float().contiguous()  # (B, hidden)
         if self._out.shape != x.shape:
             self._out = torch.empty_like(x)
         prof = self.profile if self.profile is not None else self._no_profile
-        c, none = kv_cache.k_center, self._no_center
-        mu = c.mu if c is not None else none
-        k0_delta = c.delta_rot if c is not None and c.k0 is not None else none  # (layers, kv_heads, D), rotated
-        k0_seqs = meta.k0_seqs if meta.k0_seqs is not None else self._no_k0_seqs
+        centers = kv_cache.decode_centers(meta, self._none)  # what a centered cache's keys are stored on
         self._ops.decode_step(self.plan, x, self._positions(meta.positions), meta.slot_mapping, meta.block_tables,
-                              meta.seq_lens_tensor, kv_cache.k, kv_cache.v, mu, k0_delta, k0_seqs, self._isa,
-                              self._out, prof)
+                              rows.seq_lens, kv_cache.k, kv_cache.v, *centers, self._isa, self._out, prof)
         return self._out

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from kvlm.attention import attention
-from kvlm.attention.metadata import AttentionMetadata
+from kvlm.attention.metadata import AttentionMetadata, GatheredRows
 from kvlm.attention.paged import paged_attention
 from kvlm.attention.window import windowed_attention
 from kvlm.config import ModelConfig
@@ -128,10 +128,9 @@ class Attention(nn.Module):
         layer = self.layer_idx
         if meta.in_place:  # every row over the cache's blocks: one computation for every step's rows
             kv_cache.write(layer, k, v, meta)
-            k_blocks, v_blocks, tables = kv_cache.blocks(layer, meta)
-            return paged_attention(q, k_blocks, v_blocks, tables, meta, self.scale, window=self.window or 0,
-                                   k0=kv_cache.k0_correction(layer, meta))
-        if not meta.groups or self.window:
+            return paged_attention(q, kv_cache.blocks(layer, meta), meta, self.scale, window=self.window or 0)
+        groups = meta.attn.groups if isinstance(meta.attn, GatheredRows) else ()
+        if not groups or self.window:
             kk, vv = kv_cache.update_and_fetch(layer, k, v, meta)  # (B, kvh, L, D)
             if self.window:
                 return windowed_attention(q, kk, vv, meta, self.scale, self.window)
@@ -139,9 +138,10 @@ class Attention(nn.Module):
         # Decode batch split by context length: write once, then attend group by group.
         kv_cache.write(layer, k, v, meta)
         out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
-        for g in meta.groups:
+        for g in groups:
+            rows = g.attn.rows  # type: ignore[union-attr]  (a group's metadata is GatheredRows)
             kk, vv = kv_cache.fetch(layer, g)
-            out[g.rows] = attention(q[g.rows], kk, vv, g, self.scale)
+            out[rows] = attention(q[rows], kk, vv, g, self.scale)
         return out
 
 

@@ -14,7 +14,7 @@ not offer, made by replacing the paged cache's write (`PagedKVCache.write`) in t
     python scripts/experiments/kv_int4_k_error.py [--chunks 6] [--dtype float32]
 
 Its recorded run (docs/results/kv_int4_k_error.txt) is from the tree before the engine centered K itself
-(`kvlm/model/k_center.py`); on a tree with it, the `int4` row is the centered engine's, and
+(`kvlm/kv_cache/k_center.py`); on a tree with it, the `int4` row is the centered engine's, and
 `scripts/experiments/kv_k_center_calibration.py` compares calibration inputs instead.
 
 The last line is one JSON document.

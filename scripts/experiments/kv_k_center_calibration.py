@@ -3,7 +3,7 @@
 (docs/kv_quant.md records the runs).
 
 An int4 (or int8) engine stores k - mu, mu the mean post-RoPE key per layer and kv head from one prefill
-at load (`kvlm/model/k_center.py`: 1,024 seeded random token ids). This scores, on `kvlm
+at load (`kvlm/kv_cache/k_center.py`: 1,024 seeded random token ids). This scores, on `kvlm
 bench quality`'s windows and scoring, engines whose mu came from other inputs, set on their cache after load:
 
 * `none`: mu = 0 (k - 0 = k: the uncentered cache, bit for bit);
@@ -34,7 +34,7 @@ import torch
 from kvlm.bench import quality
 from kvlm.engine.engine import Engine
 from kvlm.kernels import native
-from kvlm.model.k_center import calibration_ids, mean_keys
+from kvlm.kv_cache.k_center import calibration_ids, mean_keys
 
 p = argparse.ArgumentParser()
 p.add_argument("--chunks", type=int, default=6)

@@ -102,14 +102,14 @@ def test_a_window_without_sinks_stops_correcting_the_position0_key(model: Path) 
     for sinks, after in ((4, None), (0, [0])):
         eng = Engine(model, EngineConfig(**{**BOUNDED, "sink_tokens": sinks}, kv_cache_dtype="int8"), quiet=True)
         assert eng.k_center is not None and eng.k_center.k0 is not None
-        seen, prepare = [], eng.runner.prepare
+        seen, begin, cache = [], eng.kv_cache.begin_step, eng.kv_cache
 
-        def record(batch, prepare=prepare, seen=seen):  # noqa: ANN001, ANN202
-            ids, meta, samplers = prepare(batch)
-            seen.append(None if meta.k0_seqs is None else meta.k0_seqs.tolist())
-            return ids, meta, samplers
+        def record(meta, begin=begin, seen=seen, cache=cache):  # noqa: ANN001, ANN202
+            begin(meta)  # the cache's own record of which blocks start at a position-0 key
+            k0_seqs = cache.k0_seqs(0, meta)
+            seen.append(None if k0_seqs is None else k0_seqs.tolist())
 
-        eng.runner.prepare = record
+        eng.kv_cache.begin_step = record
         run_engine(eng, [[5, 6, 7]], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
         assert seen[0] is None and seen[-1] == after, (sinks, seen[-1])
 

@@ -220,7 +220,7 @@ def test_length_grouped_decode_attention_changes_nothing(tiny_gguf: Path) -> Non
 
     def spy(batch):  # record how many groups each step used
         ids, meta, samplers = build(batch)
-        seen_groups.append(len(meta.groups))
+        seen_groups.append(len(meta.attn.groups))
         return ids, meta, samplers
 
     grouped.runner.prepare = spy

@@ -68,10 +68,15 @@ def test_equivalences_bit_for_bit(model: Path, kv: str, native_only: None) -> No
 @pytest.mark.parametrize("kv", KV)
 def test_position0_rows_in_decode_shaped_steps(model: Path, kv: str, native_only: None) -> None:
     """A 1-token prompt, or a prompt fed a token a step, puts a position-0 row into a step of one row per
-    sequence: it runs the module path (the fused step does not center keys on k0), with the same bits."""
+    sequence: the fused step centers its key on k0 as the module path does, with the same bits."""
     prompts = [[5], [9, 4, 33]] + random_prompts(2, 25, lo=3, hi=30)
     ref = run(model, prompts, kv_cache_dtype=kv, block_size=4, enable_kv_cache=False)
     assert_identical(ref, run(model, prompts, kv_cache_dtype=kv, block_size=4), "cache vs no cache")
+    fused = Engine(model, EngineConfig(kv_cache_dtype=kv, block_size=4, max_num_batched_tokens=1), quiet=True)
+    module = Engine(model, EngineConfig(kv_cache_dtype=kv, block_size=4, max_num_batched_tokens=1), quiet=True)
+    assert fused.runner.fused is not None
+    module.runner.fused = None
+    assert_identical(run_engine(fused, prompts[:2]), run_engine(module, prompts[:2]), "fused vs module, position 0")
     assert_identical(ref, run(model, prompts, kv_cache_dtype=kv, block_size=4, max_num_batched_tokens=1),
                      "a token a step")
     for i in (0, 1):

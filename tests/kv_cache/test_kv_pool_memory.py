@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from kvlm.attention import attention
-from kvlm.attention.metadata import AttentionMetadata, StepKind, build_attn_mask
+from kvlm.attention.metadata import AttentionMetadata, GatheredRows, StepKind, build_attn_mask
 from kvlm.kv_cache.storage import ContiguousKVCache, PagedKVCache
 
 
@@ -27,9 +27,9 @@ def test_pool_memory_follows_tokens_not_limit() -> None:
     assert allocated < cache.nbytes // 16, f"{allocated / 2**20:.0f} MiB resident for an empty pool"
     # Write 64 blocks' worth of tokens in every layer: resident memory grows by about their size.
     T = 64 * bs
-    meta = AttentionMetadata(kind=StepKind.PREFILL, positions=torch.arange(T), slot_mapping=torch.arange(T),
-                             block_tables=torch.arange(64)[None], query_lens=(T,), seq_lens=(T,),
-                             q_pad_index=None, attn_mask=None, logits_indices=torch.tensor([T - 1]))
+    meta = AttentionMetadata(kind=StepKind.PREFILL, positions=torch.arange(T), slots=(torch.arange(T),),
+                             tables=(torch.arange(64)[None],), query_lens=(T,), seq_lens=(T,),
+                             logits_indices=torch.tensor([T - 1]), attn=GatheredRows(None, None))
     k = torch.randn(T, kvh, D)
     for layer in range(layers):
         cache.write(layer, k, k, meta)
@@ -43,11 +43,10 @@ def _meta(lens: list[int], bs: int) -> AttentionMetadata:
     B = len(lens)
     tables = torch.tensor([[b * 8 + j for j in range(8)] for b in range(B)])
     slots = torch.tensor([int(tables[b, (n - 1) // bs]) * bs + (n - 1) % bs for b, n in enumerate(lens)])
-    return AttentionMetadata(kind=StepKind.DECODE, positions=torch.tensor(lens) - 1, slot_mapping=slots,
-                             block_tables=tables,
-                             query_lens=(1,) * B, seq_lens=tuple(lens), q_pad_index=None,
-                             attn_mask=build_attn_mask([1] * B, lens, torch.device("cpu")),
-                             logits_indices=torch.arange(B))
+    return AttentionMetadata(kind=StepKind.DECODE, positions=torch.tensor(lens) - 1, slots=(slots,),
+                             tables=(tables,), query_lens=(1,) * B, seq_lens=tuple(lens),
+                             logits_indices=torch.arange(B),
+                             attn=GatheredRows(None, build_attn_mask([1] * B, lens, torch.device("cpu"))))
 
 
 def test_unwritten_slots_never_reach_attention() -> None:
@@ -70,15 +69,15 @@ def test_unwritten_slots_never_reach_attention() -> None:
                 else:
                     slots = torch.tensor([b * 32 + p for p in range(step)])
                 kv = torch.randn(step, kvh, D, generator=g)
-                m = AttentionMetadata(kind=StepKind.PREFILL, positions=torch.arange(step), slot_mapping=slots,
-                                      block_tables=torch.zeros(1, 1),
-                                      query_lens=(step,), seq_lens=(step,), q_pad_index=None, attn_mask=None,
-                                      logits_indices=torch.tensor([step - 1]))
+                m = AttentionMetadata(kind=StepKind.PREFILL, positions=torch.arange(step), slots=(slots,),
+                                      tables=(torch.zeros(1, 1),), query_lens=(step,), seq_lens=(step,),
+                                      logits_indices=torch.tensor([step - 1]), attn=GatheredRows(None, None))
                 cache.write(0, kv, kv * 0.5, m)
             meta = _meta(lens, bs) if isinstance(cache, PagedKVCache) else AttentionMetadata(
-                kind=StepKind.DECODE, positions=torch.tensor(lens) - 1, slot_mapping=torch.zeros(3, dtype=torch.long),
-                block_tables=torch.arange(3)[:, None], query_lens=(1, 1, 1), seq_lens=tuple(lens), q_pad_index=None,
-                attn_mask=build_attn_mask([1, 1, 1], lens, torch.device("cpu")), logits_indices=torch.arange(3))
+                kind=StepKind.DECODE, positions=torch.tensor(lens) - 1, slots=(torch.zeros(3, dtype=torch.long),),
+                tables=(torch.arange(3)[:, None],), query_lens=(1, 1, 1), seq_lens=tuple(lens),
+                logits_indices=torch.arange(3),
+                attn=GatheredRows(None, build_attn_mask([1, 1, 1], lens, torch.device("cpu"))))
             kk, vv = cache.fetch(0, meta)
             q = torch.randn(3, nh, D, generator=torch.Generator().manual_seed(1))
             out = attention(q, kk, vv, meta, D**-0.5)
@@ -92,9 +91,9 @@ def test_resident_bytes_counts_the_pages_written() -> None:
     cache = PagedKVCache(2, 2048, 16, 4, 64, torch.float32, torch.device("cpu"))  # 128 MiB reserved
     assert cache.resident_bytes is not None and cache.resident_bytes < (1 << 20)
     T = 32 * 16  # 32 blocks of 4 KiB per layer and tensor: 512 KiB in all
-    meta = AttentionMetadata(kind=StepKind.PREFILL, positions=torch.arange(T), slot_mapping=torch.arange(T),
-                             block_tables=torch.arange(32)[None], query_lens=(T,), seq_lens=(T,),
-                             q_pad_index=None, attn_mask=None, logits_indices=torch.tensor([T - 1]))
+    meta = AttentionMetadata(kind=StepKind.PREFILL, positions=torch.arange(T), slots=(torch.arange(T),),
+                             tables=(torch.arange(32)[None],), query_lens=(T,), seq_lens=(T,),
+                             logits_indices=torch.tensor([T - 1]), attn=GatheredRows(None, None))
     k = torch.randn(T, 4, 64)
     for layer in range(2):
         cache.write(layer, k, k, meta)

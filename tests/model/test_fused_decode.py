@@ -20,6 +20,7 @@ from tiny_models import tiny_config, write_tiny_gguf
 
 from kvlm import EngineConfig
 from kvlm.attention.metadata import AttentionMetadata, StepKind
+from kvlm.attention.paged import paged_rows
 from kvlm.engine.engine import Engine
 from kvlm.kernels import native
 from kvlm.model.fused_decode import FusedDecoder
@@ -40,11 +41,10 @@ def _decode_meta(lens: list[int], tables: list[list[int]], block_size: int) -> A
     slots = [t[p // block_size] * block_size + p % block_size for t, p in zip(tables, pos)]
     width = max(len(t) for t in tables)
     return AttentionMetadata(
-        kind=StepKind.DECODE, positions=torch.tensor(pos), slot_mapping=torch.tensor(slots),
-        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
-        query_lens=(1,) * len(lens), seq_lens=tuple(lens), q_pad_index=None, attn_mask=None,
-        logits_indices=torch.arange(len(lens)), in_place=True, row_seq=torch.arange(len(lens), dtype=torch.int32),
-        row_ctx=torch.tensor(lens, dtype=torch.int32), seq_lens_tensor=torch.tensor(lens, dtype=torch.int32))
+        kind=StepKind.DECODE, positions=torch.tensor(pos), slots=(torch.tensor(slots),),
+        tables=(torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),),
+        query_lens=(1,) * len(lens), seq_lens=tuple(lens), logits_indices=torch.arange(len(lens)),
+        attn=paged_rows(torch.tensor(pos), [1] * len(lens), lens, [0] * len(lens)))
 
 
 def _fill(engine: Engine, seed: int) -> None:

@@ -205,12 +205,14 @@ void run_linear(const KvlmKernels* t, const Linear& lin, const float* x, int64_t
 // codes (uint8, last dim D / 32 * 34 or 18; each new token quantized on write). profile: empty, or a
 // float64 (5,) tensor that accumulates seconds in norm/elementwise, matmul, kv write, attention, other.
 // k_center: empty, or (layers, kv_heads, D) float32 subtracted from each new key before it is stored (a
-// centered int8 / int4 cache, kvlm/model/k_center.py): one float32 subtraction per value, kv_quant.centered's.
+// centered int8 / int4 cache, kvlm/kv_cache/k_center.py): one float32 subtraction per value, kv_quant.centered's.
+// k0_center: empty, or (layers, kv_heads, D) float32, what a key at position 0 is centered on instead (k0).
 // k0_delta: empty, or (layers, kv_heads, D) float32, the position-0 key's center correction per layer (rotated,
-// KvlmPagedAttn), with k0_seqs empty (every sequence) or (B,) uint8.
+// KvlmPagedAttn), with k0_seqs empty (every sequence) or (B,) uint8. k0_center and k0_delta come together.
 void decode_step(int64_t plan_id, const at::Tensor& x, const at::Tensor& positions, const at::Tensor& slots,
                  const at::Tensor& block_tables, const at::Tensor& context_lens, at::TensorList k_caches,
-                 at::TensorList v_caches, const at::Tensor& k_center, const at::Tensor& k0_delta,
+                 at::TensorList v_caches, const at::Tensor& k_center, const at::Tensor& k0_center,
+                 const at::Tensor& k0_delta,
                  const at::Tensor& k0_seqs, int64_t isa, const at::Tensor& out, const at::Tensor& profile) {
     Plan& p = get_plan(plan_id);
     const KvlmKernels* t = kvlm::table(isa);
@@ -255,11 +257,15 @@ void decode_step(int64_t plan_id, const at::Tensor& x, const at::Tensor& positio
         mu = k_center.const_data_ptr<float>();
     }
     const float* k0d = nullptr;
+    const float* k0c = nullptr;
     const uint8_t* k0s = nullptr;
     if (k0_delta.numel()) {
         TORCH_CHECK(mu && k0_delta.scalar_type() == at::kFloat && k0_delta.is_contiguous() && k0_delta.numel() == L * kvh * D,
                     "kvlm decode: k0_delta must be contiguous float32 (layers, kv_heads, D), with k_center");
+        TORCH_CHECK(k0_center.scalar_type() == at::kFloat && k0_center.is_contiguous() && k0_center.numel() == L * kvh * D,
+                    "kvlm decode: k0_center must be contiguous float32 (layers, kv_heads, D), with k0_delta");
         k0d = k0_delta.const_data_ptr<float>();
+        k0c = k0_center.const_data_ptr<float>();
         if (k0_seqs.numel()) {
             TORCH_CHECK(k0_seqs.scalar_type() == at::kByte && k0_seqs.is_contiguous() && k0_seqs.numel() == B,
                         "kvlm decode: k0_seqs must be contiguous uint8 (B,)");
@@ -272,8 +278,6 @@ void decode_step(int64_t plan_id, const at::Tensor& x, const at::Tensor& positio
     const int32_t* lens = context_lens.const_data_ptr<int32_t>();
     for (int64_t b = 0; b < B; b++) {  // the kernels trust these: check them once per step
         TORCH_CHECK(pos[b] >= 0 && pos[b] < p.max_pos, "kvlm decode: position ", pos[b], " beyond the RoPE table");
-        // a position-0 key is centered on k0, which this step does not do (FusedDecoder.fits keeps such steps off it)
-        TORCH_CHECK(!k0d || pos[b] > 0, "kvlm decode: a decode row at position 0 with a k0-centered cache");
         TORCH_CHECK(slot[b] >= 0 && slot[b] < NB * BS, "kvlm decode: slot ", slot[b], " outside the cache");
         TORCH_CHECK(lens[b] >= 1 && lens[b] <= MB * BS, "kvlm decode: context length ", lens[b], " exceeds its table");
         for (int64_t j = 0; j * BS < lens[b]; j++)
@@ -322,8 +326,11 @@ void decode_step(int64_t plan_id, const at::Tensor& x, const at::Tensor& positio
         void* vc = v_caches[l].mutable_data_ptr();
         for (int64_t b = 0; b < B; b++) {
             float* row = qkv + b * nqkv;
-            if (mu)  // the key is not read again this step (q was copied out): center it in place
-                for (int64_t i = 0; i < kvh * D; i++) row[nh * D + i] -= mu[l * kvh * D + i];
+            if (mu) {  // the key is not read again this step (q was copied out): center it in place
+                // on k0 at position 0 (a 1-token prompt's row), on mu elsewhere: kv_quant.centered's rule
+                const float* c = (k0c && pos[b] == 0 ? k0c : mu) + l * kvh * D;
+                for (int64_t i = 0; i < kvh * D; i++) row[nh * D + i] -= c[i];
+            }
             store(kc, slot[b] * kvh * row_len, row + nh * D, kvh * D, D);
             store(vc, slot[b] * kvh * row_len, row + (nh + kvh) * D, kvh * D, D);
         }
@@ -361,6 +368,7 @@ TORCH_LIBRARY_FRAGMENT(kvlm_kernels, m) {
     m.def("decode_plan_create(Tensor[] tensors, int[] spec, float eps) -> int", &decode_plan_create);
     m.def("decode_plan_free(int plan) -> ()", &decode_plan_free);
     m.def("decode_step(int plan, Tensor x, Tensor positions, Tensor slots, Tensor block_tables, Tensor context_lens, "
-          "Tensor[] k_caches, Tensor[] v_caches, Tensor k_center, Tensor k0_delta, Tensor k0_seqs, int isa, Tensor(a!) out, "
+          "Tensor[] k_caches, Tensor[] v_caches, Tensor k_center, Tensor k0_center, Tensor k0_delta, Tensor k0_seqs, int isa, "
+          "Tensor(a!) out, "
           "Tensor(b!) profile) -> ()", &decode_step);
 }

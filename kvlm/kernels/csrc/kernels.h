@@ -61,7 +61,7 @@ typedef struct KvlmPagedAttn {
     int32_t* pending;           // (n_tiles,)
     int64_t window;             // > 0: each row attends only its last `window` tokens (sliding window)
     // A centered int8 / int4 cache whose position-0 keys are stored centered on their own mean (k0, not mu:
-    // kvlm/model/k_center.py): k0_delta (kv_heads, D) = (k0 - mu) H, NULL for none. The score of a row's
+    // kvlm/kv_cache/k_center.py): k0_delta (kv_heads, D) = (k0 - mu) H, NULL for none. The score of a row's
     // token 0 gets scale * (q . k0_delta[kv head]) added (q as given: rotated), for the rows whose
     // sequence's token 0 is its position-0 key: k0_seqs[seq] != 0 (k0_seqs NULL: every sequence).
     const float* k0_delta;

@@ -32,7 +32,8 @@ import time
 
 import torch
 
-from kvlm.attention.metadata import AttentionMetadata, StepKind
+from kvlm.attention.metadata import AttentionMetadata, GatheredRows, StepKind
+from kvlm.attention.paged import paged_rows
 from kvlm.kernels.kv_quant import KeyCenter
 from kvlm.kv_cache.recompute import NoKVCache
 
@@ -67,15 +68,11 @@ def prefill_meta(T: int, device: torch.device, in_place: bool) -> AttentionMetad
     """The metadata of one sequence's whole prefill of T tokens from position 0 (a cache that keeps
     nothing, `NoKVCache`, serves it). in_place: every row attends with the native in-place kernel."""
     positions = torch.arange(T, device=device)
-    i32 = torch.int32
     return AttentionMetadata(
-        kind=StepKind.PREFILL, positions=positions, slot_mapping=positions,
-        block_tables=torch.zeros(1, 1, dtype=i32 if in_place else torch.long, device=device),
-        query_lens=(T,), seq_lens=(T,), q_pad_index=None, attn_mask=None,  # a lone whole prompt: causal
-        logits_indices=torch.tensor([T - 1], device=device), in_place=in_place,
-        row_seq=torch.zeros(T, dtype=i32, device=device) if in_place else None,
-        row_ctx=(positions + 1).to(i32) if in_place else None,
-        seq_lens_tensor=torch.tensor([T], dtype=i32, device=device) if in_place else None,
+        kind=StepKind.PREFILL, positions=positions, slots=(positions,),
+        tables=(torch.zeros(1, 1, dtype=torch.int32 if in_place else torch.long, device=device),),
+        query_lens=(T,), seq_lens=(T,), logits_indices=torch.tensor([T - 1], device=device),
+        attn=paged_rows(positions, [T], [T], [0]) if in_place else GatheredRows(None, None),  # causal
     )
 
 

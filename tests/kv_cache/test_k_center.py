@@ -1,4 +1,4 @@
-"""K centering of the int8 / int4 KV cache (`model/k_center.py`): the engine's mean key is deterministic,
+"""K centering of the int8 / int4 KV cache (`kv_cache/k_center.py`): the engine's mean key is deterministic,
 every write stores the codes of k - mu (prefill, the fused decode step, re-rotated sink keys), keys read
 back for re-rotation are uncentered, and snapshots refuse another K center. The equivalences on a centered
 cache are `tests/engine/test_exact_kv_quant.py`'s (and on the default model
@@ -17,9 +17,7 @@ from kvlm import EngineConfig, SamplingParams
 from kvlm.engine.engine import Engine
 from kvlm.errors import SnapshotError
 from kvlm.kernels import kv_quant, native
-from kvlm.kv_cache.recompute import NoKVCache
-from kvlm.kv_cache.storage import PagedKVCache
-from kvlm.model.k_center import (
+from kvlm.kv_cache.k_center import (
     FIRST_KEY_SEED,
     FIRST_KEY_TOKENS,
     calibration_ids,
@@ -27,6 +25,8 @@ from kvlm.model.k_center import (
     mean_keys,
     prefill_meta,
 )
+from kvlm.kv_cache.recompute import NoKVCache
+from kvlm.kv_cache.storage import PagedKVCache
 
 KV = ["int8", "int4"]
 
