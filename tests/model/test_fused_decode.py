@@ -15,16 +15,19 @@ from pathlib import Path
 
 import pytest
 import torch
+from deps import need_native
 from engine_runs import random_prompts, run_engine
 from tiny_models import tiny_config, write_tiny_gguf
 
 from kvlm import EngineConfig
 from kvlm.attention.metadata import AttentionMetadata, StepKind
 from kvlm.engine.engine import Engine
-from kvlm.kernels import native
 from kvlm.model.fused_decode import FusedDecoder
 
-pytestmark = pytest.mark.skipif(not native.available(), reason="native kernels not built here")
+
+@pytest.fixture(autouse=True)
+def _native() -> None:
+    need_native("the fused decode step is native")
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
