@@ -58,7 +58,7 @@ def load_model(path: Path, max_model_len: int | None, dtype: torch.dtype, device
     weight is dequantized to `dtype` at load (the dense path). Dense float32 on a CPU with the native
     kernels multiplies on the row kernel (`f32_blocks`), as `--dtype auto` does a safetensors folder's:
     its rows are bit-identical in any batch at any thread count, and its sums round less than BLAS's
-    (scripts/experiments/dense_rows_error.py), which left Gemma 3's logits 1.5e-4 from transformers'."""
+    (scripts/experiments/dense_rows_error.py at f97df0a), which left Gemma 3's logits 1.5e-4 from transformers'."""
     config, state, tokenizer = load_checkpoint(path, quantized=quantized)
     if not quantized and dtype == torch.float32 and device.type == "cpu" and native.active_isa() != "reference":
         state = {k: f32_blocks(v) if isinstance(v, torch.Tensor) and v.ndim == 2 else v for k, v in state.items()}
