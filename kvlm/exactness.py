@@ -49,9 +49,15 @@ class ExactReport:
 
 def first_difference(path: str, ref: list[RequestOutput], other: list[RequestOutput]) -> ExactDifference | None:
     """The first token (prompt by prompt, step by step) whose id or logprobs differ between two runs of
-    the same requests; the logprob dicts (top-k and the chosen token) must be equal as floats."""
-    for i, (a, b) in enumerate(zip(ref, other)):
-        ca, cb = a.outputs[0], b.outputs[0]
+    the same requests; the logprob dicts (top-k and the chosen token) must be equal as floats. A prompt
+    one run has no output for differs at its token 0 (the missing side's token is None), even where the
+    other side generated nothing: a path that drops outputs is not exact."""
+    for i in range(max(len(ref), len(other))):
+        if i >= len(ref) or i >= len(other):
+            ta = ref[i].outputs[0].token_ids[:1] if i < len(ref) else []
+            tb = other[i].outputs[0].token_ids[:1] if i < len(other) else []
+            return ExactDifference(path, i, 0, ta[0] if ta else None, tb[0] if tb else None, None, None)
+        ca, cb = ref[i].outputs[0], other[i].outputs[0]
         la, lb = ca.logprobs or [], cb.logprobs or []
         for k in range(max(len(ca.token_ids), len(cb.token_ids))):
             ta = ca.token_ids[k] if k < len(ca.token_ids) else None

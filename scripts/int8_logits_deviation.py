@@ -10,6 +10,7 @@ several files, e.g. scripts/make_quant_fixtures.py's, are measured one after the
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -41,7 +42,9 @@ def tensor_paths(path: str) -> str:
 
 
 def main() -> None:
-    for path in sys.argv[1:] or [str(registry.pull("smollm2-135m"))]:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("models", nargs="*", metavar="MODEL.gguf", help="default: the default model's file")
+    for path in p.parse_args().models or [str(registry.pull("smollm2-135m"))]:
         print(f"# {Path(path).name}")
         deviation(path)
 

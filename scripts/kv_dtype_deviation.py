@@ -10,7 +10,7 @@ there; for scale, the same numbers for float32 recomputed (no KV cache) decoding
 
 from __future__ import annotations
 
-import sys
+import argparse
 
 import torch
 
@@ -56,4 +56,6 @@ def main(n: int) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 32)
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("n_tokens", nargs="?", type=int, default=32, help="greedy tokens per prompt (default 32)")
+    main(p.parse_args().n_tokens)

@@ -85,6 +85,9 @@ def _report(python: Path, args: list[str], out: Path, *, fresh: bool) -> dict:
 
 
 def main() -> None:
+    import argparse
+
+    argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog="A few minutes; needs PyPI.").parse_args()
     steps = readme_pip_steps()
     OUT.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:

@@ -57,10 +57,10 @@ def resolve_kv_cache_dtype(cfg: EngineConfig, dtype: torch.dtype) -> KVElement:
     """The KV cache's element type: as configured, "auto" being the compute dtype; int8 / int4 are the
     quantized formats of `kernels/kv_quant.py`.
 
-    Not float16 by default (llama.cpp's choice): rounding K/V to float16 turns the ~1e-7 float32
-    differences between a prefill's and a decode's arithmetic (where a kernel's bits depend on the
-    number of rows) into one-ulp float16 differences (~5e-4 relative), so cached and recomputed logits
-    would agree only to ~1e-3 instead of ~1e-6. It is a flag: `--kv-cache-dtype float16`."""
+    Not float16 by default (llama.cpp's choice): with the native kernels every K/V type gives the same
+    logits bits cached or recomputed (tests/kv_cache/test_kv_cache_dtype.py, tests/engine/test_exact_kv_quant.py),
+    but a narrower one moves them away from the float32 model's (scripts/kv_dtype_deviation.py measures by
+    how much), so "auto" keeps the compute dtype. It is a flag: `--kv-cache-dtype float16`."""
     if cfg.kv_cache_dtype == "auto":
         return dtype
     name = cfg.kv_cache_dtype_name

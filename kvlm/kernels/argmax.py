@@ -1,7 +1,7 @@
 """`argmax_rows`: each row's argmax, torch.argmax(x, -1)'s exact answer, natively on float32 CPU rows.
 
 torch's CPU argmax is a scalar loop (~1 ns a float): 30-55 us for one warm row of SmolLM2's 49,152
-logits (`scripts/experiments/argmax_decode_ab.py`), about half a greedy step's sampling time. The native
+logits (`scripts/experiments/argmax_decode_ab.py` at f97df0a), about half a greedy step's sampling time. The native
 kernel (`csrc/argmax.cpp`) takes two vectorized passes and returns the same index: the first NaN if the
 row has one (torch counts NaN as the largest value), else the first index of the maximum. Other dtypes
 and devices, and builds without the extension, call torch.argmax itself, the reference.

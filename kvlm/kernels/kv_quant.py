@@ -10,7 +10,7 @@ consecutive values of that row:
 * `int4` (18 bytes per group, q4_0's size): float16 scale d, then 16 bytes: byte j holds code c_j in its
   low nibble and c_{j+16} in its high nibble, codes c_i in 0..15, x_i ~ Q4_LEVELS[c_i] d. The 16 levels
   are not uniform: `Q4_LEVELS` (integers -127..111) are Lloyd-Max levels for groups of 32 Gaussian values
-  under this scale search (`scripts/experiments/kv_int4_levels.py` fits them; rotated K/V rows are close
+  under this scale search (`scripts/kv_int4_levels.py` fits them; rotated K/V rows are close
   to Gaussian), finer near 0 where most values are. The scale is the best of `Q4_CANDIDATES` (an
   error-minimizing search, llama.cpp's make_qx_quants idea): candidate 0 is the plain rule,
   d = m / Q4_LEVELS[0] (m the group's signed value of largest magnitude, the positive one on a tie), so m
@@ -71,7 +71,7 @@ F16_MAX = 65504.0
 Q4_CANDIDATES = (8.0, 7.5, 8.0, 8.5)
 # int4's 16 levels in code order (csrc/kv_quantize.h has the same table, which the quantizer and the
 # kernel read): Lloyd-Max levels for Gaussian groups under the scale search, scaled so the extreme is -127
-# and rounded to integers (`scripts/experiments/kv_int4_levels.py`). The extreme negative level is the
+# and rounded to integers (`scripts/kv_int4_levels.py`). The extreme negative level is the
 # plain rule's target.
 Q4_LEVELS = (-127, -102, -82, -66, -51, -38, -25, -12, 0, 13, 25, 39, 53, 69, 87, 111)
 # Half the widest gap between consecutive levels, or 127 - the top level (values past it are clipped to it),

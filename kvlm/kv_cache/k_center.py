@@ -11,7 +11,7 @@ Python's `random.Random(CALIBRATION_SEED)` (Mersenne Twister and CPython's randr
 through the model as loaded, with a float32 cache, summed in float64 and rounded to float16: the same
 model file gives the same mu bits on every run (the native path's bits do not depend on the thread count;
 the float16 rounding absorbs the reference path's last-bit differences). No text, no download. Measured on
-the default model (docs/kv_quant.md, `scripts/experiments/kv_k_center_calibration.py`): these ids do as
+the default model (docs/kv_quant.md, `scripts/experiments/kv_k_center_calibration.py` at f97df0a): these ids do as
 well as a page of written text or 1,024 tokens of the scored text itself, within the measurement's noise;
 512 of them do worse.
 

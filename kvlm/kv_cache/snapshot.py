@@ -64,7 +64,7 @@ def snapshot_header(model_fingerprint: str, dtype: str, kv_dtype: KVElement, blo
                     k_center: str = "none") -> dict[str, str]:
     """The metadata a snapshot for this engine carries, and that a snapshot must carry to load
     (`layer_group`: each layer's group, for a model with sliding-window layers; `k_center`: the digest of
-    the K center the cache subtracts from its keys, `model/k_center.center_digest`, "none" if it stores them
+    the K center the cache subtracts from its keys, `kv_cache/k_center.center_digest`, "none" if it stores them
     as computed)."""
     layout = {"layout": "paged", "layers": layers, "kv_heads": kv_heads, "head_dim": head_dim}
     if layer_group and any(layer_group):

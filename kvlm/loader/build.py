@@ -59,7 +59,7 @@ def load_model(path: Path, max_model_len: int | None, dtype: torch.dtype, device
     weight is dequantized to `dtype` at load (the dense path). Dense float32 on a CPU with the native
     kernels multiplies on the row kernel (`f32_blocks`), as `--dtype auto` does a safetensors folder's:
     its rows are bit-identical in any batch at any thread count, and its sums round less than BLAS's
-    (scripts/experiments/dense_rows_error.py), which left Gemma 3's logits 1.5e-4 from transformers'."""
+    (scripts/experiments/dense_rows_error.py at f97df0a), which left Gemma 3's logits 1.5e-4 from transformers'."""
     config, state, tokenizer = load_checkpoint(path, quantized=quantized)
     backend = select_backend(device, dtype, config.head_dim)  # the engine's one kernel decision
     if not quantized and backend.native_rows:

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from deps import in_ci
 
 from kvlm.cli.main import main
 
@@ -248,8 +249,14 @@ def test_compare_runs_llama_cpp_in_its_own_process(tiny_gguf: Path, tmp_path: Pa
                                                    monkeypatch: pytest.MonkeyPatch,
                                                    capsys: pytest.CaptureFixture[str]) -> None:
     """The llama.cpp side runs as a child process of --llama-python (here with a stand-in llama_cpp
-    package on its path), same threads, flash attention on; whole-process runs report time and RSS."""
+    package on its path), same threads, flash attention on; whole-process runs report time and RSS.
+    HF transformers (`--hf`, a test dependency) reads the same GGUF and times prefill and decode in this
+    process; where it is not installed (never in CI), its column is a skip that says so."""
+    import importlib.util
+
     from kvlm.bench import compare
+
+    has_hf = importlib.util.find_spec("transformers") is not None or in_ci()  # in CI: must be installed
 
     (tmp_path / "fake" / "llama_cpp").mkdir(parents=True)
     (tmp_path / "fake" / "llama_cpp" / "__init__.py").write_text(FAKE_LLAMA_CPP)
@@ -257,7 +264,7 @@ def test_compare_runs_llama_cpp_in_its_own_process(tiny_gguf: Path, tmp_path: Pa
     monkeypatch.setenv("FAKE_LLAMA_LOG", str(log))
     monkeypatch.setenv("PYTHONPATH", f"{tmp_path / 'fake'}:{Path(__file__).parents[2]}")
     d = compare.run(str(tiny_gguf), threads=2, prompt_len=16, decode_prompt_len=8, gen_tokens=4, contexts=(12, 24),
-                    context_gen=3, repeats=1, llama_python=sys.executable, log=quiet)
+                    context_gen=3, repeats=1, llama_python=sys.executable, hf=True, log=quiet)
     assert_header(d, "compare")
     e = d["engines"]
     for key in ("kvlm", "kvlm_float32", "llama_cpp"):
@@ -266,7 +273,15 @@ def test_compare_runs_llama_cpp_in_its_own_process(tiny_gguf: Path, tmp_path: Pa
         assert r["prefill_tokens_per_s"] > 0 and r["decode_tokens_per_s"] > 0
         assert [c["context"] for c in r["context_decode"]] == [12, 24]
         assert r["whole_process_s"] > 0 and r["peak_rss_bytes"] > 1 << 20
-    assert e["llama_cpp"]["version"] == "fake" and e["hf"]["status"] == "skipped" if "hf" in e else True
+    assert e["llama_cpp"]["version"] == "fake"
+    if has_hf:
+        hf = e["hf"]
+        assert hf["status"] == "ok", hf
+        assert hf["prefill_tokens_per_s"] > 0 and hf["decode_tokens_per_s"] > 0 and hf["context_decode"] == []
+        assert hf["kvlm_over_this"]["decode_tokens_per_s"] > 0 and "whole_process_s" not in hf
+    else:
+        assert e["hf"] == {"name": "HF transformers (float32)", "status": "skipped",
+                           "reason": "ImportError: transformers is not installed"}
     assert e["llama_cpp"]["kvlm_over_this"]["decode_at_24"] > 0
     calls = [json.loads(x) for x in log.read_text().splitlines()]
     inits = [c for c in calls if "init" in c]

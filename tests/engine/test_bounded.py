@@ -16,13 +16,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from deps import need_native
 from engine_runs import assert_identical, chat_turns, random_prompts, run_engine
 from tiny_models import tiny_config, write_tiny_gguf
 
 from kvlm import EngineConfig, SamplingParams
 from kvlm.engine.engine import Engine
 from kvlm.errors import ParameterError, PromptTooLongError
-from kvlm.kernels import native
 from kvlm.kv_cache.block_manager import EVICTED
 
 LONG = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
@@ -31,8 +31,7 @@ BOUNDED = dict(block_size=4, max_kv_tokens=32, sink_tokens=4, max_model_len=64)
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    if native.active_isa() == "reference":
-        pytest.skip("the native kernels are not built here: exactness across step shapes needs them")
+    need_native()
     return write_tiny_gguf(tmp_path_factory.mktemp("bounded") / "tiny-Q8_0.gguf",
                            tiny_config(head_dim=32, tie_word_embeddings=False), tensor_type="Q8_0")
 

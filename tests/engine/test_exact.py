@@ -15,13 +15,13 @@ from pathlib import Path
 import gguf
 import pytest
 import torch
+from deps import need_native
 from engine_runs import assert_identical, random_prompts, run_engine
 from quantize import can_quantize, synthetic_quantize
 from tiny_models import tiny_config, write_tiny_gguf, write_tiny_hf_dir
 
 from kvlm import EngineConfig, SamplingParams
 from kvlm.engine.engine import Engine
-from kvlm.kernels import native
 
 FORMATS = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16", "F32", "safetensors"]
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -30,8 +30,7 @@ SEEDED = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=12, ignor
 
 @pytest.fixture(scope="module", params=FORMATS)
 def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    if native.active_isa() == "reference":
-        pytest.skip("the native kernels are not built here: exactness across step shapes needs them")
+    need_native()
     fmt = request.param
     if fmt == "safetensors":  # an HF folder: float32 weights, on the native row kernel under --dtype auto
         return write_tiny_hf_dir(tmp_path_factory.mktemp("exact") / "hf", tiny_config(tie_word_embeddings=False))
@@ -100,8 +99,7 @@ def test_prefix_hit_and_preemption_bit_for_bit(model: Path) -> None:
 def test_float32_path_bit_for_bit(fmt: str, tmp_path: Path) -> None:
     """`--dtype float32` on a CPU with the kernels: weights dequantized at load multiply on the row kernel as
     F32 blocks (loader/build.py), attention is the one native computation: exact across step shapes too."""
-    if native.active_isa() == "reference":
-        pytest.skip("the native kernels are not built here")
+    need_native()
     if fmt == "safetensors":
         path = write_tiny_hf_dir(tmp_path / "hf", tiny_config(tie_word_embeddings=False))
     else:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from deps import need_native
 from engine_runs import random_prompts, run_engine
 from test_exact import GREEDY, SEEDED, assert_identical
 from tiny_models import tiny_config, write_tiny_gguf
@@ -23,7 +24,6 @@ from tiny_models import tiny_config, write_tiny_gguf
 from kvlm import LLM, EngineConfig
 from kvlm.engine.engine import Engine
 from kvlm.errors import ParameterError, SnapshotError
-from kvlm.kernels import native
 
 KV = ["int8", "int4"]
 PER_VALUE = {"int8": 34 / 32, "int4": 18 / 32}
@@ -37,8 +37,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def native_only() -> None:
-    if native.active_isa() == "reference":
-        pytest.skip("the native kernels are not built here: exactness across step shapes needs them")
+    need_native()
 
 
 def run(path: Path, prompts: list[list[int]], params=GREEDY, **cfg) -> tuple[dict, dict]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 
 import pytest
+from deps import need_native
 
 from kvlm.kernels import native
 
@@ -26,8 +27,7 @@ def force_isa(monkeypatch: pytest.MonkeyPatch):
 def isa(request: pytest.FixtureRequest, force_isa) -> str:
     """Each ISA path in turn, forced; those this CPU lacks (or all, without a native build) are skipped."""
     isas = list(native.ISAS)
-    if not native.available():
-        pytest.skip("native kernels not built here (test_kernels.py::test_extension_builds says why)")
+    need_native("each ISA path is forced in turn")
     if isas.index(request.param) > isas.index(native.best_isa()):
         pytest.skip(f"this CPU lacks {request.param} (best: {native.best_isa()})")
     force_isa(request.param)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from deps import need_native
 
 from kvlm.kernels import native
 from kvlm.kernels.argmax import argmax_rows
@@ -69,8 +70,7 @@ def test_reference_path_is_torch() -> None:
 
 def test_native_is_what_runs_here() -> None:
     """Where the extension is built, the default path is native (not the torch fallback)."""
-    if not native.available():
-        pytest.skip("native kernels not built here")
+    need_native("the native argmax is what is checked")
     x = adversarial_rows(64, 1)
     out = torch.empty(x.shape[0], dtype=torch.long)
     torch.ops.kvlm_kernels.argmax_rows.default(x, out, native.isa_id(native.best_isa()))

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from deps import in_ci, need_native
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
 from quantize import random_blocks  # noqa: E402  (tests/helpers)
@@ -74,11 +75,6 @@ def row_length(qtype: T) -> int:
     return 50 if elems == 1 else (2 * 256 if elems == 256 else 3 * 32)
 
 
-@pytest.fixture(scope="module")
-def built() -> bool:
-    return native.available()
-
-
 @pytest.mark.parametrize("qtype", INT8_FORMATS, ids=lambda t: t.name)
 def test_int8_activations_within_their_rounding(qtype: T, isa: str) -> None:
     """Int8 activations (the default here) against float32 activations: error bounded by the
@@ -108,16 +104,6 @@ def test_unknown_activation_mode_is_a_readable_error(monkeypatch: pytest.MonkeyP
         native.int8_activations()
 
 
-@pytest.fixture(params=ISAS)
-def isa(request: pytest.FixtureRequest, built: bool, force_isa) -> str:
-    if not built:
-        pytest.skip("native kernels not built here (test_extension_builds says why)")
-    if ISAS.index(request.param) > ISAS.index(native.best_isa()):
-        pytest.skip(f"this CPU lacks {request.param} (best: {native.best_isa()})")
-    force_isa(request.param)
-    return request.param
-
-
 @pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
 def threads(request: pytest.FixtureRequest):
     before = torch.get_num_threads()
@@ -131,12 +117,15 @@ def matmul_bound(x: torch.Tensor, w: QuantTensor) -> torch.Tensor:
 
 
 def test_extension_builds() -> None:
-    """Where a C++ compiler exists on x86-64, the native kernels must build (else CI would only test the fallback)."""
+    """Where a C++ compiler exists on x86-64, the native kernels must build (else CI would only test the fallback).
+    In CI (`CI=true`) the compiler must exist too: .ci/run installs g++."""
     import platform
     import shutil
 
-    if platform.machine() not in ("x86_64", "AMD64") or shutil.which(os.environ.get("CXX", "c++")) is None:
-        pytest.skip("no x86-64 C++ toolchain")
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip(f"the native kernels target x86-64, this is {platform.machine()}")
+    if shutil.which(os.environ.get("CXX", "c++")) is None and not in_ci():
+        pytest.skip("no C++ compiler here (Debian: apt install g++)")
     assert native.available()
     assert native.best_isa() in ISAS
 
@@ -270,7 +259,7 @@ def test_fallback_when_the_build_fails(tmp_path: Path) -> None:
 
     gxx = shutil.which("g++")
     if gxx is None:
-        pytest.skip("no g++ to wrap")
+        (pytest.fail if in_ci() else pytest.skip)("no g++ to wrap (.ci/run installs it)")
     wrapper = tmp_path / "cxx-wrapper"
     wrapper.write_text("#!/bin/sh\n"
                        '[ "$1" = -v ] && { echo "some compiler"; exit 0; }\n'
@@ -546,10 +535,10 @@ def test_f32_activations_opt_out(isa: str, monkeypatch: pytest.MonkeyPatch) -> N
         native.refresh()
 
 
-@pytest.mark.skipif(not native.available(), reason="native kernels not built here")
 def test_elementwise_kernels_match_their_references() -> None:
     """rms_norm, silu_mul and apply_rope (kernels/elementwise.py: the native functions the fused decode
     step shares with the module path) against their PyTorch references."""
+    need_native("the native element-wise kernels are what is compared")
     from kvlm.kernels.elementwise import apply_rope, rms_norm, silu_mul
     from kvlm.kernels.reference import rms_norm_ref, rope_ref, silu_mul_ref
 

@@ -19,8 +19,9 @@ import struct
 import numpy as np
 import pytest
 import torch
+from deps import need_native
 
-from kvlm.kernels import kv_quant, native, paged_attention
+from kvlm.kernels import kv_quant, paged_attention
 from kvlm.kernels.kv_quant import FORMATS, INT4, INT8, dequantize, error_bound, format_of, quantize
 from kvlm.kernels.reference import paged_attention_ref
 
@@ -224,8 +225,7 @@ def test_kernel_adds_the_position0_key_correction(isa: str, fmt: kv_quant.KVQuan
 
 @pytest.mark.parametrize("fmt", FMTS, ids=str)
 def test_native_quantizer_equals_the_reference(fmt: kv_quant.KVQuantFormat) -> None:
-    if not native.available():
-        pytest.skip("native kernels not built here")
+    need_native("the native quantizer is what is compared")
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(40, 3, 64, generator=gen) * torch.logspace(-7, 5, 40)[:, None, None]
     x[0] = 0.0

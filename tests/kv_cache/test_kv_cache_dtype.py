@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from deps import need_native
 from engine_runs import assert_same_logits, random_prompts, run_engine
 from tiny_models import tiny_config, write_tiny_gguf
 
@@ -90,11 +91,11 @@ def test_paged_equals_contiguous_and_alone_equals_batch(tiny_gguf: Path, kv: str
         _logits_close({0: lb[i]}, {0: la[0]}, ATOL[kv])
 
 
-@pytest.mark.skipif(not native.available(), reason="native kernels not built here")
 @pytest.mark.parametrize("kv", ["float16", "bfloat16"])
 def test_fused_step_runs_on_a_half_cache(q8_gguf: Path, kv: str) -> None:
     """It runs on float16 / bfloat16 caches and gives the module path's tokens (its step-level check on
     random caches: test_fused_decode.py, parametrized by kv_cache_dtype)."""
+    need_native("the fused decode step is native")
     assert Engine(q8_gguf, EngineConfig(kv_cache_dtype=kv), quiet=True).runner.fused is not None
     cfg = EngineConfig(kv_cache_dtype=kv, block_size=4, max_num_batched_tokens=32)
     prompts = random_prompts(4, 12, lo=2, hi=40)

@@ -1,10 +1,10 @@
 """The fused decode step (kvlm/fused_decode.py, csrc/decode.cpp) against the module path it replaces.
 
 * On random cache contents and a ragged batch: the fused step's final hidden states equal the module
-  path's (model.forward on the same paged cache) within float32 rounding, and it writes the same K/V;
-  a sequence's result is bit-identical alone and inside the batch.
+  path's (model.forward on the same paged cache) bit for bit, on float32, float16 and bfloat16 caches,
+  and it writes the same K/V bits; a sequence's result is bit-identical alone and inside the batch.
 * Through the engine, on tiny quantized GGUFs of the llama, qwen2 (q/k/v bias) and qwen3 (q/k norm)
-  families: the same greedy tokens with and without fusion, logits within float32 rounding.
+  families: the same greedy tokens and the same logits bits with and without fusion.
 * Where it must not run (float32 reference path, contiguous cache, KVLM_FUSED_DECODE=0) the runner
   keeps the module path.
 """
@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from deps import need_native
 from engine_runs import random_prompts, run_engine
 from tiny_models import tiny_config, write_tiny_gguf
 
@@ -22,10 +23,12 @@ from kvlm import EngineConfig
 from kvlm.attention.metadata import AttentionMetadata, StepKind
 from kvlm.attention.paged import paged_rows
 from kvlm.engine.engine import Engine
-from kvlm.kernels import native
 from kvlm.model.fused_decode import FusedDecoder
 
-pytestmark = pytest.mark.skipif(not native.available(), reason="native kernels not built here")
+
+@pytest.fixture(autouse=True)
+def _native() -> None:
+    need_native("the fused decode step is native")
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
@@ -56,12 +59,11 @@ def _fill(engine: Engine, seed: int) -> None:
 @torch.inference_mode()
 @pytest.mark.parametrize("kv", ["auto", "float16", "bfloat16"])
 def test_fused_step_equals_module_path_and_is_batch_invariant(family_gguf: Path, kv: str) -> None:
-    """On a float32 cache within float32 rounding; on a float16 / bfloat16 one the new K/V are rounded
-    alike (one ulp apart where the two paths' float32 K differ across a rounding tie)."""
+    """Bit for bit: both paths run the same native row kernels, element-wise functions (elementwise.h) and
+    paged attention, in the same order, and round the new K/V to the cache's type alike."""
     engine = Engine(family_gguf, EngineConfig(dtype="auto", block_size=4, kv_cache_dtype=kv), quiet=True)
     fused = engine.runner.fused
     assert isinstance(fused, FusedDecoder)
-    ulp = 0.0 if kv == "auto" else torch.finfo(getattr(torch, kv)).eps
     bs = engine.kv_cache.block_size
     lens = [1, 7, 30, 12]
     tables = [[0], [1, 2], [3, 4, 5, 6, 7, 8, 9, 10], [11, 12, 13]]
@@ -70,13 +72,12 @@ def test_fused_step_equals_module_path_and_is_batch_invariant(family_gguf: Path,
 
     _fill(engine, 0)
     ref = engine.model(ids, meta.positions, engine.kv_cache, meta).clone()  # module path
-    k_ref = [t.clone() for t in engine.kv_cache.k]
+    kv_ref = [t.clone() for t in (*engine.kv_cache.k, *engine.kv_cache.v)]
     _fill(engine, 0)
     out = fused(ids, meta, engine.kv_cache).clone()
-    torch.testing.assert_close(out, ref, atol=2e-5 + 4 * ulp, rtol=1e-5 + 4 * ulp)
-    for a, b in zip(engine.kv_cache.k, k_ref):
-        assert a.dtype == engine.kv_cache_dtype
-        torch.testing.assert_close(a.float(), b.float(), atol=1e-5 + ulp, rtol=1e-5 + ulp)  # new tokens' K, after RoPE
+    assert torch.equal(out, ref), f"max |diff| {float((out - ref).abs().max()):.3g}"
+    for a, b in zip((*engine.kv_cache.k, *engine.kv_cache.v), kv_ref, strict=True):  # the new tokens' K (after RoPE), V
+        assert a.dtype == engine.kv_cache_dtype and torch.equal(a, b)
 
     for b in range(len(lens)):  # alone == in the batch, bit for bit
         _fill(engine, 0)
@@ -95,7 +96,7 @@ def test_engine_tokens_with_and_without_fusion(family_gguf: Path) -> None:
     ref, lref = run_engine(module_engine, prompts)
     assert out == ref
     for i in ref:
-        torch.testing.assert_close(torch.stack(lout[i]), torch.stack(lref[i]), atol=1e-4, rtol=0)
+        assert torch.equal(torch.stack(lout[i]), torch.stack(lref[i])), f"prompt {i}"
 
 
 def test_module_path_where_fusion_does_not_apply(family_gguf: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -11,14 +11,13 @@ from typing import Any
 
 import pytest
 import torch
-from deps import need
+from deps import need, need_native
 from engine_runs import assert_identical, random_prompts, run_engine
 from tiny_gemma import WINDOW, gemma3_config, gemma3_hf_model, gemma3_state, write_gemma3_gguf, write_gemma3_hf_dir
 
 from kvlm import EngineConfig, SamplingParams
 from kvlm.config import ModelConfig
 from kvlm.engine.engine import Engine
-from kvlm.kernels import native
 from kvlm.loader import load_config
 
 CFG = gemma3_config()
@@ -80,8 +79,7 @@ def test_matches_transformers(model: Path, hf: Any, dtype: str) -> None:
 
 
 def test_equivalences_bit_for_bit(model: Path) -> None:
-    if native.active_isa() == "reference":
-        pytest.skip("the native kernels are not built here: exactness across step shapes needs them")
+    need_native()
 
     def run(prompts: list[list[int]], **cfg: Any) -> tuple[dict, dict]:
         return run_engine(Engine(model, EngineConfig(**cfg), quiet=True), prompts, GREEDY)

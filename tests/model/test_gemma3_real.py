@@ -63,7 +63,7 @@ def test_greedy_and_logits_match_transformers(engine: Engine, hf: Any, hf64: Any
         ours = torch.stack(logits[i])
         worst = (ours - torch.stack([step[0] for step in out.logits])).abs().max().item()
         worst64 = (ours.double() - exact).abs().max().item()
-        # Measured (scripts/experiments/gemma3_vs_hf.py, docs/results/gemma3_vs_hf.txt): from float64, kvlm
+        # Measured (scripts/experiments/gemma3_vs_hf.py at f97df0a, docs/results/gemma3_vs_hf.txt): from float64, kvlm
         # is at most 4.8e-5 away on the short prompts (transformers' float32 paths: 6.4e-5) and 1.6e-4 on the
         # long one, where float32 rounding through Gemma's large activations (residual rows up to 1e5) leaves
         # transformers' own SDPA path 1.5e-4 from float64 and 1.4e-4 from its eager path.

@@ -7,13 +7,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from deps import need_native
 from engine_runs import assert_identical, chat_turns, random_prompts, run_engine
 from tiny_gemma import WINDOW, gemma3_config, gemma3_state, write_gemma3_gguf
 
 from kvlm import EngineConfig, SamplingParams
 from kvlm.engine.engine import Engine
 from kvlm.errors import ParameterError, SnapshotError
-from kvlm.kernels import native
 from kvlm.kv_cache.block_manager import EVICTED
 from kvlm.kv_cache.layer_groups import LayerGroups, evict_upto
 
@@ -22,8 +22,7 @@ LONG = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    if native.active_isa() == "reference":
-        pytest.skip("the native kernels are not built here: exactness across step shapes needs them")
+    need_native()
     cfg = gemma3_config()
     return write_gemma3_gguf(tmp_path_factory.mktemp("groups") / "tiny-Q8_0.gguf", cfg, gemma3_state(cfg),
                              tensor_type="Q8_0")

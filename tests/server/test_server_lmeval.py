@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from deps import need
 from tiny_models import hf_reference_model
 
-pytest.importorskip("lm_eval", reason="lm-eval is not installed (it is in the test extra)")
+need("lm_eval")  # in the test extra: skipped without it, except in CI
 
 DOCS = [{"context": "hello", "continuation": " world"}, {"context": "hello hello", "continuation": " hello"},
         {"context": "abc", "continuation": "def"}, {"context": "the cat", "continuation": " sat on"}]

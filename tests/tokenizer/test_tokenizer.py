@@ -13,20 +13,23 @@ import pytest
 from deps import need
 from jinja2.exceptions import SecurityError
 from tiny_models import BYTE, byte_level_fields
+from tokenizer_cases import (
+    PRE_CORPUS,
+    PRE_NO_HF_SPLIT,
+    PRE_TOKENIZERS,
+    SPM_TEXTS,
+    SPM_TRANSFORMERS_DIFFERS,
+    bpe_fields,
+    llama_cpp_ids,
+    read_gguf_fields,
+    spm_fields,
+    write_spm_gguf,
+)
 from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFBackend
 
 from kvlm.tokenizer.detokenizer import IncrementalDetokenizer
 from kvlm.tokenizer.tokenizer import Tokenizer, TokenizerError
-
-
-def read_gguf_fields(path: str | Path) -> dict[str, Any]:
-    """All GGUF metadata of `path` as plain Python values keyed by GGUF key name."""
-    import gguf
-
-    reader = gguf.GGUFReader(str(path))
-    return {name: field.contents() for name, field in reader.fields.items()}
-
 
 TEXTS = [
     "Hello, world! The quick brown fox jumps over the lazy dog.",
@@ -137,27 +140,6 @@ def test_incremental_detokenizer_random_ids(smollm: Tokenizer) -> None:
 
 
 # -------------------------------------------------------------------------- handmade vocabularies
-def spm_fields(**extra: Any) -> dict[str, Any]:
-    """A Llama-2-style sentencepiece vocab: <unk>/<s>/</s>, 256 byte-fallback pieces, scored pieces."""
-    pieces = ["▁", "h", "e", "l", "o", "w", "r", "d", "ll", "he", "▁h", "▁he", "llo", "▁hello", "or", "▁w",
-              "▁wor", "ld", "▁world", "[", "]", "I", "N", "S", "T", "/", "IN", "ST", "INST", "[INST", "[INST]",
-              "▁[INST]"]
-    specials = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
-    fields = {
-        "tokenizer.ggml.model": "llama",
-        "tokenizer.ggml.pre": "default",
-        "tokenizer.ggml.tokens": specials + pieces,
-        "tokenizer.ggml.scores": [0.0] * len(specials) + [-float(i) for i in range(len(pieces))],
-        "tokenizer.ggml.token_type": [2, 3, 3] + [6] * 256 + [1] * len(pieces),
-        "tokenizer.ggml.bos_token_id": 1,
-        "tokenizer.ggml.eos_token_id": 2,
-        "tokenizer.ggml.unknown_token_id": 0,
-        "tokenizer.chat_template": "{{ bos_token }}{% for m in messages %}[INST] {{ m['content'] }} [/INST]"
-                                   "{% endfor %}",
-    }
-    return {**fields, **extra}
-
-
 def test_byte_level_handmade() -> None:
     tok = Tokenizer.from_gguf_fields(byte_level_fields())
     n = tok.vocab_size
@@ -234,40 +216,33 @@ def test_sentencepiece_incremental_byte_fallback() -> None:
 @pytest.fixture(scope="module")
 def spm_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Tokenizer, Any]:
     """The same sentencepiece GGUF vocab in kvlm and in transformers."""
-    gguf = need("gguf")
+    need("gguf")
     transformers = need("transformers")
-    tmp_path = tmp_path_factory.mktemp("spm")
-    fields = spm_fields()
-    writer = gguf.GGUFWriter(str(tmp_path / "spm.gguf"), "llama")
-    writer.add_tokenizer_model("llama")
-    writer.add_token_list(fields["tokenizer.ggml.tokens"])
-    writer.add_token_scores(fields["tokenizer.ggml.scores"])
-    writer.add_token_types(fields["tokenizer.ggml.token_type"])
-    writer.add_bos_token_id(1), writer.add_eos_token_id(2), writer.add_unk_token_id(0)
-    n_vocab = len(fields["tokenizer.ggml.tokens"])
-    writer.add_tensor("token_embd.weight", numpy.zeros((n_vocab, 4), dtype=numpy.float32))
-    writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file(), writer.close()
-    return Tokenizer.from_gguf_fields(fields), transformers.AutoTokenizer.from_pretrained(str(tmp_path),
-                                                                                         gguf_file="spm.gguf")
+    path = write_spm_gguf(tmp_path_factory.mktemp("spm") / "spm.gguf")
+    return Tokenizer.from_gguf_fields(spm_fields()), transformers.AutoTokenizer.from_pretrained(
+        str(path.parent), gguf_file=path.name)
 
 
-_SPM_LEADING_SPACE = ("known divergence: llama.cpp (and kvlm) prepend the '▁' prefix and keep the text's own "
-                      "leading space as a second one; transformers' GGUF sentencepiece tokenizer merges them")
-_SPM_AFTER_SPECIAL = ("known divergence: llama.cpp (and kvlm) add the '▁' prefix to text after a special token "
-                      "too; transformers adds it only at the start of the input")
-
-
-@pytest.mark.parametrize("text", [
-    "hello world", "hello  world\nhé 😀", "[INST] hello [/INST]", "wor ld</s>", "\nhello",
-    pytest.param(" hello", marks=pytest.mark.xfail(strict=True, reason=_SPM_LEADING_SPACE)),
-    pytest.param("  hello world", marks=pytest.mark.xfail(strict=True, reason=_SPM_LEADING_SPACE)),
-    pytest.param("</s>hello", marks=pytest.mark.xfail(strict=True, reason=_SPM_AFTER_SPECIAL)),
-    pytest.param("hello</s> world", marks=pytest.mark.xfail(strict=True, reason=_SPM_AFTER_SPECIAL)),
-])
+@pytest.mark.parametrize("text", [t for t in SPM_TEXTS if t not in SPM_TRANSFORMERS_DIFFERS])
 def test_sentencepiece_matches_transformers(spm_pair: tuple[Tokenizer, Any], text: str) -> None:
     tok, hf = spm_pair
     assert tok.encode(text) == hf.encode(text)
     assert tok.decode(tok.encode(text)) == hf.decode(hf.encode(text), skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("text", SPM_TEXTS)
+def test_sentencepiece_ids_are_llama_cpps(text: str) -> None:
+    """kvlm's ids are llama.cpp's (llama-cpp-python 0.3.36 on the same GGUF file, recorded by
+    scripts/record_llama_cpp_ids.py), the four texts where transformers' GGUF tokenizer differs included.
+    There llama.cpp and kvlm are right: with a leading space (" hello": '▁', '▁hello') they do what
+    sentencepiece itself does with Llama's settings (add_dummy_prefix on, extra whitespace kept: the
+    dummy '▁' and the text's own space are two), where transformers' Metaspace merges them; after a special
+    token ("</s>hello": '</s>', '▁hello') they give each text span between special tokens its own dummy
+    prefix, as Meta's Llama code encodes each span with sentencepiece, where transformers adds it only at
+    the start of the input."""
+    rec = llama_cpp_ids()["spm"]
+    tok = Tokenizer.from_gguf_fields(spm_fields())
+    assert tok.encode(text) == rec["ids"][rec["texts"].index(text)]
 
 
 # ------------------------------------------------------------------------------ templates, errors
@@ -326,17 +301,7 @@ def test_bad_tokenizer_data() -> None:
         IncrementalDetokenizer(tok).push(-1)
 
 
-PRE_CORPUS = ["Hello world, it's 2024!\n\t日本 😀 x+=1", "I'M HERE they'll   12345678 go\r\n\n  end",
-              "CamelCaseWord über-naïve 3.14159 ", "don't  stop\n\n\nnow?! ...  ",
-              "你好世界，ＡＢＣ１２３ émoji 🎉🎉 tabs\t\tand", "a/b/c//d   \n  x"]
-_NO_HF_SPLIT = ("transformers maps no split regex for this tokenizer.ggml.pre and falls back to GPT-2's byte-level "
-                "regex; kvlm follows llama.cpp's regexes for it")
-
-
-@pytest.mark.parametrize("pre", ["gpt-2", "llama-bpe", "qwen2", "qwen35", "tekken", "gpt-4o",
-                                 *[pytest.param(p, marks=pytest.mark.xfail(strict=True, reason=_NO_HF_SPLIT))
-                                   for p in ("default", "falcon", "deepseek-coder", "deepseek-v3", "bloom",
-                                             "smollm")]])
+@pytest.mark.parametrize("pre", PRE_TOKENIZERS)
 def test_pre_tokenizer_splits_match_transformers(pre: str, tmp_path: Path) -> None:
     """kvlm's pre-token splits equal those of transformers' tokenizer for the same GGUF file, on text with
     digits, contractions, whitespace runs, CJK and emoji (and round-trip through encode/decode)."""
@@ -351,6 +316,20 @@ def test_pre_tokenizer_splits_match_transformers(pre: str, tmp_path: Path) -> No
         ours = [piece for piece, _ in tok._backend.pre_tokenizer.pre_tokenize_str(text)]
         theirs = [piece for piece, _ in hf.backend_tokenizer.pre_tokenizer.pre_tokenize_str(text)]
         assert ours == theirs, text
+
+
+@pytest.mark.parametrize("pre", PRE_TOKENIZERS + PRE_NO_HF_SPLIT)
+def test_pre_tokenizer_ids_are_llama_cpps(smollm_fields: dict[str, Any], pre: str) -> None:
+    """kvlm's ids equal llama.cpp's (llama-cpp-python 0.3.36, recorded by scripts/record_llama_cpp_ids.py) for
+    every pre-tokenizer, under SmolLM2's vocab and merges, which cross the places where the regexes differ:
+    the twelve give seven different id lists on these texts, so a wrong split shows. For the six of
+    PRE_NO_HF_SPLIT transformers has no split regex and falls back to GPT-2's, so llama.cpp's ids are the
+    only reference: kvlm uses llama.cpp's regex for each, and agrees with it on every text here."""
+    rec = llama_cpp_ids()["pre"]
+    assert rec["texts"] == PRE_CORPUS
+    tok = Tokenizer.from_gguf_fields(bpe_fields(smollm_fields, pre))
+    for text, ids in zip(PRE_CORPUS, rec["ids"][pre], strict=True):
+        assert tok.encode(text, add_special_tokens=False) == ids, text
 
 
 # ------------------------------------------------------------------------------------- HF folders

@@ -13,8 +13,10 @@
 // per layer and their allocations: all intermediates live in one scratch buffer reused every step.
 //
 // Exactness: every operation works row by row in a fixed order, so a sequence's result does not depend
-// on B or on its neighbours (alone == in a batch, bit for bit). Against the module path (model.py,
-// used by prefill) results agree to float rounding (rmsnorm / RoPE / SiLU summation and exp order).
+// on B or on its neighbours (alone == in a batch, bit for bit). Against the module path (kvlm/model/,
+// which prefill runs) it is bit for bit too: the same row kernels, element-wise functions and paged
+// attention in the same order, so the same hidden states and K/V bits on float32, float16 and bfloat16
+// caches (tests/model/test_fused_decode.py) and on int8 / int4 ones (tests/engine/test_exact_kv_quant.py).
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>

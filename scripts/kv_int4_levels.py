@@ -10,7 +10,7 @@ level x float16 scale is exact in float32). Prints the mean squared error per va
 group variance, for the uniform levels, the fitted ones and the integer table, then checks the table is
 the engine's.
 
-    python scripts/experiments/kv_int4_levels.py [--groups 200000] [--iters 30]
+    python scripts/kv_int4_levels.py [--groups 200000] [--iters 30]
 """
 
 from __future__ import annotations
