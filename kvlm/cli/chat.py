@@ -5,8 +5,8 @@ Ctrl-C during a reply stops it (the engine request is aborted between two steps,
 keeps what was generated in the history; Ctrl-C at the prompt asks once, a second one or Ctrl-D quits.
 Slash commands (`/help` lists them) reset the conversation, set the system message, show the cache's
 numbers, and save / load the conversation with its KV snapshot (`kvlm.kv_cache.snapshot`), so a long chat
-resumes without prefilling its history. A message spans lines with a trailing backslash or inside
-triple quotes.
+resumes without prefilling its history. A message spans lines when pasted (readline keeps a bracketed
+paste's newlines), with a trailing backslash, or inside triple quotes.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ COMMANDS = {
     "/load FILE": "resume a saved conversation; its K/V goes into the prefix cache, so only new turns prefill",
     "/exit": "quit (also /quit, Ctrl-D, or Ctrl-C twice)",
 }
-MULTILINE = 'end a line with \\ to go on to the next one, or put the message between """ lines'
+MULTILINE = 'paste it, end a line with \\ to go on to the next one, or put the message between """ lines'
 SAVE_FORMAT = "kvlm-chat/1"
 
 
@@ -90,13 +90,13 @@ class ChatSession:
     # -- a turn ------------------------------------------------------------------------------------
     def turn(self, text: str) -> None:
         self.messages.append({"role": "user", "content": text})
-        ids = self.llm.render_chat(self.conversation())
         eng = self.llm.llm_engine
-        # Earlier turns are in the prefix cache: only the new tokens of this turn are prefilled.
-        req = eng.add_request(ids, self.params)
-        self.last = req
         pieces: list[str] = []
-        with _StopOnCtrlC() as ctrl_c:
+        with _StopOnCtrlC() as ctrl_c:  # from here on Ctrl-C stops this turn, even before its first token
+            ids = self.llm.render_chat(self.conversation())
+            # Earlier turns are in the prefix cache: only the new tokens of this turn are prefilled.
+            req = eng.add_request(ids, self.params)
+            self.last = req
             try:
                 while not req.is_finished and not ctrl_c.pressed:
                     for d in eng.step():
@@ -227,10 +227,10 @@ def read_message(prompt: str = ">>> ") -> str | None:
             print(file=sys.stderr)
             return None
         except KeyboardInterrupt:
-            print(file=sys.stderr)
             if warned:
                 return None
             warned = True
+            print(file=sys.stderr)
             say("(Ctrl-C again or Ctrl-D to quit; /help lists the commands)")
 
 
@@ -265,7 +265,10 @@ def cmd_chat(a: argparse.Namespace) -> int:
     session = ChatSession(llm, sampling_params_from_args(a), a.system, a.stats, eng.model_path.name)
     say(f"kvlm chat: {eng.model_path.name}. /help lists the commands; Ctrl-C stops a reply, Ctrl-D quits.")
     while True:
-        text = read_message()
+        try:
+            text = read_message()
+        except KeyboardInterrupt:  # the second Ctrl-C landed while the first one's hint was printed
+            text = None
         if text is None:
             break
         if not text.strip():

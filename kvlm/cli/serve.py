@@ -112,7 +112,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
     _check_flags(a)
     level = getattr(logging, a.log_level.upper())
-    logging.getLogger("kvlm").setLevel(logging.WARNING if a.quiet else level)
+    logging.getLogger("kvlm").setLevel(logging.WARNING if a.quiet else logging.DEBUG if a.verbose else level)
     if _replicated(a):
         return _serve_replicas(a)
     _check_bind(a.host, a.port)  # before loading the model: a busy port should fail in a second
@@ -203,7 +203,9 @@ def _run_http(a: argparse.Namespace, engine: Any, aengine: Any, metrics: Any, na
             # uvicorn re-raises a captured signal after shutting down (exit status -15); a clean drain exits 0.
             self._captured_signals.clear()
 
-    config = uvicorn.Config(app, host=a.host, port=a.port, log_level=a.log_level, access_log=False,
+    # uvicorn's own start and stop lines repeat the URL the ready line gives: shown with -v or --log-level debug.
+    uv_level = "warning" if a.log_level == "info" and not a.verbose else a.log_level
+    config = uvicorn.Config(app, host=a.host, port=a.port, log_level=uv_level, access_log=False,
                             timeout_graceful_shutdown=5, root_path=a.root_path, lifespan="off")
     server = Server(config)
     try:

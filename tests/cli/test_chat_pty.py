@@ -32,9 +32,9 @@ TURN = re.compile(r"\[(\d+) prompt tokens: (\d+) reused from the cache, (\d+) pr
 class Terminal:
     """A child process on a pseudo-terminal: `send` types, `expect` waits for a pattern in what it printed."""
 
-    def __init__(self, args: list[str], cwd: Path) -> None:
+    def __init__(self, args: list[str], cwd: Path, term: str = "dumb") -> None:
         master, slave = pty.openpty()
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TERM": "dumb"}
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TERM": term}
         # A session of its own whose controlling terminal is the pty: Ctrl-C there is SIGINT to the child.
         self.proc = subprocess.Popen([sys.executable, "-m", "kvlm", *args], stdin=slave, stdout=slave, stderr=slave,
                                      cwd=cwd, env=env, start_new_session=True,
@@ -90,9 +90,9 @@ def long_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @contextlib.contextmanager
-def chat(model: Path, cwd: Path, *flags: str) -> Iterator[Terminal]:
+def chat(model: Path, cwd: Path, *flags: str, term: str = "dumb") -> Iterator[Terminal]:
     """`kvlm chat MODEL` on a terminal, at its first prompt; killed on the way out if a test left it running."""
-    t = Terminal(["chat", str(model), "--block-size", "4", "--threads", "1", *flags], cwd)
+    t = Terminal(["chat", str(model), "--block-size", "4", "--threads", "1", *flags], cwd, term)
     try:
         t.expect(r"/help lists the commands")
         t.expect(">>> ")
@@ -165,3 +165,18 @@ def test_commands_save_and_load(long_gguf: Path, tmp_path: Path) -> None:
         t.send("/exit\r")
         t.expect("kvlm chat: bye")
         assert t.close() == 0
+
+
+def test_a_pasted_block_of_lines_is_one_message(long_gguf: Path, tmp_path: Path) -> None:
+    """On a terminal that brackets pastes (xterm), readline keeps a pasted text's newlines in the line: the
+    whole paste is one message, one turn."""
+    text = "first pasted line\nsecond pasted line"
+    with chat(long_gguf, tmp_path, "--max-tokens", "3", term="xterm") as t:
+        t.send(f"\x1b[200~{text}\x1b[201~\r")
+        prompt, _, _, _ = t.turn()
+        assert prompt > len(text)  # byte-level vocabulary: both lines are in this one prompt
+        t.expect(">>> ")
+        t.send("/exit\r")
+        t.expect("kvlm chat: bye")
+        assert t.close() == 0
+    assert len(TURN.findall(t.out)) == 1, t.out

@@ -314,6 +314,8 @@ def test_info_json(runs) -> None:
     per_tok = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * cfg["head_dim"]
     assert doc["kv_bytes_per_token_fp32"] == per_tok * 4
     assert doc["kv_bytes_per_token_fp16"] == per_tok * 2
+    # The pool the default flags reserve (what `-v` logs when an engine starts): 16 sequences at full context.
+    assert doc["kv_pool_bytes"] == 16 * cfg["max_position_embeddings"] * per_tok * 4
     assert doc["model"].endswith("tiny.gguf")
 
 
