@@ -4,7 +4,8 @@ Only a consumer of the library (`LLM`, `Engine`, `SamplingParams`): each command
 of this package (`generate.py`, `chat.py`, `info.py`, `snapshot.py`, `serve.py`; the benchmarks in
 `kvlm.bench`) with an `add_parser` and a `cmd_*`. User mistakes (bad flags, unknown models, broken files,
 prompts that do not fit) print one line on stderr and exit 2 (usage) or 1 (runtime); there is no
-traceback for them.
+traceback for them, and a bad value is named by the flag the user typed (`--max-tokens`), not the
+library's field (`max_tokens`). The global `-q` / `-v` work before or after the subcommand.
 """
 
 from __future__ import annotations
