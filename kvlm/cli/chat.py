@@ -193,7 +193,7 @@ class ChatSession:
         path.write_text(json.dumps({"format": SAVE_FORMAT, "model": self.model_name, "system": self.system,
                                     "messages": self.messages, "kv_snapshot": kv.name}, ensure_ascii=False, indent=1))
         say(f"[saved {len(self.messages)} messages to {path}, their K/V ({info.num_tokens} tokens in "
-            f"{info.num_blocks} blocks) to {kv}]")
+            f"{info.num_blocks} block{'' if info.num_blocks == 1 else 's'}) to {kv}]")
 
     def load(self, path: Path) -> None:
         try:
