@@ -1,4 +1,7 @@
-"""`kvlm generate [MODEL] PROMPT`: one prompt streamed to stdout, one JSON document, or a file of prompts."""
+"""`kvlm generate [MODEL] PROMPT`: one prompt streamed to stdout, one JSON document, or a file of prompts.
+
+The prompt is the PROMPT word, or a whole document: `-f FILE`, `-` (stdin), or stdin when no PROMPT is
+given and stdin is not a terminal (`cat notes.txt | kvlm generate`); `--prompts-file` is one prompt a line."""
 
 from __future__ import annotations
 
@@ -20,7 +23,10 @@ from kvlm.sampling_params import StructuredOutputsParams
 def add_parser(sub: argparse._SubParsersAction) -> None:
     s = sub.add_parser("generate", help="generate text from a prompt (streams to stdout)")
     s.add_argument("inputs", nargs="*", metavar="[MODEL] PROMPT",
-                   help="model alias or path (default smollm2-135m when only PROMPT is given), then the prompt")
+                   help="model alias or path (default smollm2-135m when only PROMPT is given), then the prompt; "
+                        "PROMPT - (or none, with stdin not a terminal) reads the whole of stdin as the prompt")
+    s.add_argument("-f", "--prompt-file", metavar="FILE",
+                   help="the whole file is the prompt, newlines and all (default: none)")
     s.add_argument("--prompts-file",
                    help="one prompt per line, or JSONL with 'prompt' or 'prompt_token_ids' (default: none)")
     s.add_argument("--chat", action="store_true", help="apply the model's chat template")
@@ -67,25 +73,52 @@ def _looks_like_model(arg: str) -> bool:
             or Path(arg).expanduser().exists())
 
 
-def _model_and_prompt(inputs: list[str], from_file: bool) -> tuple[str, str | None]:
-    """`generate [MODEL] PROMPT`: one positional list (so options may sit anywhere), split here."""
+def _model_and_prompt(a: argparse.Namespace) -> tuple[str, str | None]:
+    """`generate [MODEL] PROMPT`: one positional list (so options may sit anywhere), split here; the prompt
+    comes from PROMPT, -f FILE, `-` or a piped stdin (None: --prompts-file gives the prompts)."""
     from kvlm.loader.registry import DEFAULT_MODEL
 
-    if from_file:
-        if len(inputs) > 1:
-            raise ParameterError("prompt", "give either PROMPT or --prompts-file, not both")
-        return (inputs[0] if inputs else DEFAULT_MODEL), None
-    if not inputs:
-        raise ParameterError("prompt", "give a PROMPT (or --prompts-file)")
-    if len(inputs) == 1:
-        if _looks_like_model(inputs[0]):
-            raise ParameterError("prompt", f"no PROMPT after the model {inputs[0]!r} "
-                                           "(give one after it, or use --prompts-file)")
-        return DEFAULT_MODEL, inputs[0]
+    inputs = list(a.inputs)
+    sources = [f for f, v in (("--prompts-file", a.prompts_file), ("--prompt-file", a.prompt_file)) if v]
+    if len(sources) > 1:
+        raise ParameterError("prompt", "give --prompt-file (one prompt) or --prompts-file (one a line), not both")
+    if sources:
+        if len(inputs) > 1 or (inputs and (inputs[0] == "-" or not _looks_like_model(inputs[0]))):
+            raise ParameterError("prompt", f"give either PROMPT or {sources[0]}, not both")
+        model = inputs[0] if inputs else DEFAULT_MODEL
+        return model, (None if a.prompts_file else _read_prompt(a.prompt_file, "--prompt-file"))
     if len(inputs) > 2:
         raise ParameterError("prompt", f"expected [MODEL] PROMPT, got {len(inputs)} positional arguments "
                                        "(quote a prompt of several words)")
-    return inputs[0], inputs[1]
+    if inputs[-1:] == ["-"]:
+        return (inputs[0] if len(inputs) == 2 else DEFAULT_MODEL), _read_prompt(None, "-")
+    if len(inputs) == 2:
+        return inputs[0], inputs[1]
+    if inputs and not _looks_like_model(inputs[0]):
+        return DEFAULT_MODEL, inputs[0]
+    model = inputs[0] if inputs else DEFAULT_MODEL
+    piped = "" if sys.stdin is None or sys.stdin.isatty() else _read_prompt(None, "stdin")
+    if piped:
+        return model, piped
+    if inputs:
+        raise ParameterError("prompt", f"no PROMPT after the model {inputs[0]!r} (give one after it, -f FILE, "
+                                       "pipe it on stdin, or use --prompts-file)")
+    raise ParameterError("prompt", "give a PROMPT (or -f FILE, a prompt piped on stdin, or --prompts-file)")
+
+
+def _read_prompt(path: str | None, what: str) -> str:
+    """A whole file (None: stdin) as one prompt, UTF-8."""
+    try:
+        data = sys.stdin.buffer.read() if path is None else Path(path).expanduser().read_bytes()
+    except OSError as e:
+        raise ParameterError("prompt", f"{what}: cannot read {e.filename or 'stdin'}: {e.strerror}") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ParameterError("prompt", f"{what}: not UTF-8 text (byte {e.start})") from None
+    if not text and path is not None:
+        raise ParameterError("prompt", f"{what}: {path} is empty")
+    return text
 
 
 def _structured(a: argparse.Namespace) -> StructuredOutputsParams | None:
@@ -118,11 +151,17 @@ def _structured(a: argparse.Namespace) -> StructuredOutputsParams | None:
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
-    a.model, a.prompt = _model_and_prompt(a.inputs, bool(a.prompts_file))
+    a.model, a.prompt = _model_and_prompt(a)
     params = sampling_params_from_args(a)
     structured = _structured(a)
     if structured is not None:
-        params = dataclasses.replace(params, structured_outputs=structured)
+        flag = next(f for f in ("--json-schema", "--regex", "--choice", "--grammar")
+                    if getattr(a, f[2:].replace("-", "_")) is not None)
+        try:
+            params = dataclasses.replace(params, structured_outputs=structured)
+        except ParameterError as e:  # "structured_outputs cannot be combined with min_tokens or ignore_eos"
+            raise ParameterError(flag, str(e).replace("structured_outputs", flag, 1)
+                                 .replace("min_tokens or ignore_eos", "--ignore-eos")) from None
     with loading(a.freeze_after_load):
         from kvlm.llm import LLM
 
@@ -132,8 +171,6 @@ def cmd_generate(a: argparse.Namespace) -> int:
         try:
             llm.llm_engine.grammars.compile(structured)
         except ParameterError as e:
-            flag = next(f for f in ("--json-schema", "--regex", "--choice", "--grammar")
-                        if getattr(a, f[2:].replace("-", "_")) is not None)
             raise ParameterError(flag, str(e).replace("structured_outputs", flag, 1)) from None
 
     def as_input(text: str):

@@ -1,5 +1,5 @@
-"""`kvlm pull`, `kvlm info` and `kvlm kv-size`: fetch a model, describe it, size its KV cache (torch only for
-`info`'s backend line)."""
+"""`kvlm pull`, `kvlm info` and `kvlm kv-size`: fetch a model, describe it, size its KV cache (no torch, but
+for `kvlm info`'s backend and default KV pool lines)."""
 
 from __future__ import annotations
 
@@ -65,6 +65,7 @@ def cmd_info(a: argparse.Namespace) -> int:
             "threading": "torch's thread count (--threads), adaptive: fewer while other processes keep cores "
                          "busy, re-checked every 0.5 s (--no-adaptive-threads to fix it)"}
     info["backend"] = _backend(c.head_dim)
+    info["kv_pool_bytes"] = _default_pool_bytes(c.max_position_embeddings, info["kv_bytes_per_token_fp32"])
     formats = _weight_formats(path)
     if formats:
         info["weight_formats"] = formats
@@ -77,6 +78,11 @@ def cmd_info(a: argparse.Namespace) -> int:
                       f"elementwise {v['elementwise']}, sampler {v['sampler']}")
                 for why in v["reasons"]:
                     print(f"{'':26s} - {why}")
+            if k == "kv_pool_bytes":  # the line `-v` shows when an engine starts, for the default flags
+                print(f"{'kv_pool':26s} {v / 2**20:.1f} MiB reserved with the default flags, "
+                      f"{v // info['kv_bytes_per_token_fp32']:,} tokens of float32 K/V (--max-num-seqs sequences "
+                      "at full context, at most a quarter of available memory and 1 GiB on CPU; --kv-cache-memory "
+                      "sets it); resident only as tokens are written")
             elif k != "weight_formats":
                 print(f"{k:26s} {v:,}" if isinstance(v, int) else f"{k:26s} {v}")
         for name, f in formats.items():  # which kernel computes on each stored format (--dtype auto)
@@ -92,6 +98,17 @@ def _backend(head_dim: int) -> dict[str, Any]:
     from kvlm.kernels.backend import select_backend
 
     return select_backend(torch.device("cpu"), torch.float32, head_dim).as_dict()
+def _default_pool_bytes(context_length: int, kv_bytes_per_token: int) -> int:
+    """The KV pool an engine with the default flags reserves on CPU (`kv_cache.pool.kv_pool_budget`; imports
+    torch, which `kvlm info` otherwise never needs)."""
+    import torch
+
+    from kvlm.config import EngineConfig
+    from kvlm.kv_cache.pool import kv_pool_budget
+
+    cfg = EngineConfig()
+    max_model_len = min(context_length, 4096)  # EngineConfig.max_model_len None: the model's, at most 4096
+    return kv_pool_budget(cfg, max_model_len, kv_bytes_per_token, torch.device("cpu"))
 
 
 def _weight_formats(path: Path) -> dict[str, Any]:

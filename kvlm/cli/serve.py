@@ -1,6 +1,7 @@
 """`kvlm serve [MODEL]`: load the model, start the engine loop, serve the OpenAI API with uvicorn.
 
-Prints one line when ready (URL, served model, KV pool). SIGINT/SIGTERM: new requests get 503, requests
+Prints one line when ready: the served model, the URL of the chat page and the context length (`-v`
+adds the KV pool's size, which the engine logs). SIGINT/SIGTERM: new requests get 503, requests
 in flight end at the next engine step with `finish_reason: "abort"` (their streams get a final chunk and
 `[DONE]`), then the process exits 0.
 """
@@ -111,7 +112,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
     _check_flags(a)
     level = getattr(logging, a.log_level.upper())
-    logging.getLogger("kvlm").setLevel(logging.WARNING if a.quiet else level)
+    logging.getLogger("kvlm").setLevel(logging.WARNING if a.quiet else logging.DEBUG if a.verbose else level)
     if _replicated(a):
         return _serve_replicas(a)
     _check_bind(a.host, a.port)  # before loading the model: a busy port should fail in a second
@@ -123,7 +124,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     names = served_names(a.model, a.served_model_name)
     aengine = AsyncEngine(engine, a.max_queued_requests)
     metrics = ServerMetrics(aengine, names[0])  # takes the loop thread's token / finish hooks
-    ready = (f"max_model_len {engine.max_model_len}; {engine.describe_cache().removeprefix('kvlm: ')}")
+    ready = f"max_model_len {engine.max_model_len}"
     aengine.start()
     try:
         return _run_http(a, engine, aengine, metrics, names, ready)
@@ -165,8 +166,9 @@ def _serve_replicas(a: argparse.Namespace) -> int:
         metrics = ReplicaMetrics(dep.book, names[0], opts.target)
         scale = (f"{opts.min_replicas or 1}..{opts.max_replicas or opts.min_replicas} replicas (autoscaling)"
                  if opts.autoscaling else f"{n} replicas")
-        ready = (f"{scale}, router {a.router}, {cfg.num_threads} threads each; max_model_len {info.max_model_len}; "
-                 f"per replica {info.cache_line.removeprefix('kvlm: ')}")
+        ready = f"{scale}, router {a.router}, {cfg.num_threads} threads each; max_model_len {info.max_model_len}"
+        if a.verbose:
+            ready += f"; per replica {info.cache_line.removeprefix('kvlm: ')}"
         return _run_http(a, info, client, metrics, names, ready)
     finally:
         dep.shutdown()
@@ -191,7 +193,8 @@ def _run_http(a: argparse.Namespace, engine: Any, aengine: Any, metrics: Any, na
         async def startup(self, *args: Any, **kw: Any) -> None:
             await super().startup(*args, **kw)
             if self.started:
-                print(f"kvlm: serving {names[0]} at http://{a.host}:{a.port}{a.root_path} ({ready})",
+                url = f"http://{a.host}:{a.port}{a.root_path}"
+                print(f"kvlm: serving {names[0]} at {url} (chat page: {url}/, OpenAI API: {url}/v1; {ready})",
                       file=sys.stderr, flush=True)
 
         def handle_exit(self, sig: int, frame: Any) -> None:
@@ -200,7 +203,9 @@ def _run_http(a: argparse.Namespace, engine: Any, aengine: Any, metrics: Any, na
             # uvicorn re-raises a captured signal after shutting down (exit status -15); a clean drain exits 0.
             self._captured_signals.clear()
 
-    config = uvicorn.Config(app, host=a.host, port=a.port, log_level=a.log_level, access_log=False,
+    # uvicorn's own start and stop lines repeat the URL the ready line gives: shown with -v or --log-level debug.
+    uv_level = "warning" if a.log_level == "info" and not a.verbose else a.log_level
+    config = uvicorn.Config(app, host=a.host, port=a.port, log_level=uv_level, access_log=False,
                             timeout_graceful_shutdown=5, root_path=a.root_path, lifespan="off")
     server = Server(config)
     try:

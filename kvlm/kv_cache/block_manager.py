@@ -86,6 +86,7 @@ class BlockManager:
         self.root_hash = hashlib.sha256(b"kvlm-prefix").digest()
         self.readers: list[set[str]] | None = None  # debug mode: request ids reading each block
         self.num_evictions = 0
+        self.num_freed = 0  # blocks whose last reader let go (to free or cached-free), since the start
 
     # -- counts ------------------------------------------------------------------------------------
     @property
@@ -339,6 +340,7 @@ class BlockManager:
             self.readers[b].discard(req.request_id)
             assert bool(self.readers[b]) == (self.ref_counts[b] > 0), f"block {b} freed while read"
         if self.ref_counts[b] == 0:
+            self.num_freed += 1
             if self.block_hash[b] is not None:
                 self.cached_free[b] = None  # most recently freed: evicted last
             else:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -137,6 +138,8 @@ def resolve_model(name: str, quiet: bool = False) -> Path:
         return p
     if name in MODELS:
         return pull(name, quiet=quiet)
+    if os.sep in name or "/" in name or name.endswith((".gguf", ".safetensors")):  # a path, not an alias
+        raise ModelLoadError(f"{name}: no such file or folder")
     raise ModelLoadError(
         f"model {name!r} is neither a file, a folder, nor a known alias ({', '.join(sorted(MODELS))})"
     )

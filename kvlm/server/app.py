@@ -304,6 +304,14 @@ def create_app(completion: CompletionServing, chat: ChatServing, aengine: AsyncE
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    @app.get("/kv_cache")
+    async def kv_cache() -> Any:
+        """The KV pool block by block, for the chat page's panel (`AsyncEngine.kv_map`)."""
+        if not hasattr(aengine, "kv_map"):  # replicas: each has its own pool
+            raise APIError(501, "the KV map is not available with --replicas", "invalid_request_error")
+        refuse_when_unavailable()
+        return await aengine.kv_map()
+
     @app.get("/")
     async def index() -> HTMLResponse:
         return HTMLResponse(page)

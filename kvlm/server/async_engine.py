@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvlm.engine.engine import Engine
+from kvlm.kv_cache.block_manager import held_blocks
 from kvlm.outputs import StreamDelta
 from kvlm.request import Request
 from kvlm.sampling_params import SamplingParams
@@ -164,6 +165,13 @@ class AsyncEngine:
             raise
         return sub
 
+    async def kv_map(self) -> dict[str, Any]:
+        """The KV pool block by block (the chat page's panel), built by the loop thread at its next turn:
+        handler threads never read the block manager themselves."""
+        fut: Future = Future()
+        self._post(("kv_map", fut))
+        return await asyncio.wrap_future(fut)
+
     def abort(self, request_id: str) -> None:
         if self.dead is None:
             self._post(("abort", request_id))
@@ -237,6 +245,31 @@ class AsyncEngine:
             elif msg[0] == "abort_all":
                 for rid in list(self._streams):
                     self._abort(rid)
+            elif msg[0] == "kv_map":
+                self._set_future(msg[1], None, self._kv_map())
+
+    def _kv_map(self) -> dict[str, Any]:
+        """Loop thread: each block's state as one number (0 free, 1 cached-free: a finished request's prefix
+        kept for reuse, 2 + i: held by owners[i], the first running request that reads it), the blocks more
+        than one request reads, and the pool's counters. O(blocks), built only when asked."""
+        eng = self.engine
+        bm = eng.block_manager
+        state = [0] * bm.num_blocks
+        for b in bm.cached_free:
+            state[b] = 1
+        owners = []
+        for req in eng.scheduler.running:
+            held = held_blocks(req)
+            for b in held:
+                if state[b] < 2:
+                    state[b] = 2 + len(owners)
+            owners.append({"id": req.request_id, "blocks": len(held), "tokens": req.num_computed_tokens})
+        shared = [b for b, n in enumerate(bm.ref_counts) if n > 1]
+        return {"num_blocks": bm.num_blocks, "block_size": bm.block_size,
+                "bytes_per_block": bm.block_size * eng.kv_bytes_per_token, "blocks": state, "owners": owners,
+                "shared": shared, "used": bm.num_used_blocks, "cached": len(bm.cached_free),
+                "free": len(bm.free_blocks), "freed": bm.num_freed, "evicted": bm.num_evictions,
+                "running": len(eng.scheduler.running), "waiting": len(eng.scheduler.waiting)}
 
     def _add(self, msg: _Add) -> None:
         added: list[Request] = []
@@ -288,6 +321,8 @@ class AsyncEngine:
         for msg in self._take_inbox():
             if isinstance(msg, _Add):
                 self._set_future(msg.future, err)
+            elif msg[0] == "kv_map":
+                self._set_future(msg[1], err)
 
 
 class DeltaStream:

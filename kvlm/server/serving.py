@@ -94,7 +94,8 @@ class OpenAIServing:
         if r.n > 1 and r.temperature == 0:
             raise bad_request(f"n must be 1 when using greedy sampling, got {r.n}", "n")
         if r.temperature is not None and not 0 <= r.temperature <= 2:
-            raise bad_request(f"temperature must be in [0, 2], got {r.temperature}", "temperature")
+            raise bad_request(f"temperature must be a finite number in [0, 2] (OpenAI's range), got {r.temperature}",
+                              "temperature")
         if num_prompts * r.n > o.max_prompts:
             raise bad_request(f"prompts x n must be at most {o.max_prompts}", "n")
         stops = [r.stop] if isinstance(r.stop, str) else list(r.stop or [])

@@ -23,6 +23,7 @@ IM_START = VOCAB - 3  # <|im_start|> in the tiny byte-level vocab
 EOS = VOCAB - 2  # <|im_end|>
 LONG_PROMPT = "hello world, this prompt is far longer than eight tokens"
 PLAIN_PROMPTS = ["hello", "world", "foo bar"]
+NOTES = "First line of my notes.\n\nA second paragraph, with ü and a tab\t.\n"  # -f, stdin: one prompt
 JSONL_PROMPTS: list[dict[str, Any]] = [{"prompt": "foo bar"}, {"prompt_token_ids": [1, 2, 3]}, {"prompt": "hello"}]
 
 # Llama-3-8B shapes: 32 layers, 32 query heads, 8 KV heads, head_dim 4096 / 32 = 128.
@@ -76,6 +77,17 @@ def commands(model: Path, files: dict[str, Path]) -> dict[str, list[str]]:
                               '"required":["a"],"additionalProperties":false}', "--json"],
         "grammar": gen + ["hi", "--grammar", str(files["grammar"]), "--json"],
         "json_schema_file_stream": ["-q", "generate", m, "hi", "--json-schema", str(files["schema"])],
+        # one document as one prompt: piped, `-`, -f / --prompt-file (stdin from files["notes"]: STDIN)
+        "inline_notes": gen + [NOTES, "--max-tokens", "2", "--json"],
+        "stdin_pipe": gen + ["--max-tokens", "2", "--json"],
+        "stdin_dash": gen + ["-", "--max-tokens", "2", "--json"],
+        "prompt_file": gen + ["-f", str(files["notes"]), "--max-tokens", "2", "--json"],
+        "prompt_file_long": ["-q", "generate", "--prompt-file", str(files["notes"]), m, "--max-tokens", "2", "--json"],
+        "err_prompt_and_file": gen + ["hi", "-f", str(files["notes"])],
+        # global flags after the subcommand; the KV-pool line only with -v
+        "plain": ["generate", m, "hello", "--max-tokens", "3"],
+        "quiet_after": ["generate", m, "hello", "--max-tokens", "3", "-q"],
+        "verbose_after": ["generate", m, "hello", "--max-tokens", "3", "--verbose"],
         "bounded": gen + ["the quick brown fox " * 6, "--max-model-len", "64", "--block-size", "4", "--max-kv-tokens",
                           "32", "--max-tokens", "40", "--ignore-eos", "--json"],
     }
@@ -87,31 +99,39 @@ BAD_INPUT: dict[str, tuple[list[str], int, list[str]]] = {
     "no_prompt_after_path": (["generate", "--max-tokens", "3"], 2, ["PROMPT", "tiny.gguf"]),
     "kv_memory_inf": (["generate", "hi", "--kv-cache-memory", "inf"], 2, ["--kv-cache-memory", "inf"]),
     "kv_memory_bare_fraction": (["generate", "hi", "--kv-cache-memory", "1.5"], 2, ["bytes", "whole"]),
-    "kv_memory_one_byte": (["generate", "hi", "--kv-cache-memory", "1"], 2, ["kv_cache_memory", "1 B"]),
+    "kv_memory_one_byte": (["generate", "hi", "--kv-cache-memory", "1"], 2, ["--kv-cache-memory", "1 B"]),
     "kv_memory_most_of_ram": (["generate", "hi", "--kv-cache-memory", "95%"], 2, ["90%", "available"]),
     "threads_negative": (["generate", "hi", "--threads", "-1"], 2, ["--threads", "-1"]),
     "device_unknown": (["generate", "hi", "--device", "foo"], 2, ["device", "foo"]),
     "max_model_len_too_big": (["generate", "hi", "--max-model-len", "100000000"], 2,
-                              ["max_model_len", "100000000", "256"]),
+                              ["--max-model-len", "100000000", "256"]),
     "seed_overflow": (["generate", "hi", "--seed", "99999999999999999999999"], 2, ["seed"]),
     "stop_token_outside_vocab": (["generate", "hi", "--stop-token-ids", "99999999"], 2,
-                                 ["stop_token_ids", "99999999", "264"]),
+                                 ["--stop-token-ids", "99999999", "264"]),
     "bad_regex": (["generate", "hi", "--regex", "[0-9"], 2, ["--regex", "invalid regex"]),
     "bad_schema_text": (["generate", "hi", "--json-schema", "{nope"], 2, ["--json-schema", "not a JSON schema"]),
     "bad_schema": (["generate", "hi", "--json-schema", '{"type": "nonsense"}'], 2, ["--json-schema", "invalid"]),
     "two_constraints": (["generate", "hi", "--regex", "a", "--choice", "b"], 2, ["--choice", "one of"]),
     "missing_grammar": (["generate", "hi", "--grammar", "no-such.lark"], 2, ["--grammar", "no-such.lark"]),
-    "constraint_and_ignore_eos": (["generate", "hi", "--regex", "a", "--ignore-eos"], 2, ["ignore_eos"]),
-    "temperature_inf": (["generate", "hi", "--temperature", "inf"], 2, ["temperature", "inf"]),
+    "constraint_and_ignore_eos": (["generate", "hi", "--regex", "a", "--ignore-eos"], 2, ["--regex", "--ignore-eos"]),
+    "temperature_inf": (["generate", "hi", "--temperature", "inf"], 2, ["--temperature", "inf"]),
     "too_many_words": (["generate", "hello", "world"], 2, ["PROMPT", "quote"]),
     "max_kv_tokens_not_a_block_multiple": (["generate", "hi", "--max-kv-tokens", "30"], 2,
-                                           ["max_kv_tokens", "multiple of the block size"]),
+                                           ["--max-kv-tokens", "multiple of the block size"]),
 }
 
 
 @pytest.fixture(scope="session")
 def kvlm_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("kvlm_home")
+    """An empty KVLM_HOME (no models: nothing can be downloaded into it unseen), whose ext/ is this
+    machine's kernel build folder, so the commands do not each wait for a fresh build of the kernels
+    (keyed by their sources, compiler and torch: never a stale one)."""
+    from kvlm.paths import kvlm_home as real_home
+
+    home = tmp_path_factory.mktemp("kvlm_home")
+    (real_home() / "ext").mkdir(parents=True, exist_ok=True)
+    (home / "ext").symlink_to(real_home() / "ext", target_is_directory=True)
+    return home
 
 
 @pytest.fixture(scope="session")
@@ -123,27 +143,33 @@ def cli_files(tmp_path_factory: pytest.TempPathFactory, tiny_gguf: Path) -> dict
     (d / "prompts.txt").write_text("\n".join(PLAIN_PROMPTS) + "\n\n")  # a blank line is skipped
     (d / "prompts.jsonl").write_text("\n".join(json.dumps(p) for p in JSONL_PROMPTS) + "\n")
     (d / "config.json").write_text(json.dumps(LLAMA3_8B))
+    (d / "notes.txt").write_bytes(NOTES.encode())
     (d / "query.lark").write_text('start: "SELECT " /[a-z]{1,5}/ " FROM t"\n')
     (d / "schema.json").write_text(json.dumps({"type": "array", "items": {"type": "integer", "minimum": 0,
                                                                           "maximum": 9}, "minItems": 2, "maxItems": 2}))
     return {"grammar": d / "query.lark", "schema": d / "schema.json",
             "truncated": d / "truncated.gguf", "truncated_header": d / "truncated_header.gguf",
             "plain": d / "prompts.txt", "jsonl": d / "prompts.jsonl",
-            "config": d / "config.json", "missing": d / "missing.gguf"}
+            "config": d / "config.json", "missing": d / "missing.gguf", "notes": d / "notes.txt"}
 
 
-def _run(args: list[str], home: Path) -> subprocess.CompletedProcess[str]:
+STDIN = {"stdin_pipe", "stdin_dash"}  # commands whose stdin is the notes file (every other one: /dev/null)
+
+
+def _run(args: list[str], home: Path, stdin: Path | None = None) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "KVLM_HOME": str(home), "PYTHONIOENCODING": "utf-8", "HF_HUB_OFFLINE": "1",
            "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "kvlm", *args], capture_output=True, text=True, env=env,
-                          cwd=home, timeout=300)
+    with open(stdin or os.devnull, "rb") as f:
+        return subprocess.run([sys.executable, "-m", "kvlm", *args], capture_output=True, text=True, env=env,
+                              cwd=home, timeout=300, stdin=f)
 
 
 @pytest.fixture(scope="session")
 def runs(tiny_gguf: Path, cli_files: dict[str, Path], kvlm_home: Path):
     """name -> finished CompletedProcess; all commands start at once on a small pool."""
     pool = ThreadPoolExecutor(max_workers=max(3, min(8, os.cpu_count() or 1)))  # imports wait on I/O too
-    futures: dict[str, Future] = {name: pool.submit(_run, args, kvlm_home)
+    futures: dict[str, Future] = {name: pool.submit(_run, args, kvlm_home,
+                                                    cli_files["notes"] if name in STDIN else None)
                                   for name, args in commands(tiny_gguf, cli_files).items()}
 
     def result(name: str) -> subprocess.CompletedProcess[str]:
@@ -230,6 +256,30 @@ def test_streaming_prints_text_and_stats(runs) -> None:
     assert "generated" in stats[0] and "TTFT" in stats[0] and "tok/s" in stats[0]
 
 
+@pytest.mark.parametrize("name", ["stdin_pipe", "stdin_dash", "prompt_file", "prompt_file_long"])
+def test_a_document_is_one_prompt(runs, name: str) -> None:
+    """`cat notes | kvlm generate`, `kvlm generate - < notes`, `-f notes`: the whole file, newlines and all,
+    is one prompt (the same as that text given as PROMPT), not one prompt a line."""
+    doc, inline = ok_json(runs(name)), ok_json(runs("inline_notes"))
+    assert doc["prompt_token_ids"] == inline["prompt_token_ids"] and doc["token_ids"] == inline["token_ids"]
+    assert len(doc["prompt_token_ids"]) > len(NOTES) // 2  # byte-level vocab: the whole text, not a line
+
+
+def test_prompt_and_prompt_file_is_one_error(runs) -> None:
+    p = runs("err_prompt_and_file")
+    assert p.returncode == 2 and "--prompt-file" in one_error_line(p)
+
+
+def test_global_flags_after_the_subcommand_and_no_pool_line_by_default(runs) -> None:
+    plain, quiet, verbose = runs("plain"), runs("quiet_after"), runs("verbose_after")
+    for p in (plain, quiet, verbose):
+        assert p.returncode == 0, p.stderr
+        assert p.stdout == plain.stdout and p.stdout.strip()
+    assert "KV cache" not in plain.stderr and "reserved" not in plain.stderr, plain.stderr
+    assert quiet.stderr == ""
+    assert "KV cache (paged):" in verbose.stderr and "MiB reserved" in verbose.stderr
+
+
 def test_prompts_file_plain_lines(runs, api_greedy) -> None:
     p = runs("prompts_plain")
     assert p.returncode == 0, p.stderr
@@ -264,6 +314,8 @@ def test_info_json(runs) -> None:
     per_tok = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * cfg["head_dim"]
     assert doc["kv_bytes_per_token_fp32"] == per_tok * 4
     assert doc["kv_bytes_per_token_fp16"] == per_tok * 2
+    # The pool the default flags reserve (what `-v` logs when an engine starts): 16 sequences at full context.
+    assert doc["kv_pool_bytes"] == 16 * cfg["max_position_embeddings"] * per_tok * 4
     assert doc["model"].endswith("tiny.gguf")
 
 
@@ -321,11 +373,11 @@ def test_help(runs) -> None:
 
 
 @pytest.mark.parametrize("name, code, words", [
-    ("err_missing", 1, ["missing.gguf"]),
+    ("err_missing", 1, ["missing.gguf", "no such file"]),
     ("err_truncated", 1, ["truncated.gguf", "truncated"]),
     ("err_alias", 1, ["nosuchalias", "smollm2-135m"]),
-    ("err_temperature", 2, ["temperature"]),
-    ("err_top_p", 2, ["top_p"]),
+    ("err_temperature", 2, ["--temperature"]),
+    ("err_top_p", 2, ["--top-p"]),
     ("err_too_long", 2, ["prompt", "8"]),
     ("err_kv_memory", 2, ["--kv-cache-memory", "lots"]),
 ])
@@ -370,17 +422,17 @@ def test_bad_input_table(runs, name: str) -> None:
 
 
 @pytest.mark.parametrize(("args", "words"), [
-    (["--temperature", "nan"], ["temperature", "nan"]),
-    (["--top-k", "-5"], ["top_k", "-5"]),
-    (["--min-p", "2"], ["min_p"]),
-    (["--max-tokens", "0"], ["max_tokens"]),
-    (["--logprobs", "99"], ["logprobs", "99"]),
-    (["--block-size", "0"], ["block_size"]),
+    (["--temperature", "nan"], ["--temperature", "nan"]),
+    (["--top-k", "-5"], ["--top-k", "-5"]),
+    (["--min-p", "2"], ["--min-p"]),
+    (["--max-tokens", "0"], ["--max-tokens must be a positive integer, got 0"]),
+    (["--logprobs", "99"], ["--logprobs", "99"]),
+    (["--block-size", "0"], ["--block-size"]),
     (["--threads", "two"], ["--threads", "two"]),
-    (["--max-model-len", "0"], ["max_model_len"]),
+    (["--max-model-len", "0"], ["--max-model-len"]),
     (["--kv-cache-memory", "999999TiB"], ["90%", "available"]),
     (["--kv-cache-memory", "0.3"], ["bare number is bytes", "30%"]),
-    (["--device", "cuda:x"], ["device", "cuda:x"]),
+    (["--device", "cuda:x"], ["--device", "cuda:x"]),
 ])
 def test_more_bad_values_in_process(tiny_gguf: Path, capsys: pytest.CaptureFixture[str], args: list[str],
                                     words: list[str]) -> None:

@@ -1,6 +1,7 @@
 """The defaults the docs and `--help` state are the code's defaults.
 
-README.md's flag paragraph ("`--block-size` (default 16)"), docs/server.md's options table and its other
+The flag paragraph ("`--block-size` (default 16)", in docs/usage.md, where the README's reference moved, read
+here with the README and the other pages it split into), docs/server.md's options table and its other
 stated numbers are parsed and compared with `kvlm.cli.main.build_parser()`'s defaults, and the parser's
 defaults with `EngineConfig()` / `SamplingParams()` field defaults; every flag's `--help` shows its default.
 A doc that states a default the code does not have fails here.
@@ -22,7 +23,9 @@ from kvlm.server.protocol import COMPLETION_DEFAULT_MAX_TOKENS
 from kvlm.server.serving import ServingOptions
 
 ROOT = Path(__file__).resolve().parents[2]
-README = (ROOT / "README.md").read_text()
+# The README and the pages its reference sections moved to, read as one text.
+README = "\n".join((ROOT / p).read_text() for p in ("README.md", "docs/usage.md", "docs/prefix_cache.md",
+                                                     "docs/serving.md"))
 SERVER_MD = (ROOT / "docs" / "server.md").read_text()
 COMMANDS = ["generate", "chat", "serve", "kv-size", "info", "pull", "cache save"]
 

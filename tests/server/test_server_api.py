@@ -239,3 +239,18 @@ def test_32_concurrent_greedy_requests_equal_offline_generate(tiny_server, aclie
         assert g.choices[0].text == w.outputs[0].text
         assert g.usage.completion_tokens == len(w.outputs[0].token_ids)
         assert g.choices[0].finish_reason == w.outputs[0].finish_reason
+
+
+def test_kv_cache_map_agrees_with_metrics(client, tiny_server):
+    """GET /kv_cache (the chat page's panel): after a request with a few full blocks, nothing runs, its blocks
+    stay cached for reuse, the counts add up to the pool and `used` is /metrics' used-blocks gauge."""
+    prompt = "a prompt that fills a few blocks of sixteen tokens, " * 2
+    client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0,
+                              extra_headers={"X-Request-Id": "kv-map-probe"})
+    m = httpx.get(tiny_server.url + "/kv_cache", timeout=10).json()
+    assert m["running"] == 0 and m["owners"] == []
+    assert len(m["blocks"]) == m["num_blocks"] == tiny_server.metrics()["kvlm:kv_cache_total_blocks"]
+    assert m["used"] == tiny_server.metrics()["kvlm:kv_cache_used_blocks"] == sum(s >= 2 for s in m["blocks"])
+    assert m["cached"] == m["blocks"].count(1) >= len(prompt) // m["block_size"] // 2  # the prompt, kept for reuse
+    assert m["used"] + m["cached"] + m["free"] == m["num_blocks"]
+    assert m["freed"] >= m["cached"] and m["bytes_per_block"] > 0

@@ -161,3 +161,15 @@ def test_serve_command_line_errors_are_one_line(tiny_gguf, tiny_server):
     assert busy.returncode == 1 and "Traceback" not in busy.stderr
     assert busy.stderr.strip().splitlines()[-1].startswith("kvlm: error: could not start the server")
     assert "kvlm: serving tiny at http://127.0.0.1:" in tiny_server.output()  # the ready line
+
+
+def test_serve_says_one_line_with_the_chat_page(tiny_gguf):
+    """At the default log level, `kvlm serve` prints one line: where the chat page and the API are. The KV
+    pool's line (and uvicorn's own start lines) come with -v."""
+    with ServerProcess(tiny_gguf, "--log-level", "info") as server:
+        lines = server.output().splitlines()
+    assert lines == [f"kvlm: serving tiny.gguf at {server.url} (chat page: {server.url}/, OpenAI API: "
+                     f"{server.url}/v1; max_model_len 256)"], lines
+    with ServerProcess(tiny_gguf, "-v") as server:
+        out = server.output()
+    assert out.count("KV cache (paged):") == 1 and "chat page" in out  # -v after the subcommand; pool line once
