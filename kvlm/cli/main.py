@@ -140,10 +140,14 @@ def main(argv: list[str] | None = None, *, freeze_after_load: bool = False) -> i
 
 class _EngineDetail(logging.Filter):
     """Without -v: drop the engine's KV-pool line ("kvlm: KV cache (paged): N blocks x ..., MiB reserved ..."),
-    a sizing detail that reads as an alarm on every run; `kvlm info`, `-v` and `/stats` in chat show it."""
+    a sizing detail that reads as an alarm on every run (`kvlm info`, `-v` and `/stats` in chat show it), and
+    its backend line ("kvlm: backend cpu/avx2: ...", which `kvlm info` and `kvlm serve`'s ready line show)
+    unless it is a warning (a model the native attention cannot serve exactly)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith("kvlm: KV cache")
+        msg = record.getMessage()
+        return not (msg.startswith("kvlm: KV cache")
+                    or (msg.startswith("kvlm: backend ") and record.levelno < logging.WARNING))
 
 
 def _setup_logging(quiet: bool, verbose: bool) -> None:

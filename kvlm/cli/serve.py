@@ -124,7 +124,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     names = served_names(a.model, a.served_model_name)
     aengine = AsyncEngine(engine, a.max_queued_requests)
     metrics = ServerMetrics(aengine, names[0])  # takes the loop thread's token / finish hooks
-    ready = f"max_model_len {engine.max_model_len}"
+    ready = f"max_model_len {engine.max_model_len}; {engine.backend.summary()}"
     aengine.start()
     try:
         return _run_http(a, engine, aengine, metrics, names, ready)

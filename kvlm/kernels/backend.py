@@ -115,6 +115,10 @@ class Backend:
     def with_decode(self, decode: Literal["fused", "modules"], why: str) -> Backend:
         return dataclasses.replace(self, decode=decode, reasons=(*self.reasons, f"decode {decode}: {why}"))
 
+    def summary(self) -> str:
+        """The choices without their reasons: `kvlm serve`'s ready line."""
+        return f"backend {self.device}/{self.isa}, attention {self.attention}, decode {self.decode}"
+
     def describe(self) -> str:
         """One line for the startup log and `kvlm info`."""
         return (f"backend {self.device}/{self.isa}: attention {self.attention}, elementwise {self.elementwise}, "

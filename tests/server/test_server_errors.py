@@ -168,8 +168,11 @@ def test_serve_says_one_line_with_the_chat_page(tiny_gguf):
     pool's line (and uvicorn's own start lines) come with -v."""
     with ServerProcess(tiny_gguf, "--log-level", "info") as server:
         lines = server.output().splitlines()
-    assert lines == [f"kvlm: serving tiny.gguf at {server.url} (chat page: {server.url}/, OpenAI API: "
-                     f"{server.url}/v1; max_model_len 256)"], lines
+    assert len(lines) == 1, lines
+    assert lines[0].startswith(f"kvlm: serving tiny.gguf at {server.url} (chat page: {server.url}/, OpenAI API: "
+                               f"{server.url}/v1; max_model_len 256; backend cpu/"), lines
+    assert "attention paged-" in lines[0] or "reference" in lines[0], lines  # which kernels serve it
     with ServerProcess(tiny_gguf, "-v") as server:
         out = server.output()
     assert out.count("KV cache (paged):") == 1 and "chat page" in out  # -v after the subcommand; pool line once
+    assert out.count("kvlm: backend cpu/") == 1  # -v: the backend with its reasons
