@@ -32,7 +32,6 @@ from kvlm.kernels.backend import Backend, kernel_path
 from kvlm.kernels.kv_quant import KVQuantFormat
 from kvlm.kernels.paged_attention import KV_DTYPES
 from kvlm.kv_cache.storage import PagedKVCache
-from kvlm.model.llama import ROPE_SCRATCH
 from kvlm.model.quant_layers import QuantLinear
 
 # Seconds per part of a profiled step, in decode.cpp's order.
@@ -70,11 +69,24 @@ def _eligible(model: torch.nn.Module, kv_cache: object, backend: Backend) -> str
     return None
 
 
+ROPE_SCRATCH = 256  # RoPE table rows past the context, for a step's rows beyond it (a bounded cache's)
+
+
+def _rope_tables(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fused step's own copy of the model's cos / signed sin tables, (max_positions + ROPE_SCRATCH, D)
+    float32: where a step's rows past the context find the rows `rope_rows` computes for them (`_positions`),
+    so the step never writes into the model's buffers."""
+    def table(t: torch.Tensor) -> torch.Tensor:
+        return torch.cat((t.float(), t.new_zeros(ROPE_SCRATCH, t.shape[1], dtype=torch.float32))).contiguous()
+    return table(model.rope_cos), table(model.rope_sin)
+
+
 class FusedDecoder:
     """Runs decode-only steps of `model` natively. Build with `FusedDecoder.create(model, kv_cache)`."""
 
-    def __init__(self, model: torch.nn.Module, plan: int, isa: str) -> None:
+    def __init__(self, model: torch.nn.Module, plan: int, isa: str, rope: tuple[torch.Tensor, torch.Tensor]) -> None:
         self.model, self.plan = model, plan
+        self._cos, self._sin = rope  # the plan's RoPE tables (`_rope_tables`), scratch rows included
         self._ops = native.ops()
         self._isa = native.isa_id(isa)
         self._out = torch.empty(0)  # (B, hidden) result, reused while B stays the same
@@ -91,8 +103,9 @@ class FusedDecoder:
             return None, why_not
         assert isinstance(kv_cache, PagedKVCache)
         cfg = model.config
+        cos, sin = _rope_tables(model)
         spec = [cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
-                cfg.head_dim, cfg.intermediate_size, model.rope_cos.shape[0], int(native.int8_activations())]
+                cfg.head_dim, cfg.intermediate_size, cos.shape[0], int(native.int8_activations())]
         tensors: list[torch.Tensor] = []
         for layer in model.model.layers:
             attn = layer.self_attn
@@ -107,10 +120,10 @@ class FusedDecoder:
             _linear_spec(attn.o_proj, spec, tensors)
             _linear_spec(layer.mlp.gate_up_proj, spec, tensors)
             _linear_spec(layer.mlp.down_proj, spec, tensors)
-        tensors += [model.model.norm.weight.detach(), model.rope_cos.contiguous(), model.rope_sin.contiguous()]
+        tensors += [model.model.norm.weight.detach(), cos, sin]
         eps = model.model.norm.eps
         plan = native.ops().decode_plan_create(tensors, spec, float(eps))
-        return cls(model, plan, backend.isa), "decode-only steps run every layer in one native call"
+        return cls(model, plan, backend.isa, (cos, sin)), "decode-only steps run every layer in one native call"
 
     def fits(self, positions: torch.Tensor) -> bool:
         """Whether this step's positions fit the RoPE table and its scratch rows (see `_positions`)."""
@@ -126,8 +139,8 @@ class FusedDecoder:
             return positions
         cos, sin = self.model.rope_rows(positions[far])
         k = cos.shape[0]
-        self.model.rope_cos[n : n + k] = cos
-        self.model.rope_sin[n : n + k] = sin
+        self._cos[n : n + k] = cos
+        self._sin[n : n + k] = sin
         out = positions.clone()
         out[far] = torch.arange(n, n + k, dtype=positions.dtype, device=positions.device)
         return out

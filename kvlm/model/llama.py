@@ -211,9 +211,6 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
-ROPE_SCRATCH = 256  # RoPE table rows past the context, for a fused decode step's rows beyond it
-
-
 class LlamaForCausalLM(nn.Module):
     """forward() -> final hidden states (T, hidden); compute_logits() -> float32 logits for chosen rows."""
 
@@ -234,17 +231,16 @@ class LlamaForCausalLM(nn.Module):
 
     def register_rope(self, suffix: str, inv_freq: torch.Tensor) -> None:
         """Buffers `rope_cos{suffix}`, `rope_sin{suffix}`: cos / signed sin tables for every position of the
-        context, (max_positions, D), computed in float32 (kept float32 whatever the compute dtype), then
-        ROPE_SCRATCH rows where the fused decode step finds a step's rows past the context (a bounded
-        cache's, `rope_rows` computes them)."""
+        context, (max_positions, D), computed in float32 (kept float32 whatever the compute dtype); a row
+        past the context (a bounded cache's) is `rope_rows`' to compute."""
         dev = self.model.norm.weight.device
         self.register_buffer("rope_inv" + suffix, inv_freq.to(dev), persistent=False)  # rows past the table
         if dev.type == "meta":  # built on the meta device: load_weights computes the real tables
-            shape = (self.max_positions + ROPE_SCRATCH, 2 * inv_freq.shape[0])
+            shape = (self.max_positions, 2 * inv_freq.shape[0])
             self.register_buffer("rope_cos" + suffix, torch.empty(shape, device=dev), persistent=False)
             self.register_buffer("rope_sin" + suffix, torch.empty(shape, device=dev), persistent=False)
             return
-        t = torch.arange(self.max_positions + ROPE_SCRATCH, dtype=torch.float32, device=inv_freq.device)  # CPU
+        t = torch.arange(self.max_positions, dtype=torch.float32, device=inv_freq.device)  # CPU
         freqs = torch.outer(t, inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("rope_cos" + suffix, emb.cos().to(dev), persistent=False)
@@ -258,7 +254,7 @@ class LlamaForCausalLM(nn.Module):
         cache's generation running past the context, kv_policy.py) get their angles in float64: each row
         is still a function of its position alone."""
         cos_t, sin_t = getattr(self, "rope_cos" + suffix), getattr(self, "rope_sin" + suffix)
-        n = self.max_positions  # (the scratch rows past it are the fused step's)
+        n = self.max_positions
         if positions.numel() == 0 or int(positions.max()) < n:
             return cos_t[positions], sin_t[positions]
         far = positions >= n
