@@ -1,5 +1,5 @@
 """The package layout's rules: no import cycles (counted over every import, lazy and type-only ones too),
-no module over 400 lines, a thin root, and the cycle counter itself finds the cycles it is meant to."""
+a size guide for modules, a thin root, and the cycle counter itself finds the cycles it is meant to."""
 
 from __future__ import annotations
 
@@ -58,9 +58,16 @@ def test_kvlm_has_no_import_cycles() -> None:
     assert ", 0 import cycles" in r.stdout
 
 
+# A size guide, not a design: past ~400 lines a module usually holds two concepts, and a split by concept
+# is the fix; a module that exists only to keep another under a limit is not (STYLE.md). The gate sits
+# above the guide so that one concept may run a little past it.
+MAX_MODULE_LINES = 500
+
+
 @pytest.mark.parametrize("path", sorted((ROOT / "kvlm").rglob("*.py")), ids=lambda p: str(p.relative_to(ROOT)))
-def test_no_module_over_400_lines(path: Path) -> None:
-    assert len(path.read_text().splitlines()) <= 400
+def test_module_size_guide(path: Path) -> None:
+    n = len(path.read_text().splitlines())
+    assert n <= MAX_MODULE_LINES, f"{n} lines: does it hold two concepts? split it by concept, not by line count"
 
 
 def test_root_package_is_thin() -> None:

@@ -84,7 +84,7 @@ def part_a(engine: Any, ids: list[int], windows: list[int], sinks: int) -> list[
     log(f"long: full {rows[-1]['ppl']:.3f}")
     for w in windows:
         for s in (0, sinks):
-            pol = engine.kv_policy(_params(w + (-(-s // bs) * bs if s else 0), s))
+            pol = engine.input_processor.kv_policy(_params(w + (-(-s // bs) * bs if s else 0), s))
             rows.append({"policy": pol.describe() if s else f"window({w})", "window": w, "sinks": pol.num_sinks,
                          "max_kv_tokens": pol.max_tokens, **perplexity(engine, ids, pol.max_tokens, s)})
             log(f"long: {rows[-1]['policy']} {rows[-1]['ppl']:.3f}")

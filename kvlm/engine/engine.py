@@ -1,16 +1,15 @@
 """The engine: requests in, tokens out, one `step()` at a time (schedule -> execute -> update).
 
-It wires the pieces: the model and KV cache (in the runner), the block manager and scheduler (plain
-Python bookkeeping) and the output processor (text and stop conditions). `LLM` and the CLI are thin loops
-over `add_request()` and `step()`.
+It wires the pieces: the input processor (validation, prompt -> `Request`), the model and KV cache (in the
+runner), the block manager and scheduler (plain Python bookkeeping) and the output processor (text and
+stop conditions), and keeps the live requests. `LLM` and the CLI are thin loops over `add_request()` and
+`step()`; teacher-forced scoring (`prompt_logits`) is a loop over `step()` too (`scoring.py`).
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import functools
-import itertools
 import json
 import logging
 import os
@@ -21,22 +20,21 @@ from pathlib import Path
 import torch
 
 from kvlm.config import DTYPES, EngineConfig, ModelConfig
+from kvlm.engine import scoring
+from kvlm.engine.input_processor import InputProcessor
 from kvlm.engine.model_runner import ModelRunner, StepResult
 from kvlm.engine.output_processor import OutputProcessor
 from kvlm.engine.scheduler import ScheduledBatch, Scheduler
 from kvlm.engine.threads import ThreadGovernor
-from kvlm.errors import ParameterError, PromptTooLongError
+from kvlm.errors import ParameterError
 from kvlm.kernels.kv_quant import FORMATS, GROUP, KVQuantFormat
 from kvlm.kv_cache import snapshot as kv_snapshot
 from kvlm.kv_cache.block_manager import held_blocks
 from kvlm.kv_cache.k_center import calibrate_k_center, center_digest
-from kvlm.kv_cache.layer_groups import GroupView
-from kvlm.kv_cache.pool import describe_kv_pool, make_kv_cache
+from kvlm.kv_cache.pool import KVBytes, describe_kv_pool, make_kv_cache
 from kvlm.kv_cache.prefix_misses import PrefixHistory
-from kvlm.kv_cache.recompute import NoKVCache
 from kvlm.kv_cache.snapshot import SnapshotInfo, prefix_cached, snapshot_header
-from kvlm.kv_cache.storage import KVCache, KVElement, PagedKVCache
-from kvlm.kv_policy import BoundedKV
+from kvlm.kv_cache.storage import KVCache, KVElement
 from kvlm.loader import resolve_model
 from kvlm.loader.build import load_model
 from kvlm.loader.fingerprint import model_files, model_fingerprint
@@ -45,7 +43,6 @@ from kvlm.outputs import StreamDelta
 from kvlm.request import Request
 from kvlm.sampling_params import SamplingParams
 from kvlm.structured.compiler import GrammarCompiler
-from kvlm.tokenizer.detokenizer import IncrementalDetokenizer
 
 log = logging.getLogger("kvlm")
 
@@ -94,9 +91,9 @@ class Engine:
                          if isinstance(self.kv_cache_dtype, KVQuantFormat) else None)
         self.kv_cache: KVCache
         self.kv_cache, self.block_manager, groups = make_kv_cache(cfg, model_config, self.max_model_len,
-                                                                  self._kv_formula_bytes_per_token,
                                                                   self.kv_cache_dtype, self.device,
                                                                   compute_dtype=self.dtype, k_center=self.k_center)
+        self.kv_bytes = KVBytes(self.kv_cache, model_config, self.kv_cache_dtype, self.block_manager.block_size)
         history = None
         if self.block_manager.enable_prefix_caching:
             keys = self._prefix_hash_keys()
@@ -110,10 +107,11 @@ class Engine:
         (log.warning if self.backend.degraded else log.info)("kvlm: %s", self.backend.describe())
         self.output_processor = OutputProcessor(self.tokenizer.eos_token_ids, self.max_model_len)
         self.requests: dict[str, Request] = {}  # live requests by id, for abort()
-        self.kv_policy(SamplingParams())  # a bad engine-wide --max-kv-tokens fails at start, not per request
         # structured_outputs: compiled in a worker thread, cached per grammar (nothing built until first use)
         self.grammars = GrammarCompiler(self.tokenizer, model_config.vocab_size)
-        self._ids = itertools.count()
+        # Validation, prompt -> Request; a bad engine-wide --max-kv-tokens fails here, at start, not per request
+        self.input_processor = InputProcessor(cfg, self.tokenizer, model_config.vocab_size, self.max_model_len,
+                                              self.block_manager, [w for _, w in groups], self.grammars, self.device)
         self.num_steps = 0
         # Fewer threads while other processes hold cores (engine/threads.py); the count never changes bits.
         self.governor = (ThreadGovernor(torch.get_num_threads()) if cfg.adaptive_threads and self.device.type == "cpu"
@@ -128,22 +126,13 @@ class Engine:
     # -- setup -------------------------------------------------------------------------------------
     @property
     def kv_bytes_per_token(self) -> int:
-        """K/V bytes per token: counted from the pool's tensors (codes and scales) once it exists, the
-        format's formula (2 x layers x kv_heads x head_dim x bytes per value) while sizing it."""
-        if isinstance(self.kv_cache, NoKVCache):
-            return self._kv_formula_bytes_per_token
-        return round(self.kv_cache.bytes_per_token)
+        """K/V bytes per token, counted from the pool's tensors (`KVBytes`)."""
+        return self.kv_bytes.per_token
 
     @property
     def max_kv_tokens(self) -> int | None:
         """The engine-wide bounded cache's budget (`--max-kv-tokens`; None: unbounded)."""
         return self.config.max_kv_tokens
-
-    @property
-    def _kv_formula_bytes_per_token(self) -> int:
-        e = self.kv_cache_dtype
-        per_value = e.bytes_per_value if isinstance(e, KVQuantFormat) else torch.finfo(e).bits / 8
-        return int(self.model_config.kv_bytes_per_token(per_value))
 
     def _prefix_hash_keys(self) -> str:
         """Everything besides token ids that changes K/V: the root of the prefix cache's hash chain."""
@@ -165,85 +154,28 @@ class Engine:
     # -- requests ----------------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> Request:
-        """Queue a prompt (text or token ids). Its leading full blocks already in the prefix cache (an
-        earlier request's, a chat's previous turns, a loaded snapshot) are reused at admission."""
-        params = params or SamplingParams()
-        if isinstance(prompt, str):
-            text, ids = prompt, self.tokenizer.encode(prompt)
-        else:
-            text, ids = None, list(prompt)
-        if not ids:
-            raise ParameterError("prompt", "prompt is empty")
-        vocab = self.model_config.vocab_size
-        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in ids):
-            raise ParameterError("prompt_token_ids", f"prompt_token_ids must be integers in [0, {vocab})")
-        if any(t >= vocab for t in params.stop_token_ids or ()):
-            raise ParameterError("stop_token_ids", f"stop_token_ids must be in [0, {vocab}) (the vocabulary), "
-                                 f"got {max(params.stop_token_ids or ())}")
-        if any(t >= vocab for t in params.logit_bias or ()):
-            raise ParameterError("logit_bias", f"logit_bias token ids must be in [0, {vocab}) (the vocabulary), "
-                                 f"got {max(params.logit_bias or ())}")
-        policy = self.kv_policy(params)
-        if policy is None and len(ids) >= self.max_model_len:
-            raise PromptTooLongError(
-                f"prompt has {len(ids)} tokens; the context holds {self.max_model_len} "
-                "(room for at least one output token is needed)"
-            )
-        rid = request_id or f"req-{next(self._ids)}"
-        if rid in self.requests:
-            raise ValueError(f"request id {rid!r} is already in use")
-        want = len(ids) + (params.max_tokens or self.max_model_len - len(ids))
-        need = min(want, self.max_model_len) if policy is None else min(want, policy.max_tokens + policy.block_size)
-        if self.block_manager.blocks_for(need) > self.block_manager.num_blocks:
-            raise PromptTooLongError(
-                f"request needs {need} tokens of KV cache but the whole pool holds "
-                f"{self.block_manager.num_blocks * self.block_manager.block_size}"
-            )
-        req = Request(rid, ids, len(ids), params, prompt=text, kv_policy=policy)
-        req.metrics.num_prompt_tokens = len(ids)
-        req.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens)
-        if params.structured_outputs is not None:
-            req.grammar = self.grammars.request_grammar(params.structured_outputs)
-            if req.grammar.error is not None:  # known bad (cached): refuse now, as any other bad parameter
-                raise req.grammar.error
-        req.generator = torch.Generator(device=self.device)
-        if params.seed is not None:
-            req.generator.manual_seed(params.seed)
-        else:
-            req.generator.seed()
-        self.requests[rid] = req
+        """Queue a prompt (text or token ids), validated first (`InputProcessor`: `ParameterError` with the
+        field's `.param`). Its leading full blocks already in the prefix cache (an earlier request's, a
+        chat's previous turns, a loaded snapshot) are reused at admission."""
+        req = self.input_processor.process(prompt, params, request_id, in_use=self.requests)
+        self.requests[req.request_id] = req
         self.scheduler.add(req)
         return req
-
-    def kv_policy(self, params: SamplingParams) -> BoundedKV | None:
-        """The bounded-cache policy of a request with `params` (its own, else the engine's; None: unbounded)."""
-        cfg = self.config
-        n = params.max_kv_tokens if params.max_kv_tokens is not None else cfg.max_kv_tokens
-        if n is None:
-            return None
-        if not cfg.enable_kv_cache or cfg.kv_cache_layout != "paged":
-            raise ParameterError("max_kv_tokens", "max_kv_tokens (a bounded KV cache) needs the paged KV cache; "
-                                 "drop --no-kv-cache / --kv-cache-layout contiguous")
-        sinks = params.sink_tokens if params.sink_tokens is not None else cfg.sink_tokens
-        policy = BoundedKV.make(n, sinks, self.block_manager.block_size, self.max_model_len)
-        # Sliding layer groups keep their own window and never see the sinks: the kept tokens must cover it.
-        widest = max((w for _, w in self.scheduler.groups), default=0)
-        if widest and policy.window - policy.block_size < widest:
-            least = widest + policy.num_sinks + policy.block_size
-            raise ParameterError("max_kv_tokens", f"max_kv_tokens must be at least {least} on this model (its "
-                                 f"sliding layers' window of {widest} tokens, the {policy.num_sinks} sinks and a "
-                                 f"block), got {n}")
-        return policy
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its blocks; False if it is unknown or already finished."""
         req = self.requests.pop(request_id, None)
         if req is None or req.is_finished:
             return False
-        req.finish_reason = "abort"
-        self.scheduler.finish(req)
-        req.metrics.finished_time = time.perf_counter()
+        self.output_processor.abort(req)
+        self._finish(req, time.perf_counter())
         return True
+
+    def _finish(self, req: Request, now: float) -> None:
+        """`req` has its finish reason: free its blocks and forget it."""
+        self.scheduler.finish(req)
+        req.metrics.finished_time = now
+        self.requests.pop(req.request_id, None)
 
     # -- prefix cache ------------------------------------------------------------------------------
     def save_prefix(self, token_ids: list[int], path: str | os.PathLike) -> SnapshotInfo:
@@ -271,33 +203,8 @@ class Engine:
 
     def prompt_logits(self, token_ids: list[int], first: int, max_kv_tokens: int | None = None,
                       sink_tokens: int | None = None) -> Iterator[tuple[int, torch.Tensor]]:
-        """Teacher forcing through the cache: run `token_ids` as a prompt and yield, step by step as the
-        chunks are computed, (p0, logits (n, vocab) float32) for positions p0 .. p0 + n - 1 >= `first`,
-        the logits at position p predicting token p + 1 (the last position predicts nothing and is left
-        out). Positions come in order, each once; only one chunk's logits are alive at a time. Run it
-        alone (other requests would share its steps, which changes nothing but the time it takes).
-        max_kv_tokens / sink_tokens: score it through a bounded cache (sinks + window, kv_policy.py)."""
-        ready: list[tuple[int, torch.Tensor]] = []
-        todo = [first]  # the next position to score
-        last = len(token_ids) - 1
-        req = self.add_request(list(token_ids), SamplingParams(temperature=0, max_tokens=1, ignore_eos=True,
-                                                               max_kv_tokens=max_kv_tokens, sink_tokens=sink_tokens))
-
-        def observe(r: Request, start: int, hidden: torch.Tensor) -> None:
-            lo, hi = max(start, todo[0]), min(start + hidden.shape[0], last)
-            if r is req and lo < hi:  # a recomputed chunk (after preemption) adds nothing
-                ready.append((lo, self.model.compute_logits(hidden[lo - start : hi - start])))
-                todo[0] = hi
-
-        self.runner.hidden_observer = observe
-        try:
-            while not req.is_finished:
-                self.step()
-                while ready:
-                    yield ready.pop(0)
-        finally:
-            self.runner.hidden_observer = None
-            self.abort(req.request_id)  # abandoned early: free its blocks (a no-op once finished)
+        """Teacher-forced logits of `token_ids` from position `first` on, a chunk at a time (`scoring.py`)."""
+        return scoring.prompt_logits(self, token_ids, first, max_kv_tokens, sink_tokens)
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached block nobody reads now; returns how many."""
@@ -315,56 +222,25 @@ class Engine:
         """
         if self.governor is not None:
             self.governor.tick()
-        failed = self._fail_bad_grammars()
+        failed = self._refuse_failed_grammars()
         batch = self.scheduler.schedule()
-        if batch.is_empty:
-            compiling = [r.grammar.future for r in self.scheduler.waiting if not r.grammar_ready]  # type: ignore[union-attr]
-            if compiling:  # nothing else can run: wait (briefly, so a server loop still reads its inbox)
-                concurrent.futures.wait(compiling, timeout=0.05, return_when=concurrent.futures.FIRST_COMPLETED)
-            elif self.scheduler.waiting:  # cannot happen given the admission check; never spin silently
-                raise RuntimeError("scheduler made no progress with requests waiting")
+        if batch.is_empty:  # nothing can run: wait briefly for a grammar still compiling, if any
+            if not self.input_processor.wait_for_grammars(self.scheduler.waiting) and self.scheduler.waiting:
+                raise RuntimeError("scheduler made no progress with requests waiting")  # admission forbids it
             return failed
         result = self.runner.execute(batch, keep_logits=keep_logits)
         self.last_batch, self.last_result = batch, result
         self.num_steps += 1
         return failed + self._update(batch.requests, batch.num_new_tokens, result)
 
-    def _fail_bad_grammars(self) -> list[StreamDelta]:
-        """Finish ("abort") waiting requests whose grammar failed to compile. Callers that validate first
-        (the server, `LLM`) never get here; a plain `add_request` of a new bad grammar does."""
-        bad = [r for r in self.scheduler.waiting if r.grammar is not None and r.grammar.error is not None]
-        deltas = []
-        for req in bad:
-            req.finish_reason, req.stop_reason = "abort", str(req.grammar.error)  # type: ignore[union-attr]
-            self.scheduler.finish(req)
-            req.metrics.finished_time = time.perf_counter()
-            self.requests.pop(req.request_id, None)
-            deltas.append(StreamDelta(req.request_id, "", [], True, "abort"))
+    def _refuse_failed_grammars(self) -> list[StreamDelta]:
+        """Finish ("abort", the compile error as stop reason) queued requests whose grammar failed to
+        compile after `add_request` (`InputProcessor.failed_grammars`)."""
+        now, deltas = time.perf_counter(), []
+        for req in self.input_processor.failed_grammars(self.scheduler.waiting):
+            deltas.append(self.output_processor.abort(req, str(req.grammar.error)))  # type: ignore[union-attr]
+            self._finish(req, now)
         return deltas
-
-    def _kv_bytes(self, req: Request, kept: int) -> tuple[int, int]:
-        """(bytes of the blocks `req` holds, bytes of them filled), over every layer group: group 0 holds
-        `kept` filled tokens, a sliding group all its blocks full but the last."""
-        bs = self.block_manager.block_size
-        slot = self._group_slot_bytes
-        held = len(held_blocks(req)) * bs * slot[0]
-        used = kept * slot[0]
-        for g, table in enumerate(req.group_tables, 1):
-            blocks = len(held_blocks(GroupView(req, g)))
-            held += blocks * bs * slot[g]
-            used += (blocks * bs - (len(table) * bs - req.num_computed_tokens)) * slot[g]  # all full but the last
-        return round(held), round(used)
-
-    @functools.cached_property
-    def _group_slot_bytes(self) -> list[float]:
-        """K/V bytes of one token slot in each layer group (all of its layers), from the pool's tensors."""
-        cache = self.kv_cache
-        if not isinstance(cache, PagedKVCache):
-            return [float(self.kv_bytes_per_token)]
-        out = [0.0] * len(cache.group_blocks)
-        for layer, g in enumerate(cache.layer_group):
-            out[g] += cache.slot_bytes(layer)
-        return out
 
     def _update(self, reqs: list[Request], num_new: list[int], result: StepResult) -> list[StreamDelta]:
         now = time.perf_counter()
@@ -380,9 +256,7 @@ class Engine:
             m.blocks_held = len(held)
             if bm.enable_prefix_caching:
                 m.blocks_shared = sum(1 for b in held if bm.ref_counts[b] > 1)
-            kept = req.num_computed_tokens if req.kv_policy is None else min(
-                req.num_computed_tokens, req.kv_policy.attended(req.num_computed_tokens - 1))
-            m.kv_bytes_held, m.kv_bytes_used = self._kv_bytes(req, kept) if self.config.enable_kv_cache else (0, 0)
+            m.kv_bytes_held, m.kv_bytes_used = self.kv_bytes.of_request(req)
             if not self.config.enable_kv_cache:
                 req.num_computed_tokens = 0  # nothing is kept: the next step recomputes everything
         deltas = []
@@ -391,8 +265,6 @@ class Engine:
                 req.metrics.first_token_time = now
             delta = self.output_processor.append_token(req, tok, lp)
             if req.finish_reason is not None:
-                req.metrics.finished_time = now
-                self.scheduler.finish(req)
-                self.requests.pop(req.request_id, None)
+                self._finish(req, now)
             deltas.append(delta)
         return deltas

@@ -3,7 +3,8 @@
 For each new token it decides whether the request is finished (EOS, a stop token id, a stop string,
 max_tokens, the context limit) and which text is final. Text that might be the beginning of a stop string
 is held back (`Request.pending_text`) until it is known not to be one, so a stop string split across
-tokens is never streamed in part and never appears in the output.
+tokens is never streamed in part and never appears in the output. A request ended without a token (an
+abort, a grammar that failed to compile after it was queued) gets its final delta here too.
 """
 
 from __future__ import annotations
@@ -60,6 +61,15 @@ class OutputProcessor:
         return StreamDelta(req.request_id, new_text, [token], req.finish_reason is not None, req.finish_reason,
                            None if logprobs is None else [logprobs],
                            req.prompt_logprobs if n_out == 1 else None)
+
+    @staticmethod
+    def abort(req: Request, reason: str | None = None) -> StreamDelta:
+        """End `req` without a token ("abort": a client's abort, or `reason`, its grammar's compile error);
+        returns the final delta a streaming client receives."""
+        req.finish_reason = "abort"
+        if reason is not None:
+            req.stop_reason = reason
+        return StreamDelta(req.request_id, "", [], True, "abort")
 
     def _add_text(self, req: Request, piece: str, can_stop: bool) -> None:
         req.pending_text += piece

@@ -32,7 +32,6 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from kvlm.kv_cache.block_manager import EVICTED, BlockManager
-from kvlm.kv_cache.bounded_prefix import extend_bounded_hit
 from kvlm.kv_cache.layer_groups import GroupView, evict_upto
 from kvlm.kv_cache.prefix_misses import PrefixHistory
 from kvlm.request import Request, RequestStatus
@@ -208,7 +207,7 @@ class Scheduler:
             hit = [] if req.params.prompt_logprobs is not None else self.bm.find_cached_prefix(req)
             plain = hit
             if req.kv_policy is not None and hit:
-                hit = extend_bounded_hit(self.bm, req, hit)  # past its first eviction: sinks + window
+                hit = self.bm.extend_bounded_hit(req, hit)  # past its first eviction: sinks + window
             ghits = None
             if self.groups:
                 hit, ghits = self._window_hit(req, hit)

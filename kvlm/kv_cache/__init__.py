@@ -1,5 +1,6 @@
 """The KV cache: where K/V live (`storage`), who owns which block (`block_manager`), how big the pool is
-(`pool`, `sizing`), why a prefix was missed (`prefix_misses`) and how blocks go to disk (`snapshot`).
+and what its K/V take per token and per request (`pool`, `sizing`), why a prefix was missed
+(`prefix_misses`) and how blocks go to disk (`snapshot`).
 
 Nothing here knows the engine, the model or the tokenizer.
 """

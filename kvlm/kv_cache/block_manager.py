@@ -27,7 +27,11 @@ window has left, leaving EVICTED (-1) in their place so block i still holds toke
 `make_private` swaps a block for a private copy (the sinks, before their keys are re-rotated in place).
 Blocks wholly before the first eviction (tokens < max_tokens, computed exactly as an unbounded cache
 computes them) are registered under their prefix hash; later ones under that hash keyed by the policy
-(`BoundedKV.block_hash`), for requests with the same policy only (`kv_cache/bounded_prefix.py`).
+(`BoundedKV.block_hash`), for requests with the same policy only. Row p of such a request attends the sinks
+and tokens kept_start(p) .. p, a function of p and the tokens alone, so a hit of k blocks past the first
+eviction needs only what row k * block_size attends: the sink blocks and the blocks from kept_start(k *
+block_size) on (`extend_bounded_hit`): the next turn of an endless chat, or a preempted bounded request
+coming back, reuses the blocks its window kept.
 
 Invariants (checked by `check()` and the tests):
   * ref counts are never negative and equal the number of block tables holding the block;
@@ -174,6 +178,20 @@ class BlockManager:
                 return None
             out.append(b)
         return out
+
+    def extend_bounded_hit(self, req: Request, hit: list[int]) -> list[int]:
+        """`hit` (from `find_cached_prefix`, at most the blocks before the first eviction) extended as far as
+        the cache holds `req`'s sinks and kept window: sink blocks, EVICTED entries, then the window's blocks.
+        Unchanged when `req` is unbounded or nothing past the first eviction is cached."""
+        pol, bs = req.kv_policy, self.block_size
+        if pol is None or not self.enable_prefix_caching or len(hit) < pol.sink_blocks:
+            return hit
+        for k in range((req.num_tokens - 1) // bs, pol.max_tokens // bs, -1):  # the last token always runs
+            first = pol.evict_upto(k * bs)
+            found = self.find_window_blocks(req, k, first)
+            if found is not None:
+                return hit[: pol.sink_blocks] + [EVICTED] * (first - pol.sink_blocks) + found
+        return hit
 
     # -- allocation --------------------------------------------------------------------------------
     def can_allocate(self, req: Request, num_tokens: int, cached: Sequence[int] = (), extra: int = 0,

@@ -1,10 +1,12 @@
-"""KV pool sizing: how many blocks the cache gets, and the cache object that holds them.
+"""The KV pool in bytes: how many blocks the cache gets, the cache object that holds them, and what its
+K/V take (per token, and per request: `KVBytes`).
 
 The engine asks `make_kv_cache` once at start. The budget comes from `EngineConfig.kv_cache_memory`
 (bytes, or a fraction of the memory free now) or, when unset, from the workload (`max_num_seqs`
 sequences at full context) capped at a quarter of free memory and, on CPU, 1 GiB. A budget above
-90% of available memory is refused. This module knows
-nothing about requests or admission; it only turns bytes into blocks.
+90% of available memory is refused. The pool is sized by the format's formula (`formula_bytes_per_token`);
+once it exists, its bytes are counted from its tensors. This module knows nothing about admission; it
+turns bytes into blocks and a request's blocks back into bytes.
 """
 
 from __future__ import annotations
@@ -13,11 +15,12 @@ import torch
 
 from kvlm.config import EngineConfig, ModelConfig
 from kvlm.errors import ParameterError
-from kvlm.kernels.kv_quant import KeyCenter
-from kvlm.kv_cache.block_manager import BlockManager
-from kvlm.kv_cache.layer_groups import LayerGroups
+from kvlm.kernels.kv_quant import KeyCenter, KVQuantFormat
+from kvlm.kv_cache.block_manager import BlockManager, held_blocks
+from kvlm.kv_cache.layer_groups import GroupView, LayerGroups
 from kvlm.kv_cache.recompute import NoKVCache
 from kvlm.kv_cache.storage import ContiguousKVCache, KVCache, KVElement, PagedKVCache
+from kvlm.request import Request
 
 MAX_KV_SHARE = 0.9  # the largest share of available memory a KV pool may take
 
@@ -60,20 +63,26 @@ def kv_pool_budget(cfg: EngineConfig, max_model_len: int, kv_bytes_per_token: in
     return budget
 
 
-def make_kv_cache(cfg: EngineConfig, mc: ModelConfig, max_model_len: int, kv_bytes_per_token: int,
-                  dtype: KVElement, device: torch.device,
+def formula_bytes_per_token(mc: ModelConfig, elem: KVElement) -> int:
+    """K/V bytes per token by the format's formula, 2 x layers x kv_heads x head_dim x bytes per value
+    (a quantized format's codes and scales): what a pool is sized by before its tensors exist."""
+    per_value = elem.bytes_per_value if isinstance(elem, KVQuantFormat) else torch.finfo(elem).bits / 8
+    return int(mc.kv_bytes_per_token(per_value))
+
+
+def make_kv_cache(cfg: EngineConfig, mc: ModelConfig, max_model_len: int, dtype: KVElement, device: torch.device,
                   compute_dtype: torch.dtype | None = None, k_center: KeyCenter | None = None
                   ) -> tuple[KVCache, BlockManager, list[tuple[BlockManager, int]]]:
     """The KV cache for `cfg.kv_cache_layout`, the block manager that hands out its slots, and, for a model
     with sliding-window layers on the paged layout, each extra layer group's (block manager, window)
     (`layer_groups.py`). `dtype` is the K/V element type (a float type or a quantized format),
-    `compute_dtype` the model's (what attention reads back; default `dtype`). `kv_bytes_per_token` is the
-    format's formula; the pool's tensors then take that many bytes per slot (`cache.bytes_per_token`).
+    `compute_dtype` the model's (what attention reads back; default `dtype`). The pool is sized by the
+    format's formula; its tensors then take that many bytes per slot (`cache.bytes_per_token`).
     `k_center` (a `KeyCenter`): keys are stored centered (`storage.py`, `kv_cache/k_center.py`).
 
     Layer groups: each sliding group gets room for `max_num_seqs` requests' windows (plus a chunk), and
     the full layers the rest of the budget; the default budget sizes the full layers as it sizes a pool."""
-    layers = mc.num_hidden_layers
+    layers, kv_bytes_per_token = mc.num_hidden_layers, formula_bytes_per_token(mc, dtype)
     if not cfg.enable_kv_cache:
         return NoKVCache(dtype, k_center), BlockManager(cfg.max_num_seqs, max_model_len), []
     if cfg.kv_cache_layout == "contiguous":
@@ -123,3 +132,36 @@ def describe_kv_pool(cfg: EngineConfig, cache: KVCache, bm: BlockManager, max_mo
     return (f"kvlm: KV cache ({cfg.kv_cache_layout}): {bm.num_blocks} blocks x {bm.block_size} "
             f"tokens = {tokens} tokens ({kv_bytes_per_token} B/token), {cache.nbytes / 2**20:.1f} MiB reserved, "
             f"{now} resident now{grows}; max concurrency at full context ({max_model_len} tokens): {conc}")
+
+
+class KVBytes:
+    """What a KV cache's K/V take in bytes: per token slot and per layer group's slot, counted once from
+    the pool's tensors (codes and scales), and what each request holds (`of_request`). Recompute mode
+    (`NoKVCache`) stores nothing: its per-token figure is the format's formula, a request holds 0."""
+
+    def __init__(self, cache: KVCache, mc: ModelConfig, elem: KVElement, block_size: int) -> None:
+        self.stores = not isinstance(cache, NoKVCache)
+        self.per_token = round(cache.bytes_per_token) if self.stores else formula_bytes_per_token(mc, elem)
+        self.block_size = block_size  # the block manager's (a contiguous cache's: its row)
+        self.group_slot = [float(self.per_token)]  # one token slot of each layer group, all of its layers
+        if isinstance(cache, PagedKVCache):
+            self.group_slot = [0.0] * len(cache.group_blocks)
+            for layer, g in enumerate(cache.layer_group):
+                self.group_slot[g] += cache.slot_bytes(layer)
+
+    def of_request(self, req: Request) -> tuple[int, int]:
+        """(bytes of the blocks `req` holds, bytes of them filled), over every layer group: group 0 holds
+        its kept tokens (all computed ones, or what its bounded cache attends), a sliding group all its
+        blocks full but the last."""
+        if not self.stores:
+            return 0, 0
+        computed, pol = req.num_computed_tokens, req.kv_policy
+        kept = computed if pol is None else min(computed, pol.attended(computed - 1))
+        bs, slot = self.block_size, self.group_slot
+        held = len(held_blocks(req)) * bs * slot[0]
+        used = kept * slot[0]
+        for g, table in enumerate(req.group_tables, 1):
+            blocks = len(held_blocks(GroupView(req, g)))
+            held += blocks * bs * slot[g]
+            used += (blocks * bs - (len(table) * bs - computed)) * slot[g]  # all full but the last
+        return round(held), round(used)
