@@ -1,10 +1,10 @@
 """The AVX2 int8-activation kernel (csrc/kernels_int8_avx2.h), forced with KVLM_KERNEL_ISA=avx2.
 
-Its order contract (the header states it) was kept when the kernel was rewritten for decode speed (2
-weight rows per pass, accumulators in registers, vectorized K-quant scales): the bits of every output
-are those of the row kernel before it (f97df0a). `test_avx2_int8_bits_unchanged` holds the kernel to
-digests of that kernel's outputs; the others check what the rewrite could break: a column's bits
-wherever it lands in a pair of weight rows, any M, 1 or 2 threads, and the reference bound.
+Its order contract (the header states it) was kept when the kernel was rewritten for speed (accumulators
+in registers, prefetch, vectorized K-quant scales): the bits of every output are those of the row kernel
+before it (f97df0a). `test_avx2_int8_bits_unchanged` holds the kernel to digests of that kernel's
+outputs; the others check what the rewrite could break: a column's bits wherever it lands in the matrix
+(and in the prefetching decode loop), any M, 1 or 2 threads, and the reference bound.
 """
 
 from __future__ import annotations
@@ -73,9 +73,9 @@ def test_avx2_int8_bits_unchanged(qtype: T, avx2: None) -> None:
 
 @pytest.mark.parametrize("qtype", INT8_FORMATS, ids=lambda t: t.name)
 def test_avx2_int8_rows_and_columns_any_shape(qtype: T, avx2: None) -> None:
-    """N = 33 (odd: the last column of a decode pass runs alone), M = 1..40: every row alone at 1 thread
-    equals the same row in the whole batch at 2 threads; the columns shifted by one weight row (so each
-    is paired with its other neighbour) keep their bits; all within the reference's float32 bound."""
+    """N = 33 (odd), M = 1..40: every row alone at 1 thread equals the same row in the whole batch at 2
+    threads; the columns shifted by one weight row (another thread split, panel and prefetch position)
+    keep their bits; all within the reference's float32 bound."""
     k = 512 if qtype in SUPER else 288
     pool = random_blocks(qtype, 34, k, seed=33)
     w = QuantTensor(pool.data[1:], qtype, (33, k))

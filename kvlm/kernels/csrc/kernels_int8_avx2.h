@@ -16,9 +16,9 @@
 //
 // Work order (what changed): units are taken 4 at a time (8 for the K-quants: one super-block), so unit ib
 // always lands in accumulator ib % 4 and all accumulators stay in registers; the 4 min terms are one
-// 4-lane vector (lane j the scalar mins[j], the same fma per lane). Decode (one row of x) runs 2 weight rows
-// per pass, sharing each x block and its scale between them, and prefetches the rows PF_BYTES ahead at
-// the offset being read (2 streams side by side defeat the hardware prefetcher's timing at 1-2 threads).
+// 4-lane vector (lane j the scalar mins[j], the same fma per lane). Decode (one row of x) runs a weight row
+// per pass and prefetches the rows PF_BYTES ahead at the offset being read (dot_tile can also take 2
+// weight rows sharing each x block: measured no faster, and 25% slower on Q8_0 at K = 576).
 // More rows of x: 1 weight row against 2 rows of x (each unit decoded once for both), over panels of
 // 32 weight rows kept in L2 while the tiles of x pass.
 
@@ -177,19 +177,17 @@ KVLM_INLINE void dot_tile(const uint8_t* w, int64_t rs, int64_t nb, const int8_t
         }
 }
 
-constexpr int64_t PF_BYTES = 4096;  // decode: prefetch distance (a few rows at the 1B's K = 2048)
+constexpr int64_t PF_BYTES = 4096;  // decode: prefetch distance (whole rows, at least this many bytes)
 
 template <int QT>
 void gemv_avx2_t(const uint8_t* w, int64_t rs, int64_t K, const int8_t* xq, const float* xd, const float* xs, int64_t M,
                  float* y, int64_t ldy, int64_t n0, int64_t n1) {
     const int64_t nb = K / 32;
-    if (M == 1) {  // decode: 2 weight rows per pass, the x block shared, prefetching ahead
-        const int64_t pf = 2 * rs >= PF_BYTES ? 2 * rs : (PF_BYTES + 2 * rs - 1) / (2 * rs) * (2 * rs);
+    if (M == 1) {  // decode: a weight row per pass, prefetching the rows PF_BYTES ahead
+        const int64_t pf = rs >= PF_BYTES ? rs : (PF_BYTES + rs - 1) / rs * rs;
         const uint8_t* end = w + n1 * rs;
-        int64_t n = n0;
-        for (; n + 2 <= n1; n += 2)
-            dot_tile<QT, 2, 1>(w + n * rs, rs, nb, xq, K, xd, xs, nb, y + n, ldy, w + n * rs + pf + 2 * rs <= end ? pf : 0);
-        for (; n < n1; n++) dot_tile<QT, 1, 1>(w + n * rs, rs, nb, xq, K, xd, xs, nb, y + n, ldy, 0);
+        for (int64_t n = n0; n < n1; n++)
+            dot_tile<QT, 1, 1>(w + n * rs, rs, nb, xq, K, xd, xs, nb, y + n, ldy, w + n * rs + pf + rs <= end ? pf : 0);
         return;
     }
     // Cache blocking for many rows (prefill): a panel of NP weight rows (L2) against tiles of 2 rows of x
