@@ -49,8 +49,8 @@ ENV_ISA = "KVLM_KERNEL_ISA"
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = ("ops.cpp", "decode.cpp", "elementwise.cpp", "kv_quant.cpp", "token_mask.cpp", "argmax.cpp",
             "isa_scalar.cpp", "isa_avx2.cpp", "isa_avx512.cpp", "isa_avx512_vnni.cpp")
-_HEADERS = ("kernels.h", "kernels_impl.h", "kernels_int8.h", "kernels_int8_panel.h", "kernels_kquant.h", "drivers.h",
-            "elementwise.h", "kernels_attn_quant.h", "kv_quantize.h")
+_HEADERS = ("kernels.h", "kernels_impl.h", "kernels_int8.h", "kernels_int8_panel.h", "kernels_int8_avx2.h",
+            "kernels_kquant.h", "drivers.h", "elementwise.h", "kernels_attn_quant.h", "kv_quantize.h")
 # -std=c++20: torch 2.13's headers need it. -fopenmp: at::parallel_for is an inline `omp parallel`
 # (serial without it); the library then binds to the libgomp.so.1 torch has already loaded, so it
 # shares torch's thread pool and torch.set_num_threads. The ISA units set their own `#pragma GCC target`.

@@ -13,9 +13,8 @@
 // Kernels, each with its order contract (output (m, n) runs the same instruction sequence whatever M,
 // the row tile, the rows sharing the call or the thread split):
 // - AVX-512: kernels_int8_panel.h (16 output columns per vector; its header states the contract).
-// - AVX2 (below): one weight row at a time against a tile of rows of x; block b into accumulator b % 4
-//   (one ymm each, 8 partial sums of the block), min terms likewise 4 scalars; y = hsum of the four
-//   accumulators' sum + the min terms' sum.
+// - AVX2: kernels_int8_avx2.h (every format: one weight row's block b into accumulator b % 4, 8 partial
+//   sums of the block each; its header states the contract; decode runs 2 weight rows per pass).
 
 namespace {
 
@@ -112,83 +111,6 @@ KVLM_INLINE __m256i dot256(__m256i u, __m256i s) {  // u8 x s8, 4 bytes per int3
     return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
 }
 
-// Block b into accumulator b % 4; min terms (Q4_1 m, Q4_0 d times -8 at the end) 4 lanes at a time.
-template <int QT, int MT>
-KVLM_INLINE void row_dot_i8(const uint8_t* row, int64_t nb, const int8_t* xq, int64_t ldq, const float* xd,
-                            const float* xs, int64_t ldb, float* y, int64_t ldy) {
-    constexpr int BB = I8Fmt<QT>::BB;
-    __m256 acc[MT][4];
-    float mins[MT][4];
-    for (int i = 0; i < MT; i++)
-        for (int j = 0; j < 4; j++) acc[i][j] = _mm256_setzero_ps(), mins[i][j] = 0.0f;
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t* blk = row + b * BB;
-        const __m256i w = weights32<QT>(blk);
-        const __m256i u = QT == T_Q8_0 ? _mm256_sign_epi8(w, w) : w;
-        const float dws = f16(blk), mws = QT == T_Q4_1 ? f16(blk + 2) : dws;
-        const __m256 dw = _mm256_set1_ps(dws);
-        const int j = (int)(b & 3);
-        for (int i = 0; i < MT; i++) {
-            __m256i s = _mm256_loadu_si256((const __m256i*)(xq + i * ldq + b * 32));
-            if constexpr (QT == T_Q8_0) s = _mm256_sign_epi8(s, w);  // w's sign onto x
-            const __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(dot256(u, s)), dw);
-            acc[i][j] = _mm256_fmadd_ps(f, _mm256_loadu_ps(xd + (i * ldb + b) * 8), acc[i][j]);
-            if constexpr (QT != T_Q8_0) mins[i][j] = __builtin_fmaf(mws, xs[i * ldb + b], mins[i][j]);
-        }
-    }
-    for (int i = 0; i < MT; i++) {
-        const __m256 a = _mm256_add_ps(_mm256_add_ps(acc[i][0], acc[i][1]), _mm256_add_ps(acc[i][2], acc[i][3]));
-        const float m = (mins[i][0] + mins[i][1]) + (mins[i][2] + mins[i][3]);
-        y[i * ldy] = hsum8(a) + (QT == T_Q4_0 ? -8.0f * m : m);
-    }
-}
-
-constexpr int I8_MT = 2;  // rows per decoded weight block: 4 accumulators each, 16 ymm registers
-
-// Software prefetch distance in weight rows for few rows of x (memory-bound): with many instructions
-// per weight byte (Q4 unpacking), the out-of-order window alone keeps too few cache misses in flight.
-constexpr int64_t PF_ROWS = 8;
-
-KVLM_INLINE void prefetch_row(const uint8_t* row, int64_t rs) {
-    for (int64_t off = 0; off < rs; off += 64) _mm_prefetch((const char*)(row + off), _MM_HINT_T0);
-}
-
-// Row kernels as types, so one driver serves every format: R::template dot<MT>(row_dot_i8's arguments).
-template <int QT>
-struct RowI8 {
-    template <int MT>
-    KVLM_INLINE void dot(const uint8_t* row, int64_t nb, const int8_t* xq, int64_t ldq, const float* xd,
-                         const float* xs, int64_t ldb, float* y, int64_t ldy) {
-        row_dot_i8<QT, MT>(row, nb, xq, ldq, xd, xs, ldb, y, ldy);
-    }
-};
-
-template <class R>
-void gemv_rows_t(const uint8_t* w, int64_t rs, int64_t K, const int8_t* xq, const float* xd, const float* xs,
-               int64_t M, float* y, int64_t ldy, int64_t n0, int64_t n1) {
-    // Cache blocking for many rows (prefill): a panel of NP weight rows (L2) against a tile of I8_MT rows
-    // of x (L1), tile after tile. The order of the work changes with M; each output's arithmetic does not.
-    constexpr int64_t NP = 32;
-    const int64_t nb = K / 32;
-    for (int64_t p0 = n0; p0 < n1; p0 += NP) {
-        const int64_t p1 = p0 + NP < n1 ? p0 + NP : n1;
-        for (int64_t n = p0; n < p1 && M < I8_MT; n++)  // decode: stream the weights, prefetching ahead
-            for (int64_t m = 0; m < M; m++) {
-                if (m == 0) prefetch_row(w + (n + PF_ROWS) * rs, rs);
-                R::template dot<1>(w + n * rs, nb, xq + m * K, K, xd + 8 * m * nb, xs + m * nb, nb, y + m * ldy + n, ldy);
-            }
-        if (M < I8_MT) continue;
-        int64_t m = 0;
-        for (; m + I8_MT <= M; m += I8_MT)
-            for (int64_t n = p0; n < p1; n++)
-                R::template dot<I8_MT>(w + n * rs, nb, xq + m * K, K, xd + 8 * m * nb, xs + m * nb, nb,
-                                      y + m * ldy + n, ldy);
-        for (; m < M; m++)
-            for (int64_t n = p0; n < p1; n++)
-                R::template dot<1>(w + n * rs, nb, xq + m * K, K, xd + 8 * m * nb, xs + m * nb, nb, y + m * ldy + n, ldy);
-    }
-}
-
 #endif  // AVX2
 
 #include "kernels_kquant.h"  // Q5_0, Q5_1, Q4_K, Q5_K, Q6_K (gemv_kq)
@@ -199,7 +121,7 @@ int gemv_i8(int qtype, const uint8_t* w, int64_t rs, int64_t K, const int8_t* xq
 #define KVLM_I8_CALL(QT) gemm_i8_t<QT>(w, rs, K, xq, xd, xs, xi, M, y, ldy, n0, n1)
 #else
     (void)xi;
-#define KVLM_I8_CALL(QT) gemv_rows_t<RowI8<QT>>(w, rs, K, xq, xd, xs, M, y, ldy, n0, n1)
+#define KVLM_I8_CALL(QT) gemv_avx2_t<QT>(w, rs, K, xq, xd, xs, M, y, ldy, n0, n1)
 #endif
     switch (qtype) {
         case T_Q4_0: KVLM_I8_CALL(T_Q4_0); return 0;

@@ -335,13 +335,6 @@ void gemm_kq_t(const uint8_t* w, int64_t rs, int64_t K, const int8_t* xq, const 
 
 #else  // AVX2
 
-// One unit of one row: u the 32 weights as bytes in element order (Q6_K: signed q - 32), its factors.
-struct KUnit2 {
-    __m256i u;
-    float dw, mw;
-    __m256i sc;  // Q6_K: int32 lanes 0..3 the scale of elements 0..15, lanes 4..7 that of 16..31
-};
-
 // Q5_0 / Q5_1's qh bits as bytes 16 where set (byte e: bit e).
 KVLM_INLINE __m256i q5_bits(const uint8_t* p) {
     uint32_t qh;
@@ -361,98 +354,53 @@ struct KHead2 {
     float dw[8], mw[8];
 };
 
+// dw[s] = d * sc_s, mw[s] = -(dmin * m_s) for the 8 sub-blocks (scale_min_k4's fields, unpacked in
+// 32-bit words, then converted and scaled 8 at a time: the same products).
 template <int QT>
 KVLM_INLINE void kq_head2(const uint8_t* blk, KHead2* h) {
     if constexpr (QT == T_Q4_K || QT == T_Q5_K) {
-        const float d = f16(blk), dmin = f16(blk + 2);
-        for (int s = 0; s < 8; s++) {
-            int sc, m;
-            scale_min_k4(s, blk + 4, sc, m);
-            h->dw[s] = d * (float)sc, h->mw[s] = -(dmin * (float)m);
-        }
+        uint32_t q[3];
+        memcpy(q, blk + 4, 12);
+        const uint32_t m6 = 0x3f3f3f3fu, m4 = 0x0f0f0f0fu, m2 = 0x03030303u;
+        const uint32_t sc_lo = q[0] & m6, sc_hi = (q[2] & m4) | (((q[0] >> 6) & m2) << 4);
+        const uint32_t mn_lo = q[1] & m6, mn_hi = ((q[2] >> 4) & m4) | (((q[1] >> 6) & m2) << 4);
+        const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_setr_epi32((int)sc_lo, (int)sc_hi, 0, 0)));
+        const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_setr_epi32((int)mn_lo, (int)mn_hi, 0, 0)));
+        _mm256_storeu_ps(h->dw, _mm256_mul_ps(_mm256_set1_ps(f16(blk)), sc));
+        _mm256_storeu_ps(h->mw, _mm256_xor_ps(_mm256_mul_ps(_mm256_set1_ps(f16(blk + 2)), mn), _mm256_set1_ps(-0.0f)));
     }
 }
 
+// Unit s of the block at blk (Q5_0 / Q5_1: the block itself): one row's 32 weights as bytes in element
+// order (Q6_K: signed q - 32). Their factors: Src2 (kernels_int8_avx2.h).
 template <int QT>
-KVLM_INLINE void kq_unit2(const uint8_t* blk, int s, const KHead2& h, KUnit2* u) {
+KVLM_INLINE __m256i kq_unit2(const uint8_t* blk, int s) {
     if constexpr (QT == T_Q5_0 || QT == T_Q5_1) {
         constexpr int QH = QT == T_Q5_0 ? 2 : 4;
         const __m128i t = _mm_loadu_si128((const __m128i*)(blk + QH + 4));
-        u->u = _mm256_or_si256(nib2(_mm256_set_m128i(_mm_srli_epi16(t, 4), t), 0), q5_bits(blk + QH));
-        u->dw = f16(blk);
-        u->mw = QT == T_Q5_1 ? f16(blk + 2) : -16.0f * u->dw;
+        return _mm256_or_si256(nib2(_mm256_set_m128i(_mm_srli_epi16(t, 4), t), 0), q5_bits(blk + QH));
     } else if constexpr (QT == T_Q4_K || QT == T_Q5_K) {
         const uint8_t* q = blk + (QT == T_Q4_K ? 16 : 48) + 32 * (s / 2);
-        u->u = nib2(_mm256_loadu_si256((const __m256i*)q), 4 * (s & 1));
+        __m256i u = nib2(_mm256_loadu_si256((const __m256i*)q), 4 * (s & 1));
         if constexpr (QT == T_Q5_K) {
             const __m256i hb = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i*)(blk + 16)), s),
                                                 _mm256_set1_epi8(1));
-            u->u = _mm256_or_si256(u->u, _mm256_slli_epi16(hb, 4));
+            u = _mm256_or_si256(u, _mm256_slli_epi16(hb, 4));
         }
-        u->dw = h.dw[s], u->mw = h.mw[s];
+        return u;
     } else {  // Q6_K
         const int hh = s / 4, c = s % 4;
         const __m256i l = _mm256_loadu_si256((const __m256i*)(blk + 64 * hh + (c & 1) * 32));
         const __m256i hi = _mm256_loadu_si256((const __m256i*)(blk + 128 + 32 * hh));
         const __m256i q = _mm256_or_si256(
             nib2(l, (c >> 1) * 4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hi, 2 * c), _mm256_set1_epi8(3)), 4));
-        u->u = _mm256_sub_epi8(q, _mm256_set1_epi8(32));
-        const int8_t* sc = (const int8_t*)(blk + 192);
-        u->sc = _mm256_setr_epi32(sc[2 * s], sc[2 * s], sc[2 * s], sc[2 * s], sc[2 * s + 1], sc[2 * s + 1], sc[2 * s + 1],
-                                  sc[2 * s + 1]);
-        u->dw = f16(blk + 208);
-        u->mw = 0.0f;
+        return _mm256_sub_epi8(q, _mm256_set1_epi8(32));
     }
 }
 
-template <int QT, int MT>
-KVLM_INLINE void row_dot_kq(const uint8_t* row, int64_t nb, const int8_t* xq, int64_t ldq, const float* xd,
-                            const float* xs, int64_t ldb, float* y, int64_t ldy) {
-    constexpr int BB = KQ<QT>::BB, SUB = KQ<QT>::SUB;
-    constexpr bool MINS = KQ<QT>::MIN || QT == T_Q5_0;
-    __m256 acc[MT][4];
-    float mins[MT][4];
-    for (int i = 0; i < MT; i++)
-        for (int j = 0; j < 4; j++) acc[i][j] = _mm256_setzero_ps(), mins[i][j] = 0.0f;
-    KHead2 h;
-    KUnit2 u;
-    for (int64_t b = 0; b < nb / SUB; b++) {
-        const uint8_t* blk = row + b * BB;
-        kq_head2<QT>(blk, &h);
-        for (int s = 0; s < SUB; s++) {
-            kq_unit2<QT>(blk, s, h, &u);
-            const int64_t ib = b * SUB + s;
-            const int j = (int)(ib & 3);
-            const __m256 dw = _mm256_set1_ps(u.dw);
-            const __m256i au = QT == T_Q6_K ? _mm256_sign_epi8(u.u, u.u) : u.u;  // |q - 32| for Q6_K
-            for (int i = 0; i < MT; i++) {
-                __m256i x = _mm256_loadu_si256((const __m256i*)(xq + i * ldq + ib * 32));
-                if constexpr (QT == T_Q6_K) x = _mm256_sign_epi8(x, u.u);  // q - 32's sign onto x
-                __m256i d = dot256(au, x);
-                if constexpr (QT == T_Q6_K) d = _mm256_mullo_epi32(d, u.sc);
-                const __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(d), dw);
-                acc[i][j] = _mm256_fmadd_ps(f, _mm256_loadu_ps(xd + (i * ldb + ib) * 8), acc[i][j]);
-                if constexpr (MINS) mins[i][j] = __builtin_fmaf(u.mw, xs[i * ldb + ib], mins[i][j]);
-            }
-        }
-    }
-    for (int i = 0; i < MT; i++) {
-        const __m256 a = _mm256_add_ps(_mm256_add_ps(acc[i][0], acc[i][1]), _mm256_add_ps(acc[i][2], acc[i][3]));
-        const float m = (mins[i][0] + mins[i][1]) + (mins[i][2] + mins[i][3]);
-        y[i * ldy] = hsum8(a) + m;
-    }
-}
+#include "kernels_int8_avx2.h"  // the AVX2 kernel of every int8 format (gemv_avx2_t)
 
-template <int QT>
-struct RowKQ {
-    template <int MT>
-    KVLM_INLINE void dot(const uint8_t* row, int64_t nb, const int8_t* xq, int64_t ldq, const float* xd,
-                         const float* xs, int64_t ldb, float* y, int64_t ldy) {
-        row_dot_kq<QT, MT>(row, nb, xq, ldq, xd, xs, ldb, y, ldy);
-    }
-};
-
-#define KVLM_KQ_CALL(QT) gemv_rows_t<RowKQ<QT>>(w, rs, K, xq, xd, xs, M, y, ldy, n0, n1)
+#define KVLM_KQ_CALL(QT) gemv_avx2_t<QT>(w, rs, K, xq, xd, xs, M, y, ldy, n0, n1)
 
 #endif  // AVX2
 
