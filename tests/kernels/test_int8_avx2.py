@@ -18,7 +18,8 @@ from gguf import GGMLQuantizationType as T
 from quantize import random_blocks  # noqa: E402  (tests/helpers)
 
 from kvlm.kernels import native
-from kvlm.kernels.quant import QuantTensor, kernel_path, qmatmul
+from kvlm.kernels.backend import kernel_path
+from kvlm.kernels.quant import QuantTensor, qmatmul
 from kvlm.kernels.reference import dequantize_ref, fake_quantize_act, qmatmul_int8_ref
 
 INT8_FORMATS = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]
