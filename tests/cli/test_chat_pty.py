@@ -145,6 +145,7 @@ def test_commands_save_and_load(long_gguf: Path, tmp_path: Path) -> None:
         t.expect(r"\[saved 4 messages to")
         t.send("/reset\r")
         t.expect(r"\[conversation cleared: 4 messages forgotten\]")
+        t.expect(">>> ")  # at the prompt: a Ctrl-C before it would land between the command and the prompt
         t.send("\x03")
         t.expect(r"Ctrl-C again")
         t.send("\x03")

@@ -54,6 +54,10 @@ def test_chat_stream_is_utf8_safe_and_equals_non_stream(server):
     full = client.chat.completions.create(model="smollm2-135m", messages=msgs, max_tokens=24, temperature=0)
     deltas = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
         model="smollm2-135m", messages=msgs, max_tokens=24, temperature=0, stream=True) if c.choices]
-    assert "".join(deltas) == full.choices[0].message.content
-    assert not any("\ufffd" in d for d in deltas)
+    text = full.choices[0].message.content
+    assert "".join(deltas) == text
+    # No character is ever split into a replacement character, except the last one where max_tokens cut
+    # it (here on AVX2, whose int8 bits differ from AVX-512's, the reply ends inside an emoji's bytes).
+    whole = text[:-1] if full.choices[0].finish_reason == "length" and text.endswith("\ufffd") else text
+    assert "\ufffd" not in whole, text
     assert full.usage.prompt_tokens > 20  # the model's own template wrapped the message
