@@ -138,28 +138,11 @@ def main(argv: list[str] | None = None, *, freeze_after_load: bool = False) -> i
         return 130
 
 
-class _EngineDetail(logging.Filter):
-    """Without -v: drop the engine's KV-pool line ("kvlm: KV cache (paged): N blocks x ..., MiB reserved ..."),
-    a sizing detail that reads as an alarm on every run (`kvlm info`, `-v` and `/stats` in chat show it), and
-    its backend line ("kvlm: backend cpu/avx2: ...", which `kvlm info` and `kvlm serve`'s ready line show)
-    unless it is a warning (a model the native attention cannot serve exactly)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        msg = record.getMessage()
-        return not (msg.startswith("kvlm: KV cache")
-                    or (msg.startswith("kvlm: backend ") and record.levelno < logging.WARNING))
-
-
 def _setup_logging(quiet: bool, verbose: bool) -> None:
-    """-q: warnings only; default: progress lines (a first kernel build, a download), not the pool line;
-    -v: everything the engine says at INFO and DEBUG (the pool line, prefix-cache misses)."""
+    """-q: warnings only; default: progress lines (a first kernel build, a download); -v: also what the
+    engine says at DEBUG (the KV pool's size, the backend and its reasons, prefix-cache misses)."""
     logging.basicConfig(level=logging.WARNING if quiet else logging.INFO, format="%(message)s", stream=sys.stderr)
     logging.getLogger("kvlm").setLevel(logging.WARNING if quiet else logging.DEBUG if verbose else logging.INFO)
-    for h in logging.getLogger().handlers:
-        for f in [f for f in h.filters if isinstance(f, _EngineDetail)]:
-            h.removeFilter(f)
-        if not verbose:
-            h.addFilter(_EngineDetail())
 
 
 def run() -> None:

@@ -104,7 +104,9 @@ class Engine:
                                    recompute_all=not cfg.enable_kv_cache, prefix_history=history, groups=groups)
         self.runner = ModelRunner(self.model, self.kv_cache, self.device, loaded.backend, self.tokenizer.eos_token_ids)
         self.backend = self.runner.backend  # the kernels this engine runs on, and why (kernels/backend.py)
-        (log.warning if self.backend.degraded else log.info)("kvlm: %s", self.backend.describe())
+        # which kernels and why: at DEBUG (-v; `kvlm info` and `kvlm serve`'s ready line show it), a warning
+        # when the native kernels are here but this model's attention cannot use them exactly
+        (log.warning if self.backend.degraded else log.debug)("kvlm: %s", self.backend.describe())
         self.output_processor = OutputProcessor(self.tokenizer.eos_token_ids, self.max_model_len)
         self.requests: dict[str, Request] = {}  # live requests by id, for abort()
         # structured_outputs: compiled in a worker thread, cached per grammar (nothing built until first use)
@@ -121,7 +123,7 @@ class Engine:
         self.last_batch: ScheduledBatch | None = None
         self.last_result: StepResult | None = None
         trim_heap()  # the load's freed temporaries (tokenizer parse, GGUF walk) off the resident set
-        log.info(self.describe_cache())  # shown when the "kvlm" logger is at INFO (the CLI without -q)
+        log.debug(self.describe_cache())  # a sizing detail: shown at DEBUG (the CLI's -v; `kvlm info` has it too)
 
     # -- setup -------------------------------------------------------------------------------------
     @property
