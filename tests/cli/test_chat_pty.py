@@ -68,6 +68,13 @@ class Terminal:
                 raise AssertionError(f"no {pattern!r} in:\n{self.out[self.pos:]}")
             self._read(0.2)
 
+    def at_prompt(self) -> None:
+        """Wait until the child waits for a line. Readline prints the prompt, then blocks in select(); a SIGINT
+        that lands between the two is only seen at the next key (CPython's readline checks signals when
+        select() is interrupted), so a test that types Ctrl-C right at the prompt waits a moment first."""
+        self.expect(">>> ")
+        time.sleep(0.3)
+
     def turn(self, timeout: float = 120.0) -> tuple[int, int, int, int]:
         return tuple(int(x) for x in self.expect(TURN.pattern, timeout).groups())  # type: ignore[return-value]
 
@@ -145,9 +152,10 @@ def test_commands_save_and_load(long_gguf: Path, tmp_path: Path) -> None:
         t.expect(r"\[saved 4 messages to")
         t.send("/reset\r")
         t.expect(r"\[conversation cleared: 4 messages forgotten\]")
-        t.expect(">>> ")  # at the prompt: a Ctrl-C before it would land between the command and the prompt
+        t.at_prompt()  # a Ctrl-C before it would land between the command and the prompt
         t.send("\x03")
         t.expect(r"Ctrl-C again")
+        t.at_prompt()
         t.send("\x03")
         t.expect("kvlm chat: bye")
         assert t.close() == 0
