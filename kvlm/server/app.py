@@ -40,9 +40,11 @@ from kvlm.server.protocol import (
     bad_request,
     validation_error,
 )
+from kvlm.server.protocol_messages import anthropic_error, is_messages_path
 from kvlm.server.serving import SSEStream
 from kvlm.server.serving_chat import ChatServing
 from kvlm.server.serving_completion import CompletionServing
+from kvlm.server.serving_messages import add_messages_routes
 
 log = logging.getLogger("kvlm.server")
 
@@ -54,17 +56,34 @@ def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode()).digest()
 
 
+def _route_path(scope: dict) -> str:
+    """The request's path without the app's root_path (what the routes are matched on)."""
+    path, root = scope["path"], scope.get("root_path", "")
+    return (path[len(root):] or "/") if root and path.startswith(root) else path
+
+
+def error_response(scope: dict, e: APIError) -> JSONResponse:
+    """An error in the shape of the route's protocol: Anthropic's under /v1/messages, OpenAI's elsewhere."""
+    if is_messages_path(_route_path(scope)):
+        status, body = anthropic_error(e)
+        return JSONResponse(body, status, headers=e.headers)
+    return JSONResponse(e.body(), e.status, headers=e.headers)
+
+
 class RequestGate:
-    """Pure ASGI middleware: echo or create `X-Request-Id`; check `Authorization: Bearer <key>`."""
+    """Pure ASGI middleware: echo or create `X-Request-Id`; check the API key, sent as `Authorization: Bearer
+    <key>` (OpenAI's clients) or `x-api-key: <key>` (Anthropic's)."""
 
     def __init__(self, app: Any, api_keys: list[str]) -> None:
         self.app = app
         self._digests = [_digest(k) for k in api_keys]  # compared as digests, in constant time
 
-    def _authorized(self, header: str | None) -> bool:
-        if not header or not header.startswith("Bearer "):
+    def _authorized(self, headers: dict[str, str]) -> bool:
+        bearer = headers.get("authorization", "")
+        key = bearer[len("Bearer "):].strip() if bearer.startswith("Bearer ") else headers.get("x-api-key")
+        if not key:
             return False
-        got = _digest(header[len("Bearer "):].strip())
+        got = _digest(key)
         ok = False
         for d in self._digests:
             ok |= hmac.compare_digest(got, d)
@@ -83,15 +102,11 @@ class RequestGate:
                 msg["headers"] = [*msg.get("headers", []), (b"x-request-id", rid.encode())]
             await send(msg)
 
-        path = scope["path"]
-        root = scope.get("root_path", "")
-        if root and path.startswith(root):
-            path = path[len(root):] or "/"
-        if self._digests and path not in PUBLIC_PATHS and scope["method"] != "OPTIONS" \
-                and not self._authorized(headers.get("authorization")):
-            err = APIError(401, "Invalid or missing API key (send 'Authorization: Bearer <key>').",
+        if self._digests and _route_path(scope) not in PUBLIC_PATHS and scope["method"] != "OPTIONS" \
+                and not self._authorized(headers):
+            err = APIError(401, "Invalid or missing API key (send 'Authorization: Bearer <key>' or 'x-api-key').",
                            "authentication_error", None, "invalid_api_key")
-            return await JSONResponse(err.body(), 401)(scope, receive, send_with_id)
+            return await error_response(scope, err)(scope, receive, send_with_id)
         await self.app(scope, receive, send_with_id)
 
 
@@ -159,31 +174,32 @@ async def _unless_disconnected(request: Request, work: Any) -> Any:
 
 
 def _add_error_handlers(app: FastAPI) -> None:
-    """Every error as OpenAI's error body: ours, FastAPI's validation and routing errors, a dead engine, bugs."""
+    """Every error as the route's protocol shapes it (`error_response`): ours, FastAPI's validation and routing
+    errors, a dead engine, bugs."""
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError) -> JSONResponse:
-        return JSONResponse(e.body(), e.status, headers=e.headers)
+        return error_response(request.scope, e)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, e: RequestValidationError) -> JSONResponse:
-        return JSONResponse(bad_request(str(e.errors()[0].get("msg", "invalid request"))).body(), 400)
+        return error_response(request.scope, bad_request(str(e.errors()[0].get("msg", "invalid request"))))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, e: StarletteHTTPException) -> JSONResponse:
         kind = {404: "NotFoundError", 405: "invalid_request_error"}.get(e.status_code, "invalid_request_error")
-        return JSONResponse(APIError(e.status_code, str(e.detail), kind).body(), e.status_code)
+        return error_response(request.scope, APIError(e.status_code, str(e.detail), kind))
 
     @app.exception_handler(EngineDeadError)
     async def _dead(request: Request, e: EngineDeadError) -> JSONResponse:
-        err = APIError(500, "the engine stopped on an internal error", "internal_server_error")
-        return JSONResponse(err.body(), 500)
+        return error_response(request.scope, APIError(500, "the engine stopped on an internal error",
+                                                      "internal_server_error"))
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, e: Exception) -> JSONResponse:
         rid = request.scope.get("kvlm.request_id")
         log.exception("kvlm: internal error in request %s", rid)
-        return JSONResponse(APIError(500, f"internal error (request {rid})", "internal_server_error").body(), 500)
+        return error_response(request.scope, APIError(500, f"internal error (request {rid})", "internal_server_error"))
 
 
 class _Parser:
@@ -299,6 +315,12 @@ def create_app(completion: CompletionServing, chat: ChatServing, aengine: AsyncE
         return {"version": kvlm.__version__}
 
     _add_tokenizer_routes(app, chat, parse, max_body_bytes)
+
+    async def read(request: Request, model: type[BaseModel]) -> Any:
+        refuse_when_unavailable()
+        return parse(model, await read_json(request, max_body_bytes))
+
+    add_messages_routes(app, chat, read, respond)
 
     @app.get("/metrics")
     async def prometheus() -> Response:

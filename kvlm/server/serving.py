@@ -14,7 +14,7 @@ import asyncio
 import json
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -222,21 +222,33 @@ class OpenAIServing:
 
     async def _sse(self, ctx: _Call, obj: str, r: CompletionRequest | ChatCompletionRequest,
                    chunks: AsyncIterator[str]) -> AsyncIterator[str]:
-        """How every SSE stream ends: the usage chunk when asked, an error event if the stream failed, then
-        `[DONE]`; the submission is closed (its requests aborted if unfinished) whatever happens."""
-        try:
+        """How every OpenAI SSE stream ends: the usage chunk when asked, an error event if the stream failed
+        (`guarded`), then `[DONE]`."""
+
+        async def body() -> AsyncIterator[str]:
             async for chunk in chunks:
                 yield chunk
             if r.stream_options and r.stream_options.include_usage:
                 yield sse({"id": ctx.id, "object": obj, "created": ctx.created, "model": self.model_name,
                            "choices": [], "usage": ctx.usage()})
-        except APIError as e:
-            yield sse(e.body())
-        except Exception:
-            yield sse(APIError(500, f"internal error (request {ctx.id})", "internal_server_error").body())
-        finally:
-            ctx.sub.close()
+
+        async for line in guarded(ctx, body(), lambda e: sse(e.body())):
+            yield line
         yield "data: [DONE]\n\n"
+
+
+async def guarded(ctx: _Call, lines: AsyncIterator[str], error_line: Callable[[APIError], str]) -> AsyncIterator[str]:
+    """Every stream's guard, whatever its protocol: the lines, then one error event (in the protocol's shape,
+    `error_line`) if they failed; the submission is closed (its requests aborted if unfinished) however it ends."""
+    try:
+        async for line in lines:
+            yield line
+    except APIError as e:
+        yield error_line(e)
+    except Exception:
+        yield error_line(APIError(500, f"internal error (request {ctx.id})", "internal_server_error"))
+    finally:
+        ctx.sub.close()
 
 
 @dataclass(slots=True)

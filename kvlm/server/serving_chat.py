@@ -67,7 +67,10 @@ class ChatServing(OpenAIServing):
                               "constraint (response_format, structured_outputs)", "tool_choice")
         return plan
 
-    async def chat(self, r: ChatCompletionRequest, request_id: str) -> dict[str, Any] | SSEStream:
+    async def start_chat(self, r: ChatCompletionRequest, request_id: str,
+                         kind: str = "chatcmpl") -> tuple[_Call, ToolPlan | None]:
+        """Check the request, render its prompt and start its engine requests: what every protocol that
+        speaks in chat turns (chat completions, Anthropic's messages) does before shaping the answer."""
         self.check_model(r.model)
         plan = self._check_chat(r)
         self._check_common(r, 1)
@@ -89,7 +92,11 @@ class ChatServing(OpenAIServing):
             self.aengine.release(r.n)
             raise
         sub = await self._submit(specs, r.n, "messages", bool(r.stream))
-        ctx = _Call(request_id, "chatcmpl", r.n, [ids], sub)
+        return _Call(request_id, kind, r.n, [ids], sub), plan
+
+    async def chat(self, r: ChatCompletionRequest, request_id: str) -> dict[str, Any] | SSEStream:
+        ctx, plan = await self.start_chat(r, request_id)
+        sub = ctx.sub
         if r.stream:
             return SSEStream(self._sse(ctx, "chat.completion.chunk", r, self._stream_chat(r, ctx, plan)), sub)
         choices = await ctx.collect()  # closes the submission however it ends

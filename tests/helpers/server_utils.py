@@ -97,3 +97,14 @@ async def greedy_completion(client: Any, model: str, prompt: str, max_tokens: in
             text += c.choices[0].text
             lps += list(c.choices[0].logprobs.token_logprobs) if c.choices[0].logprobs else []
     return text, lps
+
+
+def run_doc_snippet(page: str, marker: str, url: str, timeout: float = 300) -> list[str]:
+    """Run the one ```python block of docs/`page` that contains `marker` against the server at `url`, as a
+    reader would (a fresh interpreter); its printed lines."""
+    text = (ROOT / "docs" / page).read_text()
+    (code,) = [b for b in re.findall(r"```python\n(.*?)```", text, re.S) if marker in b]
+    r = subprocess.run([sys.executable, "-c", code.replace("http://127.0.0.1:8000", url)],
+                       capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return r.stdout.splitlines()

@@ -7,7 +7,7 @@ import asyncio
 
 import openai
 import pytest
-from server_utils import ServerProcess, greedy_completion
+from server_utils import ServerProcess, greedy_completion, run_doc_snippet
 
 PROMPTS = ["The capital of France is", "Write a haiku about caches.", "1, 2, 3, 4,", "Translate to French: cat",
            "def fibonacci(n):", "Once upon a time, in a land far away, there lived a small dragon who",
@@ -61,3 +61,20 @@ def test_chat_stream_is_utf8_safe_and_equals_non_stream(server):
     whole = text[:-1] if full.choices[0].finish_reason == "length" and text.endswith("\ufffd") else text
     assert "\ufffd" not in whole, text
     assert full.usage.prompt_tokens > 20  # the model's own template wrapped the message
+
+
+def test_messages_snippet_and_greedy_equivalence_with_chat(server):
+    """docs/serving.md's anthropic-SDK snippet, run as a reader would, prints what the page says (stream equals
+    create, a forced call with a valid input, an answer after the tool result); and the same question over
+    `/v1/messages` and `/v1/chat/completions` gives the same greedy text on the real template."""
+    from deps import need
+
+    anthropic = need("anthropic")
+    lines = run_doc_snippet("serving.md", "anthropic.Anthropic(", server.url)
+    assert lines[1:3] == ["True", "tool_use get_weather {'city': 'Paris'}"] and len(lines) >= 4, lines
+    ask = [{"role": "user", "content": "What is the capital of France?"}]
+    m = anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0, timeout=120).messages.create(
+        model="smollm2-135m", max_tokens=16, messages=ask, extra_body={"temperature": 0})
+    c = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+    want = c.chat.completions.create(model="smollm2-135m", messages=ask, max_tokens=16, temperature=0)
+    assert m.content[0].text == want.choices[0].message.content and m.usage.output_tokens == 16

@@ -9,9 +9,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
-from pathlib import Path
 from typing import Literal, Optional
 
 import httpx
@@ -19,7 +16,7 @@ import jsonschema
 import openai
 import pytest
 from pydantic import BaseModel, Field
-from server_utils import ServerProcess
+from server_utils import ServerProcess, run_doc_snippet
 from tiny_models import tiny_config, write_tiny_gguf
 
 WEATHER = {"type": "function", "function": {
@@ -224,12 +221,7 @@ def smollm2_server(smollm2_process):
 def test_readme_structured_snippet(smollm2_process) -> None:
     """docs/serving.md's structured-output and tool-call snippet (once in the README), run as a reader would,
     prints what the page says."""
-    readme = (Path(__file__).resolve().parents[2] / "docs" / "serving.md").read_text()
-    (code,) = [b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "response_format=City" in b]
-    r = subprocess.run([sys.executable, "-c", code.replace("http://127.0.0.1:8000", smollm2_process.url)],
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
-    lines = r.stdout.splitlines()
+    lines = run_doc_snippet("serving.md", "response_format=City", smollm2_process.url)
     assert lines[0] == "name='Paris' country='FRANCE'" and lines[-1] == "Paris", lines
     assert "tool_calls get_weather {'city': 'Paris'}" in lines, lines
 

@@ -1,0 +1,257 @@
+"""Anthropic's Messages API (`/v1/messages`, `/v1/messages/count_tokens`) as a translation of chat completions.
+
+A request becomes a `ChatCompletionRequest` (`chat_request`): `system` a system turn, `tool_use` blocks an
+assistant turn's tool_calls, `tool_result` blocks tool turns, `tools`' input_schema the function parameters,
+`tool_choice` auto/any/tool/none OpenAI's auto/required/named/none, `stop_sequences` stop strings. From there
+`ChatServing.start_chat` does what it does for chat completions: the checks, the chat template, the tool
+grammar, the engine requests. This module only shapes the answer: content blocks (text, tool_use with the
+parsed input), `stop_reason`, Anthropic's usage (input tokens the prefix cache served are
+`cache_read_input_tokens`), and the SSE event sequence (message_start, content_block_start, ping,
+content_block_delta, content_block_stop, message_delta, message_stop). Errors from the shared checks keep their
+wording with Anthropic's field names; their shape is `protocol_messages.anthropic_error`'s.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from pydantic import BaseModel
+
+from kvlm.server.chat_tools import ToolPlan, tool_plan
+from kvlm.server.protocol import APIError, ChatCompletionRequest, bad_request
+from kvlm.server.protocol_messages import (
+    MESSAGES_PATH,
+    CountTokensRequest,
+    Message,
+    MessagesRequest,
+    TextBlock,
+    anthropic_error,
+)
+from kvlm.server.serving import SSEStream, _Call, guarded
+from kvlm.server.serving_chat import ChatServing
+from kvlm.structured.tool_parser import ToolCallStream
+
+# Shared checks' field names -> Anthropic's (the error message is what Anthropic's error body carries).
+_RENAMES = [(re.compile(r"\bstop\b( strings)?"), "stop_sequences"),
+            (re.compile(r"(tools\[\d+\])\.function\.name"), r"\1.name"),
+            (re.compile(r"'max_tokens' or 'max_completion_tokens'"), "max_tokens")]
+
+
+def _renamed(e: APIError) -> APIError:
+    msg = e.message
+    for pattern, repl in _RENAMES:
+        msg = pattern.sub(repl, msg)
+    return APIError(e.status, msg, e.type, e.param, e.code, e.headers)
+
+
+def _text(blocks: str | list[TextBlock]) -> str:
+    return blocks if isinstance(blocks, str) else "".join(b.text for b in blocks)
+
+
+def _turns(m: Message, i: int) -> list[dict[str, Any]]:
+    """One Anthropic message as chat messages: an assistant turn (text + tool_calls), or user turns with each
+    tool_result as a tool message, in the order the blocks come."""
+    if isinstance(m.content, str):
+        return [{"role": m.role, "content": m.content}]
+    out: list[dict[str, Any]] = []
+    texts: list[dict[str, str]] = []
+    calls: list[dict[str, Any]] = []
+    for j, b in enumerate(m.content):
+        where = f"messages[{i}].content[{j}]"
+        if b.type == "text":
+            texts.append({"type": "text", "text": b.text})
+        elif b.type == "tool_use":
+            if m.role != "assistant":
+                raise bad_request(f"{where}: tool_use blocks belong to assistant messages", where)
+            calls.append({"id": b.id, "type": "function",
+                          "function": {"name": b.name, "arguments": json.dumps(b.input, ensure_ascii=False)}})
+        elif b.type == "tool_result":
+            if m.role != "user":
+                raise bad_request(f"{where}: tool_result blocks belong to user messages", where)
+            if texts:
+                out.append({"role": "user", "content": texts})
+                texts = []
+            out.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": _text(b.content)})
+        # thinking / redacted_thinking: an earlier turn's reasoning, which chat templates do not render
+    if m.role == "assistant":
+        return [{"role": "assistant", "content": texts or None, **({"tool_calls": calls} if calls else {})}]
+    if texts or not out:
+        out.append({"role": "user", "content": texts})
+    return out
+
+
+def chat_request(r: CountTokensRequest) -> ChatCompletionRequest:
+    """The chat completions request an Anthropic request is (fields checked here are Anthropic's own rules)."""
+    if not r.messages:
+        raise bad_request("messages: at least one message is required", "messages")
+    if r.messages[-1].role == "assistant":
+        raise bad_request("messages: a final assistant message (prefill) is not supported; end with a user message",
+                          "messages")
+    msgs = [{"role": "system", "content": _text(r.system)}] if r.system else []
+    for i, m in enumerate(r.messages):
+        msgs += _turns(m, i)
+    body: dict[str, Any] = {"model": r.model, "messages": msgs}
+    if r.tools is not None:
+        body["tools"] = [{"type": "function", "function": {"name": t.name, "description": t.description,
+                                                           "parameters": t.input_schema}} for t in r.tools]
+    tc = r.tool_choice
+    if tc is not None:
+        if (tc.type == "tool") != (tc.name is not None):
+            raise bad_request("tool_choice: name is required for type tool, and only for it", "tool_choice")
+        body["tool_choice"] = {"auto": "auto", "any": "required", "none": "none",
+                               "tool": {"type": "function", "function": {"name": tc.name}}}[tc.type]
+        body["parallel_tool_calls"] = not tc.disable_parallel_tool_use
+    if r.thinking is not None and r.thinking.type == "enabled" and r.thinking.budget_tokens is None:
+        raise bad_request("thinking.budget_tokens: required when thinking is enabled", "thinking")
+    if isinstance(r, MessagesRequest):
+        if r.temperature is not None and not 0 <= r.temperature <= 1:
+            raise bad_request(f"temperature: must be in [0, 1], got {r.temperature}", "temperature")
+        body.update(max_tokens=r.max_tokens, stop=r.stop_sequences, stream=r.stream, temperature=r.temperature,
+                    top_p=r.top_p, top_k=r.top_k)
+    return ChatCompletionRequest.model_validate(body)
+
+
+def _tool_id(call_id: str) -> str:
+    """Anthropic's tool_use id for a parsed call's id (`call_<24>` -> `toolu_<24>`)."""
+    return "toolu_" + call_id.removeprefix("call_")
+
+
+def _stop(finish: str | None, stop_reason: str | int | None, called: bool) -> dict[str, Any]:
+    """Anthropic's stop_reason (+ the stop_sequence that matched) for how the engine ended the answer."""
+    if finish == "length":
+        return {"stop_reason": "max_tokens", "stop_sequence": None}
+    if called:
+        return {"stop_reason": "tool_use", "stop_sequence": None}
+    if isinstance(stop_reason, str):
+        return {"stop_reason": "stop_sequence", "stop_sequence": stop_reason}
+    return {"stop_reason": "end_turn", "stop_sequence": None}
+
+
+def _usage(ctx: _Call) -> dict[str, int]:
+    u = ctx.usage()
+    cached = u["prompt_tokens_details"]["cached_tokens"]
+    return {"input_tokens": u["prompt_tokens"] - cached, "output_tokens": u["completion_tokens"],
+            "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
+
+
+def event(kind: str, obj: dict[str, Any]) -> str:
+    """One SSE event as Anthropic sends it: an `event:` line naming the type, then the data."""
+    return f"event: {kind}\ndata: {json.dumps({'type': kind, **obj}, ensure_ascii=False)}\n\n"
+
+
+def _error_event(e: APIError) -> str:
+    return event("error", {"error": anthropic_error(e)[1]["error"]})
+
+
+class MessagesServing:
+    def __init__(self, chat: ChatServing) -> None:
+        self.chat = chat
+
+    async def create(self, r: MessagesRequest, request_id: str) -> dict[str, Any] | SSEStream:
+        try:
+            ctx, plan = await self.chat.start_chat(chat_request(r), request_id, "msg")
+        except APIError as e:
+            raise _renamed(e) from None
+        ctx.id = f"msg_{request_id}"
+        if r.stream:
+            return SSEStream(guarded(ctx, self._stream(ctx, plan), _error_event), ctx.sub)
+        c = (await ctx.collect())[0]  # closes the submission however it ends
+        message, calls = plan.message(c.text) if plan is not None else ({"content": c.text}, [])
+        content = [{"type": "text", "text": message["content"]}] if message["content"] else []
+        content += [{"type": "tool_use", "id": _tool_id(t.id), "name": t.name, "input": json.loads(t.arguments)}
+                    for t in calls]
+        return {"id": ctx.id, "type": "message", "role": "assistant", "model": self.chat.model_name,
+                "content": content, **_stop(c.finish_reason, c.stop_reason, bool(calls)), "usage": _usage(ctx)}
+
+    def count_tokens(self, r: CountTokensRequest) -> dict[str, int]:
+        """The prompt's length as `create` renders it (tools included), before any prefix cache."""
+        try:
+            cr = chat_request(r)
+            self.chat.check_model(cr.model)
+            plan = tool_plan(cr, self.chat.tokenizer.chat_template)
+            return {"input_tokens": len(self.chat.chat_prompt(cr, plan))}
+        except APIError as e:
+            raise _renamed(e) from None
+
+    async def _stream(self, ctx: _Call, plan: ToolPlan | None) -> AsyncIterator[str]:
+        """Text as one text block (opened at its first character), then each tool call as a tool_use block whose
+        input JSON comes as one input_json_delta; one ping after the first block opens. With tools, leading
+        whitespace is held until text follows it: before a call it is dropped, as the non-streamed answer
+        drops it."""
+        calls = ToolCallStream() if plan is not None and plan.active else None
+        index, held, started, text_open, pinged = 0, "", False, False, False
+
+        def start(block: dict[str, Any]) -> list[str]:
+            nonlocal pinged
+            out = [event("content_block_start", {"index": index, "content_block": block})]
+            if not pinged:
+                out.append(event("ping", {}))
+                pinged = True
+            return out
+
+        async for _, d in ctx.deltas():
+            out: list[str] = []
+            if not started:  # at the first delta the prefix cache has been asked: usage is known
+                out.append(event("message_start", {"message": {
+                    "id": ctx.id, "type": "message", "role": "assistant", "model": self.chat.model_name,
+                    "content": [], "stop_reason": None, "stop_sequence": None,
+                    "usage": {**_usage(ctx), "output_tokens": 0}}}))  # tokens are counted in message_delta
+                started = True
+            text, tools = calls.feed(d.text, final=d.finished) if calls is not None else (d.text, [])
+            if calls is not None and plan is not None and not plan.parallel:
+                tools = [t for t in tools if t["index"] == 0]
+            if calls is not None and not text_open:
+                held, text = ("", held + text) if (held + text).strip() else (held + text, "")
+                if d.finished and not calls.calls:
+                    text, held = held + text, ""
+            if text:
+                if not text_open:
+                    out += start({"type": "text", "text": ""})
+                    text_open = True
+                out.append(event("content_block_delta", {"index": index,
+                                                         "delta": {"type": "text_delta", "text": text}}))
+            for t in tools:
+                if "id" in t:  # a call's first delta: its id and name; the arguments come whole in the next one
+                    if text_open:
+                        out.append(event("content_block_stop", {"index": index}))
+                        index, text_open = index + 1, False
+                    out += start({"type": "tool_use", "id": _tool_id(t["id"]), "name": t["function"]["name"],
+                                  "input": {}})
+                else:
+                    out.append(event("content_block_delta", {"index": index, "delta": {
+                        "type": "input_json_delta", "partial_json": t["function"]["arguments"]}}))
+                    out.append(event("content_block_stop", {"index": index}))
+                    index += 1
+            if d.finished:
+                if text_open:
+                    out.append(event("content_block_stop", {"index": index}))
+                if not pinged:
+                    out.append(event("ping", {}))
+                called = calls is not None and bool(calls.calls)
+                out.append(event("message_delta", {"delta": _stop(d.finish_reason, ctx.stop_reason(d), called),
+                                                   "usage": _usage(ctx)}))
+                out.append(event("message_stop", {}))
+            for line in out:
+                yield line
+
+
+def add_messages_routes(app: FastAPI, chat: ChatServing,
+                        read: Callable[[Request, type[BaseModel]], Awaitable[Any]],
+                        respond: Callable[[Request, Any], Awaitable[Response]]) -> None:
+    """`POST /v1/messages` and `/v1/messages/count_tokens`: `read` is the app's body reader (size limit, JSON,
+    schema, refusal while the engine is down or draining), `respond` its answer (JSON, SSE, client gone)."""
+    messages = MessagesServing(chat)
+
+    @app.post(MESSAGES_PATH)
+    async def create(request: Request) -> Response:
+        r = await read(request, MessagesRequest)
+        return await respond(request, messages.create(r, request.scope["kvlm.request_id"]))
+
+    @app.post(MESSAGES_PATH + "/count_tokens")
+    async def count_tokens(request: Request) -> dict[str, int]:
+        return messages.count_tokens(await read(request, CountTokensRequest))
