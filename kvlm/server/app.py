@@ -1,11 +1,12 @@
 """The FastAPI application: routes, the request gate (request ids, API keys), body limits, errors, disconnects.
 
 Every error leaves as OpenAI's `{"error": {"message", "type", "param", "code"}}` (400 for anything the
-client got wrong, never FastAPI's 422 `detail`). Bodies are read here, with a size limit and a JSON
-content-type check, then validated with the `protocol` schemas. A non-streaming request races its client's
-`http.disconnect` (as vLLM does: `request.is_disconnected()` is unreliable behind middleware); a streaming
-one ends when Starlette cancels its generator. Both paths close the `Submission`, which aborts the engine
-requests. Behaviour of the endpoints lives in `serving_completion` and `serving_chat`.
+client got wrong, never FastAPI's 422 `detail`), or as Anthropic's under `/v1/messages` (`error_response`).
+Bodies are read here, with a size limit and a JSON content-type check, then validated with the `protocol`
+schemas. A non-streaming request races its client's `http.disconnect` (as vLLM does:
+`request.is_disconnected()` is unreliable behind middleware); a streaming one ends when Starlette cancels its
+generator. Both paths close the `Submission`, which aborts the engine requests. Behaviour of the endpoints
+lives in `serving_completion`, `serving_chat` and `serving_messages`.
 """
 
 from __future__ import annotations

@@ -67,8 +67,7 @@ class ChatServing(OpenAIServing):
                               "constraint (response_format, structured_outputs)", "tool_choice")
         return plan
 
-    async def start_chat(self, r: ChatCompletionRequest, request_id: str,
-                         kind: str = "chatcmpl") -> tuple[_Call, ToolPlan | None]:
+    async def start_chat(self, r: ChatCompletionRequest, request_id: str) -> tuple[_Call, ToolPlan | None]:
         """Check the request, render its prompt and start its engine requests: what every protocol that
         speaks in chat turns (chat completions, Anthropic's messages) does before shaping the answer."""
         self.check_model(r.model)
@@ -92,7 +91,7 @@ class ChatServing(OpenAIServing):
             self.aengine.release(r.n)
             raise
         sub = await self._submit(specs, r.n, "messages", bool(r.stream))
-        return _Call(request_id, kind, r.n, [ids], sub), plan
+        return _Call(request_id, "chatcmpl", r.n, [ids], sub), plan
 
     async def chat(self, r: ChatCompletionRequest, request_id: str) -> dict[str, Any] | SSEStream:
         ctx, plan = await self.start_chat(r, request_id)

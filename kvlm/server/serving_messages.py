@@ -154,10 +154,10 @@ class MessagesServing:
 
     async def create(self, r: MessagesRequest, request_id: str) -> dict[str, Any] | SSEStream:
         try:
-            ctx, plan = await self.chat.start_chat(chat_request(r), request_id, "msg")
+            ctx, plan = await self.chat.start_chat(chat_request(r), request_id)
         except APIError as e:
             raise _renamed(e) from None
-        ctx.id = f"msg_{request_id}"
+        ctx.id = f"msg_{request_id}"  # Anthropic's id shape (chat's is chatcmpl-<request id>)
         if r.stream:
             return SSEStream(guarded(ctx, self._stream(ctx, plan), _error_event), ctx.sub)
         c = (await ctx.collect())[0]  # closes the submission however it ends

@@ -70,11 +70,24 @@ def test_overload_gets_503_at_once_and_admitted_finish(tiny_gguf):
             r = await c.post(s.url + "/v1/completions", json={**LONG, "max_tokens": 120})
             return r.status_code, time.monotonic() - t, r.json(), r.headers
 
-        async def burst() -> list:
-            async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=50)) as c:
-                return await asyncio.gather(*[one(c) for _ in range(40)])
+        model = httpx.get(s.url + "/v1/models").json()["data"][0]["id"]
 
-        results = asyncio.run(burst())
+        async def anthropic(c: httpx.AsyncClient) -> tuple[int, dict]:
+            r = await c.post(s.url + "/v1/messages", json={"model": model, "max_tokens": 8, "messages": [
+                {"role": "user", "content": "hello"}]})
+            return r.status_code, r.json()
+
+        async def burst() -> tuple[list, list]:
+            async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=50)) as c:
+                both = await asyncio.gather(asyncio.gather(*[one(c) for _ in range(40)]),
+                                            asyncio.gather(*[anthropic(c) for _ in range(4)]))
+                return both[0], both[1]
+
+        results, messages = asyncio.run(burst())
+        # Anthropic's clients get Anthropic's overloaded error (529: the SDK's OverloadedError, retried)
+        assert any(code == 529 for code, _ in messages), messages
+        assert all(body == {"type": "error", "error": {"type": "overloaded_error", "message": body["error"]["message"]}}
+                   for code, body in messages if code == 529)
         ok = [r for r in results if r[0] == 200]
         refused = [r for r in results if r[0] == 503]
         assert len(ok) + len(refused) == 40
