@@ -148,6 +148,77 @@ def _error_event(e: APIError) -> str:
     return event("error", {"error": anthropic_error(e)[1]["error"]})
 
 
+def content_blocks(text: str, plan: ToolPlan | None) -> list[dict[str, Any]]:
+    """A whole answer's content: its text (none when empty, or only whitespace before a call) and a tool_use
+    block per call the plan allows, with the parsed input."""
+    message, calls = plan.message(text) if plan is not None else ({"content": text}, [])
+    content = [{"type": "text", "text": message["content"]}] if message["content"] else []
+    return content + [{"type": "tool_use", "id": _tool_id(t.id), "name": t.name, "input": json.loads(t.arguments)}
+                      for t in calls]
+
+
+class BlockStream:
+    """One answer's text deltas as Anthropic's content-block events, which rebuild `content_blocks` of the whole
+    text exactly: the text as one text block (opened at its first character), then each call as a tool_use
+    block whose input JSON comes as one input_json_delta; one ping after the first block opens (or at the end
+    when none did). With tools, leading whitespace is held until text follows it: before a call it is
+    dropped, as the whole answer drops it. Calls are found by `ToolCallStream`, as chat completions finds them."""
+
+    def __init__(self, plan: ToolPlan | None) -> None:
+        self.calls = ToolCallStream() if plan is not None and plan.active else None
+        self.parallel = plan is None or plan.parallel
+        self.index, self.held = 0, ""  # the open block's index; whitespace not yet sent
+        self.started = self.text_open = self.pinged = False
+
+    @property
+    def called(self) -> bool:
+        return self.calls is not None and bool(self.calls.calls)
+
+    def _start(self, block: dict[str, Any]) -> list[str]:
+        out = [event("content_block_start", {"index": self.index, "content_block": block})]
+        if not self.pinged:
+            out.append(event("ping", {}))
+            self.pinged = True
+        return out
+
+    def feed(self, text: str, final: bool) -> list[str]:
+        self.started = True
+        out: list[str] = []
+        tools: list[dict[str, Any]] = []
+        if self.calls is not None:
+            text, tools = self.calls.feed(text, final=final)
+            if not self.parallel:
+                tools = [t for t in tools if t["index"] == 0]
+            if not self.text_open:
+                self.held, text = ("", self.held + text) if (self.held + text).strip() else (self.held + text, "")
+                if final and not self.calls.calls:
+                    text, self.held = self.held + text, ""
+        if text:
+            if not self.text_open:
+                out += self._start({"type": "text", "text": ""})
+                self.text_open = True
+            out.append(event("content_block_delta", {"index": self.index,
+                                                     "delta": {"type": "text_delta", "text": text}}))
+        for t in tools:
+            if "id" in t:  # a call's first delta: its id and name; the arguments come whole in the next one
+                if self.text_open:
+                    out.append(event("content_block_stop", {"index": self.index}))
+                    self.index, self.text_open = self.index + 1, False
+                out += self._start({"type": "tool_use", "id": _tool_id(t["id"]), "name": t["function"]["name"],
+                                    "input": {}})
+            else:
+                out.append(event("content_block_delta", {"index": self.index, "delta": {
+                    "type": "input_json_delta", "partial_json": t["function"]["arguments"]}}))
+                out.append(event("content_block_stop", {"index": self.index}))
+                self.index += 1
+        if final:
+            if self.text_open:
+                out.append(event("content_block_stop", {"index": self.index}))
+            if not self.pinged:
+                out.append(event("ping", {}))
+        return out
+
+
 class MessagesServing:
     def __init__(self, chat: ChatServing) -> None:
         self.chat = chat
@@ -161,12 +232,10 @@ class MessagesServing:
         if r.stream:
             return SSEStream(guarded(ctx, self._stream(ctx, plan), _error_event), ctx.sub)
         c = (await ctx.collect())[0]  # closes the submission however it ends
-        message, calls = plan.message(c.text) if plan is not None else ({"content": c.text}, [])
-        content = [{"type": "text", "text": message["content"]}] if message["content"] else []
-        content += [{"type": "tool_use", "id": _tool_id(t.id), "name": t.name, "input": json.loads(t.arguments)}
-                    for t in calls]
+        content = content_blocks(c.text, plan)
+        called = any(b["type"] == "tool_use" for b in content)
         return {"id": ctx.id, "type": "message", "role": "assistant", "model": self.chat.model_name,
-                "content": content, **_stop(c.finish_reason, c.stop_reason, bool(calls)), "usage": _usage(ctx)}
+                "content": content, **_stop(c.finish_reason, c.stop_reason, called), "usage": _usage(ctx)}
 
     def count_tokens(self, r: CountTokensRequest) -> dict[str, int]:
         """The prompt's length as `create` renders it (tools included), before any prefix cache."""
@@ -179,65 +248,19 @@ class MessagesServing:
             raise _renamed(e) from None
 
     async def _stream(self, ctx: _Call, plan: ToolPlan | None) -> AsyncIterator[str]:
-        """Text as one text block (opened at its first character), then each tool call as a tool_use block whose
-        input JSON comes as one input_json_delta; one ping after the first block opens. With tools, leading
-        whitespace is held until text follows it: before a call it is dropped, as the non-streamed answer
-        drops it."""
-        calls = ToolCallStream() if plan is not None and plan.active else None
-        index, held, started, text_open, pinged = 0, "", False, False, False
-
-        def start(block: dict[str, Any]) -> list[str]:
-            nonlocal pinged
-            out = [event("content_block_start", {"index": index, "content_block": block})]
-            if not pinged:
-                out.append(event("ping", {}))
-                pinged = True
-            return out
-
+        blocks = BlockStream(plan)
         async for _, d in ctx.deltas():
-            out: list[str] = []
-            if not started:  # at the first delta the prefix cache has been asked: usage is known
-                out.append(event("message_start", {"message": {
+            if not blocks.started:  # at the first delta the prefix cache has been asked: usage is known
+                yield event("message_start", {"message": {
                     "id": ctx.id, "type": "message", "role": "assistant", "model": self.chat.model_name,
                     "content": [], "stop_reason": None, "stop_sequence": None,
-                    "usage": {**_usage(ctx), "output_tokens": 0}}}))  # tokens are counted in message_delta
-                started = True
-            text, tools = calls.feed(d.text, final=d.finished) if calls is not None else (d.text, [])
-            if calls is not None and plan is not None and not plan.parallel:
-                tools = [t for t in tools if t["index"] == 0]
-            if calls is not None and not text_open:
-                held, text = ("", held + text) if (held + text).strip() else (held + text, "")
-                if d.finished and not calls.calls:
-                    text, held = held + text, ""
-            if text:
-                if not text_open:
-                    out += start({"type": "text", "text": ""})
-                    text_open = True
-                out.append(event("content_block_delta", {"index": index,
-                                                         "delta": {"type": "text_delta", "text": text}}))
-            for t in tools:
-                if "id" in t:  # a call's first delta: its id and name; the arguments come whole in the next one
-                    if text_open:
-                        out.append(event("content_block_stop", {"index": index}))
-                        index, text_open = index + 1, False
-                    out += start({"type": "tool_use", "id": _tool_id(t["id"]), "name": t["function"]["name"],
-                                  "input": {}})
-                else:
-                    out.append(event("content_block_delta", {"index": index, "delta": {
-                        "type": "input_json_delta", "partial_json": t["function"]["arguments"]}}))
-                    out.append(event("content_block_stop", {"index": index}))
-                    index += 1
-            if d.finished:
-                if text_open:
-                    out.append(event("content_block_stop", {"index": index}))
-                if not pinged:
-                    out.append(event("ping", {}))
-                called = calls is not None and bool(calls.calls)
-                out.append(event("message_delta", {"delta": _stop(d.finish_reason, ctx.stop_reason(d), called),
-                                                   "usage": _usage(ctx)}))
-                out.append(event("message_stop", {}))
-            for line in out:
+                    "usage": {**_usage(ctx), "output_tokens": 0}}})  # tokens are counted in message_delta
+            for line in blocks.feed(d.text, final=d.finished):
                 yield line
+            if d.finished:
+                yield event("message_delta", {"delta": _stop(d.finish_reason, ctx.stop_reason(d), blocks.called),
+                                              "usage": _usage(ctx)})
+                yield event("message_stop", {})
 
 
 def add_messages_routes(app: FastAPI, chat: ChatServing,
