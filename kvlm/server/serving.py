@@ -14,7 +14,7 @@ import asyncio
 import json
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +38,7 @@ class ServingOptions:
     max_stop: int = 16
     max_stop_len: int = 256
     max_prompts: int = 256  # engine requests one call may create (prompts x n)
+    max_stored_responses: int = 1024  # /v1/responses kept for previous_response_id and GET (LRU)
 
 
 @dataclass(slots=True)
@@ -222,21 +223,32 @@ class OpenAIServing:
 
     async def _sse(self, ctx: _Call, obj: str, r: CompletionRequest | ChatCompletionRequest,
                    chunks: AsyncIterator[str]) -> AsyncIterator[str]:
-        """How every SSE stream ends: the usage chunk when asked, an error event if the stream failed, then
-        `[DONE]`; the submission is closed (its requests aborted if unfinished) whatever happens."""
-        try:
+        """How a completions or chat stream ends: the usage chunk when asked, an error event if the stream
+        failed, then `[DONE]`."""
+        async def with_usage() -> AsyncIterator[str]:
             async for chunk in chunks:
                 yield chunk
             if r.stream_options and r.stream_options.include_usage:
                 yield sse({"id": ctx.id, "object": obj, "created": ctx.created, "model": self.model_name,
                            "choices": [], "usage": ctx.usage()})
-        except APIError as e:
-            yield sse(e.body())
-        except Exception:
-            yield sse(APIError(500, f"internal error (request {ctx.id})", "internal_server_error").body())
-        finally:
-            ctx.sub.close()
+
+        async for chunk in guarded(ctx, with_usage(), lambda e: sse(e.body())):
+            yield chunk
         yield "data: [DONE]\n\n"
+
+
+async def guarded(ctx: _Call, chunks: AsyncIterator[str], error: Callable[[APIError], str]) -> AsyncIterator[str]:
+    """Every SSE stream's guard: a failure becomes one last event (`error` formats it in the protocol's
+    shape), and the submission is closed (its requests aborted if unfinished) whatever happens."""
+    try:
+        async for chunk in chunks:
+            yield chunk
+    except APIError as e:
+        yield error(e)
+    except Exception:
+        yield error(APIError(500, f"internal error (request {ctx.id})", "internal_server_error"))
+    finally:
+        ctx.sub.close()
 
 
 @dataclass(slots=True)

@@ -67,7 +67,9 @@ class ChatServing(OpenAIServing):
                               "constraint (response_format, structured_outputs)", "tool_choice")
         return plan
 
-    async def chat(self, r: ChatCompletionRequest, request_id: str) -> dict[str, Any] | SSEStream:
+    async def start_chat(self, r: ChatCompletionRequest, request_id: str) -> tuple[_Call, ToolPlan | None]:
+        """Check the request, render its prompt and start its engine requests (`chat` and the Responses
+        API shape what comes back)."""
         self.check_model(r.model)
         plan = self._check_chat(r)
         self._check_common(r, 1)
@@ -89,9 +91,12 @@ class ChatServing(OpenAIServing):
             self.aengine.release(r.n)
             raise
         sub = await self._submit(specs, r.n, "messages", bool(r.stream))
-        ctx = _Call(request_id, "chatcmpl", r.n, [ids], sub)
+        return _Call(request_id, "chatcmpl", r.n, [ids], sub), plan
+
+    async def chat(self, r: ChatCompletionRequest, request_id: str) -> dict[str, Any] | SSEStream:
+        ctx, plan = await self.start_chat(r, request_id)
         if r.stream:
-            return SSEStream(self._sse(ctx, "chat.completion.chunk", r, self._stream_chat(r, ctx, plan)), sub)
+            return SSEStream(self._sse(ctx, "chat.completion.chunk", r, self._stream_chat(r, ctx, plan)), ctx.sub)
         choices = await ctx.collect()  # closes the submission however it ends
         out = []
         for i, c in enumerate(choices):
