@@ -6,8 +6,8 @@ so the chat template, tool prompt and grammar, output constraints, checks and en
 ones `ChatServing.start_chat` runs for chat; an error they raise is renamed to the Responses field it came
 from. What comes back (whole or streamed) is shaped into output items: a `message` with `output_text`,
 then one `function_call` item per call. Streams carry the documented typed events, each numbered by
-`sequence_number`, and end with `response.completed` (or `response.incomplete` when `max_output_tokens`
-cut the answer).
+`sequence_number`, and end with `response.completed` (`response.incomplete` when `max_output_tokens`
+cut the answer, `response.failed` when a shutdown aborted it).
 
 `store` (default true, as OpenAI) keeps a response and its conversation in `ResponseStore`, a
 count-bounded LRU (`--max-stored-responses`). A request naming `previous_response_id` renders that
@@ -198,6 +198,15 @@ def _refuse_unsupported(r: ResponsesRequest) -> None:
         raise bad_request("top_logprobs is not supported", "top_logprobs")
 
 
+def response_status(finish_reason: str | None) -> str:
+    """The response's status for how its request ended; a stream's last event is `response.<status>`."""
+    return {"length": "incomplete", "abort": "failed"}.get(finish_reason or "", "completed")
+
+
+def item_status(status: str) -> str:
+    return "completed" if status == "completed" else "incomplete"
+
+
 def _ids(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
@@ -230,6 +239,76 @@ def assistant_message(items: list[dict[str, Any]]) -> dict[str, Any]:
                     "function": {"name": it["name"], "arguments": it["arguments"]}}
             msg.setdefault("tool_calls", []).append(call)
     return msg
+
+
+class ResponseEvents:
+    """A streamed response's output as typed events, each with the next `sequence_number`: text opens a
+    message item and goes out as `output_text` deltas, a call closes the message and goes out as its own
+    `function_call` item. `items` ends equal to the output the same text makes whole (`create`)."""
+
+    def __init__(self) -> None:
+        self._seq = count()
+        self.items: list[dict[str, Any]] = []  # finished output items
+        self._msg: str | None = None  # the open message item's id
+        self._text = ""  # its text so far
+        self._held = ""  # blank text not yet sent: before a call it is no content (`parse_tool_calls`)
+
+    def event(self, kind: str, **fields: Any) -> str:
+        body = {"type": kind, **fields, "sequence_number": next(self._seq)}
+        return f"event: {kind}\ndata: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+    def _where(self) -> dict[str, Any]:
+        return {"item_id": self._msg, "output_index": len(self.items), "content_index": 0}
+
+    def text(self, new: str, hold_blank: bool = False) -> list[str]:
+        """Content text; `hold_blank` (tools offered): blank text before the message opens waits."""
+        if self._msg is None and hold_blank and not (self._held + new).strip():
+            self._held += new
+            return []
+        new, self._held = self._held + new, ""
+        out = self._open() if self._msg is None else []
+        if new:
+            self._text += new
+            out.append(self.event("response.output_text.delta", **self._where(), delta=new, logprobs=[]))
+        return out
+
+    def call(self, call: ToolCall) -> list[str]:
+        out = self._close("completed") if self._msg is not None else []
+        self._held = ""
+        item = call_item(_ids("fc"), call, "in_progress")
+        where = {"item_id": item["id"], "output_index": len(self.items)}
+        out += [self.event("response.output_item.added", output_index=len(self.items), item=item),
+                self.event("response.function_call_arguments.delta", **where, delta=call.arguments),
+                self.event("response.function_call_arguments.done", **where, name=call.name,
+                           arguments=call.arguments)]
+        item = call_item(item["id"], call)
+        out.append(self.event("response.output_item.done", output_index=len(self.items), item=item))
+        self.items.append(item)
+        return out
+
+    def end(self, status: str) -> list[str]:
+        """Close the open message; with no call made, the answer is a message even when blank."""
+        out = self.text("") if self._msg is None and not self.items else []
+        if self._msg is not None:
+            out += self._close(status)
+        return out
+
+    def _open(self) -> list[str]:
+        self._msg = _ids("msg")
+        item = {**message_item(self._msg, "", "in_progress"), "content": []}
+        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        return [self.event("response.output_item.added", output_index=len(self.items), item=item),
+                self.event("response.content_part.added", **self._where(), part=part)]
+
+    def _close(self, status: str) -> list[str]:
+        part = {"type": "output_text", "text": self._text, "annotations": [], "logprobs": []}
+        done = message_item(self._msg or "", self._text, status)
+        out = [self.event("response.output_text.done", **self._where(), text=self._text, logprobs=[]),
+               self.event("response.content_part.done", **self._where(), part=part),
+               self.event("response.output_item.done", output_index=len(self.items), item=done)]
+        self.items.append(done)
+        self._msg, self._text = None, ""
+        return out
 
 
 @dataclass(slots=True)
@@ -271,13 +350,13 @@ class ResponsesServing(ChatServing):
         if r.stream:
             return SSEStream(self._stream(turn, ctx, plan), ctx.sub)
         c = (await ctx.collect())[0]  # closes the submission however it ends
-        status = "incomplete" if c.finish_reason == "length" else "completed"
+        status = response_status(c.finish_reason)
         if plan is not None:
             msg, calls = plan.message(c.text)
             content = msg["content"]
         else:
             content, calls = c.text, []
-        items = [message_item(_ids("msg"), content, status)] if content is not None else []
+        items = [message_item(_ids("msg"), content, item_status(status))] if content is not None else []
         items += [call_item(_ids("fc"), call) for call in calls]
         return self._finish(turn, status, items, usage(ctx))
 
@@ -285,7 +364,9 @@ class ResponsesServing(ChatServing):
                   use: dict[str, Any] | None) -> dict[str, Any]:
         r = turn.r
         return {"id": turn.id, "object": "response", "created_at": turn.created_at, "status": status,
-                "background": False, "error": None,
+                "background": False,
+                "error": {"code": "server_error", "message": "aborted: the server is shutting down"}
+                if status == "failed" else None,
                 "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
                 "instructions": r.instructions, "max_output_tokens": r.max_output_tokens, "model": self.model_name,
                 "output": output, "parallel_tool_calls": r.parallel_tool_calls,
@@ -304,91 +385,30 @@ class ResponsesServing(ChatServing):
         return resp
 
     def _stream(self, turn: _Turn, ctx: _Call, plan: ToolPlan | None) -> AsyncIterator[str]:
-        seq = count()
-
-        def event(kind: str, **fields: Any) -> str:
-            body = {"type": kind, **fields, "sequence_number": next(seq)}
-            return f"event: {kind}\ndata: {json.dumps(body, ensure_ascii=False)}\n\n"
-
-        def error(e: APIError) -> str:
-            return event("error", code=e.code, message=e.message, param=e.param)
+        ev = ResponseEvents()
 
         async def events() -> AsyncIterator[str]:
             started = self._response(turn, "in_progress", [], None)
-            yield event("response.created", response=started)
-            yield event("response.in_progress", response=started)
-            items: list[dict[str, Any]] = []
+            yield ev.event("response.created", response=started)
+            yield ev.event("response.in_progress", response=started)
             calls = ToolCallStream() if plan is not None and plan.active else None
-            msg: dict[str, Any] | None = None  # the open message item
-            text, lead, finish = "", "", None  # lead: whitespace not yet sent (before a call it is no content)
-
-            def opened() -> Iterator[str]:
-                nonlocal msg
-                msg = message_item(_ids("msg"), "", "in_progress")
-                msg["content"] = []
-                yield event("response.output_item.added", output_index=len(items), item=msg)
-                yield event("response.content_part.added", item_id=msg["id"], output_index=len(items),
-                            content_index=0, part={"type": "output_text", "text": "", "annotations": [],
-                                                   "logprobs": []})
-
-            def closed(status: str) -> Iterator[str]:
-                nonlocal msg
-                assert msg is not None
-                where = {"item_id": msg["id"], "output_index": len(items), "content_index": 0}
-                part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-                yield event("response.output_text.done", **where, text=text, logprobs=[])
-                yield event("response.content_part.done", **where, part=part)
-                done = message_item(msg["id"], text, status)
-                yield event("response.output_item.done", output_index=len(items), item=done)
-                items.append(done)
-                msg = None
-
+            finish = None
             async for _, d in ctx.deltas():
-                new, tool_deltas = calls.feed(d.text, final=d.finished) if calls is not None else (d.text, [])
-                if plan is not None and not plan.parallel:
-                    tool_deltas = [t for t in tool_deltas if t["index"] == 0]
-                if new and msg is None and calls is not None and not (lead + new).strip():
-                    lead += new  # held: whitespace before a call is no content (`parse_tool_calls`)
-                elif new:
-                    if msg is None:
-                        for e in opened():
-                            yield e
-                        new, lead = lead + new, ""
-                    text += new
-                    yield event("response.output_text.delta", item_id=msg["id"], output_index=len(items),
-                                content_index=0, delta=new, logprobs=[])
-                for t in tool_deltas:
-                    if "id" not in t:
-                        continue  # the arguments: sent with the call below, whole (its tag closed)
-                    call = calls.calls[t["index"]] if calls is not None else None
-                    assert call is not None
-                    if msg is not None:
-                        for e in closed("completed"):
-                            yield e
-                    item = call_item(_ids("fc"), call, "in_progress")
-                    where = {"item_id": item["id"], "output_index": len(items)}
-                    yield event("response.output_item.added", output_index=len(items), item=item)
-                    yield event("response.function_call_arguments.delta", **where, delta=call.arguments)
-                    yield event("response.function_call_arguments.done", **where, name=call.name,
-                                arguments=call.arguments)
-                    done = call_item(item["id"], call)
-                    yield event("response.output_item.done", output_index=len(items), item=done)
-                    items.append(done)
-                    lead = ""
+                if calls is None:
+                    out = ev.text(d.text)
+                else:
+                    new, deltas = calls.feed(d.text, final=d.finished)
+                    out = ev.text(new, hold_blank=True)
+                    for t in deltas:  # a call goes out whole: its tag has closed
+                        if "id" in t and (t["index"] == 0 or plan is None or plan.parallel):
+                            out += ev.call(calls.calls[t["index"]])
+                for e in out:
+                    yield e
                 if d.finished:
                     finish = d.finish_reason
-            status = "incomplete" if finish == "length" else "completed"
-            if msg is None and not any(it["type"] == "function_call" for it in items):
-                for e in opened():
-                    yield e
-                text = lead
-                if text:
-                    yield event("response.output_text.delta", item_id=msg["id"], output_index=len(items),
-                                content_index=0, delta=text, logprobs=[])
-            if msg is not None:
-                for e in closed(status):
-                    yield e
-            final = self._finish(turn, status, items, usage(ctx))
-            yield event("response.incomplete" if status == "incomplete" else "response.completed", response=final)
+            status = response_status(finish)
+            for e in ev.end(item_status(status)):
+                yield e
+            yield ev.event(f"response.{status}", response=self._finish(turn, status, ev.items, usage(ctx)))
 
-        return guarded(ctx, events(), error)
+        return guarded(ctx, events(), lambda e: ev.event("error", code=e.code, message=e.message, param=e.param))
