@@ -43,7 +43,7 @@ _TEXT_PARTS = ("input_text", "output_text", "text")
 _RENAMES = (("'max_tokens' or 'max_completion_tokens'", "max_output_tokens"), ("max_tokens", "max_output_tokens"),
             ("response_format.json_schema.schema", "text.format.schema"),
             ("response_format.json_schema", "text.format"), ("response_format", "text.format"),
-            (".function.name", ".name"), ("messages", "input"))
+            (".function.name", ".name"), ("the input messages", "the input"), ("messages", "input"))
 
 
 def not_found(rid: str, param: str) -> APIError:
