@@ -170,9 +170,11 @@ def response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
     """`text.format` as chat's `response_format` (whose checks then compile it)."""
     if not text:
         return None
-    extra = sorted(set(text) - {"format"})
+    extra = sorted(set(text) - {"format", "verbosity"})
     if extra:
         raise bad_request(f"text: unsupported key(s) {extra} (supported: format)", "text")
+    if text.get("verbosity") not in (None, "medium"):
+        raise bad_request("text.verbosity other than medium (the default) is not supported", "text.verbosity")
     fmt = text.get("format")
     if fmt is None:
         return None
@@ -188,10 +190,11 @@ def _refuse_unsupported(r: ResponsesRequest) -> None:
     if r.background:
         raise bad_request("background responses are not supported (every response finishes within its request)",
                           "background")
-    if r.reasoning is not None:
+    if r.reasoning and any(v is not None for v in r.reasoning.values()):
         raise bad_request("reasoning is not supported", "reasoning")
-    if r.include:
-        raise bad_request(f"include is not supported, got {r.include}", "include")
+    unsupported = [x for x in r.include or () if x != "reasoning.encrypted_content"]  # no reasoning items: vacuous
+    if unsupported:
+        raise bad_request(f"include is not supported, got {unsupported}", "include")
     if r.truncation not in (None, "disabled"):
         raise bad_request("truncation must be disabled (a prompt longer than the context is a 400)", "truncation")
     if r.top_logprobs:
