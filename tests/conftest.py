@@ -58,3 +58,14 @@ def tiny_server(tmp_path_factory: pytest.TempPathFactory):
                        "--max-num-seqs", "8") as server:
         server.model_path, server.cfg, server.state = path, cfg, state
         yield server
+
+
+@pytest.fixture(scope="session")
+def tiny_server_4k(tmp_path_factory: pytest.TempPathFactory):
+    """`kvlm serve` on a tiny random GGUF with a 4096-token context: a tool prompt is a few hundred byte tokens
+    (the structured-output and Responses API tests share it)."""
+    from server_utils import ServerProcess
+
+    path = write_tiny_gguf(tmp_path_factory.mktemp("served4k") / "tiny.gguf", tiny_config(max_position_embeddings=4096))
+    with ServerProcess(path, "--served-model-name", "tiny", "--max-num-seqs", "8") as server:
+        yield server

@@ -37,6 +37,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="answer 503 when this many requests wait for a seat (default: unbounded)")
     g.add_argument("--max-logprobs", type=int, default=20, help="cap on logprobs / top_logprobs")
     g.add_argument("--max-n", type=int, default=16, help="cap on n (completions per prompt)")
+    g.add_argument("--max-stored-responses", type=int, default=1024,
+                   help="/v1/responses kept for previous_response_id and GET, least recently used dropped first "
+                        "(0: none)")
     g.add_argument("--max-body-bytes", type=int, default=2_000_000, help="larger request bodies get 413")
     g.add_argument("--root-path", default="", help="URL prefix when behind a proxy (default: none)")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
@@ -82,7 +85,8 @@ def _check_bind(host: str, port: int) -> None:
 
 
 def _check_flags(a: argparse.Namespace) -> None:
-    for name, low in (("max_logprobs", 0), ("max_n", 1), ("max_body_bytes", 1), ("port", 0)):
+    for name, low in (("max_logprobs", 0), ("max_n", 1), ("max_stored_responses", 0), ("max_body_bytes", 1),
+                      ("port", 0)):
         if getattr(a, name) < low:
             raise ValueError(f"--{name.replace('_', '-')} must be >= {low}")
     if a.max_queued_requests is not None and a.max_queued_requests < 0:
@@ -185,7 +189,8 @@ def _run_http(a: argparse.Namespace, engine: Any, aengine: Any, metrics: Any, na
     from kvlm.server.serving_completion import CompletionServing
 
     keys = [k for k in (a.api_key or os.environ.get("KVLM_API_KEY") or "").split(",") if k]
-    opts = ServingOptions(names, max_logprobs=a.max_logprobs, max_n=a.max_n)
+    opts = ServingOptions(names, max_logprobs=a.max_logprobs, max_n=a.max_n,
+                          max_stored_responses=a.max_stored_responses)
     app = create_app(CompletionServing(engine, aengine, opts), ChatServing(engine, aengine, opts), aengine, metrics,
                      keys, a.max_body_bytes, a.root_path, a.log_requests)
 

@@ -6,7 +6,7 @@ Bodies are read here, with a size limit and a JSON content-type check, then vali
 schemas. A non-streaming request races its client's `http.disconnect` (as vLLM does:
 `request.is_disconnected()` is unreliable behind middleware); a streaming one ends when Starlette cancels its
 generator. Both paths close the `Submission`, which aborts the engine requests. Behaviour of the endpoints
-lives in `serving_completion`, `serving_chat` and `serving_messages`.
+lives in `serving_completion`, `serving_chat`, `serving_responses` and `serving_messages`.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import logging
 import re
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,10 +43,12 @@ from kvlm.server.protocol import (
     validation_error,
 )
 from kvlm.server.protocol_messages import anthropic_error, is_messages_path
+from kvlm.server.protocol_responses import ResponsesRequest
 from kvlm.server.serving import SSEStream
 from kvlm.server.serving_chat import ChatServing
 from kvlm.server.serving_completion import CompletionServing
 from kvlm.server.serving_messages import add_messages_routes
+from kvlm.server.serving_responses import ResponsesServing
 
 log = logging.getLogger("kvlm.server")
 
@@ -256,6 +259,25 @@ def _add_tokenizer_routes(app: FastAPI, chat: ChatServing, parse: _Parser, max_b
                 "vocab_size": chat.vocab_size}
 
 
+def _add_responses_routes(app: FastAPI, responses: ResponsesServing, generation_route: Callable[..., None]) -> None:
+    """OpenAI's Responses API: create, retrieve, cancel, delete (`serving_responses`)."""
+    generation_route("/v1/responses", ResponsesRequest, responses.create)
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve(response_id: str) -> dict[str, Any]:
+        return responses.store.get(response_id).response
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel(response_id: str) -> dict[str, Any]:
+        responses.store.get(response_id)
+        raise bad_request("Cannot cancel a synchronous response.")  # no background mode: it has finished
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete(response_id: str) -> dict[str, Any]:
+        responses.store.pop(response_id)
+        return {"id": response_id, "object": "response", "deleted": True}
+
+
 def create_app(completion: CompletionServing, chat: ChatServing, aengine: AsyncEngine, metrics: ServerMetrics,
                api_keys: list[str], max_body_bytes: int = 2 << 20, root_path: str = "",
                log_requests: bool = False) -> FastAPI:
@@ -282,17 +304,19 @@ def create_app(completion: CompletionServing, chat: ChatServing, aengine: AsyncE
             return JSONResponse(result)
         return _SSEResponse(result)
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        refuse_when_unavailable()
-        r = parse(CompletionRequest, await read_json(request, max_body_bytes))
-        return await respond(request, completion.completions(r, request.scope["kvlm.request_id"]))
+    def generation_route(path: str, model: type[BaseModel], handler: Callable[[Any, str], Awaitable[Any]]) -> None:
+        """POST `path`: refused on a dead or draining engine, the body validated as `model`, then `handler`'s
+        answer (a dict or an `SSEStream`) unless the client left first."""
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        refuse_when_unavailable()
-        r = parse(ChatCompletionRequest, await read_json(request, max_body_bytes))
-        return await respond(request, chat.chat(r, request.scope["kvlm.request_id"]))
+        async def route(request: Request) -> Response:
+            refuse_when_unavailable()
+            r = parse(model, await read_json(request, max_body_bytes))
+            return await respond(request, handler(r, request.scope["kvlm.request_id"]))
+
+        app.add_api_route(path, route, methods=["POST"], name=handler.__name__)
+
+    generation_route("/v1/completions", CompletionRequest, completion.completions)
+    generation_route("/v1/chat/completions", ChatCompletionRequest, chat.chat)
 
     # "root" is the model's file (or folder) name: an absolute path would tell every client the server's layout.
     root = Path(engine.model_path).name
@@ -316,6 +340,7 @@ def create_app(completion: CompletionServing, chat: ChatServing, aengine: AsyncE
         return {"version": kvlm.__version__}
 
     _add_tokenizer_routes(app, chat, parse, max_body_bytes)
+    _add_responses_routes(app, ResponsesServing(engine, aengine, chat.opts), generation_route)
 
     async def read(request: Request, model: type[BaseModel]) -> Any:
         refuse_when_unavailable()

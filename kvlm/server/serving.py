@@ -38,6 +38,7 @@ class ServingOptions:
     max_stop: int = 16
     max_stop_len: int = 256
     max_prompts: int = 256  # engine requests one call may create (prompts x n)
+    max_stored_responses: int = 1024  # /v1/responses kept for previous_response_id and GET (LRU)
 
 
 @dataclass(slots=True)

@@ -69,7 +69,8 @@ class ChatServing(OpenAIServing):
 
     async def start_chat(self, r: ChatCompletionRequest, request_id: str) -> tuple[_Call, ToolPlan | None]:
         """Check the request, render its prompt and start its engine requests: what every protocol that
-        speaks in chat turns (chat completions, Anthropic's messages) does before shaping the answer."""
+        speaks in chat turns (chat completions, Anthropic's messages, OpenAI's Responses) does before shaping
+        the answer."""
         self.check_model(r.model)
         plan = self._check_chat(r)
         self._check_common(r, 1)
@@ -95,9 +96,8 @@ class ChatServing(OpenAIServing):
 
     async def chat(self, r: ChatCompletionRequest, request_id: str) -> dict[str, Any] | SSEStream:
         ctx, plan = await self.start_chat(r, request_id)
-        sub = ctx.sub
         if r.stream:
-            return SSEStream(self._sse(ctx, "chat.completion.chunk", r, self._stream_chat(r, ctx, plan)), sub)
+            return SSEStream(self._sse(ctx, "chat.completion.chunk", r, self._stream_chat(r, ctx, plan)), ctx.sub)
         choices = await ctx.collect()  # closes the submission however it ends
         out = []
         for i, c in enumerate(choices):

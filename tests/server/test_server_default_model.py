@@ -1,9 +1,14 @@
 """`kvlm serve` on the real default model (SmolLM2-135M-Instruct): HTTP equivalence with offline `LLM.generate`,
-the real chat template, UTF-8-safe streaming."""
+the real chat template, UTF-8-safe streaming, the Responses API snippet."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import openai
 import pytest
@@ -78,3 +83,22 @@ def test_messages_snippet_and_greedy_equivalence_with_chat(server):
     c = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
     want = c.chat.completions.create(model="smollm2-135m", messages=ask, max_tokens=16, temperature=0)
     assert m.content[0].text == want.choices[0].message.content and m.usage.output_tokens == 16
+def test_responses_snippet_and_same_tokens_as_chat(server):
+    """docs/serving.md's Responses API snippet and curl line, run as a reader would, print what the page says
+    (the continued turn's cached tokens included); the real template gives the same tokens over both APIs."""
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "serving.md").read_text()
+    (code,) = [b for b in re.findall(r"```python\n(.*?)```", docs, re.S) if "client.responses.create" in b]
+    r = subprocess.run([sys.executable, "-c", code.replace("http://127.0.0.1:8000", server.url)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.splitlines()[:4] == ["The capital of France is Paris.", "The capital of Italy is Rome. 32",
+                                         "name='Paris' country='FRANCE'", "function_call get_weather {'city': 'Paris'}"]
+    (curl,) = re.findall(r"^curl -s localhost:8000/v1/responses .*?\}'$", docs, re.S | re.M)
+    out = subprocess.run(["bash", "-c", curl.replace("localhost:8000", server.url.removeprefix("http://"))],
+                         capture_output=True, text=True, timeout=300).stdout
+    assert json.loads(out)["output"][0]["content"][0]["text"] == "The capital of France is Paris."
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+    msgs = [{"role": "user", "content": "Write a haiku about caches."}]
+    chat = client.chat.completions.create(model="smollm2-135m", messages=msgs, max_tokens=16, temperature=0)
+    resp = client.responses.create(model="smollm2-135m", input=msgs, max_output_tokens=16, temperature=0)
+    assert resp.output_text == chat.choices[0].message.content and resp.usage.input_tokens == chat.usage.prompt_tokens

@@ -103,9 +103,11 @@ def test_sigterm_during_streaming_ends_every_stream_and_exits_0(tiny_gguf):
     endings: list[tuple[str | None, bool]] = []
     started = threading.Barrier(5, timeout=30)
 
-    def stream() -> None:
+    def stream(route: str, body: dict) -> None:
+        """A completions stream ends with [DONE] after its finish_reason (or an error); a Responses stream
+        with its terminal event: `response.failed` when SIGTERM aborted it."""
         last_finish, done, first = None, False, True
-        with httpx.stream("POST", s.url + "/v1/completions", json={**LONG, "stream": True}, timeout=30) as r:
+        with httpx.stream("POST", s.url + route, json={**body, "stream": True}, timeout=30) as r:
             for line in r.iter_lines():
                 if not line.startswith("data: "):
                     continue
@@ -116,13 +118,17 @@ def test_sigterm_during_streaming_ends_every_stream_and_exits_0(tiny_gguf):
                     done = True
                     break
                 doc = json.loads(line[6:])
-                if "error" in doc:
+                if "error" in doc or doc.get("type") == "error":
                     last_finish = "error"
-                elif doc["choices"] and doc["choices"][0]["finish_reason"]:
+                elif doc.get("type") in ("response.failed", "response.incomplete", "response.completed"):
+                    last_finish, done = doc["response"]["status"], True
+                elif doc.get("choices") and doc["choices"][0]["finish_reason"]:
                     last_finish = doc["choices"][0]["finish_reason"]
         endings.append((last_finish, done))
 
-    threads = [threading.Thread(target=stream) for _ in range(4)]
+    respond = {"input": "hello", "max_output_tokens": 200, "temperature": 0}
+    threads = [threading.Thread(target=stream, args=("/v1/completions", LONG)) for _ in range(3)]
+    threads.append(threading.Thread(target=stream, args=("/v1/responses", respond)))
     for t in threads:
         t.start()
     started.wait()
@@ -134,5 +140,6 @@ def test_sigterm_during_streaming_ends_every_stream_and_exits_0(tiny_gguf):
     # About 1 s on an idle 2-core machine. The bound is a hang guard (a server that ignores SIGTERM), not
     # a speed target: it leaves room for a CI machine shared with other jobs.
     assert code == 0 and elapsed < 60.0, s.log_path.read_text()
-    assert len(endings) == 4 and all(done and finish in ("abort", "length", "error") for finish, done in endings)
+    ends = ("abort", "length", "error", "failed", "incomplete", "completed")
+    assert len(endings) == 4 and all(done and finish in ends for finish, done in endings), endings
     assert "Traceback" not in s.log_path.read_text()

@@ -17,7 +17,6 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 from server_utils import ServerProcess, run_doc_snippet
-from tiny_models import tiny_config, write_tiny_gguf
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",
@@ -43,12 +42,9 @@ class Owner(BaseModel):  # nested model + Optional + enum + bounded string: $def
 
 
 @pytest.fixture(scope="module")
-def tiny_server(tmp_path_factory: pytest.TempPathFactory):
-    """A tiny random model with a 4096-token context: a tool prompt is a few hundred byte tokens."""
-    cfg = tiny_config(max_position_embeddings=4096)
-    path = write_tiny_gguf(tmp_path_factory.mktemp("structured") / "tiny.gguf", cfg)
-    with ServerProcess(path, "--served-model-name", "tiny", "--max-num-seqs", "8") as server:
-        yield server
+def tiny_server(tiny_server_4k):
+    """The session's tiny model with a 4096-token context (`tests/conftest.py`)."""
+    return tiny_server_4k
 
 
 @pytest.fixture(scope="module")
