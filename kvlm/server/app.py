@@ -43,6 +43,7 @@ from kvlm.server.protocol import (
 from kvlm.server.serving import SSEStream
 from kvlm.server.serving_chat import ChatServing
 from kvlm.server.serving_completion import CompletionServing
+from kvlm.server.serving_embeddings import EmbeddingServing, add_embeddings_route
 
 log = logging.getLogger("kvlm.server")
 
@@ -299,6 +300,8 @@ def create_app(completion: CompletionServing, chat: ChatServing, aengine: AsyncE
         return {"version": kvlm.__version__}
 
     _add_tokenizer_routes(app, chat, parse, max_body_bytes)
+    add_embeddings_route(app, EmbeddingServing(engine, aengine, chat.opts), parse,
+                         lambda request: read_json(request, max_body_bytes), respond, refuse_when_unavailable)
 
     @app.get("/metrics")
     async def prometheus() -> Response:
