@@ -16,7 +16,7 @@ from tiny_models import hf_reference_model, random_state_dict, tiny_config, writ
 from kvlm import LLM
 from kvlm.engine.pooling import ModelPooling, pool
 from kvlm.errors import ParameterError, PromptTooLongError
-from kvlm.sampling_params import PoolingParams
+from kvlm.sampling_params import PoolingParams, SamplingParams
 
 TEXTS = ["hello world", "the quick brown fox jumps over the lazy dog", "a", "hello " * 30,
          "embeddings pool the final hidden states", "x y z", "one more text, with punctuation!", "hello hello",
@@ -124,3 +124,23 @@ def test_matryoshka_truncates_then_normalizes():
     full = pool(rows, PoolingParams("mean", False))
     torch.testing.assert_close(pool(rows, PoolingParams("mean", True, 16)),
                                torch.nn.functional.normalize(full[:16], dim=-1), atol=0, rtol=0)
+
+
+def test_preempted_embeddings_recompute_to_the_same_bits(tiny):
+    need_native()
+    llm, _, _, path = tiny
+    # A 32-block pool and a 16-token step budget: decoding requests and long prompts in chunks run out of
+    # blocks, and the most recently admitted (here embeddings) are preempted and start their prompt again.
+    small = LLM(str(path), dtype="float32", num_threads=2, max_num_batched_tokens=16, block_size=4,
+                kv_cache_memory=32 * 4 * llm.llm_engine.kv_bytes_per_token, max_model_len=128)
+    eng = small.llm_engine
+    for i in range(3):
+        eng.add_request(f"prompt {i}", SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    texts = ["abc " * 20, "hello world " * 8, "the quick brown fox " * 5]
+    embs = [eng.add_request(t, PoolingParams("mean")) for t in texts]
+    while eng.has_unfinished:
+        eng.step()
+    assert sum(r.metrics.num_preemptions for r in embs) > 0
+    for r, want in zip(embs, llm.embed(texts, pooling="mean")):
+        assert torch.equal(r.embedding, _vec(want))
+    assert eng.block_manager.num_used_blocks == 0
