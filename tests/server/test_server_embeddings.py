@@ -95,3 +95,14 @@ def test_unknown_model_is_404_and_full_size_dimensions_is_accepted(client):
     full = client.embeddings.create(model="tiny-alias", input="x", dimensions=64, encoding_format="float")
     assert full.data[0].embedding == client.embeddings.create(model="tiny", input="x", encoding_format="float").data[
         0].embedding
+
+
+def test_pooling_flag_reaches_the_engine_config():
+    from kvlm.cli.main import build_parser
+    from kvlm.cli.serve import _engine_config
+
+    parser = build_parser(["serve"])
+    assert _engine_config(parser.parse_args(["serve", "m.gguf", "--pooling", "mean"])).pooling == "mean"
+    assert _engine_config(parser.parse_args(["serve", "m.gguf"])).pooling is None  # the model's own default
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "m.gguf", "--pooling", "max"])
