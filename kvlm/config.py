@@ -203,6 +203,9 @@ class EngineConfig:
     sink_tokens: int = 4
     # CPU: run on the cores other processes leave free, re-checked every half second (engine/threads.py)
     adaptive_threads: bool = True
+    # Prompt-only (embedding) requests: "last", "mean" or "cls" for every request that names none (`--pooling`);
+    # None: the model's sentence-transformers pooling config where its folder has one, else "last".
+    pooling: Literal["last", "mean", "cls"] | None = None
 
     def __post_init__(self) -> None:
         def bad(name: str, rule: str) -> ParameterError:
@@ -229,6 +232,8 @@ class EngineConfig:
             raise bad("max_kv_tokens", "must be a positive integer or None")
         if not is_int(self.sink_tokens) or self.sink_tokens < 0:
             raise bad("sink_tokens", "must be an integer >= 0")
+        if self.pooling not in (None, "last", "mean", "cls"):
+            raise bad("pooling", "must be last, mean or cls")
         for name in ("enable_kv_cache", "adaptive_threads"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "must be true or false")

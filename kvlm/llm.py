@@ -16,9 +16,9 @@ from kvlm.engine.engine import Engine
 from kvlm.errors import ParameterError
 from kvlm.exactness import ExactReport, first_difference
 from kvlm.kv_cache.snapshot import SnapshotInfo
-from kvlm.outputs import RequestOutput, StreamDelta
+from kvlm.outputs import EmbeddingRequestOutput, RequestOutput, StreamDelta
 from kvlm.request import Request
-from kvlm.sampling_params import SamplingParams
+from kvlm.sampling_params import PoolingParams, SamplingParams
 from kvlm.structured.tool_parser import parse_tool_calls
 from kvlm.structured.tools import call_grammar, chat_inputs, check_tools, tool_format_for, tool_mode
 
@@ -72,20 +72,45 @@ class LLM:
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):
                 raise ValueError(f"got {len(params_list)} sampling params for {len(prompts)} prompts")
-        eng = self.llm_engine
         for sp in params_list:  # a bad schema or regex is a ParameterError now, before anything is queued
             if sp is not None and sp.structured_outputs is not None:
-                eng.grammars.compile(sp.structured_outputs)
+                self.llm_engine.grammars.compile(sp.structured_outputs)
+        reqs = self._add_all(prompts, params_list, use_tqdm and sys.stderr.isatty() and len(prompts) > 1)
+        return [RequestOutput.from_request(r) for r in reqs]
+
+    def embed(self, prompts: PromptType | list[int] | Sequence[PromptType | list[int]], pooling: str | None = None,
+              normalize: bool = True, dimensions: int | None = None,
+              use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+        """One vector per prompt (`.outputs.embedding`, vLLM's shape): texts, token-id lists or prompt dicts,
+        prefilled by the engine in one batch and pooled from the final-norm hidden states (engine/pooling.py);
+        no token is sampled and no KV block is kept. pooling: "last", "mean" or "cls" (None: the model's
+        default, `engine.pooling`); normalize: unit L2 norm; dimensions: Matryoshka models only. A text's
+        vector has the same bits alone or in any batch."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                                and all(isinstance(t, int) for t in prompts)):
+            prompts = [prompts]  # type: ignore[list-item]
+        if not isinstance(prompts, Sequence):
+            raise ParameterError("prompts", "prompts must be a string, a list of token ids, or a list of them; "
+                                            f"got {type(prompts).__name__}")
+        inputs = [list(p) if isinstance(p, (list, tuple)) else _prompt_input(p) for p in prompts]
+        params = PoolingParams(pooling, normalize, dimensions)
+        reqs = self._add_all(inputs, [params] * len(inputs), use_tqdm and sys.stderr.isatty() and len(inputs) > 1)
+        return [EmbeddingRequestOutput.from_request(r) for r in reqs]
+
+    def _add_all(self, prompts: list[str | list[int]], params: Sequence[SamplingParams | PoolingParams | None],
+                 progress: bool = False) -> list[Request]:
+        """Queue every prompt and step until all are finished; on any error, abort them all."""
+        eng = self.llm_engine
         reqs: list[Request] = []
         try:
-            for p, sp in zip(prompts, params_list):
+            for p, sp in zip(prompts, params):
                 reqs.append(eng.add_request(p, sp))
-            self._run(reqs, use_tqdm and sys.stderr.isatty() and len(reqs) > 1)
+            self._run(reqs, progress)
         except BaseException:
             for r in reqs:
                 eng.abort(r.request_id)
             raise
-        return [RequestOutput.from_request(r) for r in reqs]
+        return reqs
 
     def _run(self, reqs: list[Request], progress: bool) -> None:
         from tqdm import tqdm

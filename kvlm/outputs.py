@@ -1,4 +1,5 @@
-"""What users receive: `RequestOutput` / `CompletionOutput` (vLLM's shapes) and streaming `StreamDelta`s.
+"""What users receive: `RequestOutput` / `CompletionOutput` and `EmbeddingRequestOutput` (vLLM's shapes) and
+streaming `StreamDelta`s.
 
 Built from a `Request` (request.py) by the engine and `LLM`; the CLI and the server only consume them.
 """
@@ -43,6 +44,32 @@ class RequestOutput:
 
 
 @dataclass(slots=True)
+class EmbeddingOutput:
+    embedding: list[float]  # float32 values; unit L2 norm unless normalize=False
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass(slots=True)
+class EmbeddingRequestOutput:
+    """What `LLM.embed` returns per prompt (vLLM's shape): `.outputs.embedding`."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool
+    metrics: RequestMetrics
+
+    @classmethod
+    def from_request(cls, req: Request) -> EmbeddingRequestOutput:
+        assert req.embedding is not None, "not a finished embedding request"
+        return cls(req.request_id, req.prompt_token_ids, EmbeddingOutput(req.embedding.tolist()), req.is_finished,
+                   req.metrics)
+
+
+@dataclass(slots=True)
 class StreamDelta:
     """One streaming update: text and token ids new since the last delta of this request."""
 
@@ -53,3 +80,4 @@ class StreamDelta:
     finish_reason: FinishReason | None = None
     logprobs: list[dict[int, float]] | None = None  # one per token in token_ids, when params.logprobs is set
     prompt_logprobs: list[dict[int, float] | None] | None = None  # on a request's first delta only
+    embedding: list[float] | None = None  # a prompt-only request's vector (`PoolingParams`), on its final delta

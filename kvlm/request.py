@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Literal
 
-from kvlm.sampling_params import SamplingParams
+from kvlm.sampling_params import PoolingParams, SamplingParams
 
 if TYPE_CHECKING:
     import torch
@@ -123,6 +123,12 @@ class Request:
     sink_keys: torch.Tensor | None = None
     sink_shift: int = 0
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
+    # A prompt-only request (an embedding, engine/pooling.py): its pooling (resolved: never None), the
+    # hidden rows it keeps until its prompt is complete ((n, hidden) chunks), then its vector (hidden or
+    # `dimensions`,) float32. It samples no token, and neither reads nor fills the prefix cache.
+    pooling: PoolingParams | None = None
+    pooled_rows: list[torch.Tensor] = field(default_factory=list)
+    embedding: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -143,6 +149,12 @@ class Request:
     def reset_bounded_state(self) -> None:
         """Forget what eviction did (the request holds no blocks: preempted, to be recomputed from 0)."""
         self.evicted_upto, self.sink_keys, self.sink_shift = 0, None, 0
+
+    @property
+    def reads_prefix_cache(self) -> bool:
+        """Whether admission may hand it cached blocks: not when it computes its whole prompt (prompt
+        logprobs need every row's logits; an embedding neither reads nor fills the cache, engine/pooling.py)."""
+        return self.params.prompt_logprobs is None and self.pooling is None
 
     @property
     def grammar_ready(self) -> bool:

@@ -1,4 +1,5 @@
-"""`SamplingParams`: how one request picks its tokens and when it stops (vLLM semantics).
+"""`SamplingParams`: how one request picks its tokens and when it stops (vLLM semantics); `PoolingParams`:
+what a prompt-only request (an embedding) returns instead of tokens.
 
 This is the one place where sampling options are validated: the CLI, the Python API and the server
 all construct a `SamplingParams`, so each gets the same checks and messages. An invalid value raises
@@ -85,6 +86,35 @@ class StructuredOutputsParams:
     def kind(self) -> str:
         """Which constraint this is: one of `GRAMMAR_KINDS`."""
         return next(k for k in GRAMMAR_KINDS if getattr(self, k) not in (None, False))
+
+
+POOLING_TYPES = ("last", "mean", "cls")
+
+
+@dataclass(frozen=True, slots=True)
+class PoolingParams:
+    """A prompt-only request (vLLM's `PoolingParams`): its prompt is prefilled, no token is sampled, and the
+    final-norm hidden states of its rows are pooled into one vector (`kvlm.engine.pooling`).
+
+    pooling: "last" (the last prompt row: what a causal model has seen of the whole text), "mean" (every
+    row averaged) or "cls" (the first row); None: the model's default (its sentence-transformers pooling
+    config, else "last", or the engine's `pooling` setting). normalize: scale to unit L2 norm (OpenAI's
+    embeddings are). dimensions: keep the first this many values, then normalize again (Matryoshka
+    models only: the engine, which knows the model, refuses it elsewhere).
+    """
+
+    pooling: str | None = None
+    normalize: bool = True
+    dimensions: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.pooling is not None and self.pooling not in POOLING_TYPES:
+            raise ParameterError("pooling", f"pooling must be one of {', '.join(POOLING_TYPES)}, "
+                                            f"got {_show(self.pooling)}")
+        if self.normalize is not True and self.normalize is not False:
+            raise ParameterError("normalize", f"normalize must be true or false, got {_show(self.normalize)}")
+        if self.dimensions is not None and (not _is_int(self.dimensions) or self.dimensions < 1):
+            raise ParameterError("dimensions", f"dimensions must be a positive integer, got {_show(self.dimensions)}")
 
 
 @dataclass(slots=True)

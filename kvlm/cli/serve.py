@@ -9,6 +9,7 @@ in flight end at the next engine step with `finish_reason: "abort"` (their strea
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import socket
@@ -18,6 +19,7 @@ from typing import Any
 
 from kvlm.args import add_engine_args, engine_config_from_args
 from kvlm.cli.snapshot import add_prefix_snapshot_flag, load_prefix_snapshot
+from kvlm.config import EngineConfig
 from kvlm.errors import KvlmError
 
 log = logging.getLogger("kvlm.server")
@@ -45,6 +47,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="server log level")
     g.add_argument("--log-requests", action="store_true", help="log each request's id and route (never its text)")
+    g.add_argument("--pooling", default=None, choices=["last", "mean", "cls"],
+                   help="/v1/embeddings: which final hidden states of a prompt make its vector (the last token's, "
+                        "the mean, the first token's; default: the model folder's sentence-transformers pooling "
+                        "config, else last)")
     r = s.add_argument_group("replicas (Ray Serve; needs pip install 'kvlm[ray]')")
     r.add_argument("--replicas", type=int, default=None,
                    help="run N engine replicas (one process each, --threads threads each) on Ray Serve behind this "
@@ -105,6 +111,11 @@ def _check_pool(fits: int, max_model_len: int, what: str) -> None:
                         f"raise --kv-cache-memory or use --max-model-len {fits}")
 
 
+def _engine_config(a: argparse.Namespace) -> EngineConfig:
+    """The engine flags' config, with the server's own `--pooling`."""
+    return dataclasses.replace(engine_config_from_args(a), pooling=a.pooling)
+
+
 def _replicated(a: argparse.Namespace) -> bool:
     return any(getattr(a, n) is not None for n in ("replicas", "min_replicas", "max_replicas", "ray_address"))
 
@@ -120,7 +131,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     if _replicated(a):
         return _serve_replicas(a)
     _check_bind(a.host, a.port)  # before loading the model: a busy port should fail in a second
-    engine = Engine(a.model, engine_config_from_args(a), quiet=a.quiet)
+    engine = Engine(a.model, _engine_config(a), quiet=a.quiet)
     bm = engine.block_manager
     if engine.config.enable_kv_cache:
         _check_pool(bm.num_blocks * bm.block_size, engine.max_model_len, "the KV pool")
@@ -138,8 +149,6 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
 def _serve_replicas(a: argparse.Namespace) -> int:
     """`--replicas N` (or autoscaling, or a Ray cluster): the same app in front of Ray Serve replicas."""
-    import dataclasses
-
     from kvlm.serve_ray import require_ray
 
     require_ray()  # one line naming the extra, before any Ray import
@@ -151,7 +160,7 @@ def _serve_replicas(a: argparse.Namespace) -> int:
         raise KvlmError("--prefix-snapshot is not supported with --replicas (each replica has its own cache)")
     _check_bind(a.host, a.port)
     resolve_model(a.model, quiet=a.quiet)  # an unknown model fails here in a second, not in N replicas
-    cfg = engine_config_from_args(a)
+    cfg = _engine_config(a)
     n = a.replicas or a.min_replicas or 1
     if cfg.num_threads is None:  # share this machine's cores between the replicas
         cfg = dataclasses.replace(cfg, num_threads=max(1, (os.cpu_count() or 1) // n))

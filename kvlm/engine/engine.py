@@ -24,6 +24,7 @@ from kvlm.engine import scoring
 from kvlm.engine.input_processor import InputProcessor
 from kvlm.engine.model_runner import ModelRunner, StepResult
 from kvlm.engine.output_processor import OutputProcessor
+from kvlm.engine.pooling import ModelPooling
 from kvlm.engine.scheduler import ScheduledBatch, Scheduler
 from kvlm.engine.threads import ThreadGovernor
 from kvlm.errors import ParameterError
@@ -41,7 +42,7 @@ from kvlm.loader.fingerprint import model_files, model_fingerprint
 from kvlm.loader.heap import trim_heap
 from kvlm.outputs import StreamDelta
 from kvlm.request import Request
-from kvlm.sampling_params import SamplingParams
+from kvlm.sampling_params import PoolingParams, SamplingParams
 from kvlm.structured.compiler import GrammarCompiler
 
 log = logging.getLogger("kvlm")
@@ -107,6 +108,8 @@ class Engine:
         # which kernels and why: at DEBUG (-v; `kvlm info` and `kvlm serve`'s ready line show it), a warning
         # when the native kernels are here but this model's attention cannot use them exactly
         (log.warning if self.backend.degraded else log.debug)("kvlm: %s", self.backend.describe())
+        # Embeddings: this model's default pooling and the `dimensions` it supports (engine/pooling.py)
+        self.pooling = ModelPooling.of(self.model_path, model_config.hidden_size, cfg.pooling)
         self.output_processor = OutputProcessor(self.tokenizer.eos_token_ids, self.max_model_len)
         self.requests: dict[str, Request] = {}  # live requests by id, for abort()
         # structured_outputs: compiled in a worker thread, cached per grammar (nothing built until first use)
@@ -154,12 +157,18 @@ class Engine:
                                 self.kv_bytes_per_token)
 
     # -- requests ----------------------------------------------------------------------------------
-    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+    def add_request(self, prompt: str | list[int], params: SamplingParams | PoolingParams | None = None,
                     request_id: str | None = None) -> Request:
         """Queue a prompt (text or token ids), validated first (`InputProcessor`: `ParameterError` with the
         field's `.param`). Its leading full blocks already in the prefix cache (an earlier request's, a
-        chat's previous turns, a loaded snapshot) are reused at admission."""
-        req = self.input_processor.process(prompt, params, request_id, in_use=self.requests)
+        chat's previous turns, a loaded snapshot) are reused at admission. With `PoolingParams` it is an
+        embedding (engine/pooling.py): prefilled, pooled, finished in the step that completes its prompt
+        (its vector on the final delta and `Request.embedding`)."""
+        if isinstance(params, PoolingParams):
+            req = self.input_processor.process(prompt, None, request_id, in_use=self.requests,
+                                               pooling=self.pooling.resolve(params))
+        else:
+            req = self.input_processor.process(prompt, params, request_id, in_use=self.requests)
         self.requests[req.request_id] = req
         self.scheduler.add(req)
         return req
@@ -247,13 +256,17 @@ class Engine:
     def _update(self, reqs: list[Request], num_new: list[int], result: StepResult) -> list[StreamDelta]:
         now = time.perf_counter()
         bm = self.block_manager
+        pooled = []
         for req, n in zip(reqs, num_new):
             m = req.metrics
             start = req.num_computed_tokens
             m.num_prefilled_tokens += max(0, min(start + n, req.num_prompt_tokens) - start)
             m.num_computed_tokens += n
             req.num_computed_tokens += n
-            self.scheduler.cache_full_blocks(req)  # newly full blocks become reusable (every layer group)
+            if req.pooling is None:  # (an embedding's blocks are not kept: engine/pooling.py)
+                self.scheduler.cache_full_blocks(req)  # newly full blocks become reusable (every layer group)
+            elif req.embedding is not None:
+                pooled.append(req)
             held = held_blocks(req)
             m.blocks_held = len(held)
             if bm.enable_prefix_caching:
@@ -262,6 +275,10 @@ class Engine:
             if not self.config.enable_kv_cache:
                 req.num_computed_tokens = 0  # nothing is kept: the next step recomputes everything
         deltas = []
+        for req in pooled:  # its prompt is complete: done, and its blocks free for this very next step
+            req.finish_reason = "stop"
+            self._finish(req, now)
+            deltas.append(StreamDelta(req.request_id, "", [], True, "stop", embedding=req.embedding.tolist()))
         for req, tok, lp in zip(result.requests, result.token_ids, result.logprobs):
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now

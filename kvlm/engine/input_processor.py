@@ -26,7 +26,7 @@ from kvlm.errors import ParameterError, PromptTooLongError
 from kvlm.kv_cache.block_manager import BlockManager
 from kvlm.kv_policy import BoundedKV
 from kvlm.request import Request
-from kvlm.sampling_params import SamplingParams
+from kvlm.sampling_params import PoolingParams, SamplingParams
 from kvlm.structured.compiler import GrammarCompiler
 from kvlm.tokenizer.detokenizer import IncrementalDetokenizer
 from kvlm.tokenizer.tokenizer import Tokenizer
@@ -46,17 +46,21 @@ class InputProcessor:
         self.kv_policy(SamplingParams())
 
     def process(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None,
-                in_use: Container[str] = ()) -> Request:
+                in_use: Container[str] = (), pooling: PoolingParams | None = None) -> Request:
         """The `Request` for `prompt` (text is tokenized) under `params`, or the first check it fails.
-        `in_use`: the ids of the engine's live requests."""
-        params = params or SamplingParams()
+        `in_use`: the ids of the engine's live requests. `pooling` (resolved): a prompt-only request, an
+        embedding, which samples nothing, so its prompt may fill the whole context."""
+        if params is None:  # an embedding's: it only needs room for its prompt (_check_pool)
+            params = SamplingParams(temperature=0, max_tokens=1) if pooling is not None else SamplingParams()
         if isinstance(prompt, str):
             text, ids = prompt, self.tokenizer.encode(prompt)
         else:
             text, ids = None, list(prompt)
         self._check_ids(ids, params)
         policy = self.kv_policy(params)
-        if policy is None and len(ids) >= self.max_model_len:
+        if policy is None and len(ids) > self.max_model_len - (pooling is None):
+            if pooling is not None:
+                raise PromptTooLongError(f"prompt has {len(ids)} tokens; the context holds {self.max_model_len}")
             raise PromptTooLongError(
                 f"prompt has {len(ids)} tokens; the context holds {self.max_model_len} "
                 "(room for at least one output token is needed)"
@@ -65,8 +69,10 @@ class InputProcessor:
         if rid in in_use:
             raise ValueError(f"request id {rid!r} is already in use")
         self._check_pool(len(ids), params, policy)
-        req = Request(rid, ids, len(ids), params, prompt=text, kv_policy=policy)
+        req = Request(rid, ids, len(ids), params, prompt=text, kv_policy=policy, pooling=pooling)
         req.metrics.num_prompt_tokens = len(ids)
+        if pooling is not None:
+            return req  # no text, no grammar, no samples
         req.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens)
         if params.structured_outputs is not None:
             req.grammar = self.grammars.request_grammar(params.structured_outputs)

@@ -18,6 +18,7 @@ from kvlm.attention.decode import decode_rows
 from kvlm.attention.metadata import AttentionMetadata, GatheredRows, StepKind
 from kvlm.attention.paged import paged_rows
 from kvlm.attention.prefill import prefill_rows
+from kvlm.engine.pooling import keep_rows
 from kvlm.engine.sampler import sample
 from kvlm.engine.scheduler import ScheduledBatch
 from kvlm.kernels.backend import Backend
@@ -81,7 +82,7 @@ class _StepRows:
                 r.seq_lens.append(policy.attended(start + n - 1))
                 r.shifts.append(policy.ctx_shift(start))
                 tables.append(policy.virtual_table(bt, start))
-            if start + n == req.num_tokens:  # this chunk reaches the end: the request gets a token
+            if start + n == req.num_tokens and req.pooling is None:  # the end: a token (an embedding gets none)
                 r.logits_rows.append(len(r.ids) - 1)
                 r.samplers.append(req)
         max_blocks = max(len(t) for t in tables)
@@ -192,6 +193,8 @@ class ModelRunner:
             hidden = self.model(input_ids, meta.positions, self.kv_cache, meta)  # (T, hidden)
         if any(r.params.prompt_logprobs is not None for r in batch.requests):
             self._prompt_logprobs(batch, hidden)
+        if any(r.pooling is not None for r in batch.requests):
+            keep_rows(batch, hidden)  # embeddings: their rows kept, pooled when the prompt is complete
         if self.hidden_observer is not None:
             row = 0
             for req, n in zip(batch.requests, batch.num_new_tokens):

@@ -11,7 +11,8 @@ the waiting queue, keeping the tokens it generated (they are prefilled again whe
 Prefix caching: at admission a request takes references on the longest run of cached blocks equal to its
 leading tokens (`BlockManager.find_cached_prefix`), starts with those tokens computed and is scheduled
 only for the rest (at least its last token, so it has logits to sample from). A request asking for
-prompt logprobs takes no cached prefix: it needs logits at every prompt position. A request preempted
+prompt logprobs takes no cached prefix: it needs logits at every prompt position; nor does an embedding
+(engine/pooling.py). A request preempted
 and resumed looks up the cache again, so its own released blocks usually come straight back.
 
 Bounded caches (`kv_policy.BoundedKV`): before a running request's step, the blocks its window has left
@@ -204,7 +205,7 @@ class Scheduler:
             req = next((r for r in self.waiting if r.grammar_ready), None)
             if req is None:
                 break
-            hit = [] if req.params.prompt_logprobs is not None else self.bm.find_cached_prefix(req)
+            hit = self.bm.find_cached_prefix(req) if req.reads_prefix_cache else []
             plain = hit
             if req.kv_policy is not None and hit:
                 hit = self.bm.extend_bounded_hit(req, hit)  # past its first eviction: sinks + window
@@ -268,12 +269,12 @@ class Scheduler:
         first, end = req.num_computed_tokens // bs, (req.num_computed_tokens + n) // bs
         if req.kv_policy is not None:
             end = min(end, req.kv_policy.max_tokens // bs)  # nothing past it is ever registered
-        return self.bm.block_hashes(req, end)[first:end] if req.params.prompt_logprobs is None else []
+        return self.bm.block_hashes(req, end)[first:end] if req.reads_prefix_cache else []
 
     def _first_admission(self, req: Request) -> None:
         """Prefix-cache accounting and miss diagnostics, once per request."""
-        if not self.bm.enable_prefix_caching or self.recompute_all:
-            return
+        if not self.bm.enable_prefix_caching or self.recompute_all or req.pooling is not None:
+            return  # (an embedding never looks the cache up: it is no query, and no earlier prefix to explain)
         m = req.metrics
         m.num_cached_tokens = min(req.num_computed_tokens, req.num_prompt_tokens)
         self.prefix_cache_queries += req.num_prompt_tokens

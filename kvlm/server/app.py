@@ -47,6 +47,7 @@ from kvlm.server.protocol_responses import ResponsesRequest
 from kvlm.server.serving import SSEStream
 from kvlm.server.serving_chat import ChatServing
 from kvlm.server.serving_completion import CompletionServing
+from kvlm.server.serving_embeddings import EmbeddingServing, add_embeddings_route
 from kvlm.server.serving_messages import add_messages_routes
 from kvlm.server.serving_responses import ResponsesServing
 
@@ -342,11 +343,8 @@ def create_app(completion: CompletionServing, chat: ChatServing, aengine: AsyncE
     _add_tokenizer_routes(app, chat, parse, max_body_bytes)
     _add_responses_routes(app, ResponsesServing(engine, aengine, chat.opts), generation_route)
 
-    async def read(request: Request, model: type[BaseModel]) -> Any:
-        refuse_when_unavailable()
-        return parse(model, await read_json(request, max_body_bytes))
-
-    add_messages_routes(app, chat, read, respond)
+    add_messages_routes(generation_route, chat)
+    add_embeddings_route(generation_route, EmbeddingServing(engine, aengine, chat.opts))
 
     @app.get("/metrics")
     async def prometheus() -> Response:

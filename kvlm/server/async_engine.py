@@ -214,7 +214,7 @@ class AsyncEngine:
         req = None
         if self.on_token is not None or (d.finished and self.on_finish is not None):
             req = self._requests_by_id.get(d.request_id)
-        if req is not None and self.on_token is not None:
+        if req is not None and self.on_token is not None and d.token_ids:  # (an embedding's delta holds none)
             self.on_token(req, now, s.last_token_time if s else None)
         if s is not None:
             s.last_token_time = now

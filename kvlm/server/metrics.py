@@ -81,8 +81,9 @@ class ServerMetrics:
     def on_finish(self, req: Request) -> None:
         m = req.metrics
         self.prompt_tokens.inc(m.num_prompt_tokens)
-        self.prefix_queries.inc(m.num_prompt_tokens)
-        self.prefix_hits.inc(m.num_cached_tokens)
+        if req.pooling is None:  # an embedding never looks the prefix cache up (engine/pooling.py)
+            self.prefix_queries.inc(m.num_prompt_tokens)
+            self.prefix_hits.inc(m.num_cached_tokens)
         self.preemptions.inc(m.num_preemptions)
         self.evicted.inc(m.num_evicted_tokens)
         self.success.labels(model_name=self._name, finished_reason=req.finish_reason or "abort").inc()

@@ -15,12 +15,8 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
-
-from fastapi import FastAPI, Request
-from fastapi.responses import Response
-from pydantic import BaseModel
 
 from kvlm.server.chat_tools import ToolPlan, tool_plan
 from kvlm.server.protocol import APIError, ChatCompletionRequest, bad_request
@@ -263,18 +259,13 @@ class MessagesServing:
                 yield event("message_stop", {})
 
 
-def add_messages_routes(app: FastAPI, chat: ChatServing,
-                        read: Callable[[Request, type[BaseModel]], Awaitable[Any]],
-                        respond: Callable[[Request, Any], Awaitable[Response]]) -> None:
-    """`POST /v1/messages` and `/v1/messages/count_tokens`: `read` is the app's body reader (size limit, JSON,
-    schema, refusal while the engine is down or draining), `respond` its answer (JSON, SSE, client gone)."""
+def add_messages_routes(route: Callable[..., None], chat: ChatServing) -> None:
+    """`POST /v1/messages` and `/v1/messages/count_tokens`, through the app's `route` (body limit, schema,
+    refusal while the engine is down or draining, the answer unless the client left)."""
     messages = MessagesServing(chat)
 
-    @app.post(MESSAGES_PATH)
-    async def create(request: Request) -> Response:
-        r = await read(request, MessagesRequest)
-        return await respond(request, messages.create(r, request.scope["kvlm.request_id"]))
+    async def count_tokens(r: CountTokensRequest, request_id: str) -> dict[str, int]:
+        return messages.count_tokens(r)
 
-    @app.post(MESSAGES_PATH + "/count_tokens")
-    async def count_tokens(request: Request) -> dict[str, int]:
-        return messages.count_tokens(await read(request, CountTokensRequest))
+    route(MESSAGES_PATH, MessagesRequest, messages.create)
+    route(MESSAGES_PATH + "/count_tokens", CountTokensRequest, count_tokens)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import openai
 import pytest
+from deps import need
 from server_utils import ServerProcess, greedy_completion, run_doc_snippet
 
 PROMPTS = ["The capital of France is", "Write a haiku about caches.", "1, 2, 3, 4,", "Translate to French: cat",
@@ -102,3 +103,21 @@ def test_responses_snippet_and_same_tokens_as_chat(server):
     chat = client.chat.completions.create(model="smollm2-135m", messages=msgs, max_tokens=16, temperature=0)
     resp = client.responses.create(model="smollm2-135m", input=msgs, max_output_tokens=16, temperature=0)
     assert resp.output_text == chat.choices[0].message.content and resp.usage.input_tokens == chat.usage.prompt_tokens
+
+
+def test_embeddings_batched_equal_alone_and_rank_the_right_document(server):
+    """/v1/embeddings on the real model: a batch's vectors are each text's alone, bit for bit (the openai SDK's
+    default base64 and LangChain's `OpenAIEmbeddings` decode to the same floats), and the query's nearest
+    document is the one that answers it (docs/serving.md prints these scores)."""
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+    docs = ["The Eiffel Tower is in Paris.", "Paris is the capital of France.", "Bananas are rich in potassium."]
+    batch = [d.embedding for d in client.embeddings.create(model="smollm2-135m", input=docs).data]
+    for doc, vec in zip(docs, batch):
+        assert client.embeddings.create(model="smollm2-135m", input=doc, encoding_format="float").data[0].embedding \
+            == vec
+    q = client.embeddings.create(model="smollm2-135m", input="Where is the Eiffel Tower?").data[0].embedding
+    scores = [sum(a * b for a, b in zip(q, d)) for d in batch]
+    assert len(q) == 576 and max(range(3), key=scores.__getitem__) == 0, scores
+    lc = need("langchain_openai").OpenAIEmbeddings(model="smollm2-135m", base_url=server.url + "/v1", api_key="none",
+                                                   check_embedding_ctx_length=False, max_retries=0)
+    assert lc.embed_documents(docs) == batch
