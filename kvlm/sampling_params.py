@@ -112,6 +112,9 @@ class SamplingParams:
     the first sink_tokens tokens and the most recent ones, at most max_kv_tokens, so a chat or a
     generation runs past the context with flat memory (`kvlm.kv_policy`); max_tokens None then means up
     to the context length of new tokens.
+    reasoning_budget: at most this many tokens inside `<think>...</think>`; once spent, the engine forces
+    `</think>` (`kvlm.structured.reasoning_budget`). None: no budget. With a grammar, the forced tokens
+    must be ones it accepts (a tool call's lazy grammar takes any text before its tag).
     """
 
     n: int = 1
@@ -136,6 +139,7 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None  # a grammar the output must follow
     max_kv_tokens: int | None = None  # a bounded cache: at most this many tokens' K/V kept
     sink_tokens: int | None = None  # with max_kv_tokens: leading tokens always kept (None: the engine's, 4)
+    reasoning_budget: int | None = None  # reasoning tokens before `</think>` is forced (None: no budget)
     stop_strings: tuple[str, ...] = field(init=False, default=())
 
     def __post_init__(self) -> None:
@@ -169,6 +173,7 @@ class SamplingParams:
                 lambda v: 0 <= v and (self.max_tokens is None or v <= self.max_tokens))
         integer("max_kv_tokens", "must be a positive integer or None", lambda v: v >= 1, optional=True)
         integer("sink_tokens", "must be an integer >= 0 or None", lambda v: v >= 0, optional=True)
+        integer("reasoning_budget", "must be an integer >= 0 or None", lambda v: v >= 0, optional=True)
         integer("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}] or None",
                 lambda v: 0 <= v <= MAX_LOGPROBS, optional=True)
         integer("prompt_logprobs", f"must be an integer in [0, {MAX_LOGPROBS}] or None",

@@ -31,6 +31,8 @@ class OutputProcessor:
             log.warning("kvlm: request %s: the grammar refused sampled token %d", req.request_id, token)
         req.token_ids.append(token)
         req.metrics.num_generated_tokens += 1
+        if req.reasoning is not None:
+            req.reasoning.observe(token)  # may start forcing `</think>` from the next token
         if logprobs is not None:
             if req.logprobs is None:
                 req.logprobs = []
