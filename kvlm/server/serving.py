@@ -40,8 +40,8 @@ class ServingOptions:
     max_stop_len: int = 256
     max_prompts: int = 256  # engine requests one call may create (prompts x n)
     # Is chat output split into reasoning and content, and with what default budget (--reasoning-parser,
-    # --reasoning-budget): decided once at start (`ReasoningConfig.choose`); None: no parser.
-    reasoning: ReasoningConfig | None = None
+    # --reasoning-budget): decided once at start (`ReasoningConfig.choose`); the default splits nothing.
+    reasoning: ReasoningConfig = field(default_factory=lambda: ReasoningConfig.choose("none", None, None))
 
 
 @dataclass(slots=True)

@@ -16,7 +16,7 @@ from kvlm.server.chat_tools import ToolPlan, tool_plan
 from kvlm.server.protocol import ChatCompletionRequest, bad_request
 from kvlm.server.serving import OpenAIServing, SSEStream, _Call, _Choice, sse
 from kvlm.server.structured_request import constraint_fields
-from kvlm.structured.reasoning import ReasoningPlan
+from kvlm.structured.reasoning import ReasoningPlan, template_kwargs
 from kvlm.structured.tool_parser import ToolCallStream
 from kvlm.structured.tools import chat_inputs
 
@@ -54,7 +54,7 @@ class ChatServing(OpenAIServing):
             msgs.append(msg)
         functions = plan.functions if plan is not None and plan.active else None
         msgs, kwargs = chat_inputs(msgs, functions, self.tokenizer.chat_template)
-        extra = r.chat_template_kwargs or {}
+        extra = template_kwargs(self.tokenizer.chat_template, r.chat_template_kwargs)
         if clash := sorted(_RESERVED_TEMPLATE_KWARGS & extra.keys()):
             raise bad_request(f"chat_template_kwargs may not set {', '.join(clash)}", "chat_template_kwargs")
         try:
@@ -64,11 +64,8 @@ class ChatServing(OpenAIServing):
             raise bad_request(str(e), "messages") from None
 
     def _reasoning(self, r: ChatCompletionRequest, prompt: str, constrained: bool) -> ReasoningPlan:
-        config = self.opts.reasoning
-        if config is None:
-            return ReasoningPlan(False, False, None)
         try:
-            return config.plan(prompt, r.reasoning_budget, r.reasoning_effort, constrained)
+            return self.opts.reasoning.plan(prompt, r.reasoning_budget, r.reasoning_effort, constrained)
         except ParameterError as e:
             raise bad_request(str(e), e.param) from None
 
@@ -126,7 +123,7 @@ class ChatServing(OpenAIServing):
             if plan is not None:
                 message, calls = plan.message(parts.content)
                 finish = plan.finish_reason(calls, finish)
-            if self.opts.reasoning is not None and self.opts.reasoning.parser is not None:
+            if self.opts.reasoning.parser is not None:
                 message["reasoning"] = message["reasoning_content"] = parts.reasoning
                 if parts.reasoning is not None and not message["content"]:
                     message["content"] = None  # all reasoning, no answer yet (vLLM's null)

@@ -26,6 +26,7 @@ when a budget is spent) is `reasoning_budget.py`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from kvlm.errors import ParameterError
 
@@ -104,6 +105,15 @@ def prompt_opens_reasoning(prompt: str) -> bool:
 def template_thinks(chat_template: str | None) -> bool:
     """Does this chat template declare thinking (it writes `<think>` or takes `enable_thinking`)?"""
     return bool(chat_template) and (THINK_START in chat_template or "enable_thinking" in chat_template)  # type: ignore[operator]
+
+
+def template_kwargs(chat_template: str | None, requested: dict[str, Any] | None) -> dict[str, Any]:
+    """A request's template variables (vLLM's `chat_template_kwargs`), with `enable_thinking=True` made
+    explicit for a template that takes it (vLLM's default) unless the request set it."""
+    given = dict(requested or {})
+    if chat_template and "enable_thinking" in chat_template:
+        given.setdefault("enable_thinking", True)
+    return given
 
 
 def effort_budget(effort: str) -> int | None:

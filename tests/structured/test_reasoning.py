@@ -15,6 +15,7 @@ from kvlm.structured.reasoning import (
     effort_budget,
     prompt_opens_reasoning,
     split_reasoning,
+    template_kwargs,
     template_thinks,
 )
 
@@ -73,6 +74,9 @@ def test_prompt_and_template_detection() -> None:
     assert not prompt_opens_reasoning("<|im_start|>assistant\n<think>\n\n</think>\n\n")
     assert not prompt_opens_reasoning("<|im_start|>assistant\n")
     assert template_thinks("{% if enable_thinking %}...") and template_thinks("<think>") and not template_thinks(None)
+    assert template_kwargs("{{ enable_thinking }}", None) == {"enable_thinking": True}  # vLLM's default, explicit
+    assert template_kwargs("{{ enable_thinking }}", {"enable_thinking": False}) == {"enable_thinking": False}
+    assert template_kwargs("<think>", {"x": 1}) == {"x": 1}  # a template that does not take it is not given it
 
 
 def test_config_decides_once() -> None:
