@@ -32,8 +32,9 @@ from kvlm.errors import ParameterError
 
 THINK_START, THINK_END = "<think>", "</think>"
 
-# `reasoning_effort` (OpenAI's values) -> reasoning budget in tokens (None: no budget). kvlm's choice; llama.cpp
-# and vLLM map none: efforts are a hint to models trained on them, a budget works on any thinking model.
+# `reasoning_effort` (OpenAI's values) -> reasoning budget in tokens (None: no budget). kvlm's own table: neither
+# vLLM nor llama.cpp maps efforts to budgets (an effort is a hint to models trained on it; a budget works on
+# any thinking model).
 EFFORT_BUDGETS: dict[str, int | None] = {"none": 0, "minimal": 64, "low": 256, "medium": 1024, "high": 4096,
                                          "xhigh": None}
 PARSERS = ("think", "none", "auto")
@@ -104,7 +105,7 @@ def prompt_opens_reasoning(prompt: str) -> bool:
 
 def template_thinks(chat_template: str | None) -> bool:
     """Does this chat template declare thinking (it writes `<think>` or takes `enable_thinking`)?"""
-    return bool(chat_template) and (THINK_START in chat_template or "enable_thinking" in chat_template)  # type: ignore[operator]
+    return chat_template is not None and (THINK_START in chat_template or "enable_thinking" in chat_template)
 
 
 def template_kwargs(chat_template: str | None, requested: dict[str, Any] | None) -> dict[str, Any]:
@@ -114,6 +115,11 @@ def template_kwargs(chat_template: str | None, requested: dict[str, Any] | None)
     if chat_template and "enable_thinking" in chat_template:
         given.setdefault("enable_thinking", True)
     return given
+
+
+def _check_budget(value: int | None) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        raise ParameterError("reasoning_budget", f"reasoning_budget must be an integer >= 0, got {value!r}")
 
 
 def effort_budget(effort: str) -> int | None:
@@ -158,10 +164,7 @@ class ReasoningConfig:
         if flag not in PARSERS:
             raise ParameterError("reasoning_parser", f"reasoning_parser must be one of {', '.join(PARSERS)}, "
                                                      f"got {flag!r}")
-        if default_budget is not None and (isinstance(default_budget, bool) or not isinstance(default_budget, int)
-                                           or default_budget < 0):
-            raise ParameterError("reasoning_budget",
-                                 f"reasoning_budget must be an integer >= 0, got {default_budget!r}")
+        _check_budget(default_budget)
         if flag == "auto":
             thinks = template_thinks(chat_template)
             parser = "think" if thinks else None
@@ -173,8 +176,7 @@ class ReasoningConfig:
     def budget(self, explicit: int | None, effort: str | None) -> int | None:
         """A request's budget: its own `reasoning_budget`, else its `reasoning_effort`'s, else the default.
         Bad values are refused (`ParameterError`) whether or not this model thinks."""
-        if explicit is not None and (isinstance(explicit, bool) or not isinstance(explicit, int) or explicit < 0):
-            raise ParameterError("reasoning_budget", f"reasoning_budget must be an integer >= 0, got {explicit!r}")
+        _check_budget(explicit)
         by_effort = effort_budget(effort) if effort is not None else self.default_budget
         return explicit if explicit is not None else by_effort
 

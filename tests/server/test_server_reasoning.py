@@ -11,10 +11,12 @@ request's own (`reasoning_budget`, `reasoning_effort`), `enable_thinking=false`,
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 
 import openai
 import pytest
-from server_utils import ServerProcess
+from server_utils import ROOT, ServerProcess
 from tiny_models import write_tiny_thinking_gguf
 
 BIAS = {**{str(t): 100 for t in range(ord("a"), ord("z") + 1)}, "262": -100, "264": -100}  # EOS, </think> banned
@@ -51,6 +53,9 @@ def ask(client: openai.OpenAI, stream: bool = False, **kw) -> tuple[str | None, 
 
 def test_ready_line_names_the_choice(server: ServerProcess) -> None:
     assert "reasoning parser think (auto: the chat template thinks), budget 6 tokens" in server.output()
+    bad = subprocess.run([sys.executable, "-m", "kvlm", "serve", "x.gguf", "--reasoning-budget", "-1"],
+                         capture_output=True, text=True, timeout=60, cwd=ROOT)  # refused before any loading
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == ["kvlm: error: --reasoning-budget must be >= 0"]
 
 
 @pytest.mark.parametrize("stream", [False, True])
