@@ -152,5 +152,11 @@ class Request:
         return self.grammar is None or self.grammar.ready
 
     @property
+    def grammar_applies(self) -> bool:
+        """Is the next token constrained by this request's grammar (it has one, and no reasoning span holds
+        it back: `ReasoningBudget.grammar_waits`)?"""
+        return self.grammar is not None and (self.reasoning is None or not self.reasoning.grammar_waits)
+
+    @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED

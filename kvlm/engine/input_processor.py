@@ -75,7 +75,7 @@ class InputProcessor:
             req.grammar = self.grammars.request_grammar(params.structured_outputs)
             if req.grammar.error is not None:  # known bad (cached): refuse now, as any other bad parameter
                 raise req.grammar.error
-        if params.reasoning_budget is not None:
+        if params.reasoning or params.reasoning_budget is not None:
             req.reasoning = ReasoningBudget.start(self.think_tokens, params.reasoning_budget, ids)
         req.generator = torch.Generator(device=self.device)
         if params.seed is not None:

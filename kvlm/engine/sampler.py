@@ -2,7 +2,7 @@
 
 The order is vLLM V1's (vllm/v1/sample/sampler.py), step by step for each row:
   0. a grammar (structured_outputs): tokens it forbids get -inf (`kvlm.structured.mask`); rows without
-     one are not touched;
+     one, or inside a `<think>` span their grammar waits for, are not touched;
   1. min_tokens: EOS and the stop token ids are banned until the request has min_tokens outputs;
   2. penalties: repetition (HF, prompt + output), presence and frequency (OpenAI, output only);
   3. temperature < 1e-5: greedy, the argmax; top-k, top-p and min-p are ignored. Otherwise:
@@ -134,7 +134,7 @@ def sample(logits: torch.Tensor, reqs: list[Request], eos_token_ids: frozenset[i
     modified unless `writable` (the caller keeps no use for them): the grammar masks then go in place."""
     want_logprobs = any(r.params.logprobs is not None for r in reqs)
     raw_logprobs = logits.log_softmax(-1) if want_logprobs else None
-    constrained = [i for i, r in enumerate(reqs) if r.grammar is not None]
+    constrained = [i for i, r in enumerate(reqs) if r.grammar_applies]
     if constrained:
         logits = apply_grammar_masks(logits, constrained, [reqs[i].grammar for i in constrained],  # type: ignore[misc]
                                      inplace=writable)

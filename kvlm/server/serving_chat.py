@@ -101,12 +101,12 @@ class ChatServing(OpenAIServing):
         try:
             text = self.render_chat(r, plan)
             ids = self.tokenizer.encode(text, add_special_tokens=False)
-            # a lazy tool grammar (tool_choice auto) leaves free text before a call: the model may think there
+            # a lazy tool grammar (tool_choice auto) leaves free text before a call: no grammar from token one
             thinks = self._reasoning(r, text, constraint is not None and (plan is None or plan.mode != "auto"))
             limit = r.max_completion_tokens if r.max_completion_tokens is not None else r.max_tokens
             mt = self._check_prompt(ids, limit, "messages", bounded=self._bounded(r))
             k = (r.top_logprobs or 0) if r.logprobs else None
-            specs = [(ids, self._params(r, mt, i, k, None, constraint, thinks.budget),
+            specs = [(ids, self._params(r, mt, i, k, None, constraint, thinks),
                       request_id if r.n == 1 else f"{request_id}-{i}") for i in range(r.n)]
         except BaseException:
             self.aengine.release(r.n)

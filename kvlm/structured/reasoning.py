@@ -147,6 +147,12 @@ class ReasoningPlan:
         """The parser for one streamed choice (None when the output is not split)."""
         return ReasoningStream(self.in_reasoning) if self.split else None
 
+    @property
+    def sampling(self) -> dict[str, Any]:
+        """The `SamplingParams` fields this plan sets: the span tracked (a grammar waits for its end) where
+        the prompt opened it, and the budget."""
+        return {"reasoning": self.split and self.in_reasoning, "reasoning_budget": self.budget}
+
 
 @dataclass(frozen=True, slots=True)
 class ReasoningConfig:
@@ -183,12 +189,14 @@ class ReasoningConfig:
     def plan(self, prompt: str, explicit: int | None = None, effort: str | None = None,
              constrained: bool = False) -> ReasoningPlan:
         """What one request gets: `prompt` is its rendered prompt (did the template open `<think>`?);
-        `constrained`: a grammar decides the output from its first token (a JSON schema, a required tool
-        call), so the model cannot think: no split, no budget, all content."""
+        `constrained`: a grammar would decide the output from its first token (a JSON schema, a required
+        tool call). Where the prompt opened `<think>`, the grammar then waits for `</think>`
+        (`SamplingParams.reasoning`); where it did not, the model cannot think: no split, no budget."""
         budget = self.budget(explicit, effort)
-        if self.parser is None or constrained:
+        opens = prompt_opens_reasoning(prompt)
+        if self.parser is None or (constrained and not opens):
             return ReasoningPlan(False, False, None)
-        return ReasoningPlan(True, prompt_opens_reasoning(prompt), budget)
+        return ReasoningPlan(True, opens, budget)
 
     def describe(self) -> str:
         if self.parser is None:

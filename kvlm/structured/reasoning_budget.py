@@ -11,7 +11,10 @@ no other row is read or written, so a request's tokens are the same alone or in 
 Counting: every output token while the span is open is a reasoning token (the `<think>` the model may
 write itself is not; a multi-token `</think>` counts its leading pieces). Once `budget` are spent, the next
 `len(force_ids)` tokens are forced, one per step; then the request is out of its reasoning and the
-budget is done. A span the model closes itself ends the count.
+budget is done. A span the model closes itself ends the count. With `budget` None the span is only tracked:
+a request's grammar waits for its end (`grammar_waits`; the sampler does not mask those rows, the output
+processor does not feed those tokens to the matcher), so a thinking model reasons freely, then answers in
+the constrained form.
 """
 
 from __future__ import annotations
@@ -64,7 +67,7 @@ class ReasoningBudget:
     step must take (None: the model chooses)."""
 
     tokens: ThinkTokens
-    budget: int
+    budget: int | None  # None: the span is only tracked (for a grammar that waits for its end)
     in_reasoning: bool
     spent: int = 0
     done: bool = False  # the span closed (by the model or by forcing): nothing more to count
@@ -72,7 +75,7 @@ class ReasoningBudget:
     recent: list[int] = field(default_factory=list)  # the last output tokens, as long as the longest tag
 
     @classmethod
-    def start(cls, tokens: ThinkTokens, budget: int, prompt_ids: Sequence[int]) -> ReasoningBudget:
+    def start(cls, tokens: ThinkTokens, budget: int | None, prompt_ids: Sequence[int]) -> ReasoningBudget:
         b = cls(tokens, budget, tokens.prompt_opens(prompt_ids))
         b._check_spent()
         return b
@@ -80,6 +83,11 @@ class ReasoningBudget:
     @property
     def forced(self) -> int | None:
         return self.forcing[0] if self.forcing else None
+
+    @property
+    def grammar_waits(self) -> bool:
+        """Inside the span (or forcing its end): a grammar does not constrain these tokens nor see them."""
+        return self.in_reasoning or bool(self.forcing)
 
     def observe(self, token: int) -> None:
         """The request appended `token` (the forced one while forcing)."""
@@ -101,5 +109,5 @@ class ReasoningBudget:
         self._check_spent()
 
     def _check_spent(self) -> None:
-        if self.in_reasoning and self.spent >= self.budget:
+        if self.in_reasoning and self.budget is not None and self.spent >= self.budget:
             self.forcing = list(self.tokens.force_ids)

@@ -11,6 +11,7 @@ from tiny_models import write_tiny_thinking_gguf
 from kvlm import SamplingParams
 from kvlm.engine.engine import Engine
 from kvlm.errors import ParameterError
+from kvlm.sampling_params import StructuredOutputsParams
 from kvlm.structured.reasoning_budget import ReasoningBudget, ThinkTokens
 
 TAGS = ThinkTokens(start_ids=(1,), end_ids=(2,), force_ids=(9, 2, 9))
@@ -54,6 +55,18 @@ def test_multi_token_tags_are_matched_as_sequences() -> None:
     assert tags.prompt_opens([7, 1, 2, 8]) and not tags.prompt_opens([1, 2, 3, 4]) and not tags.prompt_opens([2, 1])
     b = ReasoningBudget.start(tags, 10, [1, 2])
     assert run(b, [40, 3, 4, 41]) == [40, 3, 4, 41] and b.done and b.spent == 2  # "3" counted: a tag's lead piece
+
+
+def test_tracking_without_a_budget_never_forces_and_holds_the_grammar_back() -> None:
+    b = ReasoningBudget.start(TAGS, None, [1])
+    assert b.grammar_waits and run(b, [40, 41, 42, 2, 43]) == [40, 41, 42, 2, 43]
+    assert b.done and not b.grammar_waits and b.spent == 3
+    forcing = ReasoningBudget.start(TAGS, 1, [1])
+    for t in (40, 9, 2):
+        forcing.observe(t)
+        assert forcing.grammar_waits  # forcing `</think>`, up to its last token: still the grammar's to wait for
+    forcing.observe(9)
+    assert not forcing.grammar_waits and forcing.done
 
 
 @pytest.mark.parametrize("bad", [-1, 1.5, True, "4"])
@@ -111,3 +124,23 @@ def test_forcing_leaves_rows_alone_vs_batched(engine: Engine) -> None:
         for x, y in zip(la, lb):  # the raw logprobs, forced tokens' included, bit for bit
             assert x.keys() == y.keys() and torch.equal(torch.tensor(list(x.values())), torch.tensor(list(y.values())))
     assert alone[0][0][3:7] == [10, 264, 10, 10] and alone[3][0][1:5] == [10, 264, 10, 10]
+
+
+def test_grammar_waits_for_the_end_of_the_span(engine: Engine) -> None:
+    """A constraint on a thinking request applies from the token after `</think>` (forced or the model's);
+    without `reasoning` it applies from the first token, and no span is tracked."""
+    choice = StructuredOutputsParams(choice=["yes", "no"])
+    engine.grammars.compile(choice)
+    ids = prompt(engine, "hello")
+    enc = lambda s: engine.tokenizer.encode(s, add_special_tokens=False)  # noqa: E731
+
+    def run_with(**kw) -> list[int]:
+        p = SamplingParams(temperature=0, max_tokens=14, logit_bias={t: 100 for t in range(97, 123)},
+                           structured_outputs=choice, **kw)
+        return generate(engine, [(ids, p)])[0][0]
+
+    thought = run_with(reasoning=True, reasoning_budget=3)
+    answer = thought[7:-1] if thought[-1] == 262 else thought[7:]
+    assert thought[3:7] == [10, 264, 10, 10] and answer in (enc("yes"), enc("no")), thought
+    assert 264 not in run_with()  # the grammar from token one: the choice at once
+    assert engine.tokenizer.decode(run_with()) in ("yes", "no")

@@ -82,13 +82,23 @@ def test_effort_and_enable_thinking(client: openai.OpenAI) -> None:
     assert reasoning is None and old_name is None and re.fullmatch(r"[a-z]{12}", content)
 
 
-def test_required_tool_call_is_content(client: openai.OpenAI) -> None:
+def test_tool_calls_come_after_the_reasoning(client: openai.OpenAI, server: ServerProcess) -> None:
+    """A required call's grammar waits for `</think>`; `auto` leaves free text, so the span is split as
+    usual; where enable_thinking=false closed it, the grammar holds from the first token."""
     tool = {"type": "function", "function": {"name": "add", "parameters": {
         "type": "object", "properties": {"x": {"type": "string", "enum": ["two"]}}, "required": ["x"],
         "additionalProperties": False}}}
-    m = client.chat.completions.create(model="think", messages=ASK, max_tokens=80, temperature=0, tools=[tool],
-                                       tool_choice="required").choices[0].message
-    assert m.reasoning is None and m.tool_calls and m.tool_calls[0].function.arguments == '{"x": "two"}'
+    kw = dict(model="think", messages=ASK, max_tokens=80, temperature=0, tools=[tool], logit_bias=BIAS)
+    for extra, thought in (({"reasoning_budget": 2}, r"[a-z]{2}\n"),
+                           ({"chat_template_kwargs": {"enable_thinking": False}}, None)):
+        m = client.chat.completions.create(tool_choice="required", extra_body=extra, **kw).choices[0].message
+        assert m.reasoning is None if thought is None else re.fullmatch(thought, m.reasoning), m
+        assert m.content is None and m.tool_calls, m
+        assert m.tool_calls[0].function.name == "add" and m.tool_calls[0].function.arguments == '{"x": "two"}'
+    auto = client.chat.completions.create(tool_choice="auto", extra_body={"reasoning_budget": 3}, **kw)
+    m = auto.choices[0].message
+    assert re.fullmatch(r"[a-z]{3}\n", m.reasoning) and re.fullmatch(r"\n\n[a-z]+", m.content) and not m.tool_calls
+    assert "grammar refused" not in server.output()  # the forced `</think>` never went past the grammar
 
 
 @pytest.mark.parametrize(("kw", "param"), [

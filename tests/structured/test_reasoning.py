@@ -96,9 +96,11 @@ def test_config_decides_once() -> None:
     opened, closed = "assistant\n<think>\n", "assistant\n<think>\n\n</think>\n\n"
     assert auto.plan(opened) == ReasoningPlan(True, True, 100)
     assert auto.plan(closed, effort="low") == ReasoningPlan(True, False, 256)
-    assert auto.plan(opened, 5, constrained=True) == ReasoningPlan(False, False, None)  # a grammar from token one
+    assert auto.plan(opened, 5, constrained=True) == ReasoningPlan(True, True, 5)  # the grammar waits for </think>
+    assert auto.plan(opened).sampling == {"reasoning": True, "reasoning_budget": 100}
+    assert auto.plan(closed, constrained=True) == ReasoningPlan(False, False, None)  # a grammar from token one
     assert auto.plan(opened).parts("a</think>b") == ReasoningSplit("a", "b")
-    assert auto.plan(opened, constrained=True).parts("a</think>b") == ReasoningSplit(None, "a</think>b")
+    assert auto.plan(closed, constrained=True).parts("a</think>b") == ReasoningSplit(None, "a</think>b")
     with pytest.raises(ParameterError, match="^reasoning_effort"):  # refused even where nothing thinks
         ReasoningConfig.choose("none", None, None).plan(opened, effort="hard")
     with pytest.raises(ParameterError, match="^reasoning_parser"):
