@@ -111,7 +111,7 @@ class Request:
     detokenizer: IncrementalDetokenizer | None = None
     generator: torch.Generator | None = None
     grammar: RequestGrammar | None = None  # with params.structured_outputs: its compile, then its matcher
-    reasoning: ReasoningBudget | None = None  # with params.reasoning_budget: its count, and what it forces
+    reasoning: ReasoningBudget | None = None  # params.reasoning / reasoning_budget: its <think> span, count, forcing
     # A bounded cache (kv_policy.py): its policy; evicted blocks are -1 in block_table, blocks
     # [sink_blocks, evicted_upto) of it; the sinks' keys as first computed (layers, num_sinks, kv_heads, D)
     # float, kept to re-rotate them from at each eviction, and the shift they carry now.
