@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 
     from kvlm.kv_policy import BoundedKV
     from kvlm.structured.matcher import RequestGrammar
+    from kvlm.structured.reasoning_budget import ReasoningBudget
     from kvlm.tokenizer.detokenizer import IncrementalDetokenizer
 
 FinishReason = Literal["stop", "length", "abort"]
@@ -110,6 +111,7 @@ class Request:
     detokenizer: IncrementalDetokenizer | None = None
     generator: torch.Generator | None = None
     grammar: RequestGrammar | None = None  # with params.structured_outputs: its compile, then its matcher
+    reasoning: ReasoningBudget | None = None  # params.reasoning / reasoning_budget: its <think> span, count, forcing
     # A bounded cache (kv_policy.py): its policy; evicted blocks are -1 in block_table, blocks
     # [sink_blocks, evicted_upto) of it; the sinks' keys as first computed (layers, num_sinks, kv_heads, D)
     # float, kept to re-rotate them from at each eviction, and the shift they carry now.
@@ -160,6 +162,12 @@ class Request:
     def grammar_ready(self) -> bool:
         """False while this request's grammar is still compiling (the scheduler leaves it waiting)."""
         return self.grammar is None or self.grammar.ready
+
+    @property
+    def grammar_applies(self) -> bool:
+        """Is the next token constrained by this request's grammar (it has one, and no reasoning span holds
+        it back: `ReasoningBudget.grammar_waits`)?"""
+        return self.grammar is not None and (self.reasoning is None or not self.reasoning.grammar_waits)
 
     @property
     def is_finished(self) -> bool:

@@ -142,6 +142,11 @@ class SamplingParams:
     the first sink_tokens tokens and the most recent ones, at most max_kv_tokens, so a chat or a
     generation runs past the context with flat memory (`kvlm.kv_policy`); max_tokens None then means up
     to the context length of new tokens.
+    reasoning: the request may think first: its `<think>` span (when the prompt leaves one open) is tracked,
+    and a grammar (structured_outputs) applies only from the token after `</think>` (vLLM's behaviour with a
+    reasoning parser), so a thinking model reasons freely and then answers in the constrained form.
+    reasoning_budget: at most this many tokens inside `<think>...</think>`; once spent, the engine forces
+    `</think>` (`kvlm.structured.reasoning_budget`). None: no budget. Implies `reasoning`.
     """
 
     n: int = 1
@@ -166,6 +171,8 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None  # a grammar the output must follow
     max_kv_tokens: int | None = None  # a bounded cache: at most this many tokens' K/V kept
     sink_tokens: int | None = None  # with max_kv_tokens: leading tokens always kept (None: the engine's, 4)
+    reasoning: bool = False  # track a `<think>` span the prompt opened; a grammar waits for its end
+    reasoning_budget: int | None = None  # reasoning tokens before `</think>` is forced (None: no budget)
     stop_strings: tuple[str, ...] = field(init=False, default=())
 
     def __post_init__(self) -> None:
@@ -199,11 +206,12 @@ class SamplingParams:
                 lambda v: 0 <= v and (self.max_tokens is None or v <= self.max_tokens))
         integer("max_kv_tokens", "must be a positive integer or None", lambda v: v >= 1, optional=True)
         integer("sink_tokens", "must be an integer >= 0 or None", lambda v: v >= 0, optional=True)
+        integer("reasoning_budget", "must be an integer >= 0 or None", lambda v: v >= 0, optional=True)
         integer("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}] or None",
                 lambda v: 0 <= v <= MAX_LOGPROBS, optional=True)
         integer("prompt_logprobs", f"must be an integer in [0, {MAX_LOGPROBS}] or None",
                 lambda v: 0 <= v <= MAX_LOGPROBS, optional=True)
-        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "reasoning"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "must be true or false")
         ids = self.stop_token_ids

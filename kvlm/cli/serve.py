@@ -51,6 +51,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="/v1/embeddings: which final hidden states of a prompt make its vector (the last token's, "
                         "the mean, the first token's; default: the model folder's sentence-transformers pooling "
                         "config, else last)")
+    t = s.add_argument_group("reasoning models")
+    t.add_argument("--reasoning-parser", default="auto", choices=["auto", "think", "none"],
+                   help="think: split a <think>...</think> span from chat answers into 'reasoning' (and "
+                        "'reasoning_content'); auto: think where the model's chat template declares thinking "
+                        "(writes <think> or takes enable_thinking); none: leave the text whole")
+    t.add_argument("--reasoning-budget", type=int, default=None,
+                   help="force </think> after this many reasoning tokens, unless a request sets reasoning_budget "
+                        "or reasoning_effort (default: no budget)")
     r = s.add_argument_group("replicas (Ray Serve; needs pip install 'kvlm[ray]')")
     r.add_argument("--replicas", type=int, default=None,
                    help="run N engine replicas (one process each, --threads threads each) on Ray Serve behind this "
@@ -97,6 +105,8 @@ def _check_flags(a: argparse.Namespace) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be >= {low}")
     if a.max_queued_requests is not None and a.max_queued_requests < 0:
         raise ValueError("--max-queued-requests must be >= 0")
+    if a.reasoning_budget is not None and a.reasoning_budget < 0:
+        raise ValueError("--reasoning-budget must be >= 0")
     for name in ("replicas", "min_replicas", "max_replicas", "max_ongoing_requests"):
         v = getattr(a, name)
         if v is not None and v < 1:
@@ -196,10 +206,13 @@ def _run_http(a: argparse.Namespace, engine: Any, aengine: Any, metrics: Any, na
     from kvlm.server.serving import ServingOptions
     from kvlm.server.serving_chat import ChatServing
     from kvlm.server.serving_completion import CompletionServing
+    from kvlm.structured.reasoning import ReasoningConfig
 
     keys = [k for k in (a.api_key or os.environ.get("KVLM_API_KEY") or "").split(",") if k]
+    reasoning = ReasoningConfig.choose(a.reasoning_parser, engine.tokenizer.chat_template, a.reasoning_budget)
+    ready += f"; {reasoning.describe()}"
     opts = ServingOptions(names, max_logprobs=a.max_logprobs, max_n=a.max_n,
-                          max_stored_responses=a.max_stored_responses)
+                          max_stored_responses=a.max_stored_responses, reasoning=reasoning)
     app = create_app(CompletionServing(engine, aengine, opts), ChatServing(engine, aengine, opts), aengine, metrics,
                      keys, a.max_body_bytes, a.root_path, a.log_requests)
 

@@ -5,7 +5,7 @@ What needs the model and the engine's shape is checked here, once, before anythi
 logit-bias ids), the prompt against the context, prompt + max_tokens against the whole KV pool, the
 request's bounded-cache policy, a free request id, and the grammar (a compile already known bad is
 refused now; one still compiling is submitted and waits in the scheduler). A request that passes is
-translated: its detokenizer, its seeded generator, its grammar state.
+translated: its detokenizer, its seeded generator, its grammar state, its reasoning budget.
 
 Every refusal is a `ParameterError` (`PromptTooLongError`, a `ParameterError` too) with the field's API name
 in `.param`, except a request id already in use (`ValueError`). Sampling fields that need no model are
@@ -28,6 +28,7 @@ from kvlm.kv_policy import BoundedKV
 from kvlm.request import Request
 from kvlm.sampling_params import PoolingParams, SamplingParams
 from kvlm.structured.compiler import GrammarCompiler
+from kvlm.structured.reasoning_budget import ReasoningBudget, ThinkTokens
 from kvlm.tokenizer.detokenizer import IncrementalDetokenizer
 from kvlm.tokenizer.tokenizer import Tokenizer
 
@@ -43,6 +44,8 @@ class InputProcessor:
         self.config, self.tokenizer, self.vocab_size, self.max_model_len = config, tokenizer, vocab_size, max_model_len
         self.block_manager, self.windows, self.grammars, self.device = block_manager, windows, grammars, device
         self._ids = itertools.count()  # "req-N" for requests without an id
+        # the think tags' ids, for reasoning budgets: found once, from the tokenizer
+        self.think_tokens = ThinkTokens.from_encoder(lambda text: tokenizer.encode(text, add_special_tokens=False))
         self.kv_policy(SamplingParams())
 
     def process(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None,
@@ -78,6 +81,8 @@ class InputProcessor:
             req.grammar = self.grammars.request_grammar(params.structured_outputs)
             if req.grammar.error is not None:  # known bad (cached): refuse now, as any other bad parameter
                 raise req.grammar.error
+        if params.reasoning or params.reasoning_budget is not None:
+            req.reasoning = ReasoningBudget.start(self.think_tokens, params.reasoning_budget, ids)
         req.generator = torch.Generator(device=self.device)
         if params.seed is not None:
             req.generator.manual_seed(params.seed)

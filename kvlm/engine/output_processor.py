@@ -25,12 +25,14 @@ class OutputProcessor:
     def append_token(self, req: Request, token: int, logprobs: dict[int, float] | None) -> StreamDelta:
         """Record a sampled token; returns what a streaming client should receive now."""
         p = req.params
-        if req.grammar is not None and not req.grammar.accept(token):
+        if req.grammar_applies and not req.grammar.accept(token):  # type: ignore[union-attr]
             # The mask allowed only what the grammar accepts, so this is a bug; the matcher is now in error
             # and allows EOS only, so the request ends at its next token.
             log.warning("kvlm: request %s: the grammar refused sampled token %d", req.request_id, token)
         req.token_ids.append(token)
         req.metrics.num_generated_tokens += 1
+        if req.reasoning is not None:
+            req.reasoning.observe(token)  # may start forcing `</think>` from the next token
         if logprobs is not None:
             if req.logprobs is None:
                 req.logprobs = []

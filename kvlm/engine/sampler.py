@@ -2,7 +2,7 @@
 
 The order is vLLM V1's (vllm/v1/sample/sampler.py), step by step for each row:
   0. a grammar (structured_outputs): tokens it forbids get -inf (`kvlm.structured.mask`); rows without
-     one are not touched;
+     one, or inside a `<think>` span their grammar waits for, are not touched;
   1. min_tokens: EOS and the stop token ids are banned until the request has min_tokens outputs;
   2. penalties: repetition (HF, prompt + output), presence and frequency (OpenAI, output only);
   3. temperature < 1e-5: greedy, the argmax; top-k, top-p and min-p are ignored. Otherwise:
@@ -10,7 +10,10 @@ The order is vLLM V1's (vllm/v1/sample/sampler.py), step by step for each row:
   5. min-p: drop tokens whose probability is below min_p x the top probability;
   6. top-k, then top-p on what is left (top-k keeps ties with the k-th logit; top-p cuts by sorted
      position, see `filter_logits`);
-  7. a draw from the renormalized distribution.
+  7. a draw from the renormalized distribution;
+  8. a request whose reasoning budget is spent takes its forced token (`</think>`'s, one per step) instead
+     of the row's choice (`kvlm.structured.reasoning_budget`): set after the draw, so the row's logits,
+     its generator's draws and every other row are what they would be without it.
 Batched over rows with per-row parameters as tensors (temperature, top-k, top-p, min-p). Randomness comes
 from each request's own `torch.Generator`, so a seeded request draws the same tokens whatever it is
 batched with. Draws use the exponential race (argmax of p / E, E = -log U ~ Exp(1)), which samples exactly
@@ -131,7 +134,7 @@ def sample(logits: torch.Tensor, reqs: list[Request], eos_token_ids: frozenset[i
     modified unless `writable` (the caller keeps no use for them): the grammar masks then go in place."""
     want_logprobs = any(r.params.logprobs is not None for r in reqs)
     raw_logprobs = logits.log_softmax(-1) if want_logprobs else None
-    constrained = [i for i, r in enumerate(reqs) if r.grammar is not None]
+    constrained = [i for i, r in enumerate(reqs) if r.grammar_applies]
     if constrained:
         logits = apply_grammar_masks(logits, constrained, [reqs[i].grammar for i in constrained],  # type: ignore[misc]
                                      inplace=writable)
@@ -165,6 +168,9 @@ def sample(logits: torch.Tensor, reqs: list[Request], eos_token_ids: frozenset[i
         # draw and its log.
         tokens[idx] = argmax_rows(probs / noise.log_().neg_())
     token_list = tokens.tolist()  # the one host sync of a step: the engine needs the ids
+    for i, r in enumerate(reqs):
+        if r.reasoning is not None and r.reasoning.forced is not None:
+            token_list[i] = r.reasoning.forced
     lps: list[dict[int, float] | None] = [None] * len(reqs)
     if raw_logprobs is not None:
         for i, r in enumerate(reqs):

@@ -131,6 +131,11 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: Any = None
     parallel_tool_calls: bool = True
     functions: list[Any] | None = None
+    # Reasoning models (`kvlm.structured.reasoning`): OpenAI's effort, vLLM's template variables
+    # (enable_thinking), and kvlm's explicit budget in tokens
+    reasoning_effort: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_budget: int | None = None
 
 
 class TokenizeRequest(_Request):

@@ -26,6 +26,7 @@ from kvlm.sampling_params import SamplingParams, StructuredOutputsParams
 from kvlm.server.async_engine import AsyncEngine, QueueFullError, Submission
 from kvlm.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, bad_request
 from kvlm.server.structured_request import structured_outputs
+from kvlm.structured.reasoning import ReasoningConfig, ReasoningPlan
 
 _SAMPLING_FIELDS = {f for f in SamplingParams.__dataclass_fields__ if f != "stop_strings"}
 
@@ -39,6 +40,9 @@ class ServingOptions:
     max_stop_len: int = 256
     max_prompts: int = 256  # engine requests one call may create (prompts x n)
     max_stored_responses: int = 1024  # /v1/responses kept for previous_response_id and GET (LRU)
+    # Is chat output split into reasoning and content, and with what default budget (--reasoning-parser,
+    # --reasoning-budget): decided once at start (`ReasoningConfig.choose`); the default splits nothing.
+    reasoning: ReasoningConfig = field(default_factory=lambda: ReasoningConfig.choose("none", None, None))
 
 
 @dataclass(slots=True)
@@ -172,7 +176,8 @@ class OpenAIServing:
 
     def _params(self, r: CompletionRequest | ChatCompletionRequest, max_tokens: int, i: int,
                 logprobs: int | None, prompt_logprobs: int | None,
-                structured: StructuredOutputsParams | None = None) -> SamplingParams:
+                structured: StructuredOutputsParams | None = None,
+                reasoning: ReasoningPlan | None = None) -> SamplingParams:
         kw: dict[str, Any] = dict(
             temperature=1.0 if r.temperature is None else r.temperature, max_tokens=max_tokens,
             presence_penalty=r.presence_penalty, frequency_penalty=r.frequency_penalty, min_tokens=r.min_tokens,
@@ -180,7 +185,7 @@ class OpenAIServing:
             prompt_logprobs=prompt_logprobs, skip_special_tokens=r.skip_special_tokens,
             include_stop_str_in_output=r.include_stop_str_in_output,
             seed=None if r.seed is None else r.seed + i, structured_outputs=structured,
-            max_kv_tokens=r.max_kv_tokens, sink_tokens=r.sink_tokens)
+            max_kv_tokens=r.max_kv_tokens, sink_tokens=r.sink_tokens, **(reasoning.sampling if reasoning else {}))
         for name in ("top_p", "top_k", "min_p", "repetition_penalty"):
             if getattr(r, name) is not None:
                 kw[name] = getattr(r, name)

@@ -221,7 +221,7 @@ class MessagesServing:
 
     async def create(self, r: MessagesRequest, request_id: str) -> dict[str, Any] | SSEStream:
         try:
-            ctx, plan = await self.chat.start_chat(chat_request(r), request_id)
+            ctx, plan, _ = await self.chat.start_chat(chat_request(r), request_id)
         except APIError as e:
             raise _renamed(e) from None
         ctx.id = f"msg_{request_id}"  # Anthropic's id shape (chat's is chatcmpl-<request id>)

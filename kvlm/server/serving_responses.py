@@ -348,7 +348,7 @@ class ResponsesServing(ChatServing):
     async def create(self, r: ResponsesRequest, request_id: str) -> dict[str, Any] | SSEStream:
         with responses_names():
             chat, messages = self.chat_request(r)
-            ctx, plan = await self.start_chat(chat, request_id)
+            ctx, plan, _ = await self.start_chat(chat, request_id)
         turn = _Turn(_ids("resp"), r, int(time.time()), messages)
         if r.stream:
             return SSEStream(self._stream(turn, ctx, plan), ctx.sub)

@@ -47,6 +47,28 @@ def byte_level_fields(**extra: Any) -> dict[str, Any]:
 
 VOCAB = len(byte_level_fields()["tokenizer.ggml.tokens"])  # 264
 
+# A Qwen3-like thinking template: the generation prompt opens `<think>` for the model, or, told
+# enable_thinking=false, closes an empty one so the model answers at once.
+THINKING_TEMPLATE = CHATML.replace(
+    "<|im_start|>assistant\n{% endif %}",
+    "<|im_start|>assistant\n{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
+    "{% else %}<think>\n{% endif %}{% endif %}")
+
+
+def thinking_fields() -> dict[str, Any]:
+    """The byte-level vocab plus `</think>` (265 tokens; `<think>` and `</think>` user-defined, as Qwen3's
+    added tokens are), with `THINKING_TEMPLATE`."""
+    f = byte_level_fields()
+    return {**f, "tokenizer.ggml.tokens": f["tokenizer.ggml.tokens"] + ["</think>"],
+            "tokenizer.ggml.token_type": f["tokenizer.ggml.token_type"] + [4],
+            "tokenizer.chat_template": THINKING_TEMPLATE}
+
+
+def write_tiny_thinking_gguf(path: Path, **config: Any) -> Path:
+    """A tiny random model that thinks in `<think>...</think>` (by its template and vocabulary); `config`
+    overrides `tiny_config`'s fields."""
+    return write_tiny_gguf(path, tiny_config(vocab_size=VOCAB + 1, **config), fields=thinking_fields())
+
 # ----------------------------------------------------------------------------------- configs, weights
 
 

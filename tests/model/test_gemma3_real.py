@@ -22,7 +22,8 @@ from kvlm.engine.engine import Engine
 
 pytestmark = pytest.mark.slow
 
-LONG = " ".join(f"Day {i}: the river rose {i % 7} inches and the miller wrote it down." for i in range(40))  # ~690 tokens: past the window
+# ~690 tokens: past the 512-token window of the sliding layers
+LONG = " ".join(f"Day {i}: the river rose {i % 7} inches and the miller wrote it down." for i in range(40))
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "日本の首都は",
            "Water boils at a temperature of", LONG + " On the last day the miller"]
 STEPS = 8

@@ -172,6 +172,7 @@ def test_serve_says_one_line_with_the_chat_page(tiny_gguf):
     assert lines[0].startswith(f"kvlm: serving tiny.gguf at {server.url} (chat page: {server.url}/, OpenAI API: "
                                f"{server.url}/v1; max_model_len 256; backend cpu/"), lines
     assert "attention paged-" in lines[0] or "reference" in lines[0], lines  # which kernels serve it
+    assert lines[0].endswith("; reasoning parser none (auto: the chat template does not think))"), lines
     with ServerProcess(tiny_gguf, "-v") as server:
         out = server.output()
     assert out.count("KV cache (paged):") == 1 and "chat page" in out  # -v after the subcommand; pool line once

@@ -1,0 +1,115 @@
+"""Reasoning models through a real `kvlm serve`, driven by the real `openai` client: a tiny random model
+whose Qwen3-like template opens `<think>` in the prompt (`tiny_models.write_tiny_thinking_gguf`).
+
+Its weights are random, so a logit bias keeps its output to lowercase letters and bans EOS and `</think>`:
+only the reasoning budget can close the span, and where it does is exact (N letters, then the forced
+"\\n</think>\\n\\n"). Checked: the split in `message.reasoning` / `reasoning_content` vs `content`, streamed
+deltas that add up to the non-streamed fields, the server's default budget (`--reasoning-budget`) and a
+request's own (`reasoning_budget`, `reasoning_effort`), `enable_thinking=false`, a required tool call
+(a grammar from the first token: no thinking, the call parsed), and bad values as 400s."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import openai
+import pytest
+from server_utils import ROOT, ServerProcess
+from tiny_models import write_tiny_thinking_gguf
+
+BIAS = {**{str(t): 100 for t in range(ord("a"), ord("z") + 1)}, "262": -100, "264": -100}  # EOS, </think> banned
+ASK = [{"role": "user", "content": "What is two and two?"}]
+DEFAULT_BUDGET = 6
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory):
+    path = write_tiny_thinking_gguf(tmp_path_factory.mktemp("think") / "think.gguf", max_position_embeddings=2048)
+    with ServerProcess(path, "--served-model-name", "think", "--reasoning-budget", str(DEFAULT_BUDGET)) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+
+
+def ask(client: openai.OpenAI, stream: bool = False, **kw) -> tuple[str | None, str | None, str | None]:
+    """(reasoning, reasoning_content, content) of a greedy 12-token answer, streamed deltas concatenated."""
+    args = dict(model="think", messages=ASK, max_tokens=12, temperature=0, logit_bias=BIAS, **kw)
+    if not stream:
+        m = client.chat.completions.create(**args).choices[0].message
+        return m.reasoning, m.reasoning_content, m.content
+    parts: dict[str, str | None] = {"reasoning": None, "reasoning_content": None, "content": None}
+    for chunk in client.chat.completions.create(stream=True, **args):
+        for name in parts:
+            piece = getattr(chunk.choices[0].delta, name, None) if chunk.choices else None
+            if piece:
+                parts[name] = (parts[name] or "") + piece
+    return parts["reasoning"], parts["reasoning_content"], parts["content"]
+
+
+def test_ready_line_names_the_choice(server: ServerProcess) -> None:
+    assert "reasoning parser think (auto: the chat template thinks), budget 6 tokens" in server.output()
+    bad = subprocess.run([sys.executable, "-m", "kvlm", "serve", "x.gguf", "--reasoning-budget", "-1"],
+                         capture_output=True, text=True, timeout=60, cwd=ROOT)  # refused before any loading
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == ["kvlm: error: --reasoning-budget must be >= 0"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_budget_cuts_the_reasoning_and_the_split_holds(client: openai.OpenAI, stream: bool) -> None:
+    for kw, budget in (({}, DEFAULT_BUDGET), ({"extra_body": {"reasoning_budget": 3}}, 3),
+                       ({"reasoning_effort": "none", "extra_body": {"reasoning_budget": 2}}, 2)):
+        reasoning, old_name, content = ask(client, stream, **kw)
+        assert reasoning == old_name and re.fullmatch(rf"[a-z]{{{budget}}}\n", reasoning), (kw, reasoning)
+        # 12 tokens: the budget's letters, 4 forced ("\n", "</think>", "\n", "\n"), then the answer's letters
+        assert re.fullmatch(rf"\n\n[a-z]{{{12 - budget - 4}}}", content), (kw, content)
+    none = ask(client, stream, reasoning_effort="none")  # budget 0: the span closes at once
+    assert none[0] == "\n" and re.fullmatch(r"\n\n[a-z]{8}", none[2])
+
+
+def test_stream_equals_whole(client: openai.OpenAI) -> None:
+    for kw in ({}, {"reasoning_effort": "low"}, {"extra_body": {"chat_template_kwargs": {"enable_thinking": False}}}):
+        assert ask(client, True, **kw) == ask(client, False, **kw), kw
+
+
+def test_effort_and_enable_thinking(client: openai.OpenAI) -> None:
+    reasoning, _, content = ask(client, reasoning_effort="low")  # 256 tokens: 12 never reach it
+    assert re.fullmatch(r"[a-z]{12}", reasoning) and content is None
+    reasoning, old_name, content = ask(client, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert reasoning is None and old_name is None and re.fullmatch(r"[a-z]{12}", content)
+
+
+def test_tool_calls_come_after_the_reasoning(client: openai.OpenAI, server: ServerProcess) -> None:
+    """A required call's grammar waits for `</think>`; `auto` leaves free text, so the span is split as
+    usual; where enable_thinking=false closed it, the grammar holds from the first token."""
+    tool = {"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "properties": {"x": {"type": "string", "enum": ["two"]}}, "required": ["x"],
+        "additionalProperties": False}}}
+    kw = dict(model="think", messages=ASK, max_tokens=80, temperature=0, tools=[tool], logit_bias=BIAS)
+    for extra, thought in (({"reasoning_budget": 2}, r"[a-z]{2}\n"),
+                           ({"chat_template_kwargs": {"enable_thinking": False}}, None)):
+        m = client.chat.completions.create(tool_choice="required", extra_body=extra, **kw).choices[0].message
+        assert m.reasoning is None if thought is None else re.fullmatch(thought, m.reasoning), m
+        assert m.content is None and m.tool_calls, m
+        assert m.tool_calls[0].function.name == "add" and m.tool_calls[0].function.arguments == '{"x": "two"}'
+    auto = client.chat.completions.create(tool_choice="auto", extra_body={"reasoning_budget": 3}, **kw)
+    m = auto.choices[0].message
+    assert re.fullmatch(r"[a-z]{3}\n", m.reasoning) and re.fullmatch(r"\n\n[a-z]+", m.content) and not m.tool_calls
+    assert "grammar refused" not in server.output()  # the forced `</think>` never went past the grammar
+
+
+@pytest.mark.parametrize(("kw", "param"), [
+    ({"reasoning_effort": "extreme"}, "reasoning_effort"),
+    ({"extra_body": {"reasoning_budget": -1}}, "reasoning_budget"),
+    ({"extra_body": {"reasoning_budget": "many"}}, "reasoning_budget"),
+    ({"extra_body": {"chat_template_kwargs": {"add_generation_prompt": False}}}, "chat_template_kwargs"),
+    ({"extra_body": {"chat_template_kwargs": ["enable_thinking"]}}, "chat_template_kwargs"),
+])
+def test_bad_values_are_400_and_the_server_serves_on(client: openai.OpenAI, kw: dict, param: str) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="think", messages=ASK, max_tokens=2, **kw)
+    assert e.value.body["param"] == param, e.value.body
+    assert client.chat.completions.create(model="think", messages=ASK, max_tokens=1).choices[0].finish_reason
