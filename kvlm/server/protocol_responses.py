@@ -48,12 +48,14 @@ class ResponsesRequest(_Request):
     previous_response_id: str | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
-    # Refused unless off (`serving_responses`): kvlm has no background queue, no reasoning split yet.
+    reasoning: dict[str, Any] | None = None  # effort (a reasoning budget), summary (accepted, none is made)
+    # Refused unless off (`serving_responses`): kvlm has no background queue.
     background: bool | None = None
-    reasoning: dict[str, Any] | None = None
     include: list[str] | None = None
     truncation: str | None = None
     top_logprobs: int | None = None
-    # vLLM-style extras a client may send in extra_body
+    # vLLM-style extras a client may send in extra_body (as in chat completions)
     seed: int | None = None
     top_k: int | None = None
+    logit_bias: dict[str, float] | None = None
+    reasoning_budget: int | None = None

@@ -9,6 +9,12 @@ then one `function_call` item per call. Streams carry the documented typed event
 `sequence_number`, and end with `response.completed` (`response.incomplete` when `max_output_tokens`
 cut the answer, `response.failed` when a shutdown aborted it).
 
+A thinking model's `<think>` span (`ReasoningPlan`, as chat splits it) comes first as a `reasoning` item
+(its text in `content` as `reasoning_text`, `summary` always empty: kvlm writes no summaries), streamed as
+`response.reasoning_text.delta`s; the message and the calls are parsed from what follows.
+`reasoning.effort` is chat's `reasoning_effort` (a budget). Reasoning items sent back in `input` are
+dropped, as chat templates do not render an earlier turn's reasoning.
+
 `store` (default true, as OpenAI) keeps a response and its conversation in `ResponseStore`, a
 count-bounded LRU (`--max-stored-responses`). A request naming `previous_response_id` renders that
 conversation, then its own input, so its prompt starts with the previous turn's tokens and the prefix cache
@@ -35,6 +41,7 @@ from kvlm.server.protocol import APIError, ChatCompletionRequest, bad_request, v
 from kvlm.server.protocol_responses import InputContent, InputItem, ResponsesRequest
 from kvlm.server.serving import SSEStream, _Call, guarded
 from kvlm.server.serving_chat import ChatServing
+from kvlm.structured.reasoning import ReasoningPlan
 from kvlm.structured.tool_parser import ToolCall, ToolCallStream
 
 _ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
@@ -43,7 +50,8 @@ _TEXT_PARTS = ("input_text", "output_text", "text")
 _RENAMES = (("'max_tokens' or 'max_completion_tokens'", "max_output_tokens"), ("max_tokens", "max_output_tokens"),
             ("response_format.json_schema.schema", "text.format.schema"),
             ("response_format.json_schema", "text.format"), ("response_format", "text.format"),
-            (".function.name", ".name"), ("the input messages", "the input"), ("messages", "input"))
+            (".function.name", ".name"), ("reasoning_effort", "reasoning.effort"),
+            ("the input messages", "the input"), ("messages", "input"))
 
 
 def not_found(rid: str, param: str) -> APIError:
@@ -137,9 +145,9 @@ def input_messages(items: str | list[InputItem]) -> list[dict[str, Any]]:
             if it.call_id is None or it.output is None:
                 raise bad_request(f"{where}: a function_call_output item needs call_id and output", where)
             out.append({"role": "tool", "tool_call_id": it.call_id, "content": _text(it.output, f"{where}.output")})
-        else:
+        elif it.type != "reasoning":  # an earlier turn's reasoning: dropped (chat templates do not render it)
             raise bad_request(f"input item type {it.type!r} is not supported (message, function_call, "
-                              "function_call_output)", f"{where}.type")
+                              "function_call_output, reasoning)", f"{where}.type")
     return out
 
 
@@ -190,9 +198,10 @@ def _refuse_unsupported(r: ResponsesRequest) -> None:
     if r.background:
         raise bad_request("background responses are not supported (every response finishes within its request)",
                           "background")
-    if r.reasoning and any(v is not None for v in r.reasoning.values()):
-        raise bad_request("reasoning is not supported", "reasoning")
-    unsupported = [x for x in r.include or () if x != "reasoning.encrypted_content"]  # no reasoning items: vacuous
+    extra = sorted(set(r.reasoning or {}) - {"effort", "summary", "generate_summary"})
+    if extra:
+        raise bad_request(f"reasoning: unsupported key(s) {extra} (supported: effort, summary)", "reasoning")
+    unsupported = [x for x in r.include or () if x != "reasoning.encrypted_content"]  # none is ever encrypted
     if unsupported:
         raise bad_request(f"include is not supported, got {unsupported}", "include")
     if r.truncation not in (None, "disabled"):
@@ -219,15 +228,24 @@ def message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
             "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
 
 
+def reasoning_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+    return {"id": item_id, "type": "reasoning", "status": status, "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}]}
+
+
 def call_item(item_id: str, call: ToolCall, status: str = "completed") -> dict[str, Any]:
     return {"id": item_id, "type": "function_call", "status": status, "call_id": call.id, "name": call.name,
             "arguments": call.arguments if status == "completed" else ""}
 
 
 def usage(ctx: _Call) -> dict[str, Any]:
+    """Reasoning tokens are the engine's count inside `<think>` (a forced `</think>` not
+    included), kept where it tracks the span (a template that opens it, or a budget); else 0."""
     u = ctx.usage()
+    tracked = ctx.requests[0].reasoning
     return {"input_tokens": u["prompt_tokens"], "input_tokens_details": u["prompt_tokens_details"],
-            "output_tokens": u["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": u["completion_tokens"],
+            "output_tokens_details": {"reasoning_tokens": tracked.spent if tracked is not None else 0},
             "total_tokens": u["total_tokens"]}
 
 
@@ -237,7 +255,7 @@ def assistant_message(items: list[dict[str, Any]]) -> dict[str, Any]:
     for it in items:
         if it["type"] == "message":
             msg["content"] = it["content"][0]["text"]
-        else:
+        elif it["type"] == "function_call":
             call = {"id": it["call_id"], "type": "function",
                     "function": {"name": it["name"], "arguments": it["arguments"]}}
             msg.setdefault("tool_calls", []).append(call)
@@ -245,8 +263,9 @@ def assistant_message(items: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 class ResponseEvents:
-    """A streamed response's output as typed events, each with the next `sequence_number`: text opens a
-    message item and goes out as `output_text` deltas, a call closes the message and goes out as its own
+    """A streamed response's output as typed events, each with the next `sequence_number`: reasoning opens
+    a reasoning item and goes out as `reasoning_text` deltas, until content or a call closes it; text opens
+    a message item and goes out as `output_text` deltas, a call closes the message and goes out as its own
     `function_call` item. `items` ends equal to the output the same text makes whole (`create`)."""
 
     def __init__(self) -> None:
@@ -255,13 +274,27 @@ class ResponseEvents:
         self._msg: str | None = None  # the open message item's id
         self._text = ""  # its text so far
         self._held = ""  # blank text not yet sent: before a call it is no content (`parse_tool_calls`)
+        self._rs: str | None = None  # the open reasoning item's id (never open with a message)
+        self._thought = ""  # its text so far
 
     def event(self, kind: str, **fields: Any) -> str:
         body = {"type": kind, **fields, "sequence_number": next(self._seq)}
         return f"event: {kind}\ndata: {json.dumps(body, ensure_ascii=False)}\n\n"
 
     def _where(self) -> dict[str, Any]:
-        return {"item_id": self._msg, "output_index": len(self.items), "content_index": 0}
+        return {"item_id": self._msg or self._rs, "output_index": len(self.items), "content_index": 0}
+
+    def reasoning(self, new: str) -> list[str]:
+        """Reasoning text: it comes before any content or call (`ReasoningStream`)."""
+        out = []
+        if self._rs is None:
+            self._rs = _ids("rs")
+            item = {**reasoning_item(self._rs, "", "in_progress"), "content": []}
+            out = [self.event("response.output_item.added", output_index=len(self.items), item=item),
+                   self.event("response.content_part.added", **self._where(),
+                              part={"type": "reasoning_text", "text": ""})]
+        self._thought += new
+        return out + [self.event("response.reasoning_text.delta", **self._where(), delta=new)]
 
     def text(self, new: str, hold_blank: bool = False) -> list[str]:
         """Content text; `hold_blank` (tools offered): blank text before the message opens waits."""
@@ -269,14 +302,15 @@ class ResponseEvents:
             self._held += new
             return []
         new, self._held = self._held + new, ""
-        out = self._open() if self._msg is None else []
+        out = self._end_reasoning("completed")
+        out += self._open() if self._msg is None else []
         if new:
             self._text += new
             out.append(self.event("response.output_text.delta", **self._where(), delta=new, logprobs=[]))
         return out
 
     def call(self, call: ToolCall) -> list[str]:
-        out = self._close("completed") if self._msg is not None else []
+        out = self._end_reasoning("completed") + (self._close("completed") if self._msg is not None else [])
         self._held = ""
         item = call_item(_ids("fc"), call, "in_progress")
         where = {"item_id": item["id"], "output_index": len(self.items)}
@@ -290,8 +324,9 @@ class ResponseEvents:
         return out
 
     def end(self, status: str) -> list[str]:
-        """Close the open message; with no call made, the answer is a message even when blank."""
-        out = self.text("") if self._msg is None and not self.items else []
+        """Close the open item; with no reasoning and no call, the answer is a message even when blank."""
+        out = self.text("") if self._msg is None and (self._held or (not self.items and self._rs is None)) else []
+        out += self._end_reasoning(status)  # nothing followed it
         if self._msg is not None:
             out += self._close(status)
         return out
@@ -302,6 +337,18 @@ class ResponseEvents:
         part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
         return [self.event("response.output_item.added", output_index=len(self.items), item=item),
                 self.event("response.content_part.added", **self._where(), part=part)]
+
+    def _end_reasoning(self, status: str) -> list[str]:
+        if self._rs is None:
+            return []
+        part = {"type": "reasoning_text", "text": self._thought}
+        done = reasoning_item(self._rs, self._thought, status)
+        out = [self.event("response.reasoning_text.done", **self._where(), text=self._thought),
+               self.event("response.content_part.done", **self._where(), part=part),
+               self.event("response.output_item.done", output_index=len(self.items), item=done)]
+        self.items.append(done)
+        self._rs, self._thought = None, ""
+        return out
 
     def _close(self, status: str) -> list[str]:
         part = {"type": "output_text", "text": self._text, "annotations": [], "logprobs": []}
@@ -339,7 +386,9 @@ class ResponsesServing(ChatServing):
         fields = {"model": r.model, "messages": system + messages, "max_tokens": r.max_output_tokens,
                   "temperature": r.temperature, "top_p": r.top_p, "tools": chat_tools(r.tools),
                   "tool_choice": chat_tool_choice(r.tool_choice), "parallel_tool_calls": r.parallel_tool_calls,
-                  "response_format": response_format(r.text), "stream": r.stream, "seed": r.seed, "top_k": r.top_k}
+                  "response_format": response_format(r.text), "stream": r.stream, "seed": r.seed, "top_k": r.top_k,
+                  "reasoning_effort": (r.reasoning or {}).get("effort"), "reasoning_budget": r.reasoning_budget,
+                  "logit_bias": r.logit_bias}
         try:
             return ChatCompletionRequest.model_validate({k: v for k, v in fields.items() if v is not None}), messages
         except ValidationError as e:
@@ -348,18 +397,24 @@ class ResponsesServing(ChatServing):
     async def create(self, r: ResponsesRequest, request_id: str) -> dict[str, Any] | SSEStream:
         with responses_names():
             chat, messages = self.chat_request(r)
-            ctx, plan, _ = await self.start_chat(chat, request_id)
+            ctx, plan, thinks = await self.start_chat(chat, request_id)
         turn = _Turn(_ids("resp"), r, int(time.time()), messages)
         if r.stream:
-            return SSEStream(self._stream(turn, ctx, plan), ctx.sub)
+            return SSEStream(self._stream(turn, ctx, plan, thinks), ctx.sub)
         c = (await ctx.collect())[0]  # closes the submission however it ends
         status = response_status(c.finish_reason)
+        parts = thinks.parts(c.text)
         if plan is not None:
-            msg, calls = plan.message(c.text)
+            msg, calls = plan.message(parts.content)
             content = msg["content"]
         else:
-            content, calls = c.text, []
-        items = [message_item(_ids("msg"), content, item_status(status))] if content is not None else []
+            content, calls = parts.content, []
+        items = []
+        if parts.reasoning:  # complete once an answer followed it (as a stream closes it); none if empty
+            items.append(reasoning_item(_ids("rs"), parts.reasoning,
+                                        "completed" if content or calls else item_status(status)))
+        if content is not None and (content or not items):
+            items.append(message_item(_ids("msg"), content, item_status(status)))
         items += [call_item(_ids("fc"), call) for call in calls]
         return self._finish(turn, status, items, usage(ctx))
 
@@ -373,7 +428,7 @@ class ResponsesServing(ChatServing):
                 "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
                 "instructions": r.instructions, "max_output_tokens": r.max_output_tokens, "model": self.model_name,
                 "output": output, "parallel_tool_calls": r.parallel_tool_calls,
-                "previous_response_id": r.previous_response_id, "reasoning": None, "store": r.store,
+                "previous_response_id": r.previous_response_id, "reasoning": r.reasoning or None, "store": r.store,
                 "temperature": 1.0 if r.temperature is None else r.temperature,
                 "text": r.text if r.text and r.text.get("format") else {"format": {"type": "text"}},
                 "tool_choice": r.tool_choice if r.tool_choice is not None else "auto", "tools": r.tools or [],
@@ -387,8 +442,9 @@ class ResponsesServing(ChatServing):
             self.store.put(turn.id, StoredResponse(resp, turn.messages + [assistant_message(items)]))
         return resp
 
-    def _stream(self, turn: _Turn, ctx: _Call, plan: ToolPlan | None) -> AsyncIterator[str]:
+    def _stream(self, turn: _Turn, ctx: _Call, plan: ToolPlan | None, thinks: ReasoningPlan) -> AsyncIterator[str]:
         ev = ResponseEvents()
+        split = thinks.stream()
 
         async def events() -> AsyncIterator[str]:
             started = self._response(turn, "in_progress", [], None)
@@ -397,11 +453,13 @@ class ResponsesServing(ChatServing):
             calls = ToolCallStream() if plan is not None and plan.active else None
             finish = None
             async for _, d in ctx.deltas():
+                reasoning, text = split.feed(d.text, final=d.finished) if split is not None else ("", d.text)
+                out = ev.reasoning(reasoning) if reasoning else []
                 if calls is None:
-                    out = ev.text(d.text)
-                else:
-                    new, deltas = calls.feed(d.text, final=d.finished)
-                    out = ev.text(new, hold_blank=True)
+                    out += ev.text(text) if text or split is None else []
+                else:  # tool calls are parsed from the content part
+                    new, deltas = calls.feed(text, final=d.finished)
+                    out += ev.text(new, hold_blank=True)
                     for t in deltas:  # a call goes out whole: its tag has closed
                         if "id" in t and (t["index"] == 0 or plan is None or plan.parallel):
                             out += ev.call(calls.calls[t["index"]])

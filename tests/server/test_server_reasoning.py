@@ -113,3 +113,77 @@ def test_bad_values_are_400_and_the_server_serves_on(client: openai.OpenAI, kw: 
         client.chat.completions.create(model="think", messages=ASK, max_tokens=2, **kw)
     assert e.value.body["param"] == param, e.value.body
     assert client.chat.completions.create(model="think", messages=ASK, max_tokens=1).choices[0].finish_reason
+
+
+# OpenAI's Responses API on the same server: the span as a `reasoning` item before the message.
+GREEDY = dict(model="think", input="What is two and two?", max_output_tokens=12, temperature=0)
+
+
+def respond(client: openai.OpenAI, reasoning: dict | None = None, **extra) -> openai.types.responses.Response:
+    kw = dict(GREEDY, reasoning=reasoning) if reasoning else GREEDY
+    return client.responses.create(**kw, extra_body={"logit_bias": BIAS, **extra})
+
+
+def test_responses_reasoning_item_before_the_message(client: openai.OpenAI) -> None:
+    for reasoning, extra, budget in ((None, {}, DEFAULT_BUDGET), ({"effort": "none"}, {"reasoning_budget": 2}, 2),
+                                     ({"effort": "none", "summary": "auto"}, {}, 0)):
+        r = respond(client, reasoning, **extra)
+        thought, msg = r.output
+        assert thought.type == "reasoning" and thought.id.startswith("rs_") and thought.summary == []
+        assert thought.status == "completed" and [c.type for c in thought.content] == ["reasoning_text"]
+        assert re.fullmatch(rf"[a-z]{{{budget}}}\n", thought.content[0].text), (reasoning, extra, thought)
+        assert msg.type == "message" and r.output_text == msg.content[0].text  # the answer only
+        assert r.usage.output_tokens_details.reasoning_tokens == budget and r.status == "incomplete"
+        chat = ask(client, reasoning_effort=(reasoning or {}).get("effort"), extra_body=extra)  # the same tokens
+        assert (thought.content[0].text, r.output_text) == (chat[0], chat[2])
+        assert (r.reasoning.effort if reasoning else r.reasoning) == (reasoning or {}).get("effort")
+    low = respond(client, {"effort": "low"})  # 256 tokens: 12 never reach it, so no message
+    assert [o.type for o in low.output] == ["reasoning"] and low.output[0].status == "incomplete"
+    assert re.fullmatch(r"[a-z]{12}", low.output[0].content[0].text) and low.output_text == ""
+    assert low.usage.output_tokens_details.reasoning_tokens == 12
+    # The output sent back as input: its reasoning item is dropped, as previous_response_id's history drops it.
+    one = dict(GREEDY, max_output_tokens=1)
+    resent = client.responses.create(**{**one, "input": [{"role": "user", "content": GREEDY["input"]}, *r.output,
+                                                         {"role": "user", "content": "And three?"}]})
+    continued = client.responses.create(**{**one, "input": "And three?"}, previous_response_id=r.id)
+    assert resent.usage.input_tokens == continued.usage.input_tokens
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(**GREEDY, reasoning={"effort": "extreme"})
+    assert e.value.body["param"] == "reasoning.effort", e.value.body
+
+
+@pytest.mark.parametrize("extra", [{}, {"reasoning_budget": 3}])
+def test_responses_stream_reasoning_events(client: openai.OpenAI, extra: dict) -> None:
+    whole = respond(client, **extra)
+    events = list(client.responses.create(**GREEDY, stream=True, extra_body={"logit_bias": BIAS, **extra}))
+    kinds = [e.type for e in events]
+    n, m = kinds.count("response.reasoning_text.delta"), kinds.count("response.output_text.delta")
+    assert n >= 2 and m >= 1 and [e.sequence_number for e in events] == list(range(len(events)))
+    item = ["response.output_item.added", "response.content_part.added"]
+    done = ["response.content_part.done", "response.output_item.done"]
+    assert kinds == ["response.created", "response.in_progress", *item, *["response.reasoning_text.delta"] * n,
+                     "response.reasoning_text.done", *done, *item, *["response.output_text.delta"] * m,
+                     "response.output_text.done", *done, "response.incomplete"]
+    thought = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    assert thought == events[4 + n].text == whole.output[0].content[0].text
+    final = events[-1].response
+    assert [o.model_dump(exclude={"id"}) for o in final.output] == [o.model_dump(exclude={"id"}) for o in whole.output]
+    assert final.usage == whole.usage
+    with client.responses.stream(**GREEDY, extra_body={"logit_bias": BIAS, **extra}) as stream:
+        assert [e.type for e in stream] == kinds  # the SDK's accumulator takes every event
+
+
+def test_responses_tool_call_after_the_reasoning(client: openai.OpenAI) -> None:
+    tool = {"type": "function", "name": "add", "parameters": {
+        "type": "object", "properties": {"x": {"type": "string", "enum": ["two"]}}, "required": ["x"],
+        "additionalProperties": False}}
+    letters = {k: v for k, v in BIAS.items() if k != "262"}  # EOS allowed: the call ends the response
+    kw = dict(GREEDY, max_output_tokens=80, tools=[tool], tool_choice="required",
+              extra_body={"logit_bias": letters, "reasoning_budget": 2})
+    r = client.responses.create(**kw)
+    assert [o.type for o in r.output] == ["reasoning", "function_call"] and r.status == "completed"
+    assert re.fullmatch(r"[a-z]{2}\n", r.output[0].content[0].text) and r.output[1].arguments == '{"x": "two"}'
+    with client.responses.stream(**kw) as stream:
+        final = stream.get_final_response()
+    assert [o.model_dump(exclude={"id", "call_id", "parsed_arguments"}) for o in final.output] == \
+        [o.model_dump(exclude={"id", "call_id"}) for o in r.output]
