@@ -2,13 +2,16 @@
 
 A request becomes a `ChatCompletionRequest` (`chat_request`): `system` a system turn, `tool_use` blocks an
 assistant turn's tool_calls, `tool_result` blocks tool turns, `tools`' input_schema the function parameters,
-`tool_choice` auto/any/tool/none OpenAI's auto/required/named/none, `stop_sequences` stop strings. From there
+`tool_choice` auto/any/tool/none OpenAI's auto/required/named/none, `stop_sequences` stop strings, `thinking`
+enabled a `reasoning_budget` of its budget_tokens, disabled `enable_thinking=False` for the template. From there
 `ChatServing.start_chat` does what it does for chat completions: the checks, the chat template, the tool
-grammar, the engine requests. This module only shapes the answer: content blocks (text, tool_use with the
-parsed input), `stop_reason`, Anthropic's usage (input tokens the prefix cache served are
+grammar, the engine requests. This module only shapes the answer: content blocks (a thinking block with the
+reasoning where the request's `ReasoningPlan` split one off, then text and tool_use with the parsed input, from
+the content part), `stop_reason`, Anthropic's usage (input tokens the prefix cache served are
 `cache_read_input_tokens`), and the SSE event sequence (message_start, content_block_start, ping,
-content_block_delta, content_block_stop, message_delta, message_stop). Errors from the shared checks keep their
-wording with Anthropic's field names; their shape is `protocol_messages.anthropic_error`'s.
+content_block_delta as text_delta / thinking_delta + signature_delta / input_json_delta, content_block_stop,
+message_delta, message_stop). kvlm signs nothing: a thinking block's signature is "". Errors from the shared
+checks keep their wording with Anthropic's field names; their shape is `protocol_messages.anthropic_error`'s.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from kvlm.server.protocol_messages import (
 )
 from kvlm.server.serving import SSEStream, _Call, guarded
 from kvlm.server.serving_chat import ChatServing
+from kvlm.structured.reasoning import ReasoningPlan, ReasoningSplit
 from kvlm.structured.tool_parser import ToolCallStream
 
 # Shared checks' field names -> Anthropic's (the error message is what Anthropic's error body carries).
@@ -102,8 +106,14 @@ def chat_request(r: CountTokensRequest) -> ChatCompletionRequest:
         body["tool_choice"] = {"auto": "auto", "any": "required", "none": "none",
                                "tool": {"type": "function", "function": {"name": tc.name}}}[tc.type]
         body["parallel_tool_calls"] = not tc.disable_parallel_tool_use
-    if r.thinking is not None and r.thinking.type == "enabled" and r.thinking.budget_tokens is None:
-        raise bad_request("thinking.budget_tokens: required when thinking is enabled", "thinking")
+    th = r.thinking  # adaptive: the server's default budget
+    if th is not None and th.type == "enabled":
+        if th.budget_tokens is None or th.budget_tokens < 0:
+            raise bad_request("thinking.budget_tokens: an integer >= 0 is required when thinking is enabled, got "
+                              f"{th.budget_tokens}", "thinking")
+        body["reasoning_budget"] = th.budget_tokens
+    elif th is not None and th.type == "disabled":
+        body["chat_template_kwargs"] = {"enable_thinking": False}  # templates that take it close the span
     if isinstance(r, MessagesRequest):
         if r.temperature is not None and not 0 <= r.temperature <= 1:
             raise bad_request(f"temperature: must be in [0, 1], got {r.temperature}", "temperature")
@@ -144,23 +154,30 @@ def _error_event(e: APIError) -> str:
     return event("error", {"error": anthropic_error(e)[1]["error"]})
 
 
-def content_blocks(text: str, plan: ToolPlan | None) -> list[dict[str, Any]]:
-    """A whole answer's content: its text (none when empty, or only whitespace before a call) and a tool_use
-    block per call the plan allows, with the parsed input."""
-    message, calls = plan.message(text) if plan is not None else ({"content": text}, [])
+def content_blocks(text: str, plan: ToolPlan | None, thinks: ReasoningPlan | None = None) -> list[dict[str, Any]]:
+    """A whole answer's content: a thinking block where a reasoning span was opened (even an empty one), then
+    from the content part its text (none when empty, or only whitespace before a call) and a tool_use block per
+    call the plan allows, with the parsed input."""
+    parts = thinks.parts(text) if thinks is not None else ReasoningSplit(None, text)
+    thought = [] if parts.reasoning is None else [{"type": "thinking", "thinking": parts.reasoning, "signature": ""}]
+    message, calls = plan.message(parts.content) if plan is not None else ({"content": parts.content}, [])
     content = [{"type": "text", "text": message["content"]}] if message["content"] else []
-    return content + [{"type": "tool_use", "id": _tool_id(t.id), "name": t.name, "input": json.loads(t.arguments)}
-                      for t in calls]
+    return thought + content + [{"type": "tool_use", "id": _tool_id(t.id), "name": t.name,
+                                 "input": json.loads(t.arguments)} for t in calls]
 
 
 class BlockStream:
     """One answer's text deltas as Anthropic's content-block events, which rebuild `content_blocks` of the whole
-    text exactly: the text as one text block (opened at its first character), then each call as a tool_use
-    block whose input JSON comes as one input_json_delta; one ping after the first block opens (or at the end
+    text exactly: the reasoning as a thinking block (opened when `ReasoningStream` sees the span open, its text
+    as thinking_delta, closed by an empty signature_delta when the span ends), then from the content part the
+    text as one text block (opened at its first character), then each call as a tool_use block whose input
+    JSON comes as one input_json_delta; one ping after the first block opens (or at the end
     when none did). With tools, leading whitespace is held until text follows it: before a call it is
     dropped, as the whole answer drops it. Calls are found by `ToolCallStream`, as chat completions finds them."""
 
-    def __init__(self, plan: ToolPlan | None) -> None:
+    def __init__(self, plan: ToolPlan | None, thinks: ReasoningPlan | None = None) -> None:
+        self.reasoning = thinks.stream() if thinks is not None else None
+        self.thinking = False  # the thinking block is open
         self.calls = ToolCallStream() if plan is not None and plan.active else None
         self.parallel = plan is None or plan.parallel
         self.index, self.held = 0, ""  # the open block's index; whitespace not yet sent
@@ -181,6 +198,19 @@ class BlockStream:
         self.started = True
         out: list[str] = []
         tools: list[dict[str, Any]] = []
+        if self.reasoning is not None:
+            thought, text = self.reasoning.feed(text, final=final)
+            if self.reasoning.opened and not self.thinking and self.index == 0:  # a span opens only first
+                out += self._start({"type": "thinking", "thinking": "", "signature": ""})
+                self.thinking = True
+            if thought:
+                out.append(event("content_block_delta", {"index": self.index,
+                                                         "delta": {"type": "thinking_delta", "thinking": thought}}))
+            if self.thinking and (final or self.reasoning.mode == "content"):
+                out += [event("content_block_delta", {"index": self.index,
+                                                      "delta": {"type": "signature_delta", "signature": ""}}),
+                        event("content_block_stop", {"index": self.index})]
+                self.index, self.thinking = self.index + 1, False
         if self.calls is not None:
             text, tools = self.calls.feed(text, final=final)
             if not self.parallel:
@@ -221,14 +251,14 @@ class MessagesServing:
 
     async def create(self, r: MessagesRequest, request_id: str) -> dict[str, Any] | SSEStream:
         try:
-            ctx, plan, _ = await self.chat.start_chat(chat_request(r), request_id)
+            ctx, plan, thinks = await self.chat.start_chat(chat_request(r), request_id)
         except APIError as e:
             raise _renamed(e) from None
         ctx.id = f"msg_{request_id}"  # Anthropic's id shape (chat's is chatcmpl-<request id>)
         if r.stream:
-            return SSEStream(guarded(ctx, self._stream(ctx, plan), _error_event), ctx.sub)
+            return SSEStream(guarded(ctx, self._stream(ctx, plan, thinks), _error_event), ctx.sub)
         c = (await ctx.collect())[0]  # closes the submission however it ends
-        content = content_blocks(c.text, plan)
+        content = content_blocks(c.text, plan, thinks)
         called = any(b["type"] == "tool_use" for b in content)
         return {"id": ctx.id, "type": "message", "role": "assistant", "model": self.chat.model_name,
                 "content": content, **_stop(c.finish_reason, c.stop_reason, called), "usage": _usage(ctx)}
@@ -243,8 +273,8 @@ class MessagesServing:
         except APIError as e:
             raise _renamed(e) from None
 
-    async def _stream(self, ctx: _Call, plan: ToolPlan | None) -> AsyncIterator[str]:
-        blocks = BlockStream(plan)
+    async def _stream(self, ctx: _Call, plan: ToolPlan | None, thinks: ReasoningPlan) -> AsyncIterator[str]:
+        blocks = BlockStream(plan, thinks)
         async for _, d in ctx.deltas():
             if not blocks.started:  # at the first delta the prefix cache has been asked: usage is known
                 yield event("message_start", {"message": {

@@ -6,7 +6,8 @@ only the reasoning budget can close the span, and where it does is exact (N lett
 "\\n</think>\\n\\n"). Checked: the split in `message.reasoning` / `reasoning_content` vs `content`, streamed
 deltas that add up to the non-streamed fields, the server's default budget (`--reasoning-budget`) and a
 request's own (`reasoning_budget`, `reasoning_effort`), `enable_thinking=false`, a required tool call
-(a grammar from the first token: no thinking, the call parsed), and bad values as 400s."""
+(a grammar from the first token: no thinking, the call parsed), and bad values as 400s. The same server answers
+the `anthropic` SDK's `/v1/messages` with a thinking block first, as chat completions splits it."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import sys
 
 import openai
 import pytest
+from deps import need
 from server_utils import ROOT, ServerProcess
 from tiny_models import write_tiny_thinking_gguf
 
@@ -187,3 +189,73 @@ def test_responses_tool_call_after_the_reasoning(client: openai.OpenAI) -> None:
         final = stream.get_final_response()
     assert [o.model_dump(exclude={"id", "call_id", "parsed_arguments"}) for o in final.output] == \
         [o.model_dump(exclude={"id", "call_id"}) for o in r.output]
+# ------------------------------------------------------ Anthropic's Messages API: thinking blocks (anthropic SDK)
+# Messages take no logit_bias, so these answers are the weights' own greedy text; each is checked against the same
+# request over chat completions, whose split the tests above pin down exactly.
+
+
+@pytest.fixture(scope="module")
+def claude(server: ServerProcess):
+    return need("anthropic").Anthropic(base_url=server.url, api_key="none", max_retries=0, timeout=60)
+
+
+MESSAGE_ARGS = dict(model="think", messages=ASK, max_tokens=16, extra_body={"temperature": 0})
+THINKING = {  # id: (the request's thinking, the same over chat completions, the content blocks' types)
+    "default": ({}, {}, ["thinking", "text"]),  # the server's budget, 6
+    "budget3": ({"type": "enabled", "budget_tokens": 3}, {"reasoning_budget": 3}, ["thinking", "text"]),
+    "budget100": ({"type": "enabled", "budget_tokens": 100}, {"reasoning_budget": 100}, ["thinking"]),  # not closed
+    "disabled": ({"type": "disabled"}, {"chat_template_kwargs": {"enable_thinking": False}}, ["text"]),
+}
+
+
+def message(claude, thinking: dict, stream: bool = False):
+    """The SDK's message for a greedy 16-token answer (streamed: the one `messages.stream` accumulates, and the
+    events it saw)."""
+    kw = {**MESSAGE_ARGS, **({"thinking": thinking} if thinking else {})}
+    if not stream:
+        return claude.messages.create(**kw)
+    with claude.messages.stream(**kw) as s:
+        events = list(s)
+        return s.get_final_message(), events
+
+
+def plain(blocks) -> list[dict]:
+    """Blocks as their wire fields (the stream's text blocks are the SDK's ParsedTextBlock)."""
+    return [b.model_dump(include={"type", "thinking", "signature", "text"}) for b in blocks]
+
+
+@pytest.mark.parametrize("case", THINKING)
+def test_messages_thinking_block_first_and_stream_equals_create(claude, client: openai.OpenAI, case: str) -> None:
+    thinking, extra, types = THINKING[case]
+    m = message(claude, thinking)
+    chat = client.chat.completions.create(model="think", messages=ASK, max_tokens=16, temperature=0,
+                                          extra_body=extra).choices[0].message
+    assert [b.type for b in m.content] == types and m.stop_reason == "max_tokens"
+    if "thinking" in types:
+        assert m.content[0].thinking == chat.reasoning and m.content[0].signature == ""
+    assert (m.content[-1].text if "text" in types else None) == chat.content
+    final, events = message(claude, thinking, stream=True)
+    assert plain(final.content) == plain(m.content) and final.usage.output_tokens == m.usage.output_tokens == 16
+    assert [e.content_block.type for e in events if e.type == "content_block_start"] == types
+    deltas = [e.delta.type for e in events if e.type == "content_block_delta"]
+    assert deltas.count("signature_delta") == types.count("thinking")
+    assert "".join(e.delta.thinking for e in events if e.type == "content_block_delta"
+                   and e.delta.type == "thinking_delta") == (m.content[0].thinking if "thinking" in types else "")
+
+
+def test_messages_budget_cuts_the_thinking_and_it_can_be_sent_back(claude) -> None:
+    budget3, default, unbounded = (message(claude, THINKING[c][0]) for c in ("budget3", "default", "budget100"))
+    assert len(budget3.content[0].thinking) < len(default.content[0].thinking) < len(unbounded.content[0].thinking)
+    turns = ASK + [{"role": "assistant", "content": default.content}, {"role": "user", "content": "And three?"}]
+    assert claude.messages.create(**{**MESSAGE_ARGS, "messages": turns, "max_tokens": 1}).content[0].type == "thinking"
+
+
+@pytest.mark.parametrize("thinking", [{"type": "enabled", "budget_tokens": -1}, {"type": "enabled"},
+                                      {"type": "enabled", "budget_tokens": "many"}, {"type": "sometimes"}])
+def test_messages_bad_thinking_is_anthropic_400(claude, thinking: dict) -> None:
+    anthropic = need("anthropic")
+    with pytest.raises(anthropic.BadRequestError) as e:
+        claude.messages.create(**MESSAGE_ARGS, thinking=thinking)
+    assert e.value.status_code == 400 and e.value.body["error"]["type"] == "invalid_request_error", e.value.body
+    assert "thinking" in e.value.body["error"]["message"]
+    assert claude.messages.create(**{**MESSAGE_ARGS, "max_tokens": 1}).content
