@@ -1,5 +1,6 @@
 """The chat page at `/` in a real headless Chromium: send a message, see the reply stream in and its stats;
-the KV panel against /metrics; a second turn's cached tokens; stop; new chat.
+the KV panel against /metrics; a second turn's cached tokens; the same conversation over each API the page
+can switch to (chat completions, Responses, Anthropic's Messages); stop; new chat.
 
 Screenshots are kept as test artifacts in $KVLM_TEST_ARTIFACTS (default: test-artifacts/ at the repo root).
 """
@@ -98,6 +99,27 @@ def test_kv_panel_matches_metrics_and_the_second_turn_comes_from_the_cache(tiny_
     page.click("#reset")  # new chat: the log empties, the next turn starts a new conversation
     assert page.locator(".msg").count() == 0
     assert say(page, "a different opening line, long enough to fill a block or two", 1).startswith("0 of ")
+
+
+def test_every_api_streams_the_same_greedy_reply_and_reuses_the_cache(tiny_server, page_on):
+    """The API switch: one greedy conversation over chat completions, Responses and Messages gives the same
+    replies (the server renders every protocol through the same template; this tiny model's greedy text is
+    mostly whitespace, so the 8 generated tokens each API's usage reports are checked too), and each second
+    turn's prompt comes from the prefix cache."""
+    page = page_on(tiny_server, "tiny")
+    page.fill("#max_tokens", "8")
+    page.fill("#temperature", "0")
+    replies = {}
+    for api in ("chat", "responses", "messages"):
+        page.click("#reset")
+        page.select_option("#api", api)
+        say(page, "hello there, please tell me all about the KV cache of this engine", 1)
+        second = say(page, "and more", 2)
+        cached = int(page.locator(".stats").nth(1).get_attribute("data-cached"))
+        assert cached >= 16 and "generated 8," in second and "error" not in second, (api, second)
+        replies[api] = page.locator(".msg.assistant").all_text_contents()
+    assert replies["responses"] == replies["chat"] and replies["messages"] == replies["chat"], replies
+    assert page.locator(".msg.error").count() == 0
 
 
 @pytest.fixture(scope="module")
