@@ -36,7 +36,7 @@ THINK_START, THINK_END = "<think>", "</think>"
 # vLLM nor llama.cpp maps efforts to budgets (an effort is a hint to models trained on it; a budget works on
 # any thinking model).
 EFFORT_BUDGETS: dict[str, int | None] = {"none": 0, "minimal": 64, "low": 256, "medium": 1024, "high": 4096,
-                                         "xhigh": None}
+                                         "xhigh": None, "max": None}
 PARSERS = ("think", "none", "auto")
 
 

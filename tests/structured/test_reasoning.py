@@ -87,7 +87,7 @@ def test_config_decides_once() -> None:
     assert ReasoningConfig.choose("think", None, None).parser == "think"
     assert ReasoningConfig.choose("none", "<think>", None).parser is None
     assert auto.budget(7, "low") == 7 and auto.budget(None, "low") == 256 and auto.budget(None, None) == 100
-    assert effort_budget("xhigh") is None and effort_budget("none") == 0
+    assert effort_budget("xhigh") is None and effort_budget("max") is None and effort_budget("none") == 0
     with pytest.raises(ParameterError, match="^reasoning_effort must be one of") as e:
         auto.budget(None, "extreme")
     assert e.value.param == "reasoning_effort"
