@@ -41,7 +41,7 @@ def test_sliding_pool_follows_the_window(model: Path) -> None:
     eng = Engine(model, EngineConfig(block_size=4, max_num_seqs=2), quiet=True)
     sched = eng.scheduler
     (gbm, w), = sched.groups
-    assert w == WINDOW and sched.chunk_cap == WINDOW
+    assert w == WINDOW and sched.kv.chunk_cap == WINDOW
     reqs = [eng.add_request(p, LONG) for p in random_prompts(2, 31, lo=20, hi=40)]
     per_seq = LayerGroups.of(eng.model_config.layer_windows, eng.model_config.num_hidden_layers).blocks_per_seq(1, 4)
     while eng.has_unfinished:
