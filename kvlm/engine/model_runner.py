@@ -178,8 +178,10 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, keep_logits: bool = False) -> StepResult:
         input_ids, meta, samplers = self.prepare(batch)
-        if batch.block_copies or batch.sink_moves:
-            self._move_sinks(batch)
+        if batch.kv.block_copies or batch.kv.sink_moves:
+            cache = self.kv_cache
+            assert isinstance(cache, PagedKVCache), "bounded caches need the paged layout"
+            cache.apply_step(batch.kv, self.model.shift_keys)
         self.num_tokens_processed += len(input_ids)
         # A chunk of q tokens ending at sequence length s has contexts s-q+1 .. s.
         self.num_context_tokens += sum(q * s - q * (q - 1) // 2 for q, s in zip(meta.query_lens, meta.seq_lens))
@@ -205,21 +207,6 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[meta.logits_indices])  # (N, vocab) float32
         out = sample(logits, samplers, self.eos_token_ids, writable=not keep_logits)  # kept logits stay unmasked
         return StepResult(samplers, out.token_ids, out.logprobs, logits if keep_logits else None)
-
-    def _move_sinks(self, batch: ScheduledBatch) -> None:
-        """Bounded caches, before the step: copy blocks into their private copies, then give each moved
-        request's sink keys their new shift, rotated from the keys first computed (kv_policy.py)."""
-        cache = self.kv_cache
-        assert isinstance(cache, PagedKVCache), "bounded caches need the paged layout"
-        if batch.block_copies:
-            cache.copy_blocks(batch.block_copies)
-        for req in batch.sink_moves:
-            assert req.kv_policy is not None
-            blocks = req.block_table[: req.kv_policy.sink_blocks]
-            if req.sink_keys is None:
-                req.sink_keys = cache.read_keys(blocks)  # (layers, num_sinks, kv_heads, D), as first computed
-            for i, layer in enumerate(cache.group0_layers):  # sliding layer groups never see the sinks
-                cache.write_keys(layer, blocks, self.model.shift_keys(layer, req.sink_keys[i], req.sink_shift))
 
     def _prompt_logprobs(self, batch: ScheduledBatch, hidden: torch.Tensor) -> None:
         """Append to `req.prompt_logprobs` the log-probabilities of the prompt tokens this chunk predicts.

@@ -47,14 +47,6 @@ class ScheduledBatch:
     kv: StepKV = field(default_factory=StepKV)  # block copies and sink moves before the step (bounded caches)
 
     @property
-    def block_copies(self) -> list[tuple[int, int]]:
-        return self.kv.block_copies
-
-    @property
-    def sink_moves(self) -> list[Request]:
-        return self.kv.sink_moves
-
-    @property
     def is_empty(self) -> bool:
         return not self.requests
 

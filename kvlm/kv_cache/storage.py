@@ -33,13 +33,17 @@ from __future__ import annotations
 
 import ctypes
 import os
-from typing import Protocol
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from kvlm.attention.metadata import AttentionMetadata
 from kvlm.attention.paged import PagedKV
 from kvlm.kernels.kv_quant import K0Correction, KeyCenter, KVQuantFormat, centered, dequantize, quantize, unrotated
+
+if TYPE_CHECKING:
+    from kvlm.kv_cache.manager import StepKV
 
 # What a cache stores per K/V value: a torch float type, or a quantized format.
 KVElement = torch.dtype | KVQuantFormat
@@ -368,6 +372,20 @@ class PagedKVCache(_LayerStorage):
         return PagedKV(self.k[layer], self.v[layer], self._group(layer, meta)[1], self.k0_correction(layer, meta))
 
     # Bounded caches (kv_policy.py): private copies of sink blocks, and their keys re-rotated in place.
+    def apply_step(self, step: StepKV, shift_keys: Callable[[int, torch.Tensor, int], torch.Tensor]) -> None:
+        """Before a step: copy blocks into their private copies, then give each moved request's sink keys
+        their new shift, rotated from the keys first computed (`shift_keys(layer, keys, delta)`: the model's
+        RoPE, `LlamaForCausalLM.shift_keys`). Sliding layer groups never see the sinks: group 0's layers only."""
+        if step.block_copies:
+            self.copy_blocks(step.block_copies)
+        for req in step.sink_moves:
+            assert req.kv_policy is not None
+            blocks = req.block_table[: req.kv_policy.sink_blocks]
+            if req.sink_keys is None:
+                req.sink_keys = self.read_keys(blocks)  # (layers, num_sinks, kv_heads, D), as first computed
+            for i, layer in enumerate(self.group0_layers):
+                self.write_keys(layer, blocks, shift_keys(layer, req.sink_keys[i], req.sink_shift))
+
     @property
     def group0_layers(self) -> list[int]:
         """The layers whose pools group 0's block ids address (all of them without layer groups)."""

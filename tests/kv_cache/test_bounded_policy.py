@@ -117,13 +117,13 @@ def test_first_eviction_copies_the_sinks_and_moves_them() -> None:
     r = Request("r", list(range(16)), 16, SamplingParams(), kv_policy=pol)
     sched.add(r)
     b = sched.schedule()
-    assert b.num_new_tokens == [16] and not b.block_copies
+    assert b.num_new_tokens == [16] and not b.kv.block_copies
     r.num_computed_tokens = 16
     bm.cache_full_blocks(r)
     original = r.block_table[0]
     r.token_ids.append(99)
     b = sched.schedule()
-    assert b.block_copies == [(original, r.block_table[0])] and b.sink_moves == [r]
+    assert b.kv.block_copies == [(original, r.block_table[0])] and b.kv.sink_moves == [r]
     assert r.block_table[1] == EVICTED and r.sink_shift == pol.ctx_shift(16)
     assert bm.block_hash[original] is not None and bm.block_hash[r.block_table[0]] is None
     bm.check([r])
