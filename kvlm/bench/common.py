@@ -122,11 +122,15 @@ def cpu_name() -> str:
 
 
 def run_header(bench: str, model: Any, threads: int) -> dict[str, Any]:
-    """The fields every bench JSON starts with (read back by scripts/make_benchmarks_md.py)."""
+    """The fields every bench JSON starts with (read back by scripts/make_benchmarks_md.py). "cpu" names the
+    kernels' ISA path beside the model ("AMD EPYC (avx2)"): AVX2 and AVX-512 differ by 2-3x, and
+    KVLM_KERNEL_ISA can force the narrower one on a wider CPU."""
     import torch
 
+    from kvlm.kernels.backend import isa_name
+
     return {"bench": bench, "model": str(model), "threads": threads,
-            "date": datetime.now(UTC).strftime("%Y-%m-%d"), "cpu": cpu_name(),
+            "date": datetime.now(UTC).strftime("%Y-%m-%d"), "cpu": f"{cpu_name()} ({isa_name()})",
             "torch": torch.__version__}
 
 
