@@ -33,7 +33,8 @@ from kvlm.errors import ParameterError
 
 @dataclass(frozen=True, slots=True)
 class BoundedKV:
-    """The cache policy `sinks(sink_tokens) + window(max_tokens - sinks)` of one request."""
+    """The cache policy `sinks(sink_tokens) + window(max_tokens - sinks)` of one request: the spec its
+    blocks follow in a full layer group (`kv_cache.spec`: `sink_blocks`, `evict_upto`, `block_name`)."""
 
     max_tokens: int  # N: the most tokens whose K/V are kept (and attended)
     sink_tokens: int  # S: leading tokens always kept (rounded up to whole blocks)
@@ -112,6 +113,16 @@ class BoundedKV:
         if f == 0:
             return table
         return table[: self.sink_blocks] + table[f // self.block_size :]
+
+    @property
+    def registrable_blocks(self) -> int:
+        """Leading blocks computed exactly as an unbounded cache computes them (wholly before the first
+        eviction): named by their prefix hash alone."""
+        return self.max_tokens // self.block_size
+
+    def block_name(self, i: int, prefix_hash: bytes) -> bytes:
+        """Block i's prefix-cache name (the `kv_cache.spec.AttentionSpec` this policy is)."""
+        return prefix_hash if i < self.registrable_blocks else self.block_hash(prefix_hash)
 
     def block_hash(self, prefix_hash: bytes) -> bytes:
         """The prefix-cache name of a block computed after the first eviction: its prefix hash keyed by the

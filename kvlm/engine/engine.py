@@ -35,7 +35,7 @@ from kvlm.kv_cache.k_center import calibrate_k_center, center_digest
 from kvlm.kv_cache.pool import KVBytes, describe_kv_pool, make_kv_cache
 from kvlm.kv_cache.prefix_misses import PrefixHistory
 from kvlm.kv_cache.snapshot import SnapshotInfo, prefix_cached, snapshot_header
-from kvlm.kv_cache.storage import KVCache, KVElement
+from kvlm.kv_cache.storage import KVCache, KVElement, kv_format
 from kvlm.loader import resolve_model
 from kvlm.loader.build import load_model
 from kvlm.loader.fingerprint import model_files, model_fingerprint
@@ -91,14 +91,14 @@ class Engine:
                                             in_place=loaded.backend.in_place)
                          if isinstance(self.kv_cache_dtype, KVQuantFormat) else None)
         self.kv_cache: KVCache
+        self.kv_format = kv_format(self.kv_cache_dtype, self.k_center)  # how K/V are stored (kv_cache/spec.py)
         self.kv_cache, self.block_manager, groups = make_kv_cache(cfg, model_config, self.max_model_len,
-                                                                  self.kv_cache_dtype, self.device,
-                                                                  compute_dtype=self.dtype, k_center=self.k_center)
-        self.kv_bytes = KVBytes(self.kv_cache, model_config, self.kv_cache_dtype, self.block_manager.block_size)
+                                                                  self.kv_format, self.device, compute_dtype=self.dtype)
+        self.kv_bytes = KVBytes(self.kv_cache, model_config, self.kv_format, self.block_manager.block_size)
         history = None
         if self.block_manager.enable_prefix_caching:
             keys = self._prefix_hash_keys()
-            for bm in [self.block_manager] + [bm for bm, _ in groups]:  # one chain: groups share the hashes
+            for bm in [self.block_manager, *groups]:  # one chain: groups share the hashes
                 bm.set_extra_keys(keys)
             history = PrefixHistory(cfg.block_size, describe=self.tokenizer.decode)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens,
@@ -115,8 +115,9 @@ class Engine:
         # structured_outputs: compiled in a worker thread, cached per grammar (nothing built until first use)
         self.grammars = GrammarCompiler(self.tokenizer, model_config.vocab_size)
         # Validation, prompt -> Request; a bad engine-wide --max-kv-tokens fails here, at start, not per request
+        windows = [bm.spec.window for bm in groups if bm.spec.window is not None]  # the sliding groups'
         self.input_processor = InputProcessor(cfg, self.tokenizer, model_config.vocab_size, self.max_model_len,
-                                              self.block_manager, [w for _, w in groups], self.grammars, self.device)
+                                              self.block_manager, windows, self.grammars, self.device)
         self.num_steps = 0
         # Fewer threads while other processes hold cores (engine/threads.py); the count never changes bits.
         self.governor = (ThreadGovernor(torch.get_num_threads()) if cfg.adaptive_threads and self.device.type == "cpu"

@@ -58,7 +58,7 @@ class ScheduledBatch:
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  recompute_all: bool = False, prefix_history: PrefixHistory | None = None,
-                 groups: list[tuple[BlockManager, int]] | None = None) -> None:
+                 groups: list[BlockManager] | None = None) -> None:
         self.kv = KVCacheManager(block_manager, groups)
         self.bm = block_manager  # group 0's (the prefix cache's hashes and lookups)
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
@@ -72,7 +72,7 @@ class Scheduler:
         self.prefix_cache_hits = 0
 
     @property
-    def groups(self) -> list[tuple[BlockManager, int]]:
+    def groups(self) -> list[BlockManager]:
         return self.kv.groups
 
     def add(self, req: Request) -> None:

@@ -27,10 +27,10 @@ window has left, leaving EVICTED (-1) in their place so block i still holds toke
 `make_private` swaps a block for a private copy (the sinks, before their keys are re-rotated in place).
 Blocks wholly before the first eviction (tokens < max_tokens, computed exactly as an unbounded cache
 computes them) are registered under their prefix hash; later ones under that hash keyed by the policy
-(`BoundedKV.block_hash`), for requests with the same policy only. Row p of such a request attends the sinks
+(`BoundedKV.block_name`), for requests with the same policy only. Row p of such a request attends the sinks
 and tokens kept_start(p) .. p, a function of p and the tokens alone, so a hit of k blocks past the first
 eviction needs only what row k * block_size attends: the sink blocks and the blocks from kept_start(k *
-block_size) on (`extend_bounded_hit`): the next turn of an endless chat, or a preempted bounded request
+block_size) on (`extend_hit`): the next turn of an endless chat, or a preempted bounded request
 coming back, reuses the blocks its window kept.
 
 Invariants (checked by `check()` and the tests):
@@ -48,6 +48,7 @@ from array import array
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 
+from kvlm.kv_cache.spec import AttentionSpec, FullAttention, GroupSpec
 from kvlm.request import Request
 
 Parent = tuple[int, int]  # (block id, its registration generation)
@@ -75,8 +76,13 @@ def held_blocks(req: Request) -> list[int]:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False) -> None:
+    """The blocks of one layer group's pool, handed out and cached by the group's `spec` (`kv_cache/spec.py`:
+    full attention unless told otherwise; a request refines it with its bounded cache, `spec_for`)."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
+                 spec: GroupSpec | None = None) -> None:
         self.num_blocks, self.block_size = num_blocks, block_size
+        self.spec: GroupSpec = spec or FullAttention(block_size)
         self.enable_prefix_caching = enable_prefix_caching
         self.free_blocks: deque[int] = deque(range(num_blocks))  # ref 0 and no hash: handed out first
         # ref 0 but still holding a cached prefix; oldest first, so eviction pops from the front.
@@ -109,6 +115,10 @@ class BlockManager:
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    def spec_for(self, req: Request) -> AttentionSpec:
+        """The spec `req`'s blocks follow here: the group's, refined by the request's bounded cache."""
+        return self.spec.for_request(req.kv_policy)
 
     # -- hashing -----------------------------------------------------------------------------------
     def set_extra_keys(self, extra: str) -> None:
@@ -150,7 +160,7 @@ class BlockManager:
             return []
         bs = self.block_size
         limit = (req.num_tokens - 1) // bs if max_blocks is None else min(max_blocks, req.num_tokens // bs)
-        limit = min(limit, self._registrable(req))
+        limit = min(limit, self.spec_for(req).registrable_blocks)
         hashes = self.block_hashes(req, limit)
         hit: list[int] = []
         for i in range(limit):
@@ -179,18 +189,20 @@ class BlockManager:
             out.append(b)
         return out
 
-    def extend_bounded_hit(self, req: Request, hit: list[int]) -> list[int]:
-        """`hit` (from `find_cached_prefix`, at most the blocks before the first eviction) extended as far as
-        the cache holds `req`'s sinks and kept window: sink blocks, EVICTED entries, then the window's blocks.
-        Unchanged when `req` is unbounded or nothing past the first eviction is cached."""
-        pol, bs = req.kv_policy, self.block_size
-        if pol is None or not self.enable_prefix_caching or len(hit) < pol.sink_blocks:
+    def extend_hit(self, req: Request, hit: list[int]) -> list[int]:
+        """`hit` (from `find_cached_prefix`, at most the blocks named by their prefix alone) extended as far
+        as the cache holds what `req`'s spec keeps past them (a bounded cache: its sinks and kept window):
+        sink blocks, EVICTED entries, then the window's blocks. Unchanged when every block of `req` is
+        named by its prefix (no bounded cache) or nothing past them is cached."""
+        spec, bs = self.spec_for(req), self.block_size
+        if not self.enable_prefix_caching or len(hit) < spec.sink_blocks:
             return hit
-        for k in range((req.num_tokens - 1) // bs, pol.max_tokens // bs, -1):  # the last token always runs
-            first = pol.evict_upto(k * bs)
+        sinks = spec.sink_blocks
+        for k in range((req.num_tokens - 1) // bs, spec.registrable_blocks, -1):  # the last token always runs
+            first = spec.evict_upto(k * bs)
             found = self.find_window_blocks(req, k, first)
             if found is not None:
-                return hit[: pol.sink_blocks] + [EVICTED] * (first - pol.sink_blocks) + found
+                return hit[:sinks] + [EVICTED] * (first - sinks) + found
         return hit
 
     # -- allocation --------------------------------------------------------------------------------
@@ -225,20 +237,16 @@ class BlockManager:
             req.block_table.append(b)
 
     def hash_at(self, req: Request, hashes: list[bytes], i: int) -> bytes:
-        """The name block i of `req` is registered under (see the module docstring, bounded caches)."""
-        if req.kv_policy is None or i < self._registrable(req):
-            return hashes[i]
-        return req.kv_policy.block_hash(hashes[i])
-
-    def _registrable(self, req: Request) -> int:
-        """Leading blocks of `req` whose K/V any request computes alike (all, unless its cache is bounded)."""
-        return 1 << 62 if req.kv_policy is None else req.kv_policy.max_tokens // self.block_size
+        """The name block i of `req` is registered under (its spec's `block_name`; see the module
+        docstring, bounded caches)."""
+        return self.spec_for(req).block_name(i, hashes[i])
 
     def evict(self, req: Request, upto: int) -> int:
-        """Give back `req`'s blocks [sink_blocks, upto) of its table (a bounded cache's window moved on, or
-        a sliding layer group's: from 0); returns how many were given back now."""
-        start = max(req.evicted_upto, req.kv_policy.sink_blocks if req.kv_policy is not None else 0)
-        n, own = 0, self._registrable(req)
+        """Give back `req`'s blocks [sink_blocks, upto) of its table (its spec's `evict_upto`: a bounded
+        cache's window moved on, or a sliding layer group's); returns how many were given back now."""
+        spec = self.spec_for(req)
+        start = max(req.evicted_upto, spec.sink_blocks)
+        n, own = 0, spec.registrable_blocks
         for i in range(start, min(upto, len(req.block_table))):
             b = req.block_table[i]
             self._release(b, req)

@@ -3,10 +3,11 @@ block manager (vLLM's hybrid KV cache manager, mlx-lm's `make_cache()`). Plain P
 
 The model declares each layer's policy through `ModelConfig.layer_windows`: None (`full`: every earlier
 token) or W (`sliding(W)`: a query sees its last W tokens, its own included). Group 0 holds the full
-layers (all of them for a model without a pattern); each distinct W gets a group of its own. A request
+layers (all of them for a model without a pattern); each distinct W gets a group of its own, and each
+group its spec (`specs`: `FullAttention`, `SlidingWindow(W)`, `kv_cache/spec.py`). A request
 keeps one block table per group, over the same token positions: group 0's is `Request.block_table`,
 the others' are `Request.group_tables`. A sliding group gives blocks back as the window leaves them
-(`evict_upto`), so its memory follows the window, not the sequence; the entries left behind are EVICTED
+(`SlidingWindow.evict_upto`), so its memory follows the window, not the sequence; the entries left behind are EVICTED
 and read, masked, as the pool's zero-filled null block (the attention kernel reads a window's first
 chunk whole and masks the tokens before the window: they must be finite, their weight is exactly 0).
 
@@ -24,6 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvlm.kv_cache.spec import FullAttention, GroupSpec, SlidingWindow
 from kvlm.request import Request
 
 
@@ -59,17 +61,13 @@ class LayerGroups:
         smallest window keeps a sliding pool near its window (None: no sliding group)."""
         return min(w for w in self.windows if w is not None) if self.sliding else None
 
-    def blocks_per_seq(self, g: int, block_size: int) -> int:
-        """Blocks one running request may hold at once in sliding group g (window + a chunk + the block
-        being filled and the one the window starts in)."""
-        w, cap = self.windows[g], self.chunk_cap
-        assert w is not None and cap is not None
-        return -(-(w + cap) // block_size) + 2
+    def specs(self, block_size: int) -> tuple[GroupSpec, ...]:
+        """Each group's spec: group 0 full attention, group g the sliding window windows[g]."""
+        return tuple(FullAttention(block_size) if w is None else SlidingWindow(block_size, w) for w in self.windows)
 
-
-def evict_upto(p: int, window: int, block_size: int) -> int:
-    """Blocks [0, evict_upto) hold no token that row p, or any later row, attends in a `window` layer."""
-    return max(0, p - window + 1) // block_size
+    def blocks_per_seq(self, g: int, block_size: int) -> int | None:
+        """Blocks one running request may hold at once in group g (None: group 0, as many as it needs)."""
+        return self.specs(block_size)[g].blocks_per_seq(self.chunk_cap)
 
 
 def _group_entry(field: str) -> property:

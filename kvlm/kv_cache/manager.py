@@ -1,11 +1,13 @@
 """KVCacheManager: a request's blocks in every layer group, and the bounded-cache policy acted on them.
 
 The scheduler decides who runs and how many tokens; this module answers whether that fits and makes it so
-(plain Python, no torch). It owns group 0's `BlockManager` and one per extra layer group (`groups`:
-(manager, window), `layer_groups.py`), so every allocation, eviction, release and prefix hit is made in all
-of them at once, and it acts a request's `BoundedKV` policy (`kv_policy.py`) on them: the blocks a window
-has left go back to the pool before a step, and at the first eviction the sink blocks are swapped for
-private copies whose keys the runner re-rotates whenever the window moves (`StepKV`).
+(plain Python, no torch). It owns group 0's `BlockManager` and one per extra layer group (`groups`), each
+acting its group's spec (`kv_cache/spec.py`: full attention, a sliding window, refined per request by its
+bounded cache), so every allocation, eviction, release and prefix hit is made in all of them at once: the
+blocks a spec no longer needs go back to the pool before a step (`spec.evict_upto`), a prefix hit is the
+longest prefix every group's spec can serve, and, for a bounded request (`kv_policy.BoundedKV`), at the
+first eviction the sink blocks are swapped for private copies whose keys the cache re-rotates whenever
+the window moves (`StepKV`).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvlm.kv_cache.block_manager import EVICTED, BlockManager
-from kvlm.kv_cache.layer_groups import GroupView, evict_upto
+from kvlm.kv_cache.layer_groups import GroupView
 from kvlm.request import Request
 
 GroupHits = list[tuple[int, list[int]]]  # per extra group: (EVICTED entries, cached blocks) of a prefix hit
@@ -52,35 +54,34 @@ def count_evicted(req: Request) -> None:
 
 
 class KVCacheManager:
-    def __init__(self, block_manager: BlockManager, groups: list[tuple[BlockManager, int]] | None = None) -> None:
+    def __init__(self, block_manager: BlockManager, groups: list[BlockManager] | None = None) -> None:
         self.bm = block_manager
-        self.groups = groups or []  # layer groups 1..: (their block manager, their window)
+        self.groups = groups or []  # layer groups 1..: their block managers, each with its spec
         # A step's rows of one request never span more than the smallest window (layer_groups.py).
-        self.chunk_cap = min((w for _, w in self.groups), default=None)
+        self.chunk_cap = min((bm.spec.window for bm in self.groups if bm.spec.window is not None), default=None)
 
     def add(self, req: Request) -> None:
         n = len(self.groups)
         req.group_tables, req.group_cached, req.group_evicted = [[] for _ in range(n)], [0] * n, [0] * n
 
-    def _views(self, req: Request) -> list[tuple[BlockManager, GroupView, int]]:
-        return [(bm, GroupView(req, g), w) for g, (bm, w) in enumerate(self.groups, 1)]
+    def _views(self, req: Request) -> list[tuple[BlockManager, GroupView]]:
+        return [(bm, GroupView(req, g)) for g, bm in enumerate(self.groups, 1)]
 
     # -- a running request's next step ------------------------------------------------------------------
     def evict(self, req: Request) -> int:
-        """Before `req`'s next rows: give back the blocks they (and all later ones) no longer see, in its
-        bounded window and in every sliding group. Returns the blocks it needs besides (private copies of
-        its sinks, at its first eviction)."""
-        extra = 0
-        policy, p = req.kv_policy, req.num_computed_tokens
-        if policy is not None:
-            upto = policy.evict_upto(p)
-            if upto > req.evicted_upto:
-                first = req.sink_shift == 0  # its sinks are not private copies yet
-                self.bm.evict(req, upto)
-                count_evicted(req)
-                extra = policy.sink_blocks if first else 0
-        for bm, view, w in self._views(req):
-            bm.evict(view, evict_upto(p, w, bm.block_size))
+        """Before `req`'s next rows: give back the blocks they (and all later ones) no longer see, by every
+        group's spec (a bounded window in group 0, the sliding groups' windows). Returns the blocks it needs
+        besides (private copies of its sinks, at its first eviction)."""
+        extra, p = 0, req.num_computed_tokens
+        spec = self.bm.spec_for(req)
+        upto = spec.evict_upto(p)
+        if upto > req.evicted_upto:  # (only a bounded cache evicts in group 0)
+            first = req.sink_shift == 0  # its sinks are not private copies yet
+            self.bm.evict(req, upto)
+            count_evicted(req)
+            extra = spec.sink_blocks if first else 0
+        for bm, view in self._views(req):
+            bm.evict(view, bm.spec_for(view).evict_upto(p))
         return extra
 
     def can_fit(self, req: Request, num_tokens: int, extra: int = 0, hit: PrefixHit | None = None) -> bool:
@@ -88,7 +89,7 @@ class KVCacheManager:
         it takes at admission)?"""
         if not self.bm.can_allocate(req, num_tokens, hit.blocks if hit else (), extra=extra):
             return False
-        for i, (bm, view, _) in enumerate(self._views(req)):
+        for i, (bm, view) in enumerate(self._views(req)):
             skip, cached = hit.groups[i] if hit and hit.groups else (0, [])
             if not bm.can_allocate(view, num_tokens, cached, skip=skip):
                 return False
@@ -99,7 +100,7 @@ class KVCacheManager:
         """Give `req` blocks for its first `num_tokens` in every group (taking `hit`'s cached ones), then
         its private sink copies (`extra` of them) and its sinks' new shift into `step`."""
         self.bm.allocate(req, num_tokens, hit.blocks if hit else ())
-        for i, (bm, view, _) in enumerate(self._views(req)):
+        for i, (bm, view) in enumerate(self._views(req)):
             skip, cached = hit.groups[i] if hit and hit.groups else (0, [])
             bm.allocate(view, num_tokens, cached, skip=skip)
         policy = req.kv_policy
@@ -123,27 +124,27 @@ class KVCacheManager:
         sinks + window, else the plain prefix)."""
         hit = self.bm.find_cached_prefix(req) if req.reads_prefix_cache else []
         plain = hit
-        if req.kv_policy is not None and hit:
-            hit = self.bm.extend_bounded_hit(req, hit)  # past its first eviction: sinks + window
+        if hit:
+            hit = self.bm.extend_hit(req, hit)  # a bounded request past its first eviction: sinks + window
         groups = None
         if self.groups:
             hit, groups = self._window_hit(req, hit)
             if not hit and plain:  # the groups could not serve the extended hit: the plain one, then
                 hit, groups = self._window_hit(req, plain)
         out = PrefixHit(hit, groups)
-        if out.moved and req.kv_policy is not None:
-            out.extra = req.kv_policy.sink_blocks
+        if out.moved:
+            out.extra = self.bm.spec_for(req).sink_blocks
         return out
 
     def _window_hit(self, req: Request, hit: list[int]) -> tuple[list[int], GroupHits]:
         """The longest prefix of `hit` (group 0's cached blocks) that every extra group can serve: its
-        blocks inside the window of the first token computed after it (layer_groups.py)."""
+        blocks from its spec's `evict_upto` of the first token computed after it on (layer_groups.py)."""
         for k in range(len(hit), -1, -1):
             if k < len(hit) and EVICTED in hit[:k]:
                 return [], [(0, []) for _ in self.groups]  # a bounded hit is whole or nothing
             parts = []
-            for bm, view, w in self._views(req):
-                first = evict_upto(k * bm.block_size, w, bm.block_size)
+            for bm, view in self._views(req):
+                first = bm.spec_for(view).evict_upto(k * bm.block_size)
                 blocks = bm.find_window_blocks(view, k, first) if k else []
                 if blocks is None:
                     break
@@ -156,12 +157,12 @@ class KVCacheManager:
     def cache_full_blocks(self, req: Request) -> None:
         """Register `req`'s newly full blocks in every group's prefix cache."""
         self.bm.cache_full_blocks(req)
-        for bm, view, _ in self._views(req):
+        for bm, view in self._views(req):
             bm.cache_full_blocks(view)
 
     def free(self, req: Request) -> None:
         self.bm.free(req)
-        for bm, view, _ in self._views(req):
+        for bm, view in self._views(req):
             bm.free(view)
 
     # -- debugging ------------------------------------------------------------------------------------
@@ -169,12 +170,12 @@ class KVCacheManager:
         """Debug mode: nobody writes into a block another request reads."""
         if self.bm.readers is not None:
             self.bm.assert_writable(req, start, end)
-        for bm, view, _ in self._views(req):
+        for bm, view in self._views(req):
             if bm.readers is not None:
                 bm.assert_writable(view, start, end)
 
     def check(self, reqs: list[Request]) -> None:
         """The block managers' invariants over every request that may hold blocks."""
         self.bm.check(reqs)
-        for g, (bm, _) in enumerate(self.groups, 1):
+        for g, bm in enumerate(self.groups, 1):
             bm.check([GroupView(r, g) for r in reqs])

@@ -1,7 +1,10 @@
 """The KV pool in bytes: how many blocks the cache gets, the cache object that holds them, and what its
 K/V take (per token, and per request: `KVBytes`).
 
-The engine asks `make_kv_cache` once at start. The budget comes from `EngineConfig.kv_cache_memory`
+The engine asks `make_kv_cache` once at start: it sizes the pool into the cache's `KVCacheConfig`
+(`kv_cache_config`: the format, and per layer group its spec, layers and blocks, `kv_cache/spec.py`), the
+one place where the model config and the engine args become specs, and builds the storage and the block
+managers from it. The budget comes from `EngineConfig.kv_cache_memory`
 (bytes, or a fraction of the memory free now) or, when unset, from the workload (`max_num_seqs`
 sequences at full context) capped at a quarter of free memory and, on CPU, 1 GiB. A budget above
 90% of available memory is refused. The pool is sized by the format's formula (`formula_bytes_per_token`);
@@ -15,11 +18,11 @@ import torch
 
 from kvlm.config import EngineConfig, ModelConfig
 from kvlm.errors import ParameterError
-from kvlm.kernels.kv_quant import KeyCenter, KVQuantFormat
 from kvlm.kv_cache.block_manager import BlockManager, held_blocks
 from kvlm.kv_cache.layer_groups import GroupView, LayerGroups
 from kvlm.kv_cache.recompute import NoKVCache
-from kvlm.kv_cache.storage import ContiguousKVCache, KVCache, KVElement, PagedKVCache
+from kvlm.kv_cache.spec import FullAttention, GroupSpec, KVCacheConfig, KVCacheGroup, KVFormat
+from kvlm.kv_cache.storage import ContiguousKVCache, KVCache, KVElement, PagedKVCache, kv_format
 from kvlm.request import Request
 
 MAX_KV_SHARE = 0.9  # the largest share of available memory a KV pool may take
@@ -63,35 +66,24 @@ def kv_pool_budget(cfg: EngineConfig, max_model_len: int, kv_bytes_per_token: in
     return budget
 
 
-def formula_bytes_per_token(mc: ModelConfig, elem: KVElement) -> int:
+def formula_bytes_per_token(mc: ModelConfig, fmt: KVFormat | KVElement) -> int:
     """K/V bytes per token by the format's formula, 2 x layers x kv_heads x head_dim x bytes per value
     (a quantized format's codes and scales): what a pool is sized by before its tensors exist."""
-    per_value = elem.bytes_per_value if isinstance(elem, KVQuantFormat) else torch.finfo(elem).bits / 8
+    per_value = (fmt if isinstance(fmt, KVFormat) else kv_format(fmt)).bytes_per_value
     return int(mc.kv_bytes_per_token(per_value))
 
 
-def make_kv_cache(cfg: EngineConfig, mc: ModelConfig, max_model_len: int, dtype: KVElement, device: torch.device,
-                  compute_dtype: torch.dtype | None = None, k_center: KeyCenter | None = None
-                  ) -> tuple[KVCache, BlockManager, list[tuple[BlockManager, int]]]:
-    """The KV cache for `cfg.kv_cache_layout`, the block manager that hands out its slots, and, for a model
-    with sliding-window layers on the paged layout, each extra layer group's (block manager, window)
-    (`layer_groups.py`). `dtype` is the K/V element type (a float type or a quantized format),
-    `compute_dtype` the model's (what attention reads back; default `dtype`). The pool is sized by the
-    format's formula; its tensors then take that many bytes per slot (`cache.bytes_per_token`).
-    `k_center` (a `KeyCenter`): keys are stored centered (`storage.py`, `kv_cache/k_center.py`).
-
-    Layer groups: each sliding group gets room for `max_num_seqs` requests' windows (plus a chunk), and
-    the full layers the rest of the budget; the default budget sizes the full layers as it sizes a pool."""
-    layers, kv_bytes_per_token = mc.num_hidden_layers, formula_bytes_per_token(mc, dtype)
-    if not cfg.enable_kv_cache:
-        return NoKVCache(dtype, k_center), BlockManager(cfg.max_num_seqs, max_model_len), []
-    if cfg.kv_cache_layout == "contiguous":
-        cache = ContiguousKVCache(layers, cfg.max_num_seqs, max_model_len, mc.num_key_value_heads, mc.head_dim,
-                                  dtype, device, compute_dtype, k_center=k_center)
-        return cache, BlockManager(cfg.max_num_seqs, max_model_len), []
+def kv_cache_config(cfg: EngineConfig, mc: ModelConfig, max_model_len: int, fmt: KVFormat,
+                    device: torch.device) -> KVCacheConfig:
+    """The paged cache's config: each layer group's spec (`LayerGroups.specs`: full, or sliding(W) for the
+    layers the model declares so) and blocks. Each sliding group gets room for `max_num_seqs` requests'
+    windows (plus a chunk: `blocks_per_seq`), and the full layers the rest of the budget; the default
+    budget sizes the full layers as it sizes a pool."""
+    layers, kv_bytes_per_token = mc.num_hidden_layers, formula_bytes_per_token(mc, fmt)
     bs, groups = cfg.block_size, LayerGroups.of(mc.layer_windows, layers)
+    specs = groups.specs(bs)
     per_layer = kv_bytes_per_token / layers
-    group_blocks = [0] + [cfg.max_num_seqs * groups.blocks_per_seq(g, bs) for g in range(1, groups.num_groups)]
+    group_blocks = [0] + [cfg.max_num_seqs * _held(spec, groups.chunk_cap) for spec in specs[1:]]
     sliding = sum(n * bs * per_layer * len(groups.layers(g)) for g, n in enumerate(group_blocks))
     full_bpt = per_layer * len(groups.layers(0))
     per_block = full_bpt * bs
@@ -107,14 +99,39 @@ def make_kv_cache(cfg: EngineConfig, mc: ModelConfig, max_model_len: int, dtype:
                              f"kv_cache_memory: {budget} B is smaller than one KV block ({per_block:.0f} B)"
                              + (f" after the sliding layers' {sliding:.0f} B" if sliding else ""))
     group_blocks[0] = num_blocks
-    cache = PagedKVCache(layers, num_blocks, bs, mc.num_key_value_heads, mc.head_dim, dtype, device,
-                         compute_dtype, layer_group=list(groups.group_of), group_blocks=group_blocks,
-                         k_center=k_center)
+    return KVCacheConfig(fmt, bs, mc.num_key_value_heads, mc.head_dim,
+                         tuple(KVCacheGroup(spec, tuple(groups.layers(g)), n)
+                               for g, (spec, n) in enumerate(zip(specs, group_blocks))))
+
+
+def _held(spec: GroupSpec, chunk_cap: int | None) -> int:
+    """Blocks one running request may hold at once in an extra group (a sliding one: bounded)."""
+    n = spec.blocks_per_seq(chunk_cap)
+    assert n is not None, "only group 0 grows with its requests"
+    return n
+
+
+def make_kv_cache(cfg: EngineConfig, mc: ModelConfig, max_model_len: int, fmt: KVFormat, device: torch.device,
+                  compute_dtype: torch.dtype | None = None) -> tuple[KVCache, BlockManager, list[BlockManager]]:
+    """The KV cache for `cfg.kv_cache_layout`, the block manager that hands out its slots, and, for a model
+    with sliding-window layers on the paged layout, each extra layer group's block manager (with its spec,
+    `layer_groups.py`). `fmt` is how K/V are stored (`KVFormat`: a float type or a quantized format, keys
+    centered or not: `storage.py`, `kv_cache/k_center.py`), `compute_dtype` the model's (what attention
+    reads back; default the format's float type). The pool is sized by the format's formula
+    (`kv_cache_config`); its tensors then take that many bytes per slot (`cache.bytes_per_token`)."""
+    if not cfg.enable_kv_cache:
+        return NoKVCache(fmt.element, fmt.center), BlockManager(cfg.max_num_seqs, max_model_len), []
+    if cfg.kv_cache_layout == "contiguous":
+        # one block a sequence: its whole row
+        cc = KVCacheConfig.full(fmt, mc.num_hidden_layers, cfg.max_num_seqs, max_model_len, mc.num_key_value_heads,
+                                mc.head_dim)
+        return ContiguousKVCache(cc, device, compute_dtype), BlockManager(cfg.max_num_seqs, max_model_len), []
+    config = kv_cache_config(cfg, mc, max_model_len, fmt, device)
+    cache = PagedKVCache(config, device, compute_dtype)
     # Only the paged layout can share blocks between requests: prefix caching lives here.
-    pc = cfg.enable_prefix_caching
-    extra = [(BlockManager(n, bs, enable_prefix_caching=pc), groups.windows[g])
-             for g, n in enumerate(group_blocks) if g]
-    return cache, BlockManager(num_blocks, bs, enable_prefix_caching=pc), extra  # type: ignore[misc]
+    pc, bs = cfg.enable_prefix_caching, config.block_size
+    bms = [BlockManager(g.num_blocks, bs, enable_prefix_caching=pc, spec=g.spec) for g in config.groups]
+    return cache, bms[0], bms[1:]
 
 
 def describe_kv_pool(cfg: EngineConfig, cache: KVCache, bm: BlockManager, max_model_len: int,
@@ -139,24 +156,25 @@ class KVBytes:
     the pool's tensors (codes and scales), and what each request holds (`of_request`). Recompute mode
     (`NoKVCache`) stores nothing: its per-token figure is the format's formula, a request holds 0."""
 
-    def __init__(self, cache: KVCache, mc: ModelConfig, elem: KVElement, block_size: int) -> None:
+    def __init__(self, cache: KVCache, mc: ModelConfig, fmt: KVFormat, block_size: int) -> None:
         self.stores = not isinstance(cache, NoKVCache)
-        self.per_token = round(cache.bytes_per_token) if self.stores else formula_bytes_per_token(mc, elem)
+        self.per_token = round(cache.bytes_per_token) if self.stores else formula_bytes_per_token(mc, fmt)
         self.block_size = block_size  # the block manager's (a contiguous cache's: its row)
         self.group_slot = [float(self.per_token)]  # one token slot of each layer group, all of its layers
+        self.full: FullAttention = FullAttention(block_size)  # group 0's spec (its layers attend every token)
         if isinstance(cache, PagedKVCache):
-            self.group_slot = [0.0] * len(cache.group_blocks)
-            for layer, g in enumerate(cache.layer_group):
-                self.group_slot[g] += cache.slot_bytes(layer)
+            self.group_slot = [sum((cache.slot_bytes(layer) for layer in g.layers), 0.0) for g in cache.config.groups]
+            assert isinstance(cache.config.groups[0].spec, FullAttention)
+            self.full = cache.config.groups[0].spec
 
     def of_request(self, req: Request) -> tuple[int, int]:
         """(bytes of the blocks `req` holds, bytes of them filled), over every layer group: group 0 holds
-        its kept tokens (all computed ones, or what its bounded cache attends), a sliding group all its
-        blocks full but the last."""
+        its kept tokens (what its spec for `req` attends: all computed ones, or what its bounded cache
+        keeps), a sliding group all its blocks full but the last."""
         if not self.stores:
             return 0, 0
-        computed, pol = req.num_computed_tokens, req.kv_policy
-        kept = computed if pol is None else min(computed, pol.attended(computed - 1))
+        computed = req.num_computed_tokens
+        kept = min(computed, self.full.for_request(req.kv_policy).attended(computed - 1))
         bs, slot = self.block_size, self.group_slot
         held = len(held_blocks(req)) * bs * slot[0]
         used = kept * slot[0]

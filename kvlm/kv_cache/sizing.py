@@ -19,6 +19,7 @@ from importlib import resources
 from typing import Any
 
 from kvlm.config import KV_DTYPES, KV_QUANT_BYTES_PER_VALUE, EngineConfig, ModelConfig
+from kvlm.kv_cache.layer_groups import LayerGroups
 
 # Bytes per element by the names `kvlm kv-size --dtype` accepts. int8 / int4 are the engine's quantized
 # K/V formats, a float16 scale per 32 codes: 34 / 32 and 18 / 32 bytes per value (kernels/kv_quant.py).
@@ -84,6 +85,14 @@ def kv_size(c: ModelConfig, dtype: str, context: int, batch: int) -> dict[str, A
             "mha_total_bytes": mha * context * batch, "gqa_saving": 1 - per_tok / mha,
             "parameters": c.num_parameters, "weight_bytes": c.num_parameters * b,  # weights in the cache's dtype
             "crossover_context": crossover_context(c, batch=batch),  # same for every dtype: b cancels
-            # sliding-window layers hold at most their window (kv_cache/layer_groups.py); None: no such layers
+            # what each layer's spec holds of the context (a sliding window: at most W tokens); None: all full
             "windowed_total_bytes": None if not c.layer_windows else
-            sum(min(context, w or context) for w in c.layer_windows) * per_tok / c.num_hidden_layers * batch}
+            held_tokens(c, context) * per_tok / c.num_hidden_layers * batch}
+
+
+def held_tokens(c: ModelConfig, context: int) -> int:
+    """Tokens of a `context`-token sequence whose K/V the cache holds, summed over the layers (each layer's
+    spec, `kv_cache/spec.py`: a full layer all of them, a sliding(W) one at most W)."""
+    groups = LayerGroups.of(c.layer_windows, c.num_hidden_layers)
+    specs = groups.specs(EngineConfig().block_size)  # (the block size changes no spec's token count)
+    return sum(specs[g].tokens_held(context) for g in groups.group_of)

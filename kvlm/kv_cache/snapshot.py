@@ -33,7 +33,7 @@ import torch
 from kvlm.errors import SnapshotError
 from kvlm.kernels.kv_quant import FORMATS
 from kvlm.kv_cache.block_manager import BlockManager
-from kvlm.kv_cache.layer_groups import GroupView, evict_upto
+from kvlm.kv_cache.layer_groups import GroupView
 from kvlm.kv_cache.storage import KVCache, KVElement, PagedKVCache, stored_row
 from kvlm.request import Request
 from kvlm.sampling_params import SamplingParams
@@ -56,7 +56,7 @@ def _checksum(*tensors: torch.Tensor) -> str:
     return f"{crc:08x}"
 
 
-Groups = list[tuple[BlockManager, int]]  # layer groups 1..: (block manager, window)
+Groups = list[BlockManager]  # layer groups 1..: their block managers (each with its spec, kv_cache/spec.py)
 
 
 def snapshot_header(model_fingerprint: str, dtype: str, kv_dtype: KVElement, block_size: int, layers: int,
@@ -75,8 +75,8 @@ def snapshot_header(model_fingerprint: str, dtype: str, kv_dtype: KVElement, blo
 
 
 def _group_firsts(nblk: int, bs: int, groups: Groups) -> list[int]:
-    """Per sliding group, its first block a prefix hit of `nblk` blocks needs."""
-    return [evict_upto(nblk * bs, w, bs) for _, w in groups]
+    """Per extra group, its first block a prefix hit of `nblk` blocks needs (its spec's `evict_upto`)."""
+    return [gbm.spec.evict_upto(nblk * bs) for gbm in groups]
 
 
 def _holder(name: str, tokens: list[int], groups: Groups) -> Request:
@@ -106,7 +106,7 @@ def prefix_cached(bm: BlockManager, token_ids: list[int], groups: Groups = ()) -
         return False
     probe = _holder("snapshot", token_ids, groups)
     return all(gbm.find_window_blocks(GroupView(probe, g), nblk, first) is not None
-               for g, ((gbm, _), first) in enumerate(zip(groups, _group_firsts(nblk, bm.block_size, groups)), 1))
+               for g, (gbm, first) in enumerate(zip(groups, _group_firsts(nblk, bm.block_size, groups)), 1))
 
 
 def save_prefix(bm: BlockManager, cache: KVCache, header: dict[str, str], token_ids: list[int],
@@ -126,11 +126,11 @@ def save_prefix(bm: BlockManager, cache: KVCache, header: dict[str, str], token_
     k, v = cache.read_blocks(blocks)  # read now: no step runs before the copy is made
     tensors = {"k": k.cpu().contiguous(), "v": v.cpu().contiguous()}
     probe = _holder("snapshot", token_ids, groups)
-    for g, ((gbm, w), first) in enumerate(zip(groups, _group_firsts(nblk, bm.block_size, groups)), 1):
+    for g, (gbm, first) in enumerate(zip(groups, _group_firsts(nblk, bm.block_size, groups)), 1):
         found = gbm.find_window_blocks(GroupView(probe, g), nblk, first)
         if found is None:
-            raise SnapshotError(f"the sliding layers' window ({w} tokens) of the prompt did not stay cached; "
-                                "use a larger KV pool")
+            raise SnapshotError(f"the sliding layers' window ({gbm.spec.window} tokens) of the prompt did not stay "
+                                "cached; use a larger KV pool")
         kg, vg = cache.read_blocks(found, g)
         tensors[f"k{g}"], tensors[f"v{g}"] = kg.cpu().contiguous(), vg.cpu().contiguous()
     ids = torch.tensor(token_ids[: nblk * bm.block_size], dtype=torch.int64)
@@ -142,12 +142,12 @@ def save_prefix(bm: BlockManager, cache: KVCache, header: dict[str, str], token_
 
 
 def read_snapshot(path: str | os.PathLike, header: dict[str, str], vocab_size: int,
-                  windows: list[int] = ()) -> tuple[list[int], dict[str, torch.Tensor]]:
-    """Read a snapshot and check it against `header` (this engine's; `windows`: its sliding groups'):
+                  groups: Groups = ()) -> tuple[list[int], dict[str, torch.Tensor]]:
+    """Read a snapshot and check it against `header` (this engine's; `groups`: its extra layer groups'):
     (token ids, the K/V tensors by name: k, v, then k1, v1, ...). Raises SnapshotError."""
     from safetensors import SafetensorError, safe_open
 
-    kv_names = ["k", "v"] + [f"{x}{g}" for g in range(1, len(windows) + 1) for x in "kv"]
+    kv_names = ["k", "v"] + [f"{x}{g}" for g in range(1, len(groups) + 1) for x in "kv"]
     try:
         with safe_open(str(path), framework="pt") as f:
             meta = f.metadata() or {}
@@ -175,7 +175,7 @@ def read_snapshot(path: str | os.PathLike, header: dict[str, str], vocab_size: i
     name = header["kv_dtype"]
     row, kv_dtype = stored_row(FORMATS[name] if name in FORMATS else getattr(torch, name), lay["head_dim"])
     nblk, group_of = ids.numel() // bs, lay.get("layer_group", [0] * lay["layers"])
-    firsts = [0] + [evict_upto(nblk * bs, w, bs) for w in windows]
+    firsts = [0] + _group_firsts(nblk, bs, groups)
     shapes = {n: (group_of.count(int(n[1:] or 0)), nblk - firsts[int(n[1:] or 0)], bs, lay["kv_heads"], row)
               for n in kv_names}
     if (ids.dtype != torch.int64 or ids.ndim != 1 or ids.numel() % bs or str(ids.numel()) != meta.get("num_tokens")
@@ -194,7 +194,7 @@ def load_prefix(bm: BlockManager, cache: KVCache, header: dict[str, str], path: 
     """Put a snapshot's blocks into the prefix cache (every layer group's). All checks come first: on error
     nothing changed."""
     cache = _paged_cache(cache, bm)
-    tokens, kv = read_snapshot(path, header, vocab_size, [w for _, w in groups])
+    tokens, kv = read_snapshot(path, header, vocab_size, groups)
     bs = bm.block_size
     nblk = len(tokens) // bs
     if nblk > bm.num_blocks or len(tokens) >= max_model_len:
@@ -204,7 +204,7 @@ def load_prefix(bm: BlockManager, cache: KVCache, header: dict[str, str], path: 
     firsts = _group_firsts(nblk, bs, groups)
     views = [GroupView(holder, g) for g in range(1, len(groups) + 1)]
     if not bm.can_allocate(holder, nblk * bs, hit) or not all(
-            gbm.can_allocate(view, nblk * bs, skip=first) for (gbm, _), view, first in zip(groups, views, firsts)):
+            gbm.can_allocate(view, nblk * bs, skip=first) for gbm, view, first in zip(groups, views, firsts)):
         raise SnapshotError(f"{path}: needs {nblk - len(hit)} free KV blocks, {bm.num_free_blocks} are free now")
     bm.allocate(holder, nblk * bs, hit)  # may evict least recently used cached blocks
     new = holder.block_table[len(hit):]
@@ -213,7 +213,7 @@ def load_prefix(bm: BlockManager, cache: KVCache, header: dict[str, str], path: 
     holder.num_computed_tokens = len(tokens)
     bm.cache_full_blocks(holder)
     bm.free(holder)  # the blocks stay cached (ref 0, in the LRU) for the next request with this prefix
-    for g, ((gbm, _), view, first) in enumerate(zip(groups, views, firsts), 1):
+    for g, (gbm, view, first) in enumerate(zip(groups, views, firsts), 1):
         gbm.allocate(view, nblk * bs, skip=first)  # the window's blocks (an equal cached one wins below)
         cache.write_blocks(view.block_table[first:], kv[f"k{g}"], kv[f"v{g}"], g, first_position=first * bs)
         gbm.cache_full_blocks(view)

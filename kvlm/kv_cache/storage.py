@@ -26,6 +26,9 @@ attention output (q . mu is the same for every key of a query row) but is what t
 `read_keys` adds the centers back and `write_keys` subtracts them, so keys re-rotated for a bounded cache
 are rotated uncentered.
 
+A cache is built from its `KVCacheConfig` (`kv_cache/spec.py`): the format (`KVFormat`: element type and
+key centers), the block size and shape, and each layer group's layers and blocks.
+
 The cache knows tensors and slots; it does not know requests, blocks' owners or the model.
 """
 
@@ -41,6 +44,7 @@ import torch
 from kvlm.attention.metadata import AttentionMetadata
 from kvlm.attention.paged import PagedKV
 from kvlm.kernels.kv_quant import K0Correction, KeyCenter, KVQuantFormat, centered, dequantize, quantize, unrotated
+from kvlm.kv_cache.spec import KVCacheConfig, KVFormat
 
 if TYPE_CHECKING:
     from kvlm.kv_cache.manager import StepKV
@@ -88,6 +92,13 @@ class KVCache(Protocol):
         """Before a step's forward (module path or fused): the cache updates what its policies keep per
         block from the rows about to be written (a centered cache: which blocks start at a position-0 key)."""
         ...
+
+
+def kv_format(elem: KVElement, center: KeyCenter | None = None) -> KVFormat:
+    """The `KVFormat` of storing K/V as `elem` (keys centered by `center`, if given)."""
+    if isinstance(elem, KVQuantFormat):
+        return KVFormat(elem.name, elem.bytes_per_value, elem, center)
+    return KVFormat(str(elem).removeprefix("torch."), torch.finfo(elem).bits / 8, elem, center)
 
 
 def encode_kv(x: torch.Tensor, elem: KVElement) -> torch.Tensor:
@@ -267,15 +278,14 @@ class PagedKVCache(_LayerStorage):
     starts at its position-0 key exactly when its table's first block is such a block (a bounded cache
     without sinks reads from a later block once its window has moved on), so no step has to say it."""
 
-    def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
-                 dtype: KVElement, device: torch.device, compute_dtype: torch.dtype | None = None,
-                 layer_group: list[int] | None = None, group_blocks: list[int] | None = None,
-                 k_center: KeyCenter | None = None) -> None:
-        self.layer_group = layer_group or [0] * num_layers
-        self.group_blocks = group_blocks or [num_blocks]
+    def __init__(self, config: KVCacheConfig, device: torch.device, compute_dtype: torch.dtype | None = None) -> None:
+        self.config = config
+        num_blocks, block_size, k_center = config.num_blocks, config.block_size, config.format.center
+        self.layer_group = list(config.group_of)
+        self.group_blocks = [g.num_blocks for g in config.groups]
         dims = [num_blocks if g == 0 else self.group_blocks[g] + 1 for g in self.layer_group]
-        super().__init__(num_layers, (num_blocks, block_size, kv_heads, head_dim), dtype, device, compute_dtype,
-                         first_dims=dims, k_center=k_center)
+        super().__init__(config.num_layers, (num_blocks, block_size, config.kv_heads, config.head_dim),
+                         config.format.element, device, compute_dtype, first_dims=dims, k_center=k_center)
         for layer, g in enumerate(self.layer_group):
             if g:
                 self.k[layer][-1].zero_()
@@ -283,7 +293,7 @@ class PagedKVCache(_LayerStorage):
         self.block_size, self.num_blocks = block_size, num_blocks
         self._k0_blocks = ([torch.zeros(n, dtype=torch.bool) for n in
                             [num_blocks] + [b + 1 for b in self.group_blocks[1:]]]
-                           if k_center is not None and k_center.k0 is not None else None)
+                           if config.format.has_k0 else None)
         self._k0_memo: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)  # (tables, their k0_seqs)
         # Gather buffers reused by every layer (a layer's attention is done before the next one reads):
         # allocating megabytes per layer per step costs page faults that dominate batched decode on CPU.
@@ -437,11 +447,11 @@ class ContiguousKVCache(_LayerStorage):
     mapping and in-place attention drive it; only a lone sequence's fetch differs (a view, no gather).
     """
 
-    def __init__(self, num_layers: int, max_seqs: int, max_len: int, kv_heads: int, head_dim: int,
-                 dtype: KVElement, device: torch.device, compute_dtype: torch.dtype | None = None,
-                 k_center: KeyCenter | None = None) -> None:
-        super().__init__(num_layers, (max_seqs, max_len, kv_heads, head_dim), dtype, device, compute_dtype,
-                         k_center=k_center)
+    def __init__(self, config: KVCacheConfig, device: torch.device, compute_dtype: torch.dtype | None = None) -> None:
+        self.config = config
+        max_seqs, max_len = config.num_blocks, config.block_size  # one block a sequence's whole row
+        super().__init__(config.num_layers, (max_seqs, max_len, config.kv_heads, config.head_dim),
+                         config.format.element, device, compute_dtype, k_center=config.format.center)
         self.block_size, self.num_blocks = max_len, max_seqs
 
     def blocks(self, layer: int, meta: AttentionMetadata) -> PagedKV:

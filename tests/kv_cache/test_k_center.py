@@ -26,7 +26,8 @@ from kvlm.kv_cache.k_center import (
     prefill_meta,
 )
 from kvlm.kv_cache.recompute import NoKVCache
-from kvlm.kv_cache.storage import PagedKVCache
+from kvlm.kv_cache.spec import KVCacheConfig
+from kvlm.kv_cache.storage import PagedKVCache, kv_format
 
 KV = ["int8", "int4"]
 
@@ -130,7 +131,8 @@ def test_sink_keys_are_re_rotated_uncentered(kv: str) -> None:
     fmt = kv_quant.FORMATS[kv]
     mu = (torch.randn(2, 2, 32) * 4).half().float()
     k0 = (torch.randn(2, 2, 32) * 8).half().float()
-    cache = PagedKVCache(2, 4, 4, 2, 32, fmt, torch.device("cpu"), k_center=kv_quant.KeyCenter(mu, k0))
+    config = KVCacheConfig.full(kv_format(fmt, kv_quant.KeyCenter(mu, k0)), 2, 4, 4, 2, 32)
+    cache = PagedKVCache(config, torch.device("cpu"))
     k = torch.randn(8, 2, 32) + mu[1]  # two blocks of 4 tokens: a sequence's sinks, its position-0 key first
     k[0] += k0[1] - mu[1]
     cache.write_keys(1, [2, 0], k)

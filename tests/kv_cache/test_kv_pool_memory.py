@@ -7,7 +7,15 @@ import torch
 
 from kvlm.attention import attention
 from kvlm.attention.metadata import AttentionMetadata, GatheredRows, StepKind, build_attn_mask
-from kvlm.kv_cache.storage import ContiguousKVCache, PagedKVCache
+from kvlm.kv_cache.spec import KVCacheConfig
+from kvlm.kv_cache.storage import ContiguousKVCache, PagedKVCache, kv_format
+
+F32 = kv_format(torch.float32)
+
+
+def paged(layers: int, blocks: int, bs: int, kvh: int, D: int) -> PagedKVCache:
+    """A float32 paged cache of full-attention layers."""
+    return PagedKVCache(KVCacheConfig.full(F32, layers, blocks, bs, kvh, D), torch.device("cpu"))
 
 
 def rss_bytes() -> int:
@@ -21,7 +29,7 @@ def rss_bytes() -> int:
 def test_pool_memory_follows_tokens_not_limit() -> None:
     layers, blocks, bs, kvh, D = 4, 4096, 16, 4, 64  # 4096 blocks x 16 tokens x 2 KiB x 4 layers = 512 MiB
     before = rss_bytes()
-    cache = PagedKVCache(layers, blocks, bs, kvh, D, torch.float32, torch.device("cpu"))
+    cache = paged(layers, blocks, bs, kvh, D)
     allocated = rss_bytes() - before
     assert cache.nbytes == 2 * layers * blocks * bs * kvh * D * 4
     assert allocated < cache.nbytes // 16, f"{allocated / 2**20:.0f} MiB resident for an empty pool"
@@ -57,8 +65,8 @@ def test_unwritten_slots_never_reach_attention() -> None:
     g = torch.Generator().manual_seed(0)
     outs = []
     for fill in (float("nan"), 0.0):
-        for cache in (PagedKVCache(1, 32, bs, kvh, D, torch.float32, torch.device("cpu")),
-                      ContiguousKVCache(1, 3, 32, kvh, D, torch.float32, torch.device("cpu"))):
+        for cache in (paged(1, 32, bs, kvh, D),
+                      ContiguousKVCache(KVCacheConfig.full(F32, 1, 3, 32, kvh, D), torch.device("cpu"))):
             cache.k[0].fill_(fill)
             cache.v[0].fill_(fill)
             g.manual_seed(0)
@@ -88,7 +96,7 @@ def test_unwritten_slots_never_reach_attention() -> None:
 
 
 def test_resident_bytes_counts_the_pages_written() -> None:
-    cache = PagedKVCache(2, 2048, 16, 4, 64, torch.float32, torch.device("cpu"))  # 128 MiB reserved
+    cache = paged(2, 2048, 16, 4, 64)  # 128 MiB reserved
     assert cache.resident_bytes is not None and cache.resident_bytes < (1 << 20)
     T = 32 * 16  # 32 blocks of 4 KiB per layer and tensor: 512 KiB in all
     meta = AttentionMetadata(kind=StepKind.PREFILL, positions=torch.arange(T), slots=(torch.arange(T),),

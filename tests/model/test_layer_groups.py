@@ -15,7 +15,8 @@ from kvlm import EngineConfig, SamplingParams
 from kvlm.engine.engine import Engine
 from kvlm.errors import ParameterError, SnapshotError
 from kvlm.kv_cache.block_manager import EVICTED
-from kvlm.kv_cache.layer_groups import LayerGroups, evict_upto
+from kvlm.kv_cache.layer_groups import LayerGroups
+from kvlm.kv_cache.spec import FullAttention, SlidingWindow
 
 LONG = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
 
@@ -32,7 +33,8 @@ def test_groups_from_the_layer_pattern() -> None:
     g = LayerGroups.of((8, 8, None, 8, None), 5)
     assert g.group_of == (1, 1, 0, 1, 0) and g.windows == (None, 8) and g.layers(1) == [0, 1, 3]
     assert g.chunk_cap == 8 and LayerGroups.of(None, 3).num_groups == 1 and LayerGroups.of(None, 3).chunk_cap is None
-    assert [evict_upto(p, 8, 4) for p in (0, 7, 8, 11, 12)] == [0, 0, 0, 1, 1]
+    assert g.specs(4) == (FullAttention(4), SlidingWindow(4, 8))
+    assert [g.specs(4)[1].evict_upto(p) for p in (0, 7, 8, 11, 12)] == [0, 0, 0, 1, 1]
 
 
 def test_sliding_pool_follows_the_window(model: Path) -> None:
@@ -40,8 +42,8 @@ def test_sliding_pool_follows_the_window(model: Path) -> None:
     before the window of the next token, and all blocks of every group come back."""
     eng = Engine(model, EngineConfig(block_size=4, max_num_seqs=2), quiet=True)
     sched = eng.scheduler
-    (gbm, w), = sched.groups
-    assert w == WINDOW and sched.kv.chunk_cap == WINDOW
+    gbm, = sched.groups
+    assert gbm.spec == SlidingWindow(4, WINDOW) and sched.kv.chunk_cap == WINDOW
     reqs = [eng.add_request(p, LONG) for p in random_prompts(2, 31, lo=20, hi=40)]
     per_seq = LayerGroups.of(eng.model_config.layer_windows, eng.model_config.num_hidden_layers).blocks_per_seq(1, 4)
     while eng.has_unfinished:
@@ -51,7 +53,7 @@ def test_sliding_pool_follows_the_window(model: Path) -> None:
             t = r.group_tables[0]
             assert len(t) - t.count(EVICTED) <= per_seq
             # before the step: given back up to the window of its first row
-            assert all(b == EVICTED for b in t[: evict_upto(r.num_computed_tokens - n, w, 4)])
+            assert all(b == EVICTED for b in t[: gbm.spec.evict_upto(r.num_computed_tokens - n)])
     assert all(r.metrics.kv_bytes_held < len(r.token_ids) * eng.kv_bytes_per_token for r in reqs)
     assert gbm.num_free_blocks == gbm.num_blocks and eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
 
