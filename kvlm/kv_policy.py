@@ -107,6 +107,10 @@ class BoundedKV:
         """Blocks [sink_blocks, evict_upto(p)) of the block table hold no token row p attends."""
         return self.kept_start(p) // self.block_size
 
+    def hit_start(self, num_blocks: int) -> int:
+        """Of a cached prefix of `num_blocks` blocks, the first block past the sinks that the next row reads."""
+        return self.evict_upto(num_blocks * self.block_size)
+
     def virtual_table(self, table: list[int], p: int) -> list[int]:
         """The blocks row p reads, in the order attention reads them (the sinks, then the kept ones)."""
         f = self.kept_start(p)

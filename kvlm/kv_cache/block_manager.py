@@ -199,7 +199,7 @@ class BlockManager:
             return hit
         sinks = spec.sink_blocks
         for k in range((req.num_tokens - 1) // bs, spec.registrable_blocks, -1):  # the last token always runs
-            first = spec.evict_upto(k * bs)
+            first = spec.hit_start(k)
             found = self.find_window_blocks(req, k, first)
             if found is not None:
                 return hit[:sinks] + [EVICTED] * (first - sinks) + found

@@ -138,13 +138,13 @@ class KVCacheManager:
 
     def _window_hit(self, req: Request, hit: list[int]) -> tuple[list[int], GroupHits]:
         """The longest prefix of `hit` (group 0's cached blocks) that every extra group can serve: its
-        blocks from its spec's `evict_upto` of the first token computed after it on (layer_groups.py)."""
+        blocks from its spec's `hit_start` on (what the first token computed after it reads)."""
         for k in range(len(hit), -1, -1):
             if k < len(hit) and EVICTED in hit[:k]:
                 return [], [(0, []) for _ in self.groups]  # a bounded hit is whole or nothing
             parts = []
             for bm, view in self._views(req):
-                first = bm.spec_for(view).evict_upto(k * bm.block_size)
+                first = bm.spec_for(view).hit_start(k)
                 blocks = bm.find_window_blocks(view, k, first) if k else []
                 if blocks is None:
                     break

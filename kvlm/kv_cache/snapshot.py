@@ -74,9 +74,9 @@ def snapshot_header(model_fingerprint: str, dtype: str, kv_dtype: KVElement, blo
             "kv_layout": json.dumps(layout), "k_center": k_center}
 
 
-def _group_firsts(nblk: int, bs: int, groups: Groups) -> list[int]:
-    """Per extra group, its first block a prefix hit of `nblk` blocks needs (its spec's `evict_upto`)."""
-    return [gbm.spec.evict_upto(nblk * bs) for gbm in groups]
+def _group_firsts(nblk: int, groups: Groups) -> list[int]:
+    """Per extra group, its first block a prefix hit of `nblk` blocks needs (its spec's `hit_start`)."""
+    return [gbm.spec.hit_start(nblk) for gbm in groups]
 
 
 def _holder(name: str, tokens: list[int], groups: Groups) -> Request:
@@ -106,7 +106,7 @@ def prefix_cached(bm: BlockManager, token_ids: list[int], groups: Groups = ()) -
         return False
     probe = _holder("snapshot", token_ids, groups)
     return all(gbm.find_window_blocks(GroupView(probe, g), nblk, first) is not None
-               for g, (gbm, first) in enumerate(zip(groups, _group_firsts(nblk, bm.block_size, groups)), 1))
+               for g, (gbm, first) in enumerate(zip(groups, _group_firsts(nblk, groups)), 1))
 
 
 def save_prefix(bm: BlockManager, cache: KVCache, header: dict[str, str], token_ids: list[int],
@@ -126,7 +126,7 @@ def save_prefix(bm: BlockManager, cache: KVCache, header: dict[str, str], token_
     k, v = cache.read_blocks(blocks)  # read now: no step runs before the copy is made
     tensors = {"k": k.cpu().contiguous(), "v": v.cpu().contiguous()}
     probe = _holder("snapshot", token_ids, groups)
-    for g, (gbm, first) in enumerate(zip(groups, _group_firsts(nblk, bm.block_size, groups)), 1):
+    for g, (gbm, first) in enumerate(zip(groups, _group_firsts(nblk, groups)), 1):
         found = gbm.find_window_blocks(GroupView(probe, g), nblk, first)
         if found is None:
             raise SnapshotError(f"the sliding layers' window ({gbm.spec.window} tokens) of the prompt did not stay "
@@ -175,7 +175,7 @@ def read_snapshot(path: str | os.PathLike, header: dict[str, str], vocab_size: i
     name = header["kv_dtype"]
     row, kv_dtype = stored_row(FORMATS[name] if name in FORMATS else getattr(torch, name), lay["head_dim"])
     nblk, group_of = ids.numel() // bs, lay.get("layer_group", [0] * lay["layers"])
-    firsts = [0] + _group_firsts(nblk, bs, groups)
+    firsts = [0] + _group_firsts(nblk, groups)
     shapes = {n: (group_of.count(int(n[1:] or 0)), nblk - firsts[int(n[1:] or 0)], bs, lay["kv_heads"], row)
               for n in kv_names}
     if (ids.dtype != torch.int64 or ids.ndim != 1 or ids.numel() % bs or str(ids.numel()) != meta.get("num_tokens")
@@ -201,7 +201,7 @@ def load_prefix(bm: BlockManager, cache: KVCache, header: dict[str, str], path: 
         raise SnapshotError(f"{path}: {len(tokens)} tokens do not fit this engine's KV pool or context")
     holder = _holder(f"snapshot-load-{os.fspath(path)}", tokens, groups)
     hit = bm.find_cached_prefix(holder, max_blocks=nblk)
-    firsts = _group_firsts(nblk, bs, groups)
+    firsts = _group_firsts(nblk, groups)
     views = [GroupView(holder, g) for g in range(1, len(groups) + 1)]
     if not bm.can_allocate(holder, nblk * bs, hit) or not all(
             gbm.can_allocate(view, nblk * bs, skip=first) for gbm, view, first in zip(groups, views, firsts)):

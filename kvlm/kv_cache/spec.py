@@ -13,10 +13,10 @@ Attention specs (one per layer group; each group has its own block manager, `Blo
   as the policy does (`SlidingWindow.for_request`).
 
 Each answers the block manager's questions: which leading blocks are always kept (`sink_blocks`), which
-blocks row p and every later row no longer read (`evict_upto`: a prefix hit of k blocks needs only the
-blocks from `evict_upto(k * block_size)` on), and under which name a full block is registered in the
-prefix cache (`block_name`: its prefix hash, keyed by the policy past `registrable_blocks`, where its
-K/V depend on what the policy kept).
+blocks row p and every later row no longer read (`evict_upto`), which blocks of a cached prefix a
+request needs (`hit_start`: what the first token computed after it attends), and under which name a
+full block is registered in the prefix cache (`block_name`: its prefix hash, keyed by the policy past
+`registrable_blocks`, where its K/V depend on what the policy kept).
 
 `KVFormat` is how a token's K/V are stored in every layer: the element type (float32 / float16 / bfloat16,
 or a quantized int8 / int4 format with its scales) and, for the quantized ones, the key centers (mu per
@@ -63,6 +63,11 @@ class AttentionSpec(Protocol):
         """Blocks [sink_blocks, evict_upto(p)) hold no token that row p, or any later row, attends."""
         ...
 
+    def hit_start(self, num_blocks: int) -> int:
+        """The prefix-hit rule: of a cached prefix of `num_blocks` blocks, a request needs the blocks from
+        hit_start on (besides its sinks): what the first token computed after it attends."""
+        ...
+
     def block_name(self, i: int, prefix_hash: bytes) -> bytes:
         """The prefix-cache name of block i, whose prefix hash is `prefix_hash`."""
         ...
@@ -83,6 +88,9 @@ class FullAttention:
     registrable_blocks = UNBOUNDED
 
     def evict_upto(self, p: int) -> int:
+        return 0
+
+    def hit_start(self, num_blocks: int) -> int:
         return 0
 
     def block_name(self, i: int, prefix_hash: bytes) -> bytes:
@@ -125,6 +133,9 @@ class SlidingWindow:
 
     def evict_upto(self, p: int) -> int:
         return max(0, p - self.window + 1) // self.block_size
+
+    def hit_start(self, num_blocks: int) -> int:
+        return self.evict_upto(num_blocks * self.block_size)
 
     def block_name(self, i: int, prefix_hash: bytes) -> bytes:
         return prefix_hash if self.bounded is None else self.bounded.block_name(i, prefix_hash)

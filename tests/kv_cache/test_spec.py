@@ -47,8 +47,9 @@ def test_bounded_request_refines_each_group() -> None:
     sw = SlidingWindow(4, 8).for_request(pol)
     assert isinstance(sw, SlidingWindow) and sw.bounded is pol
     assert sw.sink_blocks == 1 and sw.registrable_blocks == pol.registrable_blocks == 8
-    assert [sw.evict_upto(p) for p in (11, 40)] == [1, 8]  # the sliding window's rule, not the policy's
-    assert pol.evict_upto(40) == 4
+    # the sliding window's rule, not the policy's
+    assert [sw.evict_upto(p) for p in (11, 40)] == [1, 8] and sw.hit_start(10) == 8
+    assert pol.evict_upto(40) == 4 and pol.hit_start(10) == 4 and FullAttention(4).hit_start(10) == 0
     assert sw.block_name(7, H) == pol.block_name(7, H) == H  # before the first eviction: the prefix alone
     assert sw.block_name(8, H) == pol.block_name(8, H) == pol.block_hash(H) != H
 
