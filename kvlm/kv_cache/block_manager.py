@@ -195,9 +195,9 @@ class BlockManager:
         sink blocks, EVICTED entries, then the window's blocks. Unchanged when every block of `req` is
         named by its prefix (no bounded cache) or nothing past them is cached."""
         spec, bs = self.spec_for(req), self.block_size
-        if not self.enable_prefix_caching or len(hit) < spec.sink_blocks:
-            return hit
         sinks = spec.sink_blocks
+        if not self.enable_prefix_caching or len(hit) < sinks:
+            return hit
         for k in range((req.num_tokens - 1) // bs, spec.registrable_blocks, -1):  # the last token always runs
             first = spec.hit_start(k)
             found = self.find_window_blocks(req, k, first)
