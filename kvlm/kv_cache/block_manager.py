@@ -241,10 +241,14 @@ class BlockManager:
         docstring, bounded caches)."""
         return self.spec_for(req).block_name(i, hashes[i])
 
-    def evict(self, req: Request, upto: int) -> int:
-        """Give back `req`'s blocks [sink_blocks, upto) of its table (its spec's `evict_upto`: a bounded
-        cache's window moved on, or a sliding layer group's); returns how many were given back now."""
+    def evict(self, req: Request, p: int) -> int:
+        """Give back `req`'s blocks that row p and every later row no longer read: [sink_blocks, upto) of
+        its table, upto its spec's `evict_upto(p)` (a bounded cache's window moved on, or a sliding layer
+        group's); returns how many were given back now."""
         spec = self.spec_for(req)
+        upto = spec.evict_upto(p)
+        if upto <= req.evicted_upto:
+            return 0  # nothing new (full attention never evicts)
         start = max(req.evicted_upto, spec.sink_blocks)
         n, own = 0, spec.registrable_blocks
         for i in range(start, min(upto, len(req.block_table))):

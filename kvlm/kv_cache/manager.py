@@ -73,15 +73,13 @@ class KVCacheManager:
         group's spec (a bounded window in group 0, the sliding groups' windows). Returns the blocks it needs
         besides (private copies of its sinks, at its first eviction)."""
         extra, p = 0, req.num_computed_tokens
-        spec = self.bm.spec_for(req)
-        upto = spec.evict_upto(p)
-        if upto > req.evicted_upto:  # (only a bounded cache evicts in group 0)
-            first = req.sink_shift == 0  # its sinks are not private copies yet
-            self.bm.evict(req, upto)
+        first, before = req.sink_shift == 0, req.evicted_upto  # first: its sinks are not private copies yet
+        self.bm.evict(req, p)
+        if req.evicted_upto > before:  # (only a bounded cache evicts in group 0)
             count_evicted(req)
-            extra = spec.sink_blocks if first else 0
+            extra = self.bm.spec_for(req).sink_blocks if first else 0
         for bm, view in self._views(req):
-            bm.evict(view, bm.spec_for(view).evict_upto(p))
+            bm.evict(view, p)
         return extra
 
     def can_fit(self, req: Request, num_tokens: int, extra: int = 0, hit: PrefixHit | None = None) -> bool:

@@ -35,7 +35,7 @@ step's block copies through `KVCacheManager.allocate` (`StepKV`), which the stor
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
@@ -145,7 +145,8 @@ class SlidingWindow:
         return n if self.bounded is None else min(n, self.bounded.attended(p))
 
     def for_request(self, policy: BoundedKV | None) -> AttentionSpec:
-        return self if policy is None else replace(self, bounded=policy)
+        # (the constructor, not dataclasses.replace: this runs for every block operation of such a request)
+        return self if policy is None else SlidingWindow(self.block_size, self.window, policy)
 
     def blocks_per_seq(self, chunk_cap: int | None) -> int | None:
         """Window + a chunk (at most `chunk_cap` rows) + the block being filled and the one the window
