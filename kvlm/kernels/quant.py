@@ -19,10 +19,9 @@ Paths by row count M:
 - int8 types: the int8 kernel for M <= INT8_ROW_MAX_ROWS (every M by default: decode, batched
   decode, prefill chunks); on AVX-512 it computes 16 output columns per vector (csrc/kernels_int8_panel.h
   and kernels_kquant.h: weights used in place for up to 4 rows of x, a transposed panel buffer for more),
-  on AVX2 (csrc/kernels_int8_avx2.h) a weight row's blocks into 4 accumulators of 8 lanes: one row of x
-  (decode) a weight row per pass, prefetching ahead; more rows run a weight row against 2 rows of x,
-  over panels of 32 weight rows; each output's arithmetic is fixed, so a row's
-  result is bit-identical alone, in a batch or in a prefill chunk. Above the limit: fake-quantize x (the
+  on AVX2 (csrc/kernels_int8_avx2.h) 8 per vector, the same way and on the same contract (AVX2 and
+  AVX-512 give the same bits, `reference.qmatmul_int8_contract`); each output's arithmetic is fixed, so
+  a row's result is bit-identical alone, in a batch or in a prefill chunk. Above the limit: fake-quantize x (the
   same int8 values), dequantize a weight tile, BLAS: the same numerics up to the float32 summation order.
 - float32 activations: the row kernel for M <= GEMV_MAX_ROWS (every M by default), whose outputs each
   sum in a fixed order, so rows are bit-identical in any batch or chunk too. Above a lowered limit:

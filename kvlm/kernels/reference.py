@@ -160,3 +160,118 @@ def gelu_tanh_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
 def rope_ref(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
     """Rotate-half RoPE with a signed sin table: x * cos + roll(x, D/2) * sin_signed."""
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed
+
+
+def _f16(b: np.ndarray, off: int) -> np.ndarray:
+    """The float16 at byte `off` of each block of b (..., block_bytes) -> float32 (...)."""
+    return np.ascontiguousarray(b[..., off:off + 2]).view(np.float16)[..., 0].astype(np.float32)
+
+
+def _nibbles(qs: np.ndarray, shift: int = 0) -> np.ndarray:
+    """16 or 32 bytes -> their 4-bit fields at `shift` (16 bytes: low nibbles then high, 32 elements)."""
+    if qs.shape[-1] == 16:
+        return np.concatenate([qs & 15, qs >> 4], axis=-1).astype(np.int64)
+    return ((qs >> shift) & 15).astype(np.int64)
+
+
+def _k4_scales(sc: np.ndarray, j: int) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K / Q5_K's 6-bit scale and min of sub-block j from the 12 packed bytes (ggml's get_scale_min_k4)."""
+    sc = sc.astype(np.int64)
+    if j < 4:
+        return sc[..., j] & 63, sc[..., j + 4] & 63
+    return (sc[..., j + 4] & 15) | ((sc[..., j - 4] >> 6) << 4), (sc[..., j + 4] >> 4) | ((sc[..., j] >> 6) << 4)
+
+
+def int8_units(w: QuantTensor) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """The int8 kernels' view of w (N, K): per unit (the 32 weights meeting x's block ib) the integer
+    weights (N, K/32, 32) int64 whose dot product with x's int8 block is the unit's exact sum (Q4_0 /
+    Q5_0 offsets and Q6_K's sub-scales included), the float32 scale dw (N, K/32) and the min factor mw
+    (N, K/32; None for Q4_0, Q5_0, Q8_0, Q6_K), each computed with the kernels' float32 operations."""
+    from gguf import GGML_QUANT_SIZES
+    from gguf import GGMLQuantizationType as T
+
+    n, k = w.shape
+    elems, nbytes = GGML_QUANT_SIZES[w.qtype]
+    b = w.data.cpu().numpy().reshape(n, k // elems, nbytes)
+    mw = None
+    if w.qtype in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0):
+        dw = _f16(b, 0)
+        if w.qtype == T.Q8_0:
+            u = b[..., 2:34].view(np.int8).astype(np.int64)
+        elif w.qtype in (T.Q4_0, T.Q4_1):
+            u = _nibbles(b[..., 2:18] if w.qtype == T.Q4_0 else b[..., 4:20]) - (8 if w.qtype == T.Q4_0 else 0)
+        else:
+            qh_at = 2 if w.qtype == T.Q5_0 else 4
+            qh = np.ascontiguousarray(b[..., qh_at:qh_at + 4]).view("<u4").astype(np.int64)  # (N, nb, 1)
+            u = _nibbles(b[..., qh_at + 4:qh_at + 20]) | (((qh >> np.arange(32)) & 1) << 4)
+            u = u - (16 if w.qtype == T.Q5_0 else 0)
+        if w.qtype in (T.Q4_1, T.Q5_1):
+            mw = _f16(b, 2)
+        return u, dw, mw
+    us, dws, mws = [], [], []
+    for s in range(8):  # sub-block s of each super-block: unit 8 blk + s
+        if w.qtype == T.Q6_K:
+            hh, c = s // 4, s % 4
+            ql = b[..., 64 * hh + (c & 1) * 32:64 * hh + (c & 1) * 32 + 32]
+            qh = b[..., 128 + 32 * hh:160 + 32 * hh].astype(np.int64)
+            q = _nibbles(ql, (c >> 1) * 4) | (((qh >> (2 * c)) & 3) << 4)
+            sc = b[..., 192 + 2 * s:194 + 2 * s].view(np.int8).astype(np.int64)  # elements 0..15, 16..31
+            us.append((q - 32) * np.repeat(sc, 16, axis=-1))
+            dws.append(_f16(b, 208))
+        else:
+            q_at = 16 if w.qtype == T.Q4_K else 48
+            q = _nibbles(b[..., q_at + 32 * (s // 2):q_at + 32 * (s // 2) + 32], 4 * (s & 1))
+            if w.qtype == T.Q5_K:
+                q = q | (((b[..., 16:48].astype(np.int64) >> s) & 1) << 4)
+            sc, mn = _k4_scales(b[..., 4:16], s)
+            us.append(q)
+            dws.append(_f16(b, 0) * sc.astype(np.float32))
+            mws.append((np.float32(0) - _f16(b, 2)) * mn.astype(np.float32))
+    u = np.stack(us, axis=2).reshape(n, k // 32, 32)
+    dw = np.stack(dws, axis=2).reshape(n, k // 32)
+    if mws:
+        mw = np.stack(mws, axis=2).reshape(n, k // 32)
+    return u, dw, mw
+
+
+def fma32(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """float32 a * b + c rounded once (the FMA instruction), elementwise, from float64 arithmetic: the
+    product is exact in float64, the sum's rounding error is recovered (TwoSum), and the one case where
+    rounding through float64 then to float32 differs from rounding once (a float64 sum exactly halfway
+    between two float32 values, with a nonzero error) is corrected toward the error's side."""
+    with np.errstate(all="ignore"):
+        p = a.astype(np.float64) * b.astype(np.float64)
+        c64 = c.astype(np.float64)
+        s = p + c64
+        bb = s - p
+        e = (p - (s - bb)) + (c64 - bb)
+        r = s.astype(np.float32)
+        r64 = r.astype(np.float64)
+        other = np.nextafter(r, np.where(s > r64, np.float32(np.inf), np.float32(-np.inf)))
+        o64 = other.astype(np.float64)
+        tie = (r64 != s) & (s - r64 == o64 - s) & (e != 0)
+        toward_other = (e > 0) == (o64 > r64)
+        return np.where(tie & toward_other, other, r)
+
+
+def qmatmul_int8_contract(x: torch.Tensor, w: QuantTensor) -> torch.Tensor:
+    """The int8 kernels' exact result, bit for bit (their order contract, csrc/kernels_int8_panel.h and
+    kernels_int8_avx2.h): x (M, K) quantized as quantize_act_ref, each unit's integer sum isum_ib exact,
+    then in float32 acc = fma(float(isum_ib) * dw_ib, xd_ib, acc) over ib = 0 .. K/32 - 1, the min terms
+    mn = fma(mw_ib, xs_ib, mn) likewise (xs = d * sum(q)), y = acc + mn -> (M, N) float32. Slow (numpy,
+    a loop over K/32); for tests. Its numbers are qmatmul_int8_ref's up to float32 summation order."""
+    q, d = quantize_act_ref(x)
+    qn = q.numpy().astype(np.int64)  # (M, nb, 32)
+    xd = d[..., 0].numpy()  # (M, nb) float32
+    xs = xd * qn.sum(-1).astype(np.float32)
+    u, dw, mw = int8_units(w)
+    isum = np.einsum("mbk,nbk->mnb", qn, u)  # exact int64, (M, N, nb)
+    m, n = x.shape[0], w.shape[0]
+    acc = np.zeros((m, n), np.float32)
+    mn = np.zeros((m, n), np.float32)
+    for ib in range(u.shape[1]):
+        f = isum[..., ib].astype(np.float32) * dw[None, :, ib]
+        acc = fma32(f, np.broadcast_to(xd[:, ib:ib + 1], (m, n)), acc)
+        if mw is not None:
+            mn = fma32(np.broadcast_to(mw[None, :, ib], (m, n)), np.broadcast_to(xs[:, ib:ib + 1], (m, n)), mn)
+    return torch.from_numpy(acc + mn if mw is not None else acc)

@@ -42,6 +42,7 @@ from kvlm.kernels.reference import (
     dequantize_ref,
     fake_quantize_act,
     paged_decode_attention_ref,
+    qmatmul_int8_contract,
     qmatmul_int8_ref,
     qmatmul_ref,
 )
@@ -445,6 +446,23 @@ def test_int8_kernel_matches_fake_quant_reference(qtype: T, k: int, isa: str, th
     assert torch.isfinite(full).all()
     for m in range(1, 65):
         assert torch.equal(qmatmul(x[:m], w), full[:m]), f"M={m}"
+
+
+@pytest.mark.parametrize("qtype", INT8_FORMATS, ids=lambda t: t.name)
+def test_int8_kernel_is_its_contract_bit_for_bit(qtype: T, isa: str) -> None:
+    """Every int8 path (AVX2, AVX-512, AVX-512 VNNI) computes the same bits: the order contract that
+    `qmatmul_int8_contract` spells out in numpy (exact integer unit sums, then one float32 fma per
+    32-element block, mins likewise), here for M = 9 (a tile of 4 rows, its remainder) and M = 3 (weights
+    used in place), N = 37 (panels and a tail), a K with a tail past the last 8 blocks, the edge rows."""
+    if isa not in INT8_ISAS:
+        pytest.skip("the int8-activation kernel exists on the AVX2 and AVX-512 paths")
+    k = 768 if qtype in SUPER else 544
+    w = random_blocks(qtype, 37, k, seed=31)
+    x = int8_activation_cases(k, m=9, huge=huge(qtype))
+    want = qmatmul_int8_contract(x, w)
+    assert torch.isfinite(want).all()
+    assert torch.equal(qmatmul(x, w).view(torch.int32), want.view(torch.int32))
+    assert torch.equal(qmatmul(x[:3], w).view(torch.int32), want[:3].view(torch.int32))
 
 
 @pytest.mark.parametrize("qtype", INT8_FORMATS, ids=lambda t: t.name)

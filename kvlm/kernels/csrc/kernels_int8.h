@@ -10,26 +10,14 @@
 //     y += (float(sum_i u_i q_i) * dw) * d + mw * s        (u = the nibbles 0..15, or Q8_0's int8)
 // The integer sums run on vpdpbusd (VNNI) or maddubs + madd (u8 x s8 -> int32, no overflow here).
 //
-// Kernels, each with its order contract (output (m, n) runs the same instruction sequence whatever M,
-// the row tile, the rows sharing the call or the thread split):
-// - AVX-512: kernels_int8_panel.h (16 output columns per vector; its header states the contract).
-// - AVX2: kernels_int8_avx2.h (every format: one weight row's block b into accumulator b % 4, 8 partial
-//   sums of the block each; its header states the contract; decode runs 2 weight rows per pass).
+// Kernels, on one order contract (output (m, n) runs the same integer and float sequence whatever the
+// ISA, M, the row tile, the rows sharing the call or the thread split; reference.qmatmul_int8_contract
+// spells it out):
+// - AVX-512: kernels_int8_panel.h and kernels_kquant.h (16 output columns per zmm; the contract there).
+// - AVX2: kernels_int8_avx2.h (every format: 8 output columns per ymm; since 2026-12-03, when AVX2 left
+//   its own contract of 8 partial sums per block: its logits moved in the last bits once).
 
 namespace {
-
-KVLM_INLINE float hsum8(__m256 a) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
-KVLM_INLINE float hsum4(__m128 s) {
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
 
 // ---- Activation quantization ----------------------------------------------------------------------
 
@@ -80,21 +68,52 @@ void quantize_act(const float* x, int64_t M, int64_t K, int8_t* xq, float* xd, f
         quantize_block(x + i * 32, xq + i * 32, xd + 8 * i, xs + i, xi + i);
 }
 
+// ---- Shared by the AVX2 and AVX-512 kernels -----------------------------------------------------
+
+// Rows of x seen by a tile: row i's block b at xq + i * K + 32 b, its scale at xd[8 (i nb + b)]
+// (expanded), d * sum(q) at xs[i nb + b], sum(q) at xi[i nb + b].
+struct ActRows {
+    const int8_t* xq;
+    const float* xd;
+    const float* xs;
+    const int32_t* xi;
+    int64_t K, nb;
+};
+
+// This thread's buffer of n T (64-byte aligned), grown to the largest n asked for and kept (one per T).
+template <class T>
+T* thread_buffer(int64_t n) {
+    static __thread T* buf = nullptr;
+    static __thread int64_t cap = 0;
+    if (n > cap) {
+        free(buf);
+        buf = (T*)aligned_alloc(64, (n * sizeof(T) + 63) / 64 * 64);
+        cap = buf ? n : 0;
+    }
+    return buf;
+}
+
+// Q6_K's per-row integer offsets need sum(q) of each block's first 16 elements: xl16 (M, K/32), computed
+// per call into this thread's buffer (grown and kept).
+int32_t* lo16_sums(const ActRows& a, int64_t M) {
+    int32_t* buf = thread_buffer<int32_t>(M * a.nb);
+    if (!buf) return nullptr;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t b = 0; b < a.nb; b++) {
+            const int8_t* q = a.xq + m * a.K + 32 * b;
+            int32_t s = 0;
+            for (int e = 0; e < 16; e++) s += q[e];
+            buf[m * a.nb + b] = s;
+        }
+    return buf;
+}
+
 // ---- Weight blocks --------------------------------------------------------------------------------
 
 template <int QT> struct I8Fmt;
 template <> struct I8Fmt<T_Q4_0> { static constexpr int BB = 18, QOFF = 2; };
 template <> struct I8Fmt<T_Q4_1> { static constexpr int BB = 20, QOFF = 4; };
 template <> struct I8Fmt<T_Q8_0> { static constexpr int BB = 34, QOFF = 2; };
-
-// One block's 32 weights as bytes in element order (Q4: nibbles 0..15 unsigned; Q8_0: int8).
-template <int QT>
-KVLM_INLINE __m256i weights32(const uint8_t* blk) {
-    const uint8_t* q = blk + I8Fmt<QT>::QOFF;
-    if constexpr (QT == T_Q8_0) return _mm256_loadu_si256((const __m256i*)q);
-    const __m128i t = _mm_loadu_si128((const __m128i*)q);
-    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t, 4), t), _mm256_set1_epi8(15));
-}
 
 #if defined(KVLM_AVX512)
 
@@ -105,13 +124,7 @@ KVLM_INLINE __m256i weights32(const uint8_t* blk) {
 #endif
 #include "kernels_int8_panel.h"
 
-#else  // AVX2
-
-KVLM_INLINE __m256i dot256(__m256i u, __m256i s) {  // u8 x s8, 4 bytes per int32 lane
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
-}
-
-#endif  // AVX2
+#endif  // AVX-512
 
 #include "kernels_kquant.h"  // Q5_0, Q5_1, Q4_K, Q5_K, Q6_K (gemv_kq)
 
@@ -120,8 +133,7 @@ int gemv_i8(int qtype, const uint8_t* w, int64_t rs, int64_t K, const int8_t* xq
 #if defined(KVLM_AVX512)
 #define KVLM_I8_CALL(QT) gemm_i8_t<QT>(w, rs, K, xq, xd, xs, xi, M, y, ldy, n0, n1)
 #else
-    (void)xi;
-#define KVLM_I8_CALL(QT) gemv_avx2_t<QT>(w, rs, K, xq, xd, xs, M, y, ldy, n0, n1)
+#define KVLM_I8_CALL(QT) gemm_avx2_t<QT>(w, rs, K, xq, xd, xs, xi, M, y, ldy, n0, n1)
 #endif
     switch (qtype) {
         case T_Q4_0: KVLM_I8_CALL(T_Q4_0); return 0;

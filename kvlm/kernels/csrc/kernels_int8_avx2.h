@@ -1,207 +1,436 @@
-// AVX2 int8-activation matmul for every int8 format (Q4_0, Q4_1, Q8_0 and kernels_kquant.h's Q5_0, Q5_1,
-// Q4_K, Q5_K, Q6_K). Included by kernels_int8.h on the AVX2 unit, after the unit decoders (weights32,
-// kq_head2, kq_unit2). Numerics: reference.qmatmul_int8_ref.
+// AVX2 int8-activation matmul for every int8 format (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K):
+// column panels of 8 output columns per ymm, on the AVX-512 kernels' contract (kernels_int8_panel.h,
+// kernels_kquant.h), so AVX2 and AVX-512 give the same bits. Included by kernels_kquant.h on the AVX2
+// unit (after the KQ / I8Fmt traits). Numerics: reference.qmatmul_int8_ref; bit for bit:
+// reference.qmatmul_int8_contract.
 //
-// Order contract of output (m, n) (unchanged since the AVX2 row kernel it replaces: the same bits), whatever
-// M, the tile of weight rows or of rows of x, or the thread split. A *unit* ib is the 32 weights of row n
-// that meet x's block ib, as bytes u (kq_unit2 / weights32: Q4 nibbles, Q5 5-bit values, Q8_0 and Q6_K
-// signed, their sign moved onto x) with its scale dw and min factor mw (Q4_0: dw, times -8 at the end;
-// Q5_0: -16 dw; Q4_1 / Q5_1: m; Q4_K / Q5_K: -(dmin m_s); none for Q8_0 and Q6_K):
-//     p = madd(maddubs(u, x_ib), 1)       8 int32 lanes, lane l the exact sum over elements 4l .. 4l + 3
-//                                         (Q6_K: times its sub-scale of elements 0..15 / 16..31)
-//     acc[ib % 4] = fma(float(p) * dw, xd_ib, acc[ib % 4])        (8 lanes each)
-//     mins[ib % 4] = fma(mw, xs_ib, mins[ib % 4])                 (scalars)
-//     y = hsum8((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((mins[0] + mins[1]) + (mins[2] + mins[3]))
-//         (Q4_0: + -8 times that sum; no min factor: + 0.0f)
+// Order contract of output (m, n), whatever M, the tile, the panel lane or the thread split (the same
+// as AVX-512's): a unit ib is the 32 weights of row n that meet x's block ib, with its exact int32 sum
+//     isum_ib = sum_i w_i q_i      (Q4_0 / Q5_0: u - 8 / u - 16 as -8 / -16 sum(q); Q6_K: per 16-element
+//                                   half (sum u q - 32 sum q) times its int8 sub-scale)
+//     acc = 0;  for ib = 0 .. K/32 - 1:  acc = fma(float(isum_ib) * dw_ib, xd_ib, acc)
+//     formats with a min (Q4_1, Q5_1, Q4_K, Q5_K): mn = 0; for ib: mn = fma(mw_ib, xs_ib, mn); y = acc + mn
+//     others: y = acc.
+// The integer sums are exact whatever order the instructions take them in, so the AVX2 kernel is free to
+// sum bytes in int16 (maddubs) before widening (madd): G products per int16 lane, G chosen per format so
+// no lane can overflow (|u| <= 15 / 31 / 63 / 128 for Q4 / Q5 / Q6 / Q8 and |q| <= 127:
+// 2 * 15 * 127 * 8 < 2^15, 2 * 31 * 127 * 4, 2 * 63 * 127 * 2, 2 * 128 * 127 * 1).
 //
-// Work order (what changed): units are taken 4 at a time (8 for the K-quants: one super-block), so unit ib
-// always lands in accumulator ib % 4 and all accumulators stay in registers; the 4 min terms are one
-// 4-lane vector (lane j the scalar mins[j], the same fma per lane). Decode (one row of x) runs a weight row
-// per pass and prefetches the rows PF_BYTES ahead at the offset being read (dot_tile can also take 2
-// weight rows sharing each x block: measured no faster, and 25% slower on Q8_0 at K = 576).
-// More rows of x: 1 weight row against 2 rows of x (each unit decoded once for both), over panels of
-// 32 weight rows kept in L2 while the tiles of x pass.
+// Layout. A panel is 8 weight rows; load_rows8 puts rows a and a + 4's 16 bytes at one offset in the two
+// 128-bit lanes of z[a]. A unit of the panel is lo[4] (elements 0..15) and hi[4] (16..31) in that layout.
+// Few rows of x (M <= FLY_ROWS2, decode): x's 16 bytes are broadcast to both lanes, each row's 4 partial
+// sums per z added up by sum_rows8 (no transpose), the unit used at once: 8 weight rows stream side by
+// side, the panel after next prefetched a slice per block. More rows (prefill): each unit is transposed
+// once (v[j] lane c = row c's elements 4j .. 4j + 3) into a per-thread buffer, and tiles of ROW_TILE2
+// rows of x run against it with x's 4 bytes broadcast: 8 maddubs + 1 to 8 madd per 256 products.
 
 namespace {
 
-// The 16-bit halves at p + k * stride (k = 0..3) as 4 floats: 4 blocks' scales (or mins) in one convert.
-KVLM_INLINE __m128 f16x4(const uint8_t* p, int64_t stride) {
-    uint16_t h[4];
-    for (int k = 0; k < 4; k++) memcpy(h + k, p + k * stride, 2);
-    uint64_t v;
-    memcpy(&v, h, 8);
-    return _mm_cvtph_ps(_mm_cvtsi64_si128((long long)v));
+// Rows a and a + 4's 16 bytes at `off` in the low and high 128-bit lanes of z[a].
+KVLM_INLINE void load_rows8(const uint8_t* const* rows, int64_t off, __m256i z[4]) {
+    for (int a = 0; a < 4; a++)
+        z[a] = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)(rows[a] + off))),
+                                       _mm_loadu_si128((const __m128i*)(rows[a + 4] + off)), 1);
+}
+
+// 4 x 4 transpose of dwords inside each 128-bit lane: t[j] lane c = row c's dword j.
+KVLM_INLINE void transpose8(const __m256i z[4], __m256i t[4]) {
+    const __m256i t0 = _mm256_unpacklo_epi32(z[0], z[1]), t1 = _mm256_unpackhi_epi32(z[0], z[1]);
+    const __m256i t2 = _mm256_unpacklo_epi32(z[2], z[3]), t3 = _mm256_unpackhi_epi32(z[2], z[3]);
+    t[0] = _mm256_unpacklo_epi64(t0, t2), t[1] = _mm256_unpackhi_epi64(t0, t2);
+    t[2] = _mm256_unpacklo_epi64(t1, t3), t[3] = _mm256_unpackhi_epi64(t1, t3);
+}
+
+// s[a] lane l: 4 partial sums of row a + 4l -> lane c: row c's total (exact: integers).
+KVLM_INLINE __m256i sum_rows8(const __m256i s[4]) {
+    const __m256i t0 = _mm256_add_epi32(_mm256_unpacklo_epi32(s[0], s[1]), _mm256_unpackhi_epi32(s[0], s[1]));
+    const __m256i t1 = _mm256_add_epi32(_mm256_unpacklo_epi32(s[2], s[3]), _mm256_unpackhi_epi32(s[2], s[3]));
+    return _mm256_add_epi32(_mm256_unpacklo_epi64(t0, t1), _mm256_unpackhi_epi64(t0, t1));
+}
+
+// The low 16 bits of each int32 lane as a float16 -> 8 floats.
+KVLM_INLINE __m256 half_lo8(__m256i v) {
+    v = _mm256_and_si256(v, _mm256_set1_epi32(0xffff));
+    return _mm256_cvtph_ps(_mm_packus_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1)));
+}
+
+// The float16 at rows[c] + off (hi: at off + 2), lane c, in one gather of the 4 bytes at off.
+KVLM_INLINE __m256 halves8(const uint8_t* const* rows, __m256i hofs, int64_t off, bool hi) {
+    const __m256i g = _mm256_i32gather_epi32((const int*)(rows[0] + off), hofs, 1);
+    return half_lo8(hi ? _mm256_srli_epi32(g, 16) : g);
+}
+
+KVLM_INLINE __m256i nib8(__m256i z, int sh) { return _mm256_and_si256(_mm256_srli_epi16(z, sh), _mm256_set1_epi8(15)); }
+
+// Bytes 16 where (z & bit) != 0, else 0.
+KVLM_INLINE __m256i bit16(__m256i z, __m256i bit) {
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(z, bit), bit), _mm256_set1_epi8(16));
 }
 
 template <int QT>
-constexpr int block_bytes2() {
+constexpr int block_bytes8() {
     if constexpr (QT == T_Q4_0 || QT == T_Q4_1 || QT == T_Q8_0) return I8Fmt<QT>::BB;
     else return KQ<QT>::BB;
 }
 
-// What the kernel needs of one weight row's unit ib: the bytes u (unsigned, or signed with SIGNED), the
-// scale dw, min factor mw, and Q6_K's sub-scales sc. The 32-element formats decode 4 blocks' halves at
-// once (Head4: unit s of the group of 4), the K-quants one super-block (KHead2).
 template <int QT>
-struct Src2 {
-    static constexpr bool K = QT == T_Q4_K || QT == T_Q5_K || QT == T_Q6_K;
-    static constexpr int GROUP = K ? 8 : 4;  // units per pass: one super-block, or 4 blocks
-    static constexpr int BB = block_bytes2<QT>();
-    static constexpr int UB = K ? BB : 4 * BB;  // bytes of one group
-    static constexpr bool SIGNED = QT == T_Q8_0 || QT == T_Q6_K;
-    static constexpr bool MINS = QT != T_Q8_0 && QT != T_Q6_K;
-    struct Head {
-        KHead2 k;           // K-quants
-        __m128 dw4, mw4;    // 32-element formats: the 4 blocks' scales and min factors
-        __m128i sc16;       // Q6_K: the 16 int8 sub-scales
-    };
-    // The group of units starting at `g` (a block for the K-quants, 4 blocks otherwise).
-    KVLM_INLINE void head(const uint8_t* g, Head* h) {
-        if constexpr (QT == T_Q4_K || QT == T_Q5_K) kq_head2<QT>(g, &h->k);
-        else if constexpr (QT == T_Q6_K) {
-            h->k.dw[0] = f16(g + 208);
-            h->sc16 = _mm_loadu_si128((const __m128i*)(g + 192));
-        } else {
-            h->dw4 = f16x4(g, BB);
-            if constexpr (QT == T_Q4_1 || QT == T_Q5_1) h->mw4 = f16x4(g + 2, BB);
-            else if constexpr (QT == T_Q5_0) h->mw4 = _mm_mul_ps(_mm_set1_ps(-16.0f), h->dw4);
-            else h->mw4 = h->dw4;  // Q4_0: dw, times -8 at the end (Q8_0: unused)
-        }
-    }
-    KVLM_INLINE __m256i unit(const uint8_t* g, int s, const Head&) {
-        if constexpr (QT == T_Q4_0 || QT == T_Q4_1 || QT == T_Q8_0) return weights32<QT>(g + s * BB);
-        else if constexpr (K) return kq_unit2<QT>(g, s);
-        else return kq_unit2<QT>(g + s * BB, 0);
-    }
-    KVLM_INLINE float dw(const Head& h, int s) {
-        if constexpr (QT == T_Q6_K) return h.k.dw[0];
-        else if constexpr (K) return h.k.dw[s];
-        else return h.dw4[s];
-    }
-    // The 4 min factors of units s0 .. s0 + 3 (lane j: unit s0 + j).
-    KVLM_INLINE __m128 mw4(const Head& h, int s0) {
-        if constexpr (K) return _mm_loadu_ps(h.k.mw + s0);
-        else return h.mw4;
-    }
-    // Q6_K: int32 lanes 0..3 sub-scale 2s (elements 0..15), lanes 4..7 sub-scale 2s + 1.
-    KVLM_INLINE __m256i sc(const Head& h, int s) {
-        const __m128i pick = _mm_add_epi8(_mm_set1_epi8((char)(2 * s)),
-                                          _mm_setr_epi8(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0));
-        return _mm256_cvtepi8_epi32(_mm_shuffle_epi8(h.sc16, pick));
-    }
+struct F2 {
+    static constexpr bool KQUANT = QT == T_Q4_K || QT == T_Q5_K || QT == T_Q6_K;
+    static constexpr int BB = block_bytes8<QT>();
+    static constexpr int SUB = KQUANT ? 8 : 1;  // units per block
+    static constexpr bool MIN = QT == T_Q4_1 || QT == T_Q5_1 || QT == T_Q4_K || QT == T_Q5_K;
+    static constexpr int OFF = QT == T_Q4_0 ? -8 : QT == T_Q5_0 ? -16 : 0;  // isum += OFF * sum(q)
+    static constexpr bool SIGNED = QT == T_Q8_0;  // |w| against x with w's sign
+    static constexpr bool Q6 = QT == T_Q6_K;
+    static constexpr int G = QT == T_Q8_0 ? 1 : Q6 ? 2 : QT == T_Q5_0 || QT == T_Q5_1 || QT == T_Q5_K ? 4 : 8;
 };
 
-// One unit of one weight row against MT rows of x: the contract's acc update (unit ib, accumulator j).
-template <int QT, int MT>
-KVLM_INLINE void unit_rows(__m256i u, float dws, __m256i sc, const int8_t* xq, int64_t ldq, const float* xd, int64_t ldb,
-                           int64_t ib, __m256* acc /* [MT][4] */, int j) {
-    const __m256i au = Src2<QT>::SIGNED ? _mm256_sign_epi8(u, u) : u;
-    const __m256 dw = _mm256_set1_ps(dws);
-    for (int i = 0; i < MT; i++) {
-        __m256i x = _mm256_loadu_si256((const __m256i*)(xq + i * ldq + ib * 32));
-        if constexpr (Src2<QT>::SIGNED) x = _mm256_sign_epi8(x, u);  // w's sign onto x
-        __m256i d = dot256(au, x);
-        if constexpr (QT == T_Q6_K) d = _mm256_mullo_epi32(d, sc);
-        const __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(d), dw);
-        acc[4 * i + j] = _mm256_fmadd_ps(f, _mm256_loadu_ps(xd + (i * ldb + ib) * 8), acc[4 * i + j]);
-    }
-}
+// One unit of 8 rows (load_rows8's layout) and its factors.
+struct Unit8 {
+    __m256i lo[4], hi[4];
+    __m256 dw, mw;
+    __m256i sl, sh;  // Q6_K's sub-scales (int32 lanes)
+};
 
-KVLM_INLINE void prefetch_range(const uint8_t* p, int64_t bytes) {
-    for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch((const char*)(p + off), _MM_HINT_T0);
-}
+// Per block of 8 rows, what its units share (K-quants).
+struct Head8 {
+    __m256 dw[8], mw[8];
+    __m256i qh[8];  // Q5_K: qh bytes 0..15 (qh[0..3]) and 16..31 (qh[4..7])
+    __m256i sc[4];  // Q6_K: lane c = row c's int8 scales 4j .. 4j + 3 (sc[j])
+    // The K-quants' quant bytes in load_rows8's layout, 16 bytes a chunk, loaded once per block: each
+    // chunk serves 2 units (Q4_K / Q5_K nibbles; Q6_K's ql) or 4 (Q6_K's qh).
+    __m256i raw[12][4];
+};
 
-// R weight rows (row r at w + r * rs) against MT rows of x (row i at xq + i * ldq, scales at xd / xs + i
-// * ldb): y[i * ldy + r]. `pf`: prefetch distance in bytes (0: none); each group prefetches the same
-// bytes of its rows pf ahead.
-template <int QT, int R, int MT>
-KVLM_INLINE void dot_tile(const uint8_t* w, int64_t rs, int64_t nb, const int8_t* xq, int64_t ldq, const float* xd,
-                          const float* xs, int64_t ldb, float* y, int64_t ldy, int64_t pf) {
-    using S = Src2<QT>;
-    constexpr int G = S::GROUP;
-    __m256 acc[R][MT * 4];
-    __m128 mins[R][MT];
-    for (int r = 0; r < R; r++) {
-        for (int k = 0; k < MT * 4; k++) acc[r][k] = _mm256_setzero_ps();
-        for (int i = 0; i < MT; i++) mins[r][i] = _mm_setzero_ps();
-    }
-    const int64_t ng = nb / G;  // whole groups; the 32-element formats may leave up to 3 blocks
-    for (int64_t g = 0; g < ng; g++) {
-        const int64_t off = g * S::UB;
-        if (pf)
-            for (int r = 0; r < R; r++) prefetch_range(w + r * rs + off + pf, S::UB);
-        typename S::Head h[R];
-        for (int r = 0; r < R; r++) S::head(w + r * rs + off, &h[r]);
-#pragma GCC unroll 8
-        for (int s = 0; s < G; s++) {
-            const int64_t ib = g * G + s;
-            for (int r = 0; r < R; r++) {
-                const __m256i u = S::unit(w + r * rs + off, s, h[r]);
-                const __m256i sc = QT == T_Q6_K ? S::sc(h[r], s) : _mm256_setzero_si256();
-                unit_rows<QT, MT>(u, S::dw(h[r], s), sc, xq, ldq, xd, ldb, ib, acc[r], s & 3);
-            }
-            if constexpr (S::MINS) {
-                if ((s & 3) == 3)
-                    for (int r = 0; r < R; r++)
-                        for (int i = 0; i < MT; i++)
-                            mins[r][i] = _mm_fmadd_ps(S::mw4(h[r], s - 3), _mm_loadu_ps(xs + i * ldb + ib - 3), mins[r][i]);
-            }
-        }
-    }
-    float mt[R][MT][4];
-    for (int r = 0; r < R; r++)
-        for (int i = 0; i < MT; i++) _mm_storeu_ps(mt[r][i], mins[r][i]);
-    if constexpr (!S::K) {  // the last nb % 4 blocks, one at a time (rows whose K is not a multiple of 128)
-        for (int64_t ib = ng * G; ib < nb; ib++) {
-            const int j = (int)(ib & 3);
-            for (int r = 0; r < R; r++) {
-                const uint8_t* blk = w + r * rs + ib * S::BB;
-                typename S::Head h;
-                h.dw4 = _mm_set1_ps(f16(blk));
-                if constexpr (QT == T_Q4_1 || QT == T_Q5_1) h.mw4 = _mm_set1_ps(f16(blk + 2));
-                else if constexpr (QT == T_Q5_0) h.mw4 = _mm_set1_ps(-16.0f * f16(blk));
-                else h.mw4 = h.dw4;
-                unit_rows<QT, MT>(S::unit(blk, 0, h), h.dw4[0], _mm256_setzero_si256(), xq, ldq, xd, ldb, ib, acc[r], j);
-                if constexpr (S::MINS)
-                    for (int i = 0; i < MT; i++) mt[r][i][j] = __builtin_fmaf(h.mw4[0], xs[i * ldb + ib], mt[r][i][j]);
-            }
-        }
-    }
-    for (int r = 0; r < R; r++)
-        for (int i = 0; i < MT; i++) {
-            const __m256* a4 = acc[r] + 4 * i;
-            const __m256 a = _mm256_add_ps(_mm256_add_ps(a4[0], a4[1]), _mm256_add_ps(a4[2], a4[3]));
-            const float* m4 = mt[r][i];
-            const float m = (m4[0] + m4[1]) + (m4[2] + m4[3]);
-            y[i * ldy + r] = hsum8(a) + (QT == T_Q4_0 ? -8.0f * m : m);
-        }
-}
-
-constexpr int64_t PF_BYTES = 4096;  // decode: prefetch distance (whole rows, at least this many bytes)
+// Where head8 reads raw[] from: Q4_K / Q5_K: the 128 quant bytes; Q6_K: ql (128 bytes) then qh (64).
+template <int QT>
+constexpr int RAW_AT = QT == T_Q4_K ? 16 : QT == T_Q5_K ? 48 : 0;
+template <int QT>
+constexpr int RAW_CHUNKS = QT == T_Q6_K ? 12 : 8;
 
 template <int QT>
-void gemv_avx2_t(const uint8_t* w, int64_t rs, int64_t K, const int8_t* xq, const float* xd, const float* xs, int64_t M,
-                 float* y, int64_t ldy, int64_t n0, int64_t n1) {
-    const int64_t nb = K / 32;
-    if (M == 1) {  // decode: a weight row per pass, prefetching the rows PF_BYTES ahead
-        const int64_t pf = rs >= PF_BYTES ? rs : (PF_BYTES + rs - 1) / rs * rs;
-        const uint8_t* end = w + n1 * rs;
-        for (int64_t n = n0; n < n1; n++)
-            dot_tile<QT, 1, 1>(w + n * rs, rs, nb, xq, K, xd, xs, nb, y + n, ldy, w + n * rs + pf + rs <= end ? pf : 0);
-        return;
+KVLM_INLINE void head8(const uint8_t* const* rows, __m256i hofs, int64_t off, Head8* h) {
+    if constexpr (F2<QT>::KQUANT)
+        for (int i = 0; i < RAW_CHUNKS<QT>; i++) load_rows8(rows, off + RAW_AT<QT> + 16 * i, h->raw[i]);
+    if constexpr (QT == T_Q4_K || QT == T_Q5_K) {  // the same float ops as kernels_kquant.h's k4_scales
+        __m256i z[4], t[4];
+        load_rows8(rows, off, z);
+        transpose8(z, t);  // t[0] = d | dmin << 16, t[1..3] = scale bytes 0..3, 4..7, 8..11
+        const __m256 d = half_lo8(t[0]);
+        const __m256 ndmin = _mm256_sub_ps(_mm256_setzero_ps(), half_lo8(_mm256_srli_epi32(t[0], 16)));
+        const __m256i m63 = _mm256_set1_epi32(63), m15 = _mm256_set1_epi32(15), m3 = _mm256_set1_epi32(3);
+        for (int j = 0; j < 8; j++) {
+            __m256i sc, mn;
+            if (j < 4) {
+                sc = _mm256_and_si256(_mm256_srli_epi32(t[1], 8 * j), m63);
+                mn = _mm256_and_si256(_mm256_srli_epi32(t[2], 8 * j), m63);
+            } else {
+                const int k = j - 4;
+                sc = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(t[3], 8 * k), m15),
+                                     _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(t[1], 8 * k + 6), m3), 4));
+                mn = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(t[3], 8 * k + 4), m15),
+                                     _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(t[2], 8 * k + 6), m3), 4));
+            }
+            h->dw[j] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc));
+            h->mw[j] = _mm256_mul_ps(ndmin, _mm256_cvtepi32_ps(mn));
+        }
+        if constexpr (QT == T_Q5_K) {
+            load_rows8(rows, off + 16, h->qh);
+            load_rows8(rows, off + 32, h->qh + 4);
+        }
+    } else if constexpr (QT == T_Q6_K) {
+        __m256i z[4];
+        load_rows8(rows, off + 192, z);
+        transpose8(z, h->sc);
+        h->dw[0] = halves8(rows, hofs, off + 206, true);  // d at 208..209: read from 206, inside the block
     }
-    // Cache blocking for many rows (prefill): a panel of NP weight rows (L2) against tiles of 2 rows of x
-    // (L1), tile after tile. The order of the work changes with M; each output's arithmetic does not.
-    constexpr int64_t NP = 32;
-    for (int64_t p0 = n0; p0 < n1; p0 += NP) {
-        const int64_t p1 = p0 + NP < n1 ? p0 + NP : n1;
+}
+
+// Unit s of the 8 rows' block at `off`.
+template <int QT>
+KVLM_INLINE void unit8(const uint8_t* const* rows, __m256i hofs, int64_t off, int s, const Head8& h, Unit8* u) {
+    (void)s;
+    if constexpr (QT == T_Q4_0 || QT == T_Q4_1) {
+        __m256i z[4];
+        load_rows8(rows, off + I8Fmt<QT>::QOFF, z);  // byte i: element i (low nibble), i + 16 (high)
+        for (int a = 0; a < 4; a++) u->lo[a] = nib8(z[a], 0), u->hi[a] = nib8(z[a], 4);
+        u->dw = halves8(rows, hofs, off, false);
+        if constexpr (QT == T_Q4_1) u->mw = halves8(rows, hofs, off, true);
+    } else if constexpr (QT == T_Q8_0) {
+        load_rows8(rows, off + 2, u->lo);
+        load_rows8(rows, off + 18, u->hi);
+        u->dw = halves8(rows, hofs, off, false);
+    } else if constexpr (QT == T_Q5_0 || QT == T_Q5_1) {
+        // qh (4 bytes) at QH, nibbles at QH + 4; each lane's first dword is its row's qh, spread to bytes
+        // (byte e of a lane: qh byte e / 8) and tested against bit e % 8.
+        constexpr int QH = QT == T_Q5_0 ? 2 : 4;
+        __m256i q[4], z[4];
+        load_rows8(rows, off + QH, q);
+        load_rows8(rows, off + QH + 4, z);
+        const __m256i bits = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+        const __m256i spread_lo = _mm256_broadcastsi128_si256(_mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1));
+        const __m256i spread_hi = _mm256_broadcastsi128_si256(_mm_setr_epi8(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+        for (int a = 0; a < 4; a++) {
+            u->lo[a] = _mm256_or_si256(nib8(z[a], 0), bit16(_mm256_shuffle_epi8(q[a], spread_lo), bits));
+            u->hi[a] = _mm256_or_si256(nib8(z[a], 4), bit16(_mm256_shuffle_epi8(q[a], spread_hi), bits));
+        }
+        u->dw = halves8(rows, hofs, off, false);
+        if constexpr (QT == T_Q5_1) u->mw = halves8(rows, hofs, off, true);
+    } else if constexpr (QT == T_Q4_K || QT == T_Q5_K) {
+        const __m256i *zl = h.raw[2 * (s / 2)], *zh = h.raw[2 * (s / 2) + 1];  // quant bytes 32 (s / 2) ..
+        for (int a = 0; a < 4; a++) u->lo[a] = nib8(zl[a], 4 * (s & 1)), u->hi[a] = nib8(zh[a], 4 * (s & 1));
+        if constexpr (QT == T_Q5_K) {
+            const __m256i bit = _mm256_set1_epi8((char)(1 << s));
+            for (int a = 0; a < 4; a++) {
+                u->lo[a] = _mm256_or_si256(u->lo[a], bit16(h.qh[a], bit));
+                u->hi[a] = _mm256_or_si256(u->hi[a], bit16(h.qh[4 + a], bit));
+            }
+        }
+        u->dw = h.dw[s], u->mw = h.mw[s];
+    } else {  // Q6_K: sub-block s = 32 hh + (c: 0..3), low 4 bits from ql, high 2 bits from qh; u = q (0..63)
+        const int hh = s / 4, c = s % 4;
+        const __m256i *l0 = h.raw[4 * hh + 2 * (c & 1)], *l1 = h.raw[4 * hh + 2 * (c & 1) + 1];  // ql 64 hh + 32 (c & 1)
+        const __m256i *h0 = h.raw[8 + 2 * hh], *h1 = h.raw[9 + 2 * hh];                        // qh 32 hh
+        // qh bits 2c, 2c + 1 to bits 4, 5 (a 16-bit shift; what crosses into the other byte is masked off)
+        const __m256i m30 = _mm256_set1_epi8(0x30);
+        const auto high2 = [&](__m256i v) {
+            return _mm256_and_si256(c < 3 ? _mm256_slli_epi16(v, 4 - 2 * c) : _mm256_srli_epi16(v, 2), m30);
+        };
+        for (int a = 0; a < 4; a++) {
+            u->lo[a] = _mm256_or_si256(nib8(l0[a], (c >> 1) * 4), high2(h0[a]));
+            u->hi[a] = _mm256_or_si256(nib8(l1[a], (c >> 1) * 4), high2(h1[a]));
+        }
+        const __m256i sc = h.sc[s / 2];  // scales 2s (elements 0..15) and 2s + 1 (16..31): bytes 2 (s % 2), + 1
+        u->sl = _mm256_srai_epi32(_mm256_slli_epi32(sc, 24 - 16 * (s % 2)), 24);
+        u->sh = _mm256_srai_epi32(_mm256_slli_epi32(sc, 16 - 16 * (s % 2)), 24);
+        u->dw = h.dw[0];
+    }
+}
+
+// The integer start of a row's unit sum (lo: all 32 elements, or Q6_K's 0..15; hi: Q6_K's 16..31).
+template <int QT>
+KVLM_INLINE __m256i init_lo8(const ActRows& a, const int32_t* l16, int64_t r) {
+    if constexpr (F2<QT>::Q6) return _mm256_set1_epi32(-32 * l16[r]);
+    else if constexpr (F2<QT>::OFF != 0) return _mm256_set1_epi32(F2<QT>::OFF * a.xi[r]);
+    else return _mm256_setzero_si256();
+}
+KVLM_INLINE __m256i init_hi8(const ActRows& a, const int32_t* l16, int64_t r) {
+    return _mm256_set1_epi32(-32 * (a.xi[r] - l16[r]));
+}
+
+// The float part of the contract for one unit of one row of x (ActRows index r).
+KVLM_INLINE void finish8(__m256i isum, __m256 dw, const ActRows& a, int64_t r, __m256* acc) {
+    *acc = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(isum), dw), _mm256_set1_ps(a.xd[8 * r]), *acc);
+}
+
+// Few rows: unit ib of MT rows of x (from the first row of `a`) against the 8 rows in place.
+template <int QT, int MT>
+KVLM_INLINE void direct8(const Unit8& u, const ActRows& a, const int32_t* l16, int64_t ib, __m256* acc, __m256* mn) {
+    using F = F2<QT>;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i al[4], ah[4];  // the unsigned bytes
+    for (int j = 0; j < 4; j++) {
+        al[j] = F::SIGNED ? _mm256_abs_epi8(u.lo[j]) : u.lo[j];
+        ah[j] = F::SIGNED ? _mm256_abs_epi8(u.hi[j]) : u.hi[j];
+    }
+    for (int i = 0; i < MT; i++) {
+        const int64_t r = i * a.nb + ib;
+        const int8_t* xp = a.xq + i * a.K + 32 * ib;
+        const __m256i xl = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)xp));
+        const __m256i xh = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)(xp + 16)));
+        __m256i isum;
+        if constexpr (F::Q6) {
+            __m256i sl[4], sh[4];
+            for (int j = 0; j < 4; j++)
+                sl[j] = _mm256_madd_epi16(_mm256_maddubs_epi16(al[j], xl), ones),
+                sh[j] = _mm256_madd_epi16(_mm256_maddubs_epi16(ah[j], xh), ones);
+            const __m256i lo = _mm256_add_epi32(init_lo8<QT>(a, l16, r), sum_rows8(sl));
+            const __m256i hi = _mm256_add_epi32(init_hi8(a, l16, r), sum_rows8(sh));
+            isum = _mm256_add_epi32(_mm256_mullo_epi32(lo, u.sl), _mm256_mullo_epi32(hi, u.sh));
+        } else {
+            __m256i s[4];
+            for (int j = 0; j < 4; j++) {
+                if constexpr (F::SIGNED)
+                    s[j] = _mm256_add_epi32(
+                        _mm256_madd_epi16(_mm256_maddubs_epi16(al[j], _mm256_sign_epi8(xl, u.lo[j])), ones),
+                        _mm256_madd_epi16(_mm256_maddubs_epi16(ah[j], _mm256_sign_epi8(xh, u.hi[j])), ones));
+                else  // 2 products per int16 lane (G >= 2)
+                    s[j] = _mm256_madd_epi16(
+                        _mm256_add_epi16(_mm256_maddubs_epi16(al[j], xl), _mm256_maddubs_epi16(ah[j], xh)), ones);
+            }
+            isum = _mm256_add_epi32(init_lo8<QT>(a, l16, r), sum_rows8(s));
+        }
+        finish8(isum, u.dw, a, r, acc + i);
+        if constexpr (F::MIN) mn[i] = _mm256_fmadd_ps(u.mw, _mm256_set1_ps(a.xs[r]), mn[i]);
+    }
+}
+
+// Many rows: a unit transposed once (v[j] lane c = row c's elements 4j .. 4j + 3; Q8_0: signed).
+struct Panel8 {
+    __m256i v[8];
+    __m256 dw, mw;
+    __m256i sl, sh;
+};
+
+KVLM_INLINE void prep8(const Unit8& u, Panel8* p) {
+    transpose8(u.lo, p->v);
+    transpose8(u.hi, p->v + 4);
+    p->dw = u.dw, p->mw = u.mw, p->sl = u.sl, p->sh = u.sh;
+}
+
+// Unit ib of rows m0 .. m0 + MT - 1 against the prepared panel: x's 4 bytes broadcast per v[j], G
+// products summed in int16, then widened.
+template <int QT, int MT>
+KVLM_INLINE void tile_unit8(const Panel8& p, const ActRows& a, const int32_t* l16, int64_t m0, int64_t ib, __m256* acc) {
+    using F = F2<QT>;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i lo[MT], hi[MT];
+    for (int i = 0; i < MT; i++) {
+        lo[i] = init_lo8<QT>(a, l16, (m0 + i) * a.nb + ib);
+        if constexpr (F::Q6) hi[i] = init_hi8(a, l16, (m0 + i) * a.nb + ib);
+    }
+    const int8_t* xb = a.xq + m0 * a.K + 32 * ib;
+    for (int j0 = 0; j0 < 8; j0 += F::G) {
+        __m256i s16[MT];
+        for (int j = j0; j < j0 + F::G; j++) {
+            const __m256i w = F::SIGNED ? _mm256_abs_epi8(p.v[j]) : p.v[j];
+            for (int i = 0; i < MT; i++) {
+                int32_t q4;
+                memcpy(&q4, xb + i * a.K + 4 * j, 4);
+                __m256i x = _mm256_set1_epi32(q4);
+                if constexpr (F::SIGNED) x = _mm256_sign_epi8(x, p.v[j]);
+                const __m256i d = _mm256_maddubs_epi16(w, x);
+                s16[i] = j == j0 ? d : _mm256_add_epi16(s16[i], d);
+            }
+        }
+        for (int i = 0; i < MT; i++) {
+            __m256i* t = F::Q6 && j0 >= 4 ? hi + i : lo + i;
+            *t = _mm256_add_epi32(*t, _mm256_madd_epi16(s16[i], ones));
+        }
+    }
+    for (int i = 0; i < MT; i++) {
+        __m256i isum = lo[i];
+        if constexpr (F::Q6) isum = _mm256_add_epi32(_mm256_mullo_epi32(lo[i], p.sl), _mm256_mullo_epi32(hi[i], p.sh));
+        finish8(isum, p.dw, a, (m0 + i) * a.nb + ib, acc + i);
+    }
+}
+
+// Row i's 8 outputs (live of them: a tail panel's extra lanes are dropped) at y + i * ldy.
+template <int QT, int MT>
+KVLM_INLINE void store8(const __m256* acc, const __m256* mn, float* y, int64_t ldy, int live) {
+    for (int i = 0; i < MT; i++) {
+        const __m256 v = F2<QT>::MIN ? _mm256_add_ps(acc[i], mn[i]) : acc[i];
+        if (live == 8) {
+            _mm256_storeu_ps(y + i * ldy, v);
+        } else {
+            float t[8];
+            _mm256_storeu_ps(t, v);
+            memcpy(y + i * ldy, t, 4 * live);
+        }
+    }
+}
+
+// Prefetch slice b of the range [ahead, ahead + nb * step) (up to `end`) into L2: the panel PF_PANELS
+// ahead, a slice per block, so the 8 rows read side by side arrive in time (the hardware prefetcher follows
+// few of 8 interleaved streams).
+KVLM_INLINE void prefetch_slice8(const uint8_t* ahead, const uint8_t* end, int64_t b, int64_t step) {
+    const uint8_t* p = (const uint8_t*)((uintptr_t)(ahead + b * step) & ~(uintptr_t)63);
+    for (; p < ahead + (b + 1) * step && p < end; p += 64) _mm_prefetch((const char*)p, _MM_HINT_T1);
+}
+
+constexpr int64_t FLY_ROWS2 = 4;  // up to this many rows of x: units used in place, else the panel buffer
+constexpr int64_t ROW_TILE2 = 4;  // rows per pass over the buffer
+constexpr int64_t PF_PANELS = 2;  // decode prefetches the panel this many ahead (1, 4, 8: measured alike)
+
+// Few rows: every unit decoded and used at once, for MT rows of x.
+template <int QT, int MT>
+void fly8(const uint8_t* const* rows, __m256i hofs, const uint8_t* ahead, const uint8_t* end, const ActRows& a,
+          const int32_t* l16, float* y, int64_t ldy, int live) {
+    using F = F2<QT>;
+    __m256 acc[MT], mn[MT];
+    for (int i = 0; i < MT; i++) acc[i] = mn[i] = _mm256_setzero_ps();
+    Head8 h;
+    Unit8 u;
+    u.mw = _mm256_setzero_ps(), u.sl = u.sh = _mm256_setzero_si256();
+    for (int64_t b = 0; b < a.nb / F::SUB; b++) {
+        prefetch_slice8(ahead, end, b, 8 * F::BB);
+        head8<QT>(rows, hofs, b * F::BB, &h);
+        for (int s = 0; s < F::SUB; s++) {
+            unit8<QT>(rows, hofs, b * F::BB, s, h, &u);
+            direct8<QT, MT>(u, a, l16, b * F::SUB + s, acc, mn);
+        }
+    }
+    store8<QT, MT>(acc, mn, y, ldy, live);
+}
+
+// Rows m0 .. m0 + MT - 1 against the prepared panel (the min terms in their own pass: the same fma
+// sequence as direct8's, with fewer registers live in the integer loop).
+template <int QT, int MT>
+void tile8(const Panel8* buf, const ActRows& a, const int32_t* l16, int64_t m0, float* y, int64_t ldy, int live) {
+    __m256 acc[MT], mn[MT];
+    for (int i = 0; i < MT; i++) acc[i] = mn[i] = _mm256_setzero_ps();
+    for (int64_t ib = 0; ib < a.nb; ib++) tile_unit8<QT, MT>(buf[ib], a, l16, m0, ib, acc);
+    if constexpr (F2<QT>::MIN)
+        for (int64_t ib = 0; ib < a.nb; ib++)
+            for (int i = 0; i < MT; i++) mn[i] = _mm256_fmadd_ps(buf[ib].mw, _mm256_set1_ps(a.xs[(m0 + i) * a.nb + ib]), mn[i]);
+    store8<QT, MT>(acc, mn, y + m0 * ldy, ldy, live);
+}
+
+template <int QT>
+void gemm_avx2_t(const uint8_t* w, int64_t rs, int64_t K, const int8_t* xq, const float* xd, const float* xs,
+                 const int32_t* xi, int64_t M, float* y, int64_t ldy, int64_t n0, int64_t n1) {
+    using F = F2<QT>;
+    const ActRows a{xq, xd, xs, xi, K, K / 32};
+    const int32_t* l16 = F::Q6 ? lo16_sums(a, M) : nullptr;
+    if (F::Q6 && l16 == nullptr) return;
+    Panel8* buf = M > FLY_ROWS2 ? thread_buffer<Panel8>(a.nb) : nullptr;
+    if (buf == nullptr)  // the first PF_PANELS panels; the panel loop prefetches PF_PANELS ahead from there on
+        for (const uint8_t* p = (const uint8_t*)((uintptr_t)(w + n0 * rs) & ~(uintptr_t)63);
+             p < w + (n1 < n0 + 8 * PF_PANELS ? n1 : n0 + 8 * PF_PANELS) * rs; p += 64)
+            _mm_prefetch((const char*)p, _MM_HINT_T1);
+    for (int64_t n = n0; n < n1; n += 8) {
+        const int live = n1 - n < 8 ? (int)(n1 - n) : 8;
+        const uint8_t* rows[8];
+        int32_t ofs[8];
+        for (int c = 0; c < 8; c++) {  // a tail panel's lanes past n1 repeat the last row
+            const int r = c < live ? c : live - 1;
+            rows[c] = w + (n + r) * rs;
+            ofs[c] = (int32_t)(r * rs);
+        }
+        const __m256i hofs = _mm256_loadu_si256((const __m256i*)ofs);
+        float* yp = y + n;
+        const uint8_t *ahead = w + (n + 8 * PF_PANELS) * rs, *end = w + n1 * rs;
+        if (buf == nullptr) {  // few rows (or no buffer): 4 rows of x at a time
+            for (int64_t m = 0; m < M; m += FLY_ROWS2) {
+                const ActRows am{xq + m * K, xd + 8 * m * a.nb, xs + m * a.nb, xi + m * a.nb, K, a.nb};
+                const int32_t* lm = l16 ? l16 + m * a.nb : nullptr;
+                switch (M - m < FLY_ROWS2 ? M - m : FLY_ROWS2) {
+                    case 1: fly8<QT, 1>(rows, hofs, ahead, end, am, lm, yp + m * ldy, ldy, live); break;
+                    case 2: fly8<QT, 2>(rows, hofs, ahead, end, am, lm, yp + m * ldy, ldy, live); break;
+                    case 3: fly8<QT, 3>(rows, hofs, ahead, end, am, lm, yp + m * ldy, ldy, live); break;
+                    default: fly8<QT, 4>(rows, hofs, ahead, end, am, lm, yp + m * ldy, ldy, live); break;
+                }
+            }
+            continue;
+        }
+        Head8 h;
+        Unit8 u;
+        u.mw = _mm256_setzero_ps(), u.sl = u.sh = _mm256_setzero_si256();
+        for (int64_t b = 0; b < a.nb / F::SUB; b++) {
+            head8<QT>(rows, hofs, b * F::BB, &h);
+            for (int s = 0; s < F::SUB; s++) {
+                unit8<QT>(rows, hofs, b * F::BB, s, h, &u);
+                prep8(u, buf + b * F::SUB + s);
+            }
+        }
         int64_t m = 0;
-        for (; m + 2 <= M; m += 2)
-            for (int64_t n = p0; n < p1; n++)
-                dot_tile<QT, 1, 2>(w + n * rs, rs, nb, xq + m * K, K, xd + 8 * m * nb, xs + m * nb, nb, y + m * ldy + n, ldy, 0);
-        for (; m < M; m++)
-            for (int64_t n = p0; n < p1; n++)
-                dot_tile<QT, 1, 1>(w + n * rs, rs, nb, xq + m * K, K, xd + 8 * m * nb, xs + m * nb, nb, y + m * ldy + n, ldy, 0);
+        for (; m + ROW_TILE2 <= M; m += ROW_TILE2) tile8<QT, ROW_TILE2>(buf, a, l16, m, yp, ldy, live);
+        switch (M - m) {
+            case 1: tile8<QT, 1>(buf, a, l16, m, yp, ldy, live); break;
+            case 2: tile8<QT, 2>(buf, a, l16, m, yp, ldy, live); break;
+            case 3: tile8<QT, 3>(buf, a, l16, m, yp, ldy, live); break;
+            default: break;
+        }
     }
 }
 

@@ -103,16 +103,6 @@ KVLM_INLINE __m512i dot_acc(__m512i acc, __m512i u, __m512i s) {
 #endif
 }
 
-// Rows of x seen by a tile: row i's block b at xq + i * K + 32 b, its scale at xd[8 (i nb + b)]
-// (expanded), d * sum(q) at xs[i nb + b], sum(q) at xi[i nb + b].
-struct ActRows {
-    const int8_t* xq;
-    const float* xd;
-    const float* xs;
-    const int32_t* xi;
-    int64_t K, nb;
-};
-
 template <int QT>
 constexpr int OFFSET = QT == T_Q4_0 ? -8 : (QT == T_Q8_0 && !SIGNS<QT> ? -128 : 0);  // u = w - OFFSET
 
@@ -235,19 +225,6 @@ void panel_tile(const PanelBlock* buf, const ActRows& a, int64_t m0, float* y, i
 
 constexpr int64_t FLY_ROWS = 4;  // up to this many rows of x: on the fly, else through the panel buffer
 constexpr int64_t ROW_TILE = 4;  // rows per pass over the buffer (4 x 3 accumulators + 10 panel vectors)
-
-// This thread's buffer of n T (64-byte aligned), grown to the largest n asked for and kept (one per T).
-template <class T>
-T* thread_buffer(int64_t n) {
-    static __thread T* buf = nullptr;
-    static __thread int64_t cap = 0;
-    if (n > cap) {
-        free(buf);
-        buf = (T*)aligned_alloc(64, (n * sizeof(T) + 63) / 64 * 64);
-        cap = buf ? n : 0;
-    }
-    return buf;
-}
 
 // Few rows (decode): the first two panels of [n0, n1) into L2 (the panel loop prefetches two panels
 // ahead from there on).

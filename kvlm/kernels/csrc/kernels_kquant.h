@@ -154,21 +154,6 @@ KVLM_INLINE void kq_unit(const uint8_t* const* rows, __m512i hofs, int64_t off, 
     }
 }
 
-// Q6_K's per-row integer offsets need sum(q) of each block's first 16 elements: xl16 (M, K/32), computed
-// per call into this thread's buffer (grown and kept).
-int32_t* lo16_sums(const ActRows& a, int64_t M) {
-    int32_t* buf = thread_buffer<int32_t>(M * a.nb);
-    if (!buf) return nullptr;
-    for (int64_t m = 0; m < M; m++)
-        for (int64_t b = 0; b < a.nb; b++) {
-            const int8_t* q = a.xq + m * a.K + 32 * b;
-            int32_t s = 0;
-            for (int e = 0; e < 16; e++) s += q[e];
-            buf[m * a.nb + b] = s;
-        }
-    return buf;
-}
-
 // The float epilogue of one unit for one row of x (ActRows index ib of that row).
 template <int QT>
 KVLM_INLINE void kq_finish(__m512i isum, __m512 dw, __m512 mw, const ActRows& a, int64_t ib, __m512* acc, __m512* mn) {
@@ -335,79 +320,15 @@ void gemm_kq_t(const uint8_t* w, int64_t rs, int64_t K, const int8_t* xq, const 
 
 #else  // AVX2
 
-// Q5_0 / Q5_1's qh bits as bytes 16 where set (byte e: bit e).
-KVLM_INLINE __m256i q5_bits(const uint8_t* p) {
-    uint32_t qh;
-    memcpy(&qh, p, 4);
-    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)qh),
-        _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
-    const __m256i bits = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
-    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bits), bits), _mm256_set1_epi8(16));
-}
+#include "kernels_int8_avx2.h"  // the AVX2 kernel of every int8 format (gemm_avx2_t)
 
-KVLM_INLINE __m256i nib2(__m256i z, int sh) {
-    return _mm256_and_si256(_mm256_srli_epi16(z, sh), _mm256_set1_epi8(15));
-}
-
-// Q4_K / Q5_K: the 8 sub-blocks' factors of a block.
-struct KHead2 {
-    float dw[8], mw[8];
-};
-
-// dw[s] = d * sc_s, mw[s] = -(dmin * m_s) for the 8 sub-blocks (scale_min_k4's fields, unpacked in
-// 32-bit words, then converted and scaled 8 at a time: the same products).
-template <int QT>
-KVLM_INLINE void kq_head2(const uint8_t* blk, KHead2* h) {
-    if constexpr (QT == T_Q4_K || QT == T_Q5_K) {
-        uint32_t q[3];
-        memcpy(q, blk + 4, 12);
-        const uint32_t m6 = 0x3f3f3f3fu, m4 = 0x0f0f0f0fu, m2 = 0x03030303u;
-        const uint32_t sc_lo = q[0] & m6, sc_hi = (q[2] & m4) | (((q[0] >> 6) & m2) << 4);
-        const uint32_t mn_lo = q[1] & m6, mn_hi = ((q[2] >> 4) & m4) | (((q[1] >> 6) & m2) << 4);
-        const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_setr_epi32((int)sc_lo, (int)sc_hi, 0, 0)));
-        const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_setr_epi32((int)mn_lo, (int)mn_hi, 0, 0)));
-        _mm256_storeu_ps(h->dw, _mm256_mul_ps(_mm256_set1_ps(f16(blk)), sc));
-        _mm256_storeu_ps(h->mw, _mm256_xor_ps(_mm256_mul_ps(_mm256_set1_ps(f16(blk + 2)), mn), _mm256_set1_ps(-0.0f)));
-    }
-}
-
-// Unit s of the block at blk (Q5_0 / Q5_1: the block itself): one row's 32 weights as bytes in element
-// order (Q6_K: signed q - 32). Their factors: Src2 (kernels_int8_avx2.h).
-template <int QT>
-KVLM_INLINE __m256i kq_unit2(const uint8_t* blk, int s) {
-    if constexpr (QT == T_Q5_0 || QT == T_Q5_1) {
-        constexpr int QH = QT == T_Q5_0 ? 2 : 4;
-        const __m128i t = _mm_loadu_si128((const __m128i*)(blk + QH + 4));
-        return _mm256_or_si256(nib2(_mm256_set_m128i(_mm_srli_epi16(t, 4), t), 0), q5_bits(blk + QH));
-    } else if constexpr (QT == T_Q4_K || QT == T_Q5_K) {
-        const uint8_t* q = blk + (QT == T_Q4_K ? 16 : 48) + 32 * (s / 2);
-        __m256i u = nib2(_mm256_loadu_si256((const __m256i*)q), 4 * (s & 1));
-        if constexpr (QT == T_Q5_K) {
-            const __m256i hb = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i*)(blk + 16)), s),
-                                                _mm256_set1_epi8(1));
-            u = _mm256_or_si256(u, _mm256_slli_epi16(hb, 4));
-        }
-        return u;
-    } else {  // Q6_K
-        const int hh = s / 4, c = s % 4;
-        const __m256i l = _mm256_loadu_si256((const __m256i*)(blk + 64 * hh + (c & 1) * 32));
-        const __m256i hi = _mm256_loadu_si256((const __m256i*)(blk + 128 + 32 * hh));
-        const __m256i q = _mm256_or_si256(
-            nib2(l, (c >> 1) * 4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hi, 2 * c), _mm256_set1_epi8(3)), 4));
-        return _mm256_sub_epi8(q, _mm256_set1_epi8(32));
-    }
-}
-
-#include "kernels_int8_avx2.h"  // the AVX2 kernel of every int8 format (gemv_avx2_t)
-
-#define KVLM_KQ_CALL(QT) gemv_avx2_t<QT>(w, rs, K, xq, xd, xs, M, y, ldy, n0, n1)
+#define KVLM_KQ_CALL(QT) gemm_avx2_t<QT>(w, rs, K, xq, xd, xs, xi, M, y, ldy, n0, n1)
 
 #endif  // AVX2
 
 // The int8 kernels of this file (gemv_i8's other types): 0, or -1 for a type it does not handle.
 int gemv_kq(int qtype, const uint8_t* w, int64_t rs, int64_t K, const int8_t* xq, const float* xd, const float* xs,
             const int32_t* xi, int64_t M, float* y, int64_t ldy, int64_t n0, int64_t n1) {
-    (void)xi;
     switch (qtype) {
         case T_Q5_0: KVLM_KQ_CALL(T_Q5_0); return 0;
         case T_Q5_1: KVLM_KQ_CALL(T_Q5_1); return 0;
