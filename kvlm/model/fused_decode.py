@@ -50,8 +50,9 @@ def _eligible(model: torch.nn.Module, kv_cache: object, backend: Backend) -> str
     """Why the fused step cannot run this model and cache (None: it can)."""
     if os.environ.get("KVLM_FUSED_DECODE", "1").strip() == "0":
         return "disabled by KVLM_FUSED_DECODE=0"
-    if not getattr(model, "FUSED_DECODE", False):
-        return "the fused step implements the Llama layer only"
+    refusal = model.fused_decode_refusal()  # what the model computes that the native step does not
+    if refusal is not None:
+        return refusal
     if backend.attention != "paged-native" or backend.elementwise != "native":
         return "attention or element-wise ops are not the native kernels"
     if not isinstance(kv_cache, PagedKVCache) or not all(t.is_contiguous() for t in kv_cache.k + kv_cache.v) \
@@ -74,10 +75,14 @@ ROPE_SCRATCH = 256  # RoPE table rows past the context, for a step's rows beyond
 
 def _rope_tables(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     """The fused step's own copy of the model's cos / signed sin tables, (max_positions + ROPE_SCRATCH, D)
-    float32: where a step's rows past the context find the rows `rope_rows` computes for them (`_positions`),
-    so the step never writes into the model's buffers."""
+    float32, times LongRoPE's attention factor as the module path scales its rows (`scaled_rope_rows`): where
+    a step's rows past the context find the rows that computes for them (`_positions`), so the step never
+    writes into the model's buffers."""
+    f = model.rope_factor
+
     def table(t: torch.Tensor) -> torch.Tensor:
-        return torch.cat((t.float(), t.new_zeros(ROPE_SCRATCH, t.shape[1], dtype=torch.float32))).contiguous()
+        t = t.float() if f == 1.0 else t.float() * f
+        return torch.cat((t, t.new_zeros(ROPE_SCRATCH, t.shape[1], dtype=torch.float32))).contiguous()
     return table(model.rope_cos), table(model.rope_sin)
 
 
@@ -131,13 +136,13 @@ class FusedDecoder:
 
     def _positions(self, positions: torch.Tensor) -> torch.Tensor:
         """positions (B,) as the native step reads them: past the context (a bounded cache's generation),
-        a row's cos / sin are `rope_rows`' (what the module path computes) written into the table's
+        a row's cos / sin are `scaled_rope_rows`' (what the module path computes) written into the table's
         scratch rows, and the row reads those."""
         n = self.model.max_positions
         far = positions >= n
         if not bool(far.any()):
             return positions
-        cos, sin = self.model.rope_rows(positions[far])
+        cos, sin = self.model.scaled_rope_rows(positions[far])
         k = cos.shape[0]
         self._cos[n : n + k] = cos
         self._sin[n : n + k] = sin

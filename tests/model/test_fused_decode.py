@@ -3,8 +3,10 @@
 * On random cache contents and a ragged batch: the fused step's final hidden states equal the module
   path's (model.forward on the same paged cache) bit for bit, on float32, float16 and bfloat16 caches,
   and it writes the same K/V bits; a sequence's result is bit-identical alone and inside the batch.
-* Through the engine, on tiny quantized GGUFs of the llama, qwen2 (q/k/v bias) and qwen3 (q/k norm)
-  families: the same greedy tokens and the same logits bits with and without fusion.
+* Through the engine, on tiny quantized GGUFs of the llama, qwen2 (q/k/v bias), qwen3 (q/k norm) and
+  phi3 (fused q/k/v and gate/up tensors, LongRoPE's scaled cos / sin) families: the same greedy tokens and
+  the same logits bits with and without fusion. Families whose layers the native step does not compute
+  are refused by name (tests/engine/test_exact_families.py).
 * Where it must not run (float32 reference path, contiguous cache, KVLM_FUSED_DECODE=0) the runner
   keeps the module path.
 """
@@ -31,7 +33,7 @@ def _native() -> None:
     need_native("the fused decode step is native")
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "phi3"])
 def family_gguf(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     kw = {"attention_bias": True} if request.param == "qwen2" else {}
     cfg = tiny_config(request.param, tie_word_embeddings=False, **kw)
