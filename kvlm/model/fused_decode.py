@@ -110,12 +110,12 @@ class FusedDecoder:
         cfg = model.config
         cos, sin = _rope_tables(model)
         spec = [cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
-                cfg.head_dim, cfg.intermediate_size, cos.shape[0], int(native.int8_activations())]
+                cfg.head_dim, cfg.intermediate_size, cos.shape[0], int(native.int8_activations()), cfg.rotary_dim]
         tensors: list[torch.Tensor] = []
         for layer in model.model.layers:
             attn = layer.self_attn
             bias = attn.qkv_proj.bias
-            spec.append((1 if bias is not None else 0) | (2 if attn.qk_norm else 0))
+            spec.append((1 if bias is not None else 0) | (2 if attn.qk_norm else 0) | (0 if attn.use_rope else 4))
             tensors += [layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach()]
             if attn.qk_norm:
                 tensors += [attn.q_norm.weight.detach(), attn.k_norm.weight.detach()]
@@ -125,7 +125,10 @@ class FusedDecoder:
             _linear_spec(attn.o_proj, spec, tensors)
             _linear_spec(layer.mlp.gate_up_proj, spec, tensors)
             _linear_spec(layer.mlp.down_proj, spec, tensors)
-        tensors += [model.model.norm.weight.detach(), cos, sin]
+        # the module path's attention scale and residual multiplier, as float32 (what its ops compute with)
+        scalars = torch.tensor([model.model.layers[0].self_attn.attn.scale, cfg.residual_multiplier],
+                               dtype=torch.float32)
+        tensors += [model.model.norm.weight.detach(), cos, sin, scalars]
         eps = model.model.norm.eps
         plan = native.ops().decode_plan_create(tensors, spec, float(eps))
         return cls(model, plan, backend.isa, (cos, sin)), "decode-only steps run every layer in one native call"
@@ -154,7 +157,10 @@ class FusedDecoder:
         """input_ids (B,) of a decode-only step -> final hidden states (B, hidden) float32."""
         rows = meta.attn
         assert isinstance(rows, PagedRows)
-        x = self.model.model.embed_tokens(input_ids).float().contiguous()  # (B, hidden)
+        x = self.model.model.embed_tokens(input_ids).float()  # (B, hidden)
+        if self.model.config.embedding_multiplier != 1.0:  # Granite's, as the module path multiplies
+            x = x * self.model.config.embedding_multiplier
+        x = x.contiguous()
         if self._out.shape != x.shape:
             self._out = torch.empty_like(x)
         prof = self.profile if self.profile is not None else self._no_profile

@@ -272,15 +272,9 @@ class LlamaForCausalLM(nn.Module):
 
     def fused_decode_refusal(self) -> str | None:
         """Why the fused native decode step (model/fused_decode.py, csrc/decode.cpp) cannot compute this
-        model as its layers do (None: it can). The native step implements the Llama layer with q/k/v bias,
-        q/k norms, full-width RoPE (any tables) and no multipliers."""
-        c = self.config
-        if c.no_rope_layers is not None and not all(c.no_rope_layers):
-            return "the fused step rotates every layer (this model has layers without RoPE)"
-        if c.rotary_dim != c.head_dim:
-            return "the fused step rotates whole heads (this model's partial_rotary_factor is below 1)"
-        if (c.embedding_multiplier, c.attention_multiplier, c.residual_multiplier) != (1.0, None, 1.0):
-            return "the fused step has no embedding, attention or residual multipliers (Granite's)"
+        model as its layers do (None: it can). The native step implements the whole Llama layer as this
+        module does: q/k/v bias, q/k norms, RoPE on rotary_dim values of each head or on none (NoPE layers),
+        any RoPE tables and attention factor, the attention scale, the embedding and residual multipliers."""
         return None
 
     def set_rope(self, inv_freq: torch.Tensor) -> None:

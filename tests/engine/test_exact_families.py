@@ -34,9 +34,9 @@ FAMILIES: dict[str, tuple[str, str | None]] = {
     "mistral": ("safetensors", None),
     "gemma3": ("Q8_0", "Llama layer only"),
     "phi3": ("Q8_0", None),
-    "phi4mini": ("Q8_0", "partial_rotary_factor"),
-    "smollm3": ("Q8_0", "without RoPE"),
-    "granite": ("Q8_0", "multipliers"),
+    "phi4mini": ("Q8_0", None),
+    "smollm3": ("Q8_0", None),
+    "granite": ("Q8_0", None),
 }
 
 

@@ -101,7 +101,7 @@ def tiny_config(model_type: str = "llama", **kw: Any) -> dict[str, Any]:
     if model_type == "smollm3":  # 4 layers: the 4th has no RoPE (transformers' and llama.cpp's default)
         cfg.update(num_hidden_layers=4, use_sliding_window=False, sliding_window=None)
     if model_type == "granite":
-        cfg.update(embedding_multiplier=4.0, attention_multiplier=0.2, residual_multiplier=0.5, logits_scaling=3.0)
+        cfg.update(embedding_multiplier=12.0, attention_multiplier=0.2, residual_multiplier=0.22, logits_scaling=3.0)
     cfg.update(kw)
     return cfg
 
