@@ -15,15 +15,19 @@ from typing import Any, Literal
 
 from kvlm.errors import ParameterError, UnsupportedModelError
 
-# model_type -> architecture class name: the Llama family (one model file, model/llama.py) and Gemma 3's
-# text model (model/gemma3.py).
+# model_type -> architecture class name: the Llama family (one model file, model/llama.py: Phi-3, SmolLM3
+# and Granite are config differences on it) and Gemma 3's text model (model/gemma3.py).
 SUPPORTED_MODEL_TYPES: dict[str, str] = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "smollm3": "SmolLM3ForCausalLM",
+    "granite": "GraniteForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
 }
+ROPE_TYPES = ("default", "llama3", "linear", "longrope")
 SLIDING, FULL = "sliding_attention", "full_attention"  # HF's `layer_types` values
 
 
@@ -57,6 +61,16 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None
     hidden_activation: str = "silu"
     final_logit_softcapping: float | None = None
+    # Phi-3 / Phi-4-mini: RoPE on the first head_dim * partial_rotary_factor values of each head only.
+    partial_rotary_factor: float = 1.0
+    # SmolLM3: per layer, 1 where the layer rotates q and k, 0 where it uses no position encoding.
+    no_rope_layers: tuple[int, ...] | None = None
+    # Granite: embeddings x embedding_multiplier, attention scores x attention_multiplier (instead of
+    # head_dim ** -0.5), each block's output x residual_multiplier before its residual add, logits / logits_scaling.
+    embedding_multiplier: float = 1.0
+    attention_multiplier: float | None = None
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
 
     def __post_init__(self) -> None:
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -70,8 +84,17 @@ class ModelConfig:
                 f"num_key_value_heads={self.num_key_value_heads}"
             )
         rope_type = (self.rope_scaling or {}).get("rope_type", (self.rope_scaling or {}).get("type", "default"))
-        if rope_type not in ("default", "llama3", "linear"):
+        if rope_type not in ROPE_TYPES:
             raise UnsupportedModelError(f"unsupported RoPE scaling type {rope_type!r}")
+        if rope_type == "longrope" and not (len(self.rope_scaling["short_factor"]) == len(  # type: ignore[index]
+                self.rope_scaling["long_factor"]) == self.rotary_dim // 2):  # type: ignore[index]
+            raise UnsupportedModelError(f"longrope needs {self.rotary_dim // 2} short and long factors "
+                                        f"(rotary dimensions / 2)")
+        if not 0 < self.rotary_dim <= self.head_dim or self.rotary_dim % 2:
+            raise UnsupportedModelError(f"partial_rotary_factor {self.partial_rotary_factor} gives "
+                                        f"{self.rotary_dim} rotary dimensions of head_dim {self.head_dim}")
+        if self.no_rope_layers is not None and len(self.no_rope_layers) != self.num_hidden_layers:
+            raise UnsupportedModelError(f"no_rope_layers must name {self.num_hidden_layers} layers")
         if self.layer_types is not None:
             if len(self.layer_types) != self.num_hidden_layers or set(self.layer_types) - {SLIDING, FULL}:
                 raise UnsupportedModelError(f"layer_types must name {self.num_hidden_layers} layers as "
@@ -86,6 +109,15 @@ class ModelConfig:
         if self.layer_types is None:
             return None
         return tuple(self.sliding_window if t == SLIDING else None for t in self.layer_types)
+
+    @property
+    def rotary_dim(self) -> int:
+        """How many leading values of each q/k head RoPE rotates (HF: int(head_dim * partial_rotary_factor))."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def uses_rope(self, layer: int) -> bool:
+        """Whether layer `layer` rotates q and k (SmolLM3's NoPE layers do not)."""
+        return self.no_rope_layers is None or bool(self.no_rope_layers[layer])
 
     @property
     def architecture(self) -> str:
@@ -130,7 +162,48 @@ class ModelConfig:
             kw["sliding_window"] = None
         if d["model_type"] == "gemma3_text":
             kw.update(_gemma3_fields(d, int(d["num_hidden_layers"])))
+        if d["model_type"] == "phi3":
+            kw.update(_phi3_fields(d))
+        if d["model_type"] == "smollm3":
+            kw.update(_smollm3_fields(d, int(d["num_hidden_layers"])))
         return cls(**kw)
+
+
+def _phi3_fields(d: dict[str, Any]) -> dict[str, Any]:
+    """Phi-3's LongRoPE (`rope_scaling` type "longrope" or the older "su", its factors, and the top-level
+    original_max_position_embeddings) and Phi-4-mini's partial_rotary_factor, which newer configs keep in
+    `rope_parameters`. A sliding_window of at least the context is no window."""
+    rope = dict(d.get("rope_scaling") or d.get("rope_parameters") or {})
+    out: dict[str, Any] = {"partial_rotary_factor": float(rope.get("partial_rotary_factor",
+                                                               d.get("partial_rotary_factor", 1.0)))}
+    if "rope_theta" in rope:
+        out["rope_theta"] = float(rope["rope_theta"])
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind in ("longrope", "su"):
+        out["rope_scaling"] = {
+            "rope_type": "longrope", "short_factor": [float(f) for f in rope["short_factor"]],
+            "long_factor": [float(f) for f in rope["long_factor"]], "factor": rope.get("factor"),
+            "attention_factor": rope.get("attention_factor"),
+            "original_max_position_embeddings": int(rope.get("original_max_position_embeddings")
+                                                    or d.get("original_max_position_embeddings")
+                                                    or d.get("max_position_embeddings", 2048))}
+    else:
+        out["rope_scaling"] = None if kind == "default" else rope
+    window = d.get("sliding_window")
+    if window and window >= int(d.get("max_position_embeddings", 2048)):
+        out["sliding_window"] = None
+    return out
+
+
+def _smollm3_fields(d: dict[str, Any], n_layers: int) -> dict[str, Any]:
+    """SmolLM3's NoPE layers (`no_rope_layers`, else every `no_rope_layer_interval`-th layer, 4 by default,
+    as transformers' SmolLM3Config derives them). Its optional sliding window on the NoPE layers is not
+    implemented (the released models have use_sliding_window false)."""
+    if d.get("use_sliding_window") and d.get("sliding_window"):
+        raise UnsupportedModelError("SmolLM3 with use_sliding_window is not supported")
+    every = int(d.get("no_rope_layer_interval", 4))
+    layers = d.get("no_rope_layers") or [int((i + 1) % every != 0) for i in range(n_layers)]
+    return {"no_rope_layers": tuple(int(x) for x in layers), "sliding_window": None}
 
 
 def _gemma3_fields(d: dict[str, Any], n_layers: int) -> dict[str, Any]:

@@ -80,10 +80,10 @@ def load_config(path: str | os.PathLike) -> ModelConfig:
     p = Path(path)
     gg = _gguf_file(p)
     if gg is not None:
-        from kvlm.loader.gguf import config_from_gguf, read_gguf
+        from kvlm.loader.gguf import config_from_gguf, read_gguf, rope_factors
 
         reader, fields = read_gguf(gg)
-        return config_from_gguf(fields, {t.name for t in reader.tensors})
+        return config_from_gguf(fields, {t.name for t in reader.tensors}, rope_factors(reader))
     import json
 
     cfg = p / "config.json" if p.is_dir() else p

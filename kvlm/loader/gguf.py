@@ -34,7 +34,9 @@ SUPPORTED_TENSOR_TYPES = frozenset(
 
 # GGUF architecture -> HF model_type.
 _ARCH_TO_MODEL_TYPE = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
-                       "gemma3": "gemma3_text"}
+                       "phi3": "phi3", "smollm3": "smollm3", "granite": "granite", "gemma3": "gemma3_text"}
+# Architectures whose Q/K rows llama.cpp's converter permuted (its LlamaModel and subclasses: RoPE type NORM).
+_PERMUTED_QK = frozenset({"llama", "smollm3", "granite"})
 
 # The one GGUF -> HF name table. Per-layer names are under "blk.{i}." / "model.layers.{i}.".
 _GLOBAL_NAMES = {
@@ -49,6 +51,7 @@ _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
+    "attn_qkv": "self_attn.qkv_proj",  # Phi-3: q/k/v stored fused, kvlm's own stacked projection
     "attn_output": "self_attn.o_proj",
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
@@ -59,10 +62,16 @@ _LAYER_NAMES = {
 # Gemma 3's four norms per layer: llama.cpp's `ffn_norm` is HF's pre-feedforward norm there.
 _GEMMA3_LAYER_NAMES = {**_LAYER_NAMES, "ffn_norm": "pre_feedforward_layernorm",
                        "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
+# Phi-3's `ffn_up` holds gate and up fused (2 x feed_forward_length rows, gate first): HF's gate_up_proj.
+_PHI3_LAYER_NAMES = {**_LAYER_NAMES, "ffn_up": "mlp.gate_up_proj"}
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 # What llama.cpp hard-codes for Gemma 3 and its GGUF files do not carry: every 6th layer attends in full,
 # the others within `attention.sliding_window` with RoPE base 10,000 (llama-model.cpp, LLM_ARCH_GEMMA3).
 GEMMA3_FULL_EVERY, GEMMA3_LOCAL_ROPE_BASE = 6, 10_000.0
+# ... and for SmolLM3: every 4th layer has no RoPE (llama-model.cpp, n_no_rope_layer_step = 4).
+SMOLLM3_NO_ROPE_EVERY = 4
+# Phi-3's LongRoPE factors, per rotary frequency, are tensors in the file (not metadata).
+ROPE_FACTOR_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 
 
 def gguf_to_hf_name(name: str, arch: str = "llama") -> str | None:
@@ -70,7 +79,7 @@ def gguf_to_hf_name(name: str, arch: str = "llama") -> str | None:
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
     m = _LAYER_RE.match(name)
-    names = _GEMMA3_LAYER_NAMES if arch == "gemma3" else _LAYER_NAMES
+    names = _GEMMA3_LAYER_NAMES if arch == "gemma3" else _PHI3_LAYER_NAMES if arch == "phi3" else _LAYER_NAMES
     if m and m.group(2) in names:
         return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
     return None
@@ -122,16 +131,22 @@ def read_gguf(path: str | os.PathLike) -> tuple[Any, dict[str, Any]]:
     return reader, reader.fields
 
 
-def config_from_gguf(fields: dict[str, Any], tensor_names: set[str]) -> ModelConfig:
+def rope_factors(reader: Any) -> dict[str, list[float]]:
+    """Phi-3's LongRoPE factor tensors (`ROPE_FACTOR_TENSORS`, a few dozen floats each) by name."""
+    return {t.name: dequantize_tensor(t).tolist() for t in reader.tensors if t.name in ROPE_FACTOR_TENSORS}
+
+
+def config_from_gguf(fields: dict[str, Any], tensor_names: set[str],
+                     factors: dict[str, list[float]] | None = None) -> ModelConfig:
     """Translate GGUF metadata into a `ModelConfig` (HF field names); nonsense values (a string where a
-    count belongs, zero heads) are a `ModelLoadError`."""
+    count belongs, zero heads) are a `ModelLoadError`. `factors`: `rope_factors(reader)`, for Phi-3."""
     try:
-        return _config_from_gguf(fields, tensor_names)
+        return _config_from_gguf(fields, tensor_names, factors or {})
     except (ValueError, TypeError, KeyError, ArithmeticError) as e:
         raise ModelLoadError(f"invalid GGUF metadata ({type(e).__name__}: {str(e)[:120]})") from None
 
 
-def _config_from_gguf(fields: dict[str, Any], tensor_names: set[str]) -> ModelConfig:
+def _config_from_gguf(fields: dict[str, Any], tensor_names: set[str], factors: dict[str, list[float]]) -> ModelConfig:
     arch = fields.get("general.architecture")
     if arch not in _ARCH_TO_MODEL_TYPE:
         raise UnsupportedModelError(
@@ -160,6 +175,17 @@ def _config_from_gguf(fields: dict[str, Any], tensor_names: set[str]) -> ModelCo
                  # llama.cpp: 1/sqrt(head_dim), except Gemma 3 27B (62 layers): 1/sqrt(hidden / heads)
                  "query_pre_attn_scalar": float(hidden // heads if n_layers == 62 else head_dim),
                  "hidden_activation": "gelu_pytorch_tanh"}
+    elif arch == "phi3":
+        extra = _phi3_fields(fields, factors, hidden // heads, int(get("context_length", 2048)))
+        if extra.get("rope_scaling"):
+            rope_scaling = extra.pop("rope_scaling")
+    elif arch == "smollm3":
+        extra = {"no_rope_layers": tuple(int((i + 1) % SMOLLM3_NO_ROPE_EVERY != 0)
+                                         for i in range(int(get("block_count"))))}
+    elif arch == "granite":  # the converter writes each multiplier only where the config has it
+        extra = {k: float(fields[f"{arch}.{key}"]) for k, key in (
+            ("embedding_multiplier", "embedding_scale"), ("attention_multiplier", "attention.scale"),
+            ("residual_multiplier", "residual_scale"), ("logits_scaling", "logit_scale")) if f"{arch}.{key}" in fields}
     return ModelConfig(
         model_type=_ARCH_TO_MODEL_TYPE[arch],
         vocab_size=int(vocab),
@@ -180,6 +206,25 @@ def _config_from_gguf(fields: dict[str, Any], tensor_names: set[str]) -> ModelCo
         eos_token_id=fields.get("tokenizer.ggml.eos_token_id"),
         **extra,
     )
+
+
+def _phi3_fields(fields: dict[str, Any], factors: dict[str, list[float]], head_dim: int,
+                 context: int) -> dict[str, Any]:
+    """Phi-3 metadata as ModelConfig fields: RoPE on `rope.dimension_count` values of each head (Phi-4-mini:
+    3/4), LongRoPE where the file has the factor tensors (with `rope.scaling.attn_factor` and the original
+    context), the sliding window (0: none, as the converter marks Phi-4)."""
+    rot = int(fields.get("phi3.rope.dimension_count") or head_dim)
+    out: dict[str, Any] = {"partial_rotary_factor": rot / head_dim}
+    window = int(fields.get("phi3.attention.sliding_window") or 0)
+    out["sliding_window"] = window if 0 < window < context else None
+    if all(n in factors for n in ROPE_FACTOR_TENSORS):
+        out["rope_scaling"] = {
+            "rope_type": "longrope", "long_factor": factors[ROPE_FACTOR_TENSORS[0]],
+            "short_factor": factors[ROPE_FACTOR_TENSORS[1]],
+            "attention_factor": fields.get("phi3.rope.scaling.attn_factor"),
+            "original_max_position_embeddings": int(fields.get("phi3.rope.scaling.original_context_length")
+                                                    or context)}
+    return out
 
 
 def dequantize_tensor(t: Any) -> torch.Tensor:
@@ -257,7 +302,7 @@ def load_gguf(path: str | os.PathLike,
     """
     reader, fields = read_gguf(path)
     names = {t.name for t in reader.tensors}
-    config = config_from_gguf(fields, names)
+    config = config_from_gguf(fields, names, rope_factors(reader))
     mapped = file_bytes(reader) if quantized else None
     state: dict[str, Any] = {}
     arch = fields.get("general.architecture")
@@ -272,7 +317,7 @@ def load_gguf(path: str | os.PathLike,
                 w = dequantize_tensor(t)
         except (ValueError, AssertionError) as e:
             raise ModelLoadError(f"{path}: cannot read tensor {t.name} ({str(e)[:120]})") from None
-        if arch == "llama":
+        if arch in _PERMUTED_QK:
             heads = (config.num_attention_heads if ".q_proj." in hf
                      else config.num_key_value_heads if ".k_proj." in hf else 0)
             if heads:

@@ -50,8 +50,9 @@ def _eligible(model: torch.nn.Module, kv_cache: object, backend: Backend) -> str
     """Why the fused step cannot run this model and cache (None: it can)."""
     if os.environ.get("KVLM_FUSED_DECODE", "1").strip() == "0":
         return "disabled by KVLM_FUSED_DECODE=0"
-    if not getattr(model, "FUSED_DECODE", False):
-        return "the fused step implements the Llama layer only"
+    refusal = model.fused_decode_refusal()  # what the model computes that the native step does not
+    if refusal is not None:
+        return refusal
     if backend.attention != "paged-native" or backend.elementwise != "native":
         return "attention or element-wise ops are not the native kernels"
     if not isinstance(kv_cache, PagedKVCache) or not all(t.is_contiguous() for t in kv_cache.k + kv_cache.v) \
@@ -74,10 +75,14 @@ ROPE_SCRATCH = 256  # RoPE table rows past the context, for a step's rows beyond
 
 def _rope_tables(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     """The fused step's own copy of the model's cos / signed sin tables, (max_positions + ROPE_SCRATCH, D)
-    float32: where a step's rows past the context find the rows `rope_rows` computes for them (`_positions`),
-    so the step never writes into the model's buffers."""
+    float32, times LongRoPE's attention factor as the module path scales its rows (`scaled_rope_rows`): where
+    a step's rows past the context find the rows that computes for them (`_positions`), so the step never
+    writes into the model's buffers."""
+    f = model.rope_factor
+
     def table(t: torch.Tensor) -> torch.Tensor:
-        return torch.cat((t.float(), t.new_zeros(ROPE_SCRATCH, t.shape[1], dtype=torch.float32))).contiguous()
+        t = t.float() if f == 1.0 else t.float() * f
+        return torch.cat((t, t.new_zeros(ROPE_SCRATCH, t.shape[1], dtype=torch.float32))).contiguous()
     return table(model.rope_cos), table(model.rope_sin)
 
 
@@ -105,12 +110,12 @@ class FusedDecoder:
         cfg = model.config
         cos, sin = _rope_tables(model)
         spec = [cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
-                cfg.head_dim, cfg.intermediate_size, cos.shape[0], int(native.int8_activations())]
+                cfg.head_dim, cfg.intermediate_size, cos.shape[0], int(native.int8_activations()), cfg.rotary_dim]
         tensors: list[torch.Tensor] = []
         for layer in model.model.layers:
             attn = layer.self_attn
             bias = attn.qkv_proj.bias
-            spec.append((1 if bias is not None else 0) | (2 if attn.qk_norm else 0))
+            spec.append((1 if bias is not None else 0) | (2 if attn.qk_norm else 0) | (0 if attn.use_rope else 4))
             tensors += [layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach()]
             if attn.qk_norm:
                 tensors += [attn.q_norm.weight.detach(), attn.k_norm.weight.detach()]
@@ -120,7 +125,10 @@ class FusedDecoder:
             _linear_spec(attn.o_proj, spec, tensors)
             _linear_spec(layer.mlp.gate_up_proj, spec, tensors)
             _linear_spec(layer.mlp.down_proj, spec, tensors)
-        tensors += [model.model.norm.weight.detach(), cos, sin]
+        # the module path's attention scale and residual multiplier, as float32 (what its ops compute with)
+        scalars = torch.tensor([model.model.layers[0].self_attn.attn.scale, cfg.residual_multiplier],
+                               dtype=torch.float32)
+        tensors += [model.model.norm.weight.detach(), cos, sin, scalars]
         eps = model.model.norm.eps
         plan = native.ops().decode_plan_create(tensors, spec, float(eps))
         return cls(model, plan, backend.isa, (cos, sin)), "decode-only steps run every layer in one native call"
@@ -131,13 +139,13 @@ class FusedDecoder:
 
     def _positions(self, positions: torch.Tensor) -> torch.Tensor:
         """positions (B,) as the native step reads them: past the context (a bounded cache's generation),
-        a row's cos / sin are `rope_rows`' (what the module path computes) written into the table's
+        a row's cos / sin are `scaled_rope_rows`' (what the module path computes) written into the table's
         scratch rows, and the row reads those."""
         n = self.model.max_positions
         far = positions >= n
         if not bool(far.any()):
             return positions
-        cos, sin = self.model.rope_rows(positions[far])
+        cos, sin = self.model.scaled_rope_rows(positions[far])
         k = cos.shape[0]
         self._cos[n : n + k] = cos
         self._sin[n : n + k] = sin
@@ -149,7 +157,10 @@ class FusedDecoder:
         """input_ids (B,) of a decode-only step -> final hidden states (B, hidden) float32."""
         rows = meta.attn
         assert isinstance(rows, PagedRows)
-        x = self.model.model.embed_tokens(input_ids).float().contiguous()  # (B, hidden)
+        x = self.model.model.embed_tokens(input_ids).float()  # (B, hidden)
+        if self.model.config.embedding_multiplier != 1.0:  # Granite's, as the module path multiplies
+            x = x * self.model.config.embedding_multiplier
+        x = x.contiguous()
         if self._out.shape != x.shape:
             self._out = torch.empty_like(x)
         prof = self.profile if self.profile is not None else self._no_profile

@@ -99,8 +99,6 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     """Loading, stacking, quantized layers and the input-major layout are the Llama module's; the layers,
     the embedding scale, the two RoPE tables and the optional final soft-cap are Gemma's."""
 
-    FUSED_DECODE = False  # the fused native decode step implements the Llama layer only
-
     def __init__(self, config: ModelConfig, max_positions: int) -> None:
         nn.Module.__init__(self)
         self.config = config
@@ -111,7 +109,11 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         self.max_positions = max_positions
         # sqrt(hidden) rounded to float32, as HF multiplies float32 embeddings by it
         self.embed_scale = float(np.float32(config.hidden_size**0.5))
+        self.rope_factor = 1.0  # no LongRoPE
         self.set_rope(rope_inv_freq(config))
+
+    def fused_decode_refusal(self) -> str | None:
+        return "the fused step implements the Llama layer only (Gemma 3's sandwich norms, GeGLU, sliding layers)"
 
     def set_rope(self, inv_freq: torch.Tensor) -> None:
         """The full layers' table (`rope_cos`/`rope_sin`, from `inv_freq`) and the sliding layers' one

@@ -1,4 +1,10 @@
-"""The Llama family (Llama 2/3, SmolLM/SmolLM2, Mistral, Qwen2/2.5, Qwen3) as one PyTorch module tree.
+"""The Llama family (Llama 2/3, SmolLM/SmolLM2, Mistral, Qwen2/2.5, Qwen3, Phi-3/Phi-4-mini, SmolLM3,
+Granite 3.x) as one PyTorch module tree.
+
+The members differ only by `ModelConfig` fields: q/k/v bias (Qwen2), per-head q/k norms (Qwen3), LongRoPE
+and RoPE on part of each head (Phi-3, Phi-4-mini; their checkpoints store q/k/v and gate/up fused, which are
+this module's own stacked projections, loaded as stored), layers without RoPE (SmolLM3), and scalar
+multipliers on the embedding, the attention scores, the residual branches and the logits (Granite).
 
 Module names equal Hugging Face checkpoint names (`model.layers.0.self_attn.q_proj`), so loading is a
 dictionary copy; format-specific renaming lives in `loader/`. The model works on a flat batch:
@@ -42,15 +48,24 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
-def rope_inv_freq(config: ModelConfig, rope_freqs: torch.Tensor | None = None) -> torch.Tensor:
-    """(head_dim/2,) inverse frequencies, with llama3 / linear scaling or GGUF per-frequency factors."""
-    D = config.head_dim
+def rope_inv_freq(config: ModelConfig, rope_freqs: torch.Tensor | None = None,
+                  context: int | None = None) -> torch.Tensor:
+    """(rotary_dim/2,) inverse frequencies, with llama3 / linear / longrope scaling or GGUF per-frequency
+    factors. LongRoPE takes its long factors where the engine's context (`context`) exceeds the original
+    one: decided once per engine, as llama.cpp does (transformers switches per sequence length, which would
+    make a token's keys depend on how long its sequence grew; the two agree while context <= original)."""
+    D = config.rotary_dim
     # On the CPU even inside the engine's `torch.device("meta")` block: arithmetic on meta tensors runs
     # torch's Python reference ops, whose first use imports torch._dynamo (~1 s, ~45 MB per start).
-    inv = 1.0 / (config.rope_theta ** (torch.arange(0, D, 2, dtype=torch.int64, device="cpu").float() / D))
+    shape = torch.arange(0, D, 2, dtype=torch.int64, device="cpu").float() / D
+    inv = 1.0 / (config.rope_theta ** shape)
     rs = config.rope_scaling or {}
     kind = rs.get("rope_type", rs.get("type", "default"))
-    if kind == "linear":
+    if kind == "longrope":  # HF's _compute_longrope_parameters, factors multiplied before the reciprocal
+        long = context is not None and context > int(rs["original_max_position_embeddings"])
+        ext = torch.tensor(rs["long_factor" if long else "short_factor"], dtype=torch.float32, device="cpu")
+        inv = 1.0 / (ext * config.rope_theta ** shape)
+    elif kind == "linear":
         inv = inv / float(rs["factor"])
     elif kind == "llama3":
         factor, lo, hi = float(rs["factor"]), float(rs["low_freq_factor"]), float(rs["high_freq_factor"])
@@ -64,6 +79,28 @@ def rope_inv_freq(config: ModelConfig, rope_freqs: torch.Tensor | None = None) -
     if rope_freqs is not None:
         inv = inv / rope_freqs.float()
     return inv
+
+
+def rope_attention_factor(config: ModelConfig) -> float:
+    """LongRoPE's magnitude correction of cos and sin (HF's `attention_scaling`; 1.0 for other RoPE):
+    sqrt(1 + ln(factor) / ln(original context)), factor = context / original context, unless given."""
+    rs = config.rope_scaling or {}
+    if rs.get("rope_type") != "longrope":
+        return 1.0
+    if rs.get("attention_factor") is not None:
+        return float(rs["attention_factor"])
+    original = int(rs["original_max_position_embeddings"])
+    factor = rs.get("factor") or config.max_position_embeddings / original
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+
+
+def rotate(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on the first cos.shape[-1] values of each head of qk (T, heads, D) (all of them but for a
+    partial rotary factor, where the rest pass through unrotated)."""
+    rd = cos.shape[-1]
+    if rd == qk.shape[-1]:
+        return apply_rope(qk, cos, sin)
+    return torch.cat((apply_rope(qk[..., :rd].contiguous(), cos, sin), qk[..., rd:]), dim=-1)
 
 
 _STACKS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -160,7 +197,8 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.qk_norm = config.qk_norm
-        self.attn = Attention(layer_idx, self.head_dim**-0.5)
+        self.use_rope = config.uses_rope(layer_idx)  # SmolLM3's NoPE layers: no position encoding at all
+        self.attn = Attention(layer_idx, config.attention_multiplier or self.head_dim**-0.5)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
@@ -169,7 +207,8 @@ class LlamaAttention(nn.Module):
         qk, v = qkv[:, : nh + kvh], qkv[:, nh + kvh :]
         if self.qk_norm:
             qk = torch.cat((self.q_norm(qk[:, :nh]), self.k_norm(qk[:, nh:])), dim=1)
-        qk = apply_rope(qk, cos, sin)  # queries and keys at once; cos, sin: (T, 1, D)
+        if self.use_rope:
+            qk = rotate(qk, cos, sin)  # queries and keys at once; cos, sin: (T, 1, rotary_dim)
         q, k = qk[:, :nh], qk[:, nh:]
         return self.o_proj(self.attn(q, k, v, kv_cache, meta))
 
@@ -192,11 +231,15 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(config, layer_idx)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
+        self.residual_multiplier = config.residual_multiplier  # Granite's; 1.0 elsewhere (then no multiply)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        attn = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
+        r = self.residual_multiplier
+        x = x + (attn if r == 1.0 else attn * r)
+        mlp = self.mlp(self.post_attention_layernorm(x))
+        return x + (mlp if r == 1.0 else mlp * r)
 
 
 class LlamaModel(nn.Module):
@@ -214,8 +257,6 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """forward() -> final hidden states (T, hidden); compute_logits() -> float32 logits for chosen rows."""
 
-    FUSED_DECODE = True  # decode-only steps may run as one native call (model/fused_decode.py)
-
     def __init__(self, config: ModelConfig, max_positions: int) -> None:
         super().__init__()
         self.config = config
@@ -224,7 +265,17 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.max_positions = max_positions
-        self.set_rope(rope_inv_freq(config))
+        # LongRoPE scales cos and sin by this (in forward, on rows of the unscaled tables: shifting a cached
+        # key by `shift_keys` must stay a pure rotation)
+        self.rope_factor = rope_attention_factor(config)
+        self.set_rope(rope_inv_freq(config, context=max_positions))
+
+    def fused_decode_refusal(self) -> str | None:
+        """Why the fused native decode step (model/fused_decode.py, csrc/decode.cpp) cannot compute this
+        model as its layers do (None: it can). The native step implements the whole Llama layer as this
+        module does: q/k/v bias, q/k norms, RoPE on rotary_dim values of each head or on none (NoPE layers),
+        any RoPE tables and attention factor, the attention scale, the embedding and residual multipliers."""
+        return None
 
     def set_rope(self, inv_freq: torch.Tensor) -> None:
         self.register_rope("", inv_freq)
@@ -273,21 +324,33 @@ class LlamaForCausalLM(nn.Module):
     def shift_keys(self, layer: int, k: torch.Tensor, delta: int) -> torch.Tensor:
         """Keys k (n, kv_heads, D) of layer `layer`, rotated delta positions further (RoPE is a rotation
         per frequency: a key at position i becomes the key at i + delta, to float rounding)."""
+        if not self.config.uses_rope(layer):
+            return k
         cos, sin = self.rope_rows(torch.tensor([delta], device=k.device), self.rope_suffix(layer))
         n = k.shape[0]
-        return apply_rope(k.float().contiguous(), cos.repeat(n, 1).unsqueeze(1), sin.repeat(n, 1).unsqueeze(1))
+        return rotate(k.float().contiguous(), cos.repeat(n, 1).unsqueeze(1), sin.repeat(n, 1).unsqueeze(1))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)  # (T, hidden)
-        cos, sin = self.rope_rows(positions)
-        cos, sin = cos.to(x.dtype).unsqueeze(1), sin.to(x.dtype).unsqueeze(1)  # (T, 1, D)
+        if self.config.embedding_multiplier != 1.0:
+            x = x * self.config.embedding_multiplier
+        cos, sin = self.scaled_rope_rows(positions)
+        cos, sin = cos.to(x.dtype).unsqueeze(1), sin.to(x.dtype).unsqueeze(1)  # (T, 1, rotary_dim)
         for layer in self.model.layers:
             x = layer(x, cos, sin, kv_cache, meta)
         return self.model.norm(x)
 
+    def scaled_rope_rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`rope_rows` times LongRoPE's attention factor (float32, as HF scales its cos and sin)."""
+        cos, sin = self.rope_rows(positions)
+        f = self.rope_factor
+        return (cos, sin) if f == 1.0 else (cos * f, sin * f)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()  # (N, vocab)
+        logits = self.lm_head(hidden).float()  # (N, vocab)
+        s = self.config.logits_scaling  # Granite divides its logits
+        return logits if s == 1.0 else logits / s
 
     def to_input_major(self) -> None:
         """Store every linear weight (out, in) in input-major memory order (a transposed view of an
@@ -329,7 +392,8 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = QuantLinear(emb.qweight) if isinstance(emb, QuantEmbedding) else self.lm_head
             if isinstance(self.lm_head, nn.Linear):
                 self.lm_head.weight = emb.weight
-        self.set_rope(rope_inv_freq(self.config, None if rope_freqs is None else _dense(rope_freqs)))
+        self.set_rope(rope_inv_freq(self.config, None if rope_freqs is None else _dense(rope_freqs),
+                                    context=self.max_positions))
 
     def _assign(self, name: str, t: Any) -> None:
         path, attr = name.rsplit(".", 1)

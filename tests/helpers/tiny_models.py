@@ -72,19 +72,36 @@ def write_tiny_thinking_gguf(path: Path, **config: Any) -> Path:
 # ----------------------------------------------------------------------------------- configs, weights
 
 
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "mistral": "MistralForCausalLM", "phi3": "Phi3ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
+                 "granite": "GraniteForCausalLM"}
+
+
+def longrope(rotary_dim: int, original: int) -> dict[str, Any]:
+    """Phi-3's `rope_scaling`: LongRoPE with distinct short and long factors per rotary frequency."""
+    n = rotary_dim // 2
+    return {"type": "longrope", "short_factor": [1.0 + 0.1 * j for j in range(n)],
+            "long_factor": [1.5 + 0.5 * j for j in range(n)], "original_max_position_embeddings": original}
+
+
 def tiny_config(model_type: str = "llama", **kw: Any) -> dict[str, Any]:
     """An HF config.json dict for a 2-layer model with GQA (4 query heads, 2 KV heads)."""
     cfg = {
         "model_type": model_type,
-        "architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                           "mistral": "MistralForCausalLM"}[model_type]],
+        "architectures": [ARCHITECTURES[model_type]],
         "vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 256,
         "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": True, "bos_token_id": VOCAB - 3,
-        "eos_token_id": VOCAB - 2, "torch_dtype": "float32",
+        "eos_token_id": VOCAB - 2, "pad_token_id": None, "torch_dtype": "float32",
     }
     if model_type == "qwen2":
         cfg["use_sliding_window"] = False
+    if model_type == "phi3":  # LongRoPE, its factor 256 / 64 = 4 (an attention factor of ~1.155)
+        cfg.update(original_max_position_embeddings=64, rope_scaling=longrope(16, 64), sliding_window=None)
+    if model_type == "smollm3":  # 4 layers: the 4th has no RoPE (transformers' and llama.cpp's default)
+        cfg.update(num_hidden_layers=4, use_sliding_window=False, sliding_window=None)
+    if model_type == "granite":
+        cfg.update(embedding_multiplier=12.0, attention_multiplier=0.2, residual_multiplier=0.22, logits_scaling=3.0)
     cfg.update(kw)
     return cfg
 
@@ -117,6 +134,9 @@ def random_state_dict(cfg: dict[str, Any], seed: int = 0) -> dict[str, torch.Ten
         sd[p + "mlp.gate_proj.weight"] = r(i, h)
         sd[p + "mlp.up_proj.weight"] = r(i, h)
         sd[p + "mlp.down_proj.weight"] = r(h, i)
+        if cfg["model_type"] == "phi3":  # stored fused, as Phi-3 checkpoints are
+            sd[p + "self_attn.qkv_proj.weight"] = torch.cat([sd.pop(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
+            sd[p + "mlp.gate_up_proj.weight"] = torch.cat([sd.pop(p + f"mlp.{n}_proj.weight") for n in ("gate", "up")])
     return sd
 
 
@@ -125,8 +145,10 @@ _HF_TO_GGUF = {
     "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
     "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
     "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down", "self_attn.qkv_proj": "attn_qkv",
+    "mlp.gate_up_proj": "ffn_up",  # Phi-3: gate and up fused in one `ffn_up`
 }
+PERMUTED_QK = ("llama", "smollm3", "granite")  # llama.cpp's LlamaModel converter and its subclasses
 
 
 def _gguf_name(hf: str) -> str:
@@ -160,21 +182,52 @@ def write_tiny_gguf(path: Path, cfg: dict[str, Any] | None = None, state: dict[s
     w.add_head_count_kv(cfg["num_key_value_heads"])
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_rope_freq_base(cfg["rope_theta"])
-    w.add_key_length(cfg["head_dim"])
-    w.add_value_length(cfg["head_dim"])
+    if arch not in ("phi3", "granite"):  # their converters write no head_dim (hidden / heads)
+        w.add_key_length(cfg["head_dim"])
+        w.add_value_length(cfg["head_dim"])
     w.add_vocab_size(cfg["vocab_size"])
+    extra = _converter_extras(w, cfg, arch)
     add_byte_level_vocab(w, fields)
 
     def tensors() -> Any:
+        yield from extra
         for hf, t in state.items():
             a = t.float().numpy()
-            if arch == "llama" and (".q_proj." in hf or ".k_proj." in hf):
+            if arch in PERMUTED_QK and (".q_proj." in hf or ".k_proj." in hf):
                 heads = cfg["num_attention_heads"] if ".q_proj." in hf else cfg["num_key_value_heads"]
                 a = _permute(a, heads)
             yield _gguf_name(hf), a
 
     write_tensors(w, tensors(), tensor_type)
     return path
+
+
+def _converter_extras(w: Any, cfg: dict[str, Any], arch: str) -> list[tuple[str, np.ndarray]]:
+    """What llama.cpp's converter adds for Phi-3 (rotary dimensions, original context, sliding window 0 for
+    none, LongRoPE's attention factor and its factor tensors) and Granite (its multipliers, as *_scale);
+    returns the extra tensors."""
+    import math
+
+    if arch == "granite":
+        w.add_embedding_scale(cfg["embedding_multiplier"])
+        w.add_attention_scale(cfg["attention_multiplier"])
+        w.add_residual_scale(cfg["residual_multiplier"])
+        w.add_logit_scale(cfg["logits_scaling"])
+    if arch != "phi3":
+        return []
+    h, nh = cfg["hidden_size"], cfg["num_attention_heads"]
+    rope = cfg.get("rope_scaling") or {}
+    rot = int(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) * h) // nh
+    orig = cfg.get("original_max_position_embeddings", cfg["max_position_embeddings"])
+    w.add_rope_dimension_count(rot)
+    w.add_rope_scaling_orig_ctx_len(orig)
+    w.add_sliding_window(cfg.get("sliding_window") or 0)
+    if not rope.get("long_factor"):
+        return []
+    scale = cfg["max_position_embeddings"] / orig
+    w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(orig)) if scale > 1.0 else 1.0)
+    return [("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32)),
+            ("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))]
 
 
 def add_byte_level_vocab(w: Any, fields: dict[str, Any] | None = None, chat_template: bool = True) -> None:
@@ -253,12 +306,11 @@ def hf_reference_model(cfg: dict[str, Any], state: dict[str, torch.Tensor]) -> A
     """The same weights in Hugging Face transformers (built from the config: nothing is downloaded)."""
     import transformers
 
-    conf_cls = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config"}
-    model_cls = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM"}
+    conf_cls = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
+                "phi3": "Phi3Config", "smollm3": "SmolLM3Config", "granite": "GraniteConfig"}
     c = getattr(transformers, conf_cls[cfg["model_type"]])(**{k: v for k, v in cfg.items() if k != "model_type"})
     c._attn_implementation = "eager"
-    m = getattr(transformers, model_cls[cfg["model_type"]])(c).eval()
+    m = getattr(transformers, ARCHITECTURES[cfg["model_type"]])(c).eval()
     sd = dict(state)
     if cfg["tie_word_embeddings"]:
         sd["lm_head.weight"] = sd["model.embed_tokens.weight"]

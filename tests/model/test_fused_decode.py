@@ -3,8 +3,11 @@
 * On random cache contents and a ragged batch: the fused step's final hidden states equal the module
   path's (model.forward on the same paged cache) bit for bit, on float32, float16 and bfloat16 caches,
   and it writes the same K/V bits; a sequence's result is bit-identical alone and inside the batch.
-* Through the engine, on tiny quantized GGUFs of the llama, qwen2 (q/k/v bias) and qwen3 (q/k norm)
-  families: the same greedy tokens and the same logits bits with and without fusion.
+* Through the engine, on tiny quantized GGUFs of the llama, qwen2 (q/k/v bias), qwen3 (q/k norm), phi3
+  (fused q/k/v and gate/up tensors, LongRoPE's scaled cos / sin), Phi-4-mini (RoPE on half of each head),
+  smollm3 (a layer without RoPE) and granite (multipliers) families, and a head_dim of 96 (whose
+  attention scale 96 ** -0.5 rounds differently from 1 / sqrtf(96)): the same greedy tokens and the same
+  logits bits with and without fusion.
 * Where it must not run (float32 reference path, contiguous cache, KVLM_FUSED_DECODE=0) the runner
   keeps the module path.
 """
@@ -17,7 +20,7 @@ import pytest
 import torch
 from deps import need_native
 from engine_runs import random_prompts, run_engine
-from tiny_models import tiny_config, write_tiny_gguf
+from tiny_models import longrope, tiny_config, write_tiny_gguf
 
 from kvlm import EngineConfig
 from kvlm.attention.metadata import AttentionMetadata, StepKind
@@ -31,10 +34,14 @@ def _native() -> None:
     need_native("the fused decode step is native")
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+FAMILIES = {"llama": {}, "qwen2": {"attention_bias": True}, "qwen3": {}, "phi3": {}, "smollm3": {}, "granite": {},
+            "phi4mini": {"partial_rotary_factor": 0.5, "rope_scaling": longrope(8, 64)}, "llama-d96": {"head_dim": 96}}
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
 def family_gguf(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    kw = {"attention_bias": True} if request.param == "qwen2" else {}
-    cfg = tiny_config(request.param, tie_word_embeddings=False, **kw)
+    model_type = {"phi4mini": "phi3", "llama-d96": "llama"}.get(request.param, request.param)
+    cfg = tiny_config(model_type, tie_word_embeddings=False, **FAMILIES[request.param])
     return write_tiny_gguf(tmp_path_factory.mktemp("fused") / f"tiny-{request.param}.gguf", cfg, tensor_type="Q8_0")
 
 

@@ -79,14 +79,20 @@ struct Linear {
 struct Layer {
     const float *in_norm = nullptr, *post_norm = nullptr, *q_norm = nullptr, *k_norm = nullptr;
     Linear qkv, o, gate_up, down;
+    bool rope = true;  // false: a layer without position encoding (SmolLM3's NoPE layers)
 };
 
 struct Plan {
     std::vector<at::Tensor> keep;  // the tensors the pointers below point into
     std::vector<Layer> layers;
-    const float *final_norm = nullptr, *cos = nullptr, *sin = nullptr;  // cos/sin (max_pos, D); sin signed
+    const float *final_norm = nullptr, *cos = nullptr, *sin = nullptr;  // cos/sin (max_pos, RD); sin signed
     int64_t hidden = 0, nh = 0, kvh = 0, D = 0, inter = 0, max_pos = 0;
+    int64_t rd = 0;  // RoPE rotates the first rd values of each head (D, or fewer: a partial rotary factor)
     float eps = 0.0f;
+    // the module path's own numbers: its attention scale (a Python float, rounded to float32 as the
+    // attention op rounds it; 1/sqrtf(D) would differ in the last bit for D = 96 or 112) and the residual
+    // branches' multiplier (Granite's; 1 elsewhere)
+    float attn_scale = 0.0f, resid = 1.0f;
     int act = kvlm::ACT_F32;
     std::vector<float> scratch;  // per-step intermediates, grown to the largest B seen
 };
@@ -125,6 +131,7 @@ int64_t decode_plan_create(at::TensorList tensors, at::IntArrayRef spec, double 
     p->hidden = next_i(), p->nh = next_i(), p->kvh = next_i(), p->D = next_i(), p->inter = next_i();
     p->max_pos = next_i();
     p->act = static_cast<int>(next_i());
+    p->rd = next_i();
     p->eps = static_cast<float>(eps);
     const int64_t H = p->hidden, D = p->D;
     auto linear = [&](Linear& lin, int64_t n, int64_t k) {
@@ -144,7 +151,8 @@ int64_t decode_plan_create(at::TensorList tensors, at::IntArrayRef spec, double 
     };
     for (int64_t l = 0; l < L; l++) {
         Layer ly;
-        const int64_t flags = next_i();
+        const int64_t flags = next_i();  // 1: q/k/v bias, 2: q/k norms, 4: no RoPE
+        ly.rope = !(flags & 4);
         ly.in_norm = f32_ptr(next_t(), H, "input norm");
         ly.post_norm = f32_ptr(next_t(), H, "post-attention norm");
         if (flags & 2) {
@@ -160,8 +168,11 @@ int64_t decode_plan_create(at::TensorList tensors, at::IntArrayRef spec, double 
         p->layers.push_back(std::move(ly));
     }
     p->final_norm = f32_ptr(next_t(), H, "final norm");
-    p->cos = f32_ptr(next_t(), p->max_pos * D, "rope cos");
-    p->sin = f32_ptr(next_t(), p->max_pos * D, "rope sin");
+    TORCH_CHECK(p->rd > 0 && p->rd <= D && p->rd % 2 == 0, "kvlm decode: bad rotary dimensions ", p->rd);
+    p->cos = f32_ptr(next_t(), p->max_pos * p->rd, "rope cos");
+    p->sin = f32_ptr(next_t(), p->max_pos * p->rd, "rope sin");
+    const float* scalars = f32_ptr(next_t(), 2, "attention scale and residual multiplier");
+    p->attn_scale = scalars[0], p->resid = scalars[1];
     TORCH_CHECK(ti == tensors.size() && si == spec.size(), "kvlm decode: plan has unused entries");
     std::lock_guard<std::mutex> g(plans_mu);
     plans[next_plan] = std::move(p);
@@ -188,6 +199,19 @@ struct Timer {
         t0 = t;
     }
 };
+
+// x += h * r: the module path's `x + (h * r)`, two roundings (this unit is built without FMA contraction
+// targets); r == 1 adds h as it is.
+void residual_add(float* x, const float* h, int64_t n, float r) {
+    if (r == 1.0f) {
+        for (int64_t i = 0; i < n; i++) x[i] += h[i];
+        return;
+    }
+    for (int64_t i = 0; i < n; i++) {
+        const float t = h[i] * r;
+        x[i] += t;
+    }
+}
 
 void run_linear(const KvlmKernels* t, const Linear& lin, const float* x, int64_t B, float* y, int act) {
     int64_t off = 0;
@@ -305,7 +329,8 @@ void decode_step(int64_t plan_id, const at::Tensor& x, const at::Tensor& positio
     float* gu = attn + B * nh * D;
     float* a = gu + B * 2 * I;
     std::memcpy(xr, x.const_data_ptr<float>(), sizeof(float) * B * H);
-    const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+    const float scale = p.attn_scale, r = p.resid;
+    const int64_t RD = p.rd;
     tm.lap(T_OTHER);
 
     for (int64_t l = 0; l < L; l++) {
@@ -318,9 +343,10 @@ void decode_step(int64_t plan_id, const at::Tensor& x, const at::Tensor& positio
             float* row = qkv + b * nqkv;  // [q (nh, D) | k (kvh, D) | v (kvh, D)]
             if (ly.q_norm)
                 for (int64_t i = 0; i < nh + kvh; i++) rmsnorm(row + i * D, i < nh ? ly.q_norm : ly.k_norm, row + i * D, D, p.eps);
-            const float* c = p.cos + pos[b] * D;
-            const float* s = p.sin + pos[b] * D;
-            for (int64_t i = 0; i < nh + kvh; i++) rope(row + i * D, c, s, D);
+            const float* c = p.cos + pos[b] * RD;
+            const float* s = p.sin + pos[b] * RD;
+            if (ly.rope)  // the first RD values of each head, as the module path rotates a contiguous copy of them
+                for (int64_t i = 0; i < nh + kvh; i++) rope(row + i * D, c, s, RD);
             std::memcpy(q + b * nh * D, row, sizeof(float) * nh * D);
         }
         tm.lap(T_NORM);
@@ -347,7 +373,7 @@ void decode_step(int64_t plan_id, const at::Tensor& x, const at::Tensor& positio
         tm.lap(T_ATTENTION);
         run_linear(t, ly.o, attn, B, h, p.act);
         tm.lap(T_MATMUL);
-        for (int64_t i = 0; i < B * H; i++) xr[i] += h[i];
+        residual_add(xr, h, B * H, r);
         for (int64_t b = 0; b < B; b++) rmsnorm(xr + b * H, ly.post_norm, h + b * H, H, p.eps);
         tm.lap(T_NORM);
         run_linear(t, ly.gate_up, h, B, gu, p.act);
@@ -356,7 +382,7 @@ void decode_step(int64_t plan_id, const at::Tensor& x, const at::Tensor& positio
         tm.lap(T_NORM);
         run_linear(t, ly.down, a, B, h, p.act);
         tm.lap(T_MATMUL);
-        for (int64_t i = 0; i < B * H; i++) xr[i] += h[i];
+        residual_add(xr, h, B * H, r);
         tm.lap(T_NORM);
     }
     float* o = out.mutable_data_ptr<float>();

@@ -1,0 +1,117 @@
+"""Bit-exact engine equivalences for every model family kvlm runs, on tiny random models the tests write.
+
+`test_exact.py` holds the Llama shape to them in every weight format; here each family (Llama 3.1 RoPE
+scaling, Qwen2's q/k/v bias, Qwen3's q/k norms, Mistral, Gemma 3's sliding layers, Phi-3's fused tensors and
+LongRoPE, Phi-4-mini's partial rotary, SmolLM3's layers without RoPE, Granite's multipliers) runs one set of
+engines on the default path (`--dtype auto`): cache vs none, alone vs batch, chunked vs whole, prefix hit
+vs miss, preempted vs not, 1 vs 2 threads, and the fused decode step vs the module path (or the fused step
+refused, for the reason the model gives). Every step's float32 logits are compared with `torch.equal`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from deps import need_native
+from engine_runs import assert_identical, random_prompts, run_engine
+from tiny_gemma import gemma3_config, gemma3_state, write_gemma3_gguf
+from tiny_models import longrope, tiny_config, write_tiny_gguf, write_tiny_hf_dir
+
+from kvlm import EngineConfig, SamplingParams
+from kvlm.engine.engine import Engine
+
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+LLAMA31_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32}
+# family -> (how the test writes it, the fused step's refusal or None where it runs)
+FAMILIES: dict[str, tuple[str, str | None]] = {
+    "llama31": ("safetensors", None),
+    "qwen2": ("Q8_0", None),
+    "qwen3": ("Q8_0", None),
+    "mistral": ("safetensors", None),
+    "gemma3": ("Q8_0", "Llama layer only"),
+    "phi3": ("Q8_0", None),
+    "phi4mini": ("Q8_0", None),
+    "smollm3": ("Q8_0", None),
+    "granite": ("Q8_0", None),
+}
+
+
+def family_config(family: str) -> dict[str, Any]:
+    """The tiny HF config of a family (see tiny_models.tiny_config; Gemma 3: tiny_gemma)."""
+    if family == "llama31":
+        return tiny_config(rope_scaling=LLAMA31_ROPE, tie_word_embeddings=False)
+    if family == "phi4mini":  # RoPE on half of each head, LongRoPE factors for those 8 values
+        return tiny_config("phi3", partial_rotary_factor=0.5, rope_scaling=longrope(8, 64))
+    if family == "qwen2":
+        return tiny_config("qwen2", attention_bias=True, tie_word_embeddings=False)
+    return tiny_config(family, tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
+    need_native()
+    name, (fmt, _) = request.param, FAMILIES[request.param]
+    root = tmp_path_factory.mktemp(name)
+    if name == "gemma3":
+        cfg = gemma3_config()
+        return name, write_gemma3_gguf(root / "tiny.gguf", cfg, gemma3_state(cfg), tensor_type=fmt)
+    if fmt == "safetensors":
+        return name, write_tiny_hf_dir(root / "hf", family_config(name))
+    return name, write_tiny_gguf(root / "tiny.gguf", family_config(name), tensor_type=fmt)
+
+
+def test_family_equivalences_bit_for_bit(family: tuple[str, Path]) -> None:
+    name, path = family
+
+    def engine(**cfg: Any) -> Engine:
+        return Engine(path, EngineConfig(block_size=4, **cfg), quiet=True)
+
+    shared = random_prompts(1, 31, lo=20, hi=20)[0]
+    prompts = [shared + tail for tail in random_prompts(4, 32, lo=2, hi=14)]
+    main = engine(enable_prefix_caching=False)
+    ref = run_engine(main, prompts, GREEDY)
+    assert_identical(ref, run_engine(engine(enable_kv_cache=False), prompts, GREEDY), f"{name}: cache vs none")
+    assert_identical(ref, run_engine(engine(max_num_batched_tokens=7, enable_prefix_caching=False), prompts, GREEDY),
+                     f"{name}: chunked prefill (7 tokens a step)")
+    for i in (0, 3):
+        t, lg = run_engine(engine(enable_prefix_caching=False), [prompts[i]], GREEDY)
+        assert_identical(({i: ref[0][i]}, {i: ref[1][i]}), ({i: t[0]}, {i: lg[0]}), f"{name}: alone vs batch ({i})")
+
+    cached = engine()
+    run_engine(cached, [shared + [1, 2]], GREEDY)  # fills the prefix cache with the shared blocks
+    reqs: list = []
+    hit = run_engine(cached, prompts, GREEDY, requests=reqs)
+    assert all(r.metrics.num_cached_tokens >= 20 for r in reqs)
+    assert_identical(ref, hit, f"{name}: prefix-cache hit vs miss")
+
+    # 96 tokens of full-attention layers for four requests of up to 44: preemptions (Gemma 3's sliding
+    # layers keep their fixed blocks per request besides, as the pool reserves them)
+    windows = main.model_config.layer_windows or (None,) * main.model_config.num_hidden_layers
+    sliding = sum(main.kv_cache.k[i].nbytes + main.kv_cache.v[i].nbytes for i, w in enumerate(windows) if w)
+    budget = sliding + 96 * main.kv_bytes_per_token * windows.count(None) // len(windows)
+    small = engine(kv_cache_memory=budget, enable_prefix_caching=False)
+    reqs = []
+    assert_identical(ref, run_engine(small, prompts, GREEDY, requests=reqs), f"{name}: preempted vs not")
+    assert sum(r.metrics.num_preemptions for r in reqs) > 0
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1 if before > 1 else 2)
+        assert_identical(ref, run_engine(engine(enable_prefix_caching=False), prompts, GREEDY),
+                         f"{name}: {torch.get_num_threads()} vs {before} threads")
+    finally:
+        torch.set_num_threads(before)
+
+    refusal = FAMILIES[name][1]
+    if refusal is None:  # the fused native step ran every decode step of `ref`: the module path gives the same bits
+        assert main.runner.fused is not None and main.backend.decode == "fused"
+        modules = engine(enable_prefix_caching=False)
+        modules.runner.fused = None
+        assert_identical(ref, run_engine(modules, prompts, GREEDY), f"{name}: fused decode vs module path")
+    else:
+        assert main.runner.fused is None and main.backend.decode == "modules"
+        assert refusal in main.backend.reasons[-1], main.backend.reasons
