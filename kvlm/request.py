@@ -8,6 +8,7 @@ this one object; there are no side tables keyed by request id.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from enum import Enum
@@ -109,7 +110,12 @@ class Request:
     text: str = ""  # final text emitted so far (stop strings never enter it)
     pending_text: str = ""  # decoded but held back: it may be the start of a stop string
     detokenizer: IncrementalDetokenizer | None = None
-    generator: torch.Generator | None = None
+    # Every random draw of this request is keyed by (seed, position of the token drawn) (engine/sampler.py):
+    # params.seed, or one drawn here, at admission, for an unseeded request.
+    seed: int | None = None
+    # Speculative decoding (kvlm/spec_decode): tokens proposed to follow token_ids, verified in the next
+    # step as extra rows (the scheduler may shorten them; the engine clears them after the step).
+    draft_token_ids: list[int] = field(default_factory=list)
     grammar: RequestGrammar | None = None  # with params.structured_outputs: its compile, then its matcher
     reasoning: ReasoningBudget | None = None  # params.reasoning / reasoning_budget: its <think> span, count, forcing
     # A bounded cache (kv_policy.py): its policy; evicted blocks are -1 in block_table, blocks
@@ -131,6 +137,10 @@ class Request:
     pooling: PoolingParams | None = None
     pooled_rows: list[torch.Tensor] = field(default_factory=list)
     embedding: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.seed is None:
+            self.seed = self.params.seed if self.params.seed is not None else int.from_bytes(os.urandom(8), "little")
 
     @property
     def num_tokens(self) -> int:
