@@ -1,8 +1,9 @@
 """Sampler: logits of a batch -> one token per row, each row under its own `SamplingParams`.
 
 The order is vLLM V1's (vllm/v1/sample/sampler.py), step by step for each row:
-  0. a grammar (structured_outputs): tokens it forbids get -inf (`kvlm.structured.mask`); rows without
-     one, or inside a `<think>` span their grammar waits for, are not touched;
+  0. a grammar (structured_outputs): tokens it forbids get -inf (`kvlm.structured.mask`; a row verifying
+     drafts, the mask after the drafts before it); rows without one, or inside a `<think>` span their
+     grammar waits for, are not touched;
   1. min_tokens: EOS and the stop token ids are banned until the request has min_tokens outputs;
   2. penalties: repetition (HF, prompt + output), presence and frequency (OpenAI, output only);
   3. temperature < 1e-5: greedy, the argmax; top-k, top-p and min-p are ignored. Otherwise:
@@ -162,6 +163,20 @@ def ban_stop_tokens(logits: torch.Tensor, reqs: list[Request], eos_token_ids: fr
     return logits
 
 
+def _draft_masks(reqs: list[Request], rows: list[int], offsets: list[int] | None) -> torch.Tensor | None:
+    """(R, W) grammar bitmasks of `rows` when some verify drafts (row offset j: the mask after the request's
+    first j drafts), else None (each grammar's current mask). A request's rows are consecutive, offsets 0..k."""
+    if offsets is None or not any(offsets[i] for i in rows):
+        return None
+    masks = []
+    for i in rows:
+        if offsets[i] == 0:
+            r = reqs[i]
+            along = r.grammar.masks_along(r.draft_token_ids)  # type: ignore[union-attr]
+        masks.append(along[offsets[i]])
+    return torch.stack(masks)
+
+
 def position_noise(keys: list[int], V: int, device: torch.device) -> torch.Tensor:
     """(R, V) float32 uniforms in [0, 1): row j drawn from a generator seeded keys[j] (`draw_key`), so a
     row's noise depends on its key alone. One generator, re-seeded per row (~µs; no loop over the vocabulary)."""
@@ -183,7 +198,7 @@ def sample(logits: torch.Tensor, reqs: list[Request], eos_token_ids: frozenset[i
     constrained = [i for i, r in enumerate(reqs) if r.grammar_applies]
     if constrained:
         logits = apply_grammar_masks(logits, constrained, [reqs[i].grammar for i in constrained],  # type: ignore[misc]
-                                     inplace=writable)
+                                     inplace=writable, bitmask=_draft_masks(reqs, constrained, offsets))
     if any(r.params.logit_bias for r in reqs):
         logits = apply_logit_bias(logits.clone(), reqs)
     if any(r.params.min_tokens for r in reqs):
