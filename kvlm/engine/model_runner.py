@@ -41,17 +41,23 @@ class StepResult:
 
 @dataclass(slots=True)
 class _StepRows:
-    """A step's rows on the host, before they become tensors: one per scheduled token, requests in order."""
+    """A step's rows on the host, before they become tensors: one per scheduled token, requests in order.
 
-    requests: list[Request]
-    starts: list[int]  # per request: num_computed_tokens before this step (its first row's position)
+    Attention sees sequences: a request's rows are one sequence (a chunk, or a decode row), except that a
+    request verifying drafts brings each of its rows as a one-row sequence over its own block table (row
+    j attends positions <= its own, all written before any row attends): every row of the step is then a
+    decode row, so such a step keeps the decode plan (and the fused native step where it applies), and a
+    row's bits are those of the same token decoded alone."""
+
+    requests: list[Request]  # per sequence
+    starts: list[int]  # per sequence: its first row's position (num_computed_tokens before the step for a chunk)
     ids: list[int]
     positions: list[int]
     slots: list[int]
     query_lens: list[int]
     seq_lens: list[int]
     tables: list[list[int]]  # block tables padded with 0 to the longest (what attention reads)
-    shifts: list[int]  # per request: its rows' position minus their index in what attention reads
+    shifts: list[int]  # per sequence: its rows' position minus their index in what attention reads
     logits_rows: list[int]  # rows that end their sequence, or verify a draft: each samples a token
     samplers: list[Request]  # per logits row its request (repeated for a request's drafts)
     offsets: list[int]  # per logits row: 0, or which draft's successor it picks (speculative decoding)
@@ -62,30 +68,33 @@ class _StepRows:
     @classmethod
     def collect(cls, batch: ScheduledBatch, block_size: int, null_blocks: tuple[int, ...] = ()) -> _StepRows:
         """null_blocks[g - 1]: the id extra group g's evicted entries read (its zero-filled null block)."""
-        r = cls(list(batch.requests), starts=[], ids=[], positions=[], slots=[], query_lens=[], seq_lens=[],
+        r = cls([], starts=[], ids=[], positions=[], slots=[], query_lens=[], seq_lens=[],
                 tables=[], shifts=[], logits_rows=[], samplers=[], offsets=[],
                 group_slots=[[] for _ in null_blocks],
                 group_tables=[])
         tables = []
         for req, n in zip(batch.requests, batch.num_new_tokens):
             start = req.num_computed_tokens
-            r.starts.append(start)
-            # speculative decoding: the rows past its tokens are its drafts (K/V written like any row's)
+            # speculative decoding: the rows past its tokens are its drafts (K/V written like any row's),
+            # each its own one-row sequence (see the class docstring)
             src = req.token_ids + req.draft_token_ids if req.draft_token_ids else req.token_ids
-            r.ids.extend(src[start : start + n])
-            r.positions.extend(range(start, start + n))
-            bt = req.block_table
-            r.slots.extend(bt[p // block_size] * block_size + p % block_size for p in range(start, start + n))
-            r.query_lens.append(n)
-            policy = req.kv_policy
-            if policy is None:
-                r.seq_lens.append(start + n)
-                r.shifts.append(0)
-                tables.append(bt)
-            else:  # a bounded cache: attention reads [sinks | kept], one table for the step's rows
-                r.seq_lens.append(policy.attended(start + n - 1))
-                r.shifts.append(policy.ctx_shift(start))
-                tables.append(policy.virtual_table(bt, start))
+            seqs = [(start + j, 1) for j in range(n)] if req.draft_token_ids else [(start, n)]
+            bt, policy = req.block_table, req.kv_policy
+            for s0, m in seqs:
+                r.requests.append(req)
+                r.starts.append(s0)
+                r.ids.extend(src[s0 : s0 + m])
+                r.positions.extend(range(s0, s0 + m))
+                r.slots.extend(bt[p // block_size] * block_size + p % block_size for p in range(s0, s0 + m))
+                r.query_lens.append(m)
+                if policy is None:
+                    r.seq_lens.append(s0 + m)
+                    r.shifts.append(0)
+                    tables.append(bt)
+                else:  # a bounded cache: attention reads [sinks | kept], one table for the step's rows
+                    r.seq_lens.append(policy.attended(s0 + m - 1))
+                    r.shifts.append(policy.ctx_shift(s0))
+                    tables.append(policy.virtual_table(bt, s0))
             if start + n >= req.num_tokens and req.pooling is None:  # the end: a token (an embedding gets none)
                 last = req.num_tokens - 1  # its last token's row picks the next one; each draft's row the one after
                 for p in range(last, start + n):
@@ -96,11 +105,11 @@ class _StepRows:
         r.tables = [t + [0] * (max_blocks - len(t)) for t in tables]
         for g, null in enumerate(null_blocks):
             slots, gt = r.group_slots[g], []
-            for req, start, n in zip(batch.requests, r.starts, batch.num_new_tokens):
+            for req, s0, m in zip(r.requests, r.starts, r.query_lens):
                 raw = req.group_tables[g]  # the blocks this step writes are held, never EVICTED
-                slots.extend(raw[p // block_size] * block_size + p % block_size for p in range(start, start + n))
+                slots.extend(raw[p // block_size] * block_size + p % block_size for p in range(s0, s0 + m))
                 # a bounded request reads [sinks | kept] in every group (its sinks outside a sliding window)
-                t = raw if req.kv_policy is None else req.kv_policy.virtual_table(raw, start)
+                t = raw if req.kv_policy is None else req.kv_policy.virtual_table(raw, s0)
                 gt.append([null if b < 0 else b for b in t])  # EVICTED entries read the null block
             r.group_tables.append([t + [null] * (max_blocks - len(t)) for t in gt])
         return r

@@ -140,3 +140,46 @@ def test_config_refused_with_one_line() -> None:
         with pytest.raises(ParameterError) as e:
             EngineConfig(speculative_config=bad)
         assert e.value.param == "speculative_config" and "\n" not in str(e.value)
+
+
+def test_unseeded_sampling_keeps_the_target_distribution(varied: Path) -> None:
+    """Unseeded requests (each draws its seed at admission) with drafts verified: the three tokens they
+    generate follow the target's joint distribution p(t1) p(t2 | t1) p(t3 | t1, t2) (top-k 4: at most
+    K = 64 outcomes). Bound: for n draws over K outcomes the empirical distribution's expected total
+    variation from the truth is at most sqrt((K - 1) / n) / 2 (Cauchy-Schwarz over the K binomial
+    deviations), and one draw moves TV by at most 1/n, so by McDiarmid it exceeds that by
+    sqrt(ln(1/delta) / (2n)) with probability at most delta = 1e-6. A verifier that kept a refused draft, or
+    a draft row drawing with its neighbour's noise, would move mass between outcomes well past it."""
+    from collections import Counter
+
+    import torch
+
+    from kvlm.engine.sampler import filter_logits
+
+    prompt, top_k, n = [40, 41] * 6, 4, 1500
+    params = SamplingParams(temperature=1.0, top_k=top_k, max_tokens=3, ignore_eos=True)
+    eng = engine(varied, "suffix", k=1, draft_rows=64, max_num_seqs=16)
+    got = Counter(tuple(toks) for toks, *_ in run(eng, [prompt] * n, params))
+    s = eng.speculator.stats  # type: ignore[union-attr]
+    assert 0 < s.num_accepted_tokens < s.num_draft_tokens  # drafts both kept and refused
+    ref = engine(varied, None)
+
+    def dist(prefix: tuple[int, ...]) -> torch.Tensor:
+        """The target's distribution of the token after prompt + prefix, top-k filtered, (V,)."""
+        *_, (_, logits) = ref.prompt_logits([*prompt, *prefix, 0], len(prompt) + len(prefix) - 1)
+        return filter_logits(logits[-1:], torch.tensor([top_k]), torch.tensor([1.0]),
+                             torch.tensor([0.0])).softmax(-1)[0]
+
+    want: dict[tuple[int, ...], float] = {}
+    p1 = dist(())
+    for t1 in torch.nonzero(p1).flatten().tolist():
+        p2 = dist((t1,))
+        for t2 in torch.nonzero(p2).flatten().tolist():
+            p3 = dist((t1, t2))
+            for t3 in torch.nonzero(p3).flatten().tolist():
+                want[(t1, t2, t3)] = float(p1[t1] * p2[t2] * p3[t3])
+    assert set(got) <= set(want) and abs(sum(want.values()) - 1) < 1e-4
+    K = len(want)
+    tv = 0.5 * sum(abs(got[o] / n - q) for o, q in want.items())
+    bound = 0.5 * ((K - 1) / n) ** 0.5 + (13.82 / (2 * n)) ** 0.5  # ln(1e6) = 13.82
+    assert tv <= bound, (tv, bound, K)
