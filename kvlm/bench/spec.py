@@ -68,6 +68,9 @@ def run(model: str = DEFAULT_MODEL, threads: int = 2, max_tokens: int = 128, k: 
         outs: dict[str, Any] = {}
         for _ in range(repeats):  # off, ngram, suffix, off, ...: a shared machine's load hits them alike
             for method in METHODS:
+                spec = llms[method].llm_engine.speculator
+                if spec is not None:  # each run cold: suffix would otherwise learn the answer from the last repeat
+                    spec.proposer.forget_finished()
                 outs[method] = llms[method].generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
                 rates[method].append(outs[method][0].metrics.decode_tokens_per_s or 0.0)
         base = median(rates["off"])

@@ -36,6 +36,10 @@ class Proposer(Protocol):
         """The request behind `key` ended with `tokens`; its state may be dropped."""
         ...
 
+    def forget_finished(self) -> None:
+        """Drop whatever finished requests left behind (nothing, for a proposer that keeps none)."""
+        ...
+
 
 class _TailIndex:
     """For one token sequence, growing at its end: per n in [min_n, max_n], each n-gram's latest end
@@ -89,6 +93,9 @@ class NgramProposer:
     def finish(self, key: Hashable, tokens: Sequence[int]) -> None:
         self.index.pop(key, None)
 
+    def forget_finished(self) -> None:
+        pass  # it keeps nothing of finished requests
+
 
 class SuffixProposer:
     """Continuation counts over the request's history and recent finished requests (module docstring)."""
@@ -124,6 +131,11 @@ class SuffixProposer:
             out.append(nxt)
             ctx.append(nxt)
         return out
+
+    def forget_finished(self) -> None:
+        """Drop what finished requests taught it (a benchmark repeating one prompt measures it cold)."""
+        self.shared.clear()
+        self.recent.clear()
 
     def finish(self, key: Hashable, tokens: Sequence[int]) -> None:
         idx = self.index.pop(key, None)

@@ -183,3 +183,18 @@ def test_unseeded_sampling_keeps_the_target_distribution(varied: Path) -> None:
     tv = 0.5 * sum(abs(got[o] / n - q) for o, q in want.items())
     bound = 0.5 * ((K - 1) / n) ** 0.5 + (13.82 / (2 * n)) ** 0.5  # ln(1e6) = 13.82
     assert tv <= bound, (tv, bound, K)
+
+
+def test_identical_with_sliding_window_layer_groups(tmp_path: Path) -> None:
+    """Gemma 3's sliding layers (their own block tables, given back as the window moves, window 8 here):
+    drafts there too, rejected ones given back in every group, the same bits."""
+    from tiny_gemma import gemma3_config, gemma3_state, write_gemma3_gguf
+
+    need_native()
+    cfg = gemma3_config()
+    path = write_gemma3_gguf(tmp_path / "gemma.gguf", cfg, gemma3_state(cfg), tensor_type="Q8_0")
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=5)
+    ref = run(engine(path, None), PROMPTS[:8], params)
+    eng = engine(path, "suffix", draft_rows=64)
+    assert run(eng, PROMPTS[:8], params) == ref and accepted(eng) > 0
+    assert eng.scheduler.groups  # (the model has extra layer groups)

@@ -71,3 +71,14 @@ def test_depth_follows_acceptance_and_pauses_failing_requests() -> None:
             d.record(1, 0)
         d.paused = 0
     assert d.pause == MAX_PAUSE
+
+
+def test_suffix_forgets_finished_requests_on_demand() -> None:
+    p = SuffixProposer()
+    p.finish("a", [1, 2, 3])
+    p.propose("a", [1, 2, 3], 1)
+    p.finish("a", [1, 2, 3])
+    assert p.propose("b", [1, 2], 1) == [3]
+    p.finish("b", [1, 2])
+    p.forget_finished()
+    assert p.propose("c", [1, 2], 1) == []
