@@ -164,6 +164,8 @@ class Scheduler:
         if n != req.num_tokens - req.num_computed_tokens:
             return []  # not decoding (a drafted request always is; kept safe)
         k = min(k, budget - n, (self.kv.chunk_cap or 1 << 30) - n)
+        if req.kv_policy is not None:  # a bounded cache: the rows stay within one position of its window
+            k = min(k, req.kv_policy.chunk_limit(req.num_computed_tokens, n + k) - n)
         if k > 0 and not self.kv.can_fit(req, req.num_computed_tokens + n + k, extra):
             k = 0
         return req.draft_token_ids[: max(k, 0)]

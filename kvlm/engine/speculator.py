@@ -18,9 +18,10 @@ not in a busy one.
 
 Under a grammar, drafts it forbids are cut before verification (`RequestGrammar.valid_prefix`), each row
 is masked as the grammar stands after the drafts before it (`masks_along`, which rolls the matcher back),
-and the kept tokens are consumed one by one as any sampled token. Not drafted for (a plain decode row
-instead): requests with a reasoning budget, a bounded cache (`kv_policy`), or embeddings; nothing past
-max_tokens or the context is ever proposed.
+and the kept tokens are consumed one by one as any sampled token. A bounded cache (`kv_policy`) gets no
+more drafts than keep a step's rows inside one position of its window (`chunk_limit`, as for a chunk).
+Not drafted for (a plain decode row instead): requests with a reasoning budget, and embeddings; nothing
+past max_tokens or the context is ever proposed.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ class Speculator:
     def drafts_allowed(req: Request) -> bool:
         """A decoding request (its next row is its last token) that may bring drafts."""
         return (req.status is RequestStatus.RUNNING and req.num_computed_tokens == req.num_tokens - 1
-                and req.pooling is None and req.kv_policy is None and req.reasoning is None)
+                and req.pooling is None and req.reasoning is None)
 
     def _room(self, req: Request) -> int:
         """Drafts that could all be emitted: past the last one comes the target's token, which must still

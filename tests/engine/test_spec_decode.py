@@ -198,3 +198,16 @@ def test_identical_with_sliding_window_layer_groups(tmp_path: Path) -> None:
     eng = engine(path, "suffix", draft_rows=64)
     assert run(eng, PROMPTS[:8], params) == ref and accepted(eng) > 0
     assert eng.scheduler.groups  # (the model has extra layer groups)
+
+
+def test_identical_with_a_bounded_cache(model: Path) -> None:
+    """Sinks + window (`max_kv_tokens` 32, 4 sinks), generating well past it: the window moves between
+    verify steps (a step's rows never straddle a move), rejected drafts' blocks are given back."""
+    params = SamplingParams(temperature=0.8, top_p=0.9, seed=5, max_tokens=40, ignore_eos=True, logprobs=5)
+    cfg = dict(max_kv_tokens=32, sink_tokens=4, max_model_len=64)
+    ref = run(engine(model, None, **cfg), PROMPTS[:6], params)
+    for method in METHODS:
+        eng = engine(model, method, draft_rows=64, **cfg)
+        reqs: list = []
+        assert run(eng, PROMPTS[:6], params, reqs) == ref and accepted(eng) > 0
+        assert all(r.metrics.num_evicted_tokens > 0 for r in reqs)
