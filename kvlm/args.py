@@ -72,6 +72,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "blocks (StreamingLLM)")
     g.add_argument("--no-prefix-caching", action="store_true",
                    help="do not reuse cached K/V blocks of earlier requests with the same beginning")
+    g.add_argument("--speculative", default=None, choices=["ngram", "suffix"],
+                   help="speculative decoding: ngram (prompt lookup in the request's own text) or suffix (an n-gram "
+                        "index over it and recent requests) proposes tokens, the model verifies them in one step; "
+                        "the output is the same bits as without it (default: off)")
+    g.add_argument("--num-speculative-tokens", type=int, default=5,
+                   help="with --speculative: tokens proposed per step at most")
     g.add_argument("--no-adaptive-threads", action="store_true",
                    help="always use --threads threads; by default the engine uses fewer while other programs "
                         "keep cores busy (spinning threads slow a shared CPU down many times)")
@@ -80,12 +86,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 def engine_kwargs_from_args(a: argparse.Namespace) -> dict[str, Any]:
     """The `EngineConfig` fields the engine flags set (what `LLM(model, **kwargs)` takes)."""
     mem = None if a.kv_cache_memory is None else parse_bytes(a.kv_cache_memory)
+    spec = (None if a.speculative is None else
+            {"method": a.speculative, "num_speculative_tokens": a.num_speculative_tokens})
     return dict(dtype=a.dtype, device=a.device, num_threads=a.threads, max_model_len=a.max_model_len,
                 enable_kv_cache=not a.no_kv_cache, kv_cache_layout=a.kv_cache_layout,
                 kv_cache_dtype=a.kv_cache_dtype, block_size=a.block_size,
                 max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens, kv_cache_memory=mem,
                 enable_prefix_caching=not a.no_prefix_caching, adaptive_threads=not a.no_adaptive_threads,
-                max_kv_tokens=a.max_kv_tokens, sink_tokens=a.sink_tokens)
+                max_kv_tokens=a.max_kv_tokens, sink_tokens=a.sink_tokens, speculative_config=spec)
 
 
 def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:

@@ -239,6 +239,60 @@ KV_DTYPES: tuple[KVDtype, ...] = (*DTYPES, "int8", "int4")
 KV_QUANT_BYTES_PER_VALUE: dict[str, float] = {"int8": 34 / 32, "int4": 18 / 32}
 
 
+SPEC_METHODS = ("ngram", "suffix")
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's `speculative_config` shape): `method` "ngram" (prompt lookup) or
+    "suffix" (an n-gram index over the request's history and recent requests), up to
+    `num_speculative_tokens` drafts a step, n-gram lengths `prompt_lookup_min`..`prompt_lookup_max`
+    (None: the method's defaults, ngram 2..4, suffix 1..8). `draft_rows`: a step carries at most this many
+    rows of decoding requests with their drafts, so each of B decoding requests proposes at most
+    (draft_rows - B) // B (engine/speculator.py). Output is the same bits with it on or off."""
+
+    method: str
+    num_speculative_tokens: int = 5
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+    draft_rows: int = 16
+
+    @classmethod
+    def of(cls, value: SpeculativeConfig | dict[str, Any] | None) -> SpeculativeConfig | None:
+        """From a dict (vLLM's keys; unknown ones refused), validated; None stays None."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if not isinstance(value, dict):
+            raise ParameterError("speculative_config", "speculative_config must be a dict like "
+                                                       '{"method": "ngram", "num_speculative_tokens": 5}')
+        unknown = set(value) - {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
+                                "draft_rows"}
+        if unknown:
+            raise ParameterError("speculative_config", f"speculative_config: unknown key(s) {sorted(unknown)}")
+        if "method" not in value:
+            raise ParameterError("speculative_config", "speculative_config needs a method: ngram or suffix")
+        return cls(**value)
+
+    def __post_init__(self) -> None:
+        def bad(rule: str) -> ParameterError:
+            return ParameterError("speculative_config", f"speculative_config: {rule}")
+
+        if self.method not in SPEC_METHODS:
+            raise bad(f"method must be ngram or suffix, got {self.method!r}")
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 64:
+            raise bad(f"num_speculative_tokens must be an integer in [1, 64], got {k!r}")
+        r = self.draft_rows
+        if not isinstance(r, int) or isinstance(r, bool) or not 1 <= r <= 1 << 16:
+            raise bad(f"draft_rows must be an integer in [1, 65536], got {r!r}")
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        for v in (lo, hi):
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= 64):
+                raise bad(f"prompt_lookup_min / prompt_lookup_max must be integers in [1, 64], got {v!r}")
+        if lo is not None and hi is not None and lo > hi:
+            raise bad(f"prompt_lookup_min {lo} > prompt_lookup_max {hi}")
+
+
 @dataclass(slots=True)
 class EngineConfig:
     """Runtime knobs of the engine. Defaults suit one CPU user; the CLI exposes each as a flag.
@@ -279,8 +333,11 @@ class EngineConfig:
     # Prompt-only (embedding) requests: "last", "mean" or "cls" for every request that names none (`--pooling`);
     # None: the model's sentence-transformers pooling config where its folder has one, else "last".
     pooling: Literal["last", "mean", "cls"] | None = None
+    # Speculative decoding (spec_decode/, engine/speculator.py): a SpeculativeConfig or its dict; None: off.
+    speculative_config: SpeculativeConfig | dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
+        self.speculative_config = SpeculativeConfig.of(self.speculative_config)
         def bad(name: str, rule: str) -> ParameterError:
             text = repr(getattr(self, name))
             return ParameterError(name, f"{name} {rule}, got {text if len(text) <= 40 else text[:37] + '...'}")

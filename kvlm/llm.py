@@ -49,7 +49,7 @@ class LLM:
 
     Keyword arguments are `EngineConfig` fields (dtype, device, enable_kv_cache, max_model_len,
     kv_cache_layout, block_size, max_num_seqs, max_num_batched_tokens, kv_cache_memory, num_threads,
-    enable_prefix_caching).
+    enable_prefix_caching, speculative_config={"method": "ngram" | "suffix", "num_speculative_tokens": k}).
     """
 
     def __init__(self, model: str | os.PathLike = "smollm2-135m", quiet: bool = True, **engine_kwargs: Any) -> None:

@@ -8,6 +8,7 @@ this one object; there are no side tables keyed by request id.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from enum import Enum
@@ -19,6 +20,7 @@ if TYPE_CHECKING:
     import torch
 
     from kvlm.kv_policy import BoundedKV
+    from kvlm.spec_decode.depth import DraftDepth
     from kvlm.structured.matcher import RequestGrammar
     from kvlm.structured.reasoning_budget import ReasoningBudget
     from kvlm.tokenizer.detokenizer import IncrementalDetokenizer
@@ -52,6 +54,11 @@ class RequestMetrics:
     kv_bytes_used: int = 0  # bytes of those blocks actually filled (held - used = paging waste)
     blocks_shared: int = 0  # of blocks_held, how many other requests also read (prefix cache)
     prefix_miss: str | None = None  # why less of the prompt was reused than an earlier request shared
+    # Speculative decoding (vLLM's names): verifications with drafts, drafts verified, drafts accepted
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = field(default_factory=list)  # index i: accepted as the (i+1)-th draft
 
     @property
     def time_in_queue(self) -> float | None:
@@ -86,6 +93,8 @@ class RequestMetrics:
             "kv_bytes_held": self.kv_bytes_held,
             "kv_bytes_waste": self.kv_bytes_held - self.kv_bytes_used,
             "prefix_cache_miss": self.prefix_miss,
+            **({"spec_draft_tokens": self.spec_num_draft_tokens, "spec_accepted_tokens": self.spec_num_accepted_tokens}
+               if self.spec_num_drafts else {}),
         }
 
 
@@ -109,7 +118,13 @@ class Request:
     text: str = ""  # final text emitted so far (stop strings never enter it)
     pending_text: str = ""  # decoded but held back: it may be the start of a stop string
     detokenizer: IncrementalDetokenizer | None = None
-    generator: torch.Generator | None = None
+    # Every random draw of this request is keyed by (seed, position of the token drawn) (engine/sampler.py):
+    # params.seed, or one drawn here, at admission, for an unseeded request.
+    seed: int | None = None
+    # Speculative decoding (kvlm/spec_decode): tokens proposed to follow token_ids, verified in the next
+    # step as extra rows (the scheduler may shorten them; the engine clears them after the step).
+    draft_token_ids: list[int] = field(default_factory=list)
+    draft_depth: DraftDepth | None = None  # how many to propose next (spec_decode/depth.py); None: not yet
     grammar: RequestGrammar | None = None  # with params.structured_outputs: its compile, then its matcher
     reasoning: ReasoningBudget | None = None  # params.reasoning / reasoning_budget: its <think> span, count, forcing
     # A bounded cache (kv_policy.py): its policy; evicted blocks are -1 in block_table, blocks
@@ -131,6 +146,10 @@ class Request:
     pooling: PoolingParams | None = None
     pooled_rows: list[torch.Tensor] = field(default_factory=list)
     embedding: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.seed is None:
+            self.seed = self.params.seed if self.params.seed is not None else int.from_bytes(os.urandom(8), "little")
 
     @property
     def num_tokens(self) -> int:

@@ -60,6 +60,8 @@ def _format_stats(m: dict[str, Any]) -> str:
             f"TTFT {f(m['ttft_s'], '.3f')} s, decode {f(m['decode_tokens_per_s'], '.1f')} tok/s, "
             f"KV held {m['kv_bytes_held'] / 2**20:.2f} MiB in {m['kv_blocks_held']} blocks "
             f"({m['kv_blocks_shared']} shared)")
+    if "spec_draft_tokens" in m:  # speculative decoding: drafts verified and accepted
+        line += f", drafts accepted {m['spec_accepted_tokens']}/{m['spec_draft_tokens']}"
     return line + (f"; prefix cache: {m['prefix_cache_miss']}" if m.get("prefix_cache_miss") else "")
 
 

@@ -26,6 +26,7 @@ from kvlm.engine.model_runner import ModelRunner, StepResult
 from kvlm.engine.output_processor import OutputProcessor
 from kvlm.engine.pooling import ModelPooling
 from kvlm.engine.scheduler import ScheduledBatch, Scheduler
+from kvlm.engine.speculator import Speculator
 from kvlm.engine.threads import ThreadGovernor
 from kvlm.errors import ParameterError
 from kvlm.kernels.kv_quant import FORMATS, GROUP, KVQuantFormat
@@ -119,6 +120,11 @@ class Engine:
         self.input_processor = InputProcessor(cfg, self.tokenizer, model_config.vocab_size, self.max_model_len,
                                               self.block_manager, windows, self.grammars, self.device)
         self.num_steps = 0
+        # Speculative decoding (engine/speculator.py): drafts proposed before each step, verified in it
+        spec = cfg.speculative_config
+        if spec is not None and not cfg.enable_kv_cache:
+            raise ParameterError("speculative_config", "speculative decoding needs the KV cache (no --no-kv-cache)")
+        self.speculator = Speculator(spec, self.max_model_len) if spec is not None else None  # type: ignore[arg-type]
         # Fewer threads while other processes hold cores (engine/threads.py); the count never changes bits.
         self.governor = (ThreadGovernor(torch.get_num_threads()) if cfg.adaptive_threads and self.device.type == "cpu"
                          else None)
@@ -186,6 +192,8 @@ class Engine:
     def _finish(self, req: Request, now: float) -> None:
         """`req` has its finish reason: free its blocks and forget it."""
         self.scheduler.finish(req)
+        if self.speculator is not None:
+            self.speculator.finish(req)
         req.metrics.finished_time = now
         self.requests.pop(req.request_id, None)
 
@@ -235,6 +243,8 @@ class Engine:
         if self.governor is not None:
             self.governor.tick()
         failed = self._refuse_failed_grammars()
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         batch = self.scheduler.schedule()
         if batch.is_empty:  # nothing can run: wait briefly for a grammar still compiling, if any
             if not self.input_processor.wait_for_grammars(self.scheduler.waiting) and self.scheduler.waiting:
@@ -263,7 +273,7 @@ class Engine:
             start = req.num_computed_tokens
             m.num_prefilled_tokens += max(0, min(start + n, req.num_prompt_tokens) - start)
             m.num_computed_tokens += n
-            req.num_computed_tokens += n
+            req.num_computed_tokens += n - len(req.draft_token_ids)  # drafts count once accepted (_emit)
             if req.pooling is None:  # (an embedding's blocks are not kept: engine/pooling.py)
                 self.scheduler.cache_full_blocks(req)  # newly full blocks become reusable (every layer group)
             elif req.embedding is not None:
@@ -280,11 +290,31 @@ class Engine:
             req.finish_reason = "stop"
             self._finish(req, now)
             deltas.append(StreamDelta(req.request_id, "", [], True, "stop", embedding=req.embedding.tolist()))
-        for req, tok, lp in zip(result.requests, result.token_ids, result.logprobs):
-            if req.metrics.first_token_time is None:
-                req.metrics.first_token_time = now
-            delta = self.output_processor.append_token(req, tok, lp)
+        i, rows = 0, result.requests
+        while i < len(rows):
+            req = rows[i]
+            k = len(req.draft_token_ids)  # a request verifying k drafts has k + 1 rows here
+            deltas += self._emit(req, result.token_ids[i : i + k + 1], result.logprobs[i : i + k + 1], now)
+            i += k + 1
+        return deltas
+
+    def _emit(self, req: Request, tokens: list[int], logprobs: list[dict[int, float] | None],
+              now: float) -> list[StreamDelta]:
+        """Append `req`'s new tokens: its one sampled token, or with drafts the accepted ones and the target's
+        token after them (`Speculator.verify`), each a delta, none past a stop."""
+        keep = 1
+        if len(tokens) > 1:
+            keep = self.speculator.verify(req, tokens) + 1  # type: ignore[union-attr]
+        if req.metrics.first_token_time is None:
+            req.metrics.first_token_time = now
+        deltas = []
+        for tok, lp in zip(tokens[:keep], logprobs[:keep]):
+            deltas.append(self.output_processor.append_token(req, tok, lp))
             if req.finish_reason is not None:
                 self._finish(req, now)
-            deltas.append(delta)
+                return deltas
+        if len(tokens) > 1:
+            req.num_computed_tokens += keep - 1  # the accepted drafts' K/V are theirs; the rest is given back
+            req.draft_token_ids = []
+            self.scheduler.keep_computed(req)
         return deltas

@@ -5,7 +5,7 @@ What needs the model and the engine's shape is checked here, once, before anythi
 logit-bias ids), the prompt against the context, prompt + max_tokens against the whole KV pool, the
 request's bounded-cache policy, a free request id, and the grammar (a compile already known bad is
 refused now; one still compiling is submitted and waits in the scheduler). A request that passes is
-translated: its detokenizer, its seeded generator, its grammar state, its reasoning budget.
+translated: its detokenizer, its seed (params.seed or one drawn now), its grammar state, its reasoning budget.
 
 Every refusal is a `ParameterError` (`PromptTooLongError`, a `ParameterError` too) with the field's API name
 in `.param`, except a request id already in use (`ValueError`). Sampling fields that need no model are
@@ -83,11 +83,6 @@ class InputProcessor:
                 raise req.grammar.error
         if params.reasoning or params.reasoning_budget is not None:
             req.reasoning = ReasoningBudget.start(self.think_tokens, params.reasoning_budget, ids)
-        req.generator = torch.Generator(device=self.device)
-        if params.seed is not None:
-            req.generator.manual_seed(params.seed)
-        else:
-            req.generator.seed()
         return req
 
     def _check_ids(self, ids: list[int], params: SamplingParams) -> None:

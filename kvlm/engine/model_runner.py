@@ -30,7 +30,8 @@ from kvlm.request import Request
 
 @dataclass(frozen=True, slots=True)
 class StepResult:
-    """Requests that produced a token this step, with their tokens, logprobs and float32 logits (N, V)."""
+    """Requests that produced a token this step, with their tokens, logprobs and float32 logits (N, V). A request
+    verifying k drafts has k + 1 consecutive rows (its pick after its last token, then after each draft)."""
 
     requests: list[Request]
     token_ids: list[int]
@@ -40,19 +41,26 @@ class StepResult:
 
 @dataclass(slots=True)
 class _StepRows:
-    """A step's rows on the host, before they become tensors: one per scheduled token, requests in order."""
+    """A step's rows on the host, before they become tensors: one per scheduled token, requests in order.
 
-    requests: list[Request]
-    starts: list[int]  # per request: num_computed_tokens before this step (its first row's position)
+    Attention sees sequences: a request's rows are one sequence (a chunk, or a decode row), except that a
+    request verifying drafts brings each of its rows as a one-row sequence over its own block table (row
+    j attends positions <= its own, all written before any row attends): every row of the step is then a
+    decode row, so such a step keeps the decode plan (and the fused native step where it applies), and a
+    row's bits are those of the same token decoded alone."""
+
+    requests: list[Request]  # per sequence
+    starts: list[int]  # per sequence: its first row's position (num_computed_tokens before the step for a chunk)
     ids: list[int]
     positions: list[int]
     slots: list[int]
     query_lens: list[int]
     seq_lens: list[int]
     tables: list[list[int]]  # block tables padded with 0 to the longest (what attention reads)
-    shifts: list[int]  # per request: its rows' position minus their index in what attention reads
-    logits_rows: list[int]  # rows that end their sequence: those requests sample a token
-    samplers: list[Request]
+    shifts: list[int]  # per sequence: its rows' position minus their index in what attention reads
+    logits_rows: list[int]  # rows that end their sequence, or verify a draft: each samples a token
+    samplers: list[Request]  # per logits row its request (repeated for a request's drafts)
+    offsets: list[int]  # per logits row: 0, or which draft's successor it picks (speculative decoding)
     # layer groups 1.. (sliding-window layers' own pools): per group, the rows' slots and the padded tables
     group_slots: list[list[int]]
     group_tables: list[list[list[int]]]
@@ -60,40 +68,48 @@ class _StepRows:
     @classmethod
     def collect(cls, batch: ScheduledBatch, block_size: int, null_blocks: tuple[int, ...] = ()) -> _StepRows:
         """null_blocks[g - 1]: the id extra group g's evicted entries read (its zero-filled null block)."""
-        r = cls(list(batch.requests), starts=[], ids=[], positions=[], slots=[], query_lens=[], seq_lens=[],
-                tables=[], shifts=[], logits_rows=[], samplers=[],
+        r = cls([], starts=[], ids=[], positions=[], slots=[], query_lens=[], seq_lens=[],
+                tables=[], shifts=[], logits_rows=[], samplers=[], offsets=[],
                 group_slots=[[] for _ in null_blocks],
                 group_tables=[])
         tables = []
         for req, n in zip(batch.requests, batch.num_new_tokens):
             start = req.num_computed_tokens
-            r.starts.append(start)
-            r.ids.extend(req.token_ids[start : start + n])
-            r.positions.extend(range(start, start + n))
-            bt = req.block_table
-            r.slots.extend(bt[p // block_size] * block_size + p % block_size for p in range(start, start + n))
-            r.query_lens.append(n)
-            policy = req.kv_policy
-            if policy is None:
-                r.seq_lens.append(start + n)
-                r.shifts.append(0)
-                tables.append(bt)
-            else:  # a bounded cache: attention reads [sinks | kept], one table for the step's rows
-                r.seq_lens.append(policy.attended(start + n - 1))
-                r.shifts.append(policy.ctx_shift(start))
-                tables.append(policy.virtual_table(bt, start))
-            if start + n == req.num_tokens and req.pooling is None:  # the end: a token (an embedding gets none)
-                r.logits_rows.append(len(r.ids) - 1)
-                r.samplers.append(req)
+            # speculative decoding: the rows past its tokens are its drafts (K/V written like any row's),
+            # each its own one-row sequence (see the class docstring)
+            src = req.token_ids + req.draft_token_ids if req.draft_token_ids else req.token_ids
+            seqs = [(start + j, 1) for j in range(n)] if req.draft_token_ids else [(start, n)]
+            bt, policy = req.block_table, req.kv_policy
+            for s0, m in seqs:
+                r.requests.append(req)
+                r.starts.append(s0)
+                r.ids.extend(src[s0 : s0 + m])
+                r.positions.extend(range(s0, s0 + m))
+                r.slots.extend(bt[p // block_size] * block_size + p % block_size for p in range(s0, s0 + m))
+                r.query_lens.append(m)
+                if policy is None:
+                    r.seq_lens.append(s0 + m)
+                    r.shifts.append(0)
+                    tables.append(bt)
+                else:  # a bounded cache: attention reads [sinks | kept], one table for the step's rows
+                    r.seq_lens.append(policy.attended(s0 + m - 1))
+                    r.shifts.append(policy.ctx_shift(s0))
+                    tables.append(policy.virtual_table(bt, s0))
+            if start + n >= req.num_tokens and req.pooling is None:  # the end: a token (an embedding gets none)
+                last = req.num_tokens - 1  # its last token's row picks the next one; each draft's row the one after
+                for p in range(last, start + n):
+                    r.logits_rows.append(len(r.ids) - (start + n - p))
+                    r.samplers.append(req)
+                    r.offsets.append(p - last)
         max_blocks = max(len(t) for t in tables)
         r.tables = [t + [0] * (max_blocks - len(t)) for t in tables]
         for g, null in enumerate(null_blocks):
             slots, gt = r.group_slots[g], []
-            for req, start, n in zip(batch.requests, r.starts, batch.num_new_tokens):
+            for req, s0, m in zip(r.requests, r.starts, r.query_lens):
                 raw = req.group_tables[g]  # the blocks this step writes are held, never EVICTED
-                slots.extend(raw[p // block_size] * block_size + p % block_size for p in range(start, start + n))
+                slots.extend(raw[p // block_size] * block_size + p % block_size for p in range(s0, s0 + m))
                 # a bounded request reads [sinks | kept] in every group (its sinks outside a sliding window)
-                t = raw if req.kv_policy is None else req.kv_policy.virtual_table(raw, start)
+                t = raw if req.kv_policy is None else req.kv_policy.virtual_table(raw, s0)
                 gt.append([null if b < 0 else b for b in t])  # EVICTED entries read the null block
             r.group_tables.append([t + [null] * (max_blocks - len(t)) for t in gt])
         return r
@@ -126,8 +142,9 @@ class ModelRunner:
         # request's (request, first position, its rows' final hidden states (n, hidden)); None: not called.
         self.hidden_observer: Callable[[Request, int, torch.Tensor], None] | None = None
 
-    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, AttentionMetadata, list[Request]]:
-        """Flat input ids (T,) and the step's metadata; also the requests that sample this step.
+    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, AttentionMetadata, _StepRows]:
+        """Flat input ids (T,) and the step's metadata; also the step's rows (`samplers`: the request of each
+        logits row, `offsets`: which of its drafts that row follows).
 
         Every scheduled token becomes one row, requests laid out in order. A step whose requests each
         bring one row is planned as decode (`prepare_decode`); one that carries prompt chunks as
@@ -139,7 +156,7 @@ class ModelRunner:
             meta = self.prepare_decode(rows)
         else:
             meta = self.prepare_prefill(rows)
-        return torch.tensor(rows.ids, device=self.device), meta, rows.samplers
+        return torch.tensor(rows.ids, device=self.device), meta, rows
 
     def prepare_prefill(self, rows: _StepRows) -> AttentionMetadata:
         """PREFILL (every request brings a prompt chunk) or MIXED (chunks and decode rows). In place: row t
@@ -177,7 +194,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, keep_logits: bool = False) -> StepResult:
-        input_ids, meta, samplers = self.prepare(batch)
+        input_ids, meta, rows = self.prepare(batch)
+        samplers = rows.samplers
         if batch.kv.block_copies or batch.kv.sink_moves:
             cache = self.kv_cache
             assert isinstance(cache, PagedKVCache), "bounded caches need the paged layout"
@@ -205,7 +223,9 @@ class ModelRunner:
         if not samplers:
             return StepResult([], [], [], None)
         logits = self.model.compute_logits(hidden[meta.logits_indices])  # (N, vocab) float32
-        out = sample(logits, samplers, self.eos_token_ids, writable=not keep_logits)  # kept logits stay unmasked
+        offsets = rows.offsets if any(rows.offsets) else None  # (draft rows: the sampler keys them by position)
+        out = sample(logits, samplers, self.eos_token_ids, writable=not keep_logits,  # kept logits stay unmasked
+                     offsets=offsets)
         return StepResult(samplers, out.token_ids, out.logprobs, logits if keep_logits else None)
 
     def _prompt_logprobs(self, batch: ScheduledBatch, hidden: torch.Tensor) -> None:

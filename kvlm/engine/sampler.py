@@ -1,8 +1,9 @@
 """Sampler: logits of a batch -> one token per row, each row under its own `SamplingParams`.
 
 The order is vLLM V1's (vllm/v1/sample/sampler.py), step by step for each row:
-  0. a grammar (structured_outputs): tokens it forbids get -inf (`kvlm.structured.mask`); rows without
-     one, or inside a `<think>` span their grammar waits for, are not touched;
+  0. a grammar (structured_outputs): tokens it forbids get -inf (`kvlm.structured.mask`; a row verifying
+     drafts, the mask after the drafts before it); rows without one, or inside a `<think>` span their
+     grammar waits for, are not touched;
   1. min_tokens: EOS and the stop token ids are banned until the request has min_tokens outputs;
   2. penalties: repetition (HF, prompt + output), presence and frequency (OpenAI, output only);
   3. temperature < 1e-5: greedy, the argmax; top-k, top-p and min-p are ignored. Otherwise:
@@ -13,12 +14,19 @@ The order is vLLM V1's (vllm/v1/sample/sampler.py), step by step for each row:
   7. a draw from the renormalized distribution;
   8. a request whose reasoning budget is spent takes its forced token (`</think>`'s, one per step) instead
      of the row's choice (`kvlm.structured.reasoning_budget`): set after the draw, so the row's logits,
-     its generator's draws and every other row are what they would be without it.
-Batched over rows with per-row parameters as tensors (temperature, top-k, top-p, min-p). Randomness comes
-from each request's own `torch.Generator`, so a seeded request draws the same tokens whatever it is
-batched with. Draws use the exponential race (argmax of p / E, E = -log U ~ Exp(1)), which samples exactly
-from p without a host sync. Logprobs are those of the model's raw distribution (before the grammar, penalties and
-temperature), as llama.cpp returns them by default.
+     its draw and every other row are what they would be without it.
+Batched over rows with per-row parameters as tensors (temperature, top-k, top-p, min-p). Randomness is
+keyed by position: the noise of the draw for the token at position p of a request is a function of
+(request seed, p) only (`draw_key`), never of a stream that advances per call. So a seeded request draws
+the same tokens alone, in any batch, after a preemption, and with speculative decoding on or off (a
+position gets the same noise however many drafts were tried before it). Draws use the exponential race
+(argmax of p / E, E = -log U ~ Exp(1)), which samples exactly from p without a host sync. Logprobs are
+those of the model's raw distribution (before the grammar, penalties and temperature), as llama.cpp
+returns them by default.
+
+A request may bring several rows (speculative decoding, `kvlm.spec_decode`): row i with offset j draws
+the token at position num_tokens + j, after the request's tokens and its first j drafts; min_tokens and
+the penalties see that history, as if the drafts had been decoded one by one.
 """
 
 from __future__ import annotations
@@ -31,6 +39,8 @@ from kvlm.kernels.argmax import argmax_rows
 from kvlm.request import Request
 from kvlm.structured.mask import apply_grammar_masks
 
+_MASK64 = (1 << 64) - 1
+
 
 @dataclass(frozen=True, slots=True)
 class SamplerOutput:
@@ -38,18 +48,42 @@ class SamplerOutput:
     logprobs: list[dict[int, float] | None]
 
 
-def apply_penalties(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
-    """Repetition (HF: prompt + output), presence and frequency (output only) penalties, in place."""
+def _mix64(x: int) -> int:
+    """splitmix64's finalizer: a bijection on 64-bit integers that scatters nearby inputs."""
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & _MASK64
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EB & _MASK64
+    return x ^ (x >> 31)
+
+
+def draw_key(seed: int, position: int) -> int:
+    """The generator seed of the draw for the token at `position` of a request seeded `seed` (any signed
+    64-bit integer): the only input of that draw's noise. (A CPU generator keeps the low 32 bits, so the
+    halves are folded first: keys of nearby seeds and positions differ there too.)"""
+    x = _mix64((seed & _MASK64) ^ _mix64(position + 0x9E3779B97F4A7C15 & _MASK64))
+    return (x ^ (x >> 32)) & 0xFFFFFFFF
+
+
+def _history(r: Request, offset: int) -> list[int]:
+    """The tokens before row `offset` of `r`: its tokens, then its first `offset` drafts."""
+    return r.token_ids + r.draft_token_ids[:offset] if offset else r.token_ids
+
+
+def apply_penalties(logits: torch.Tensor, reqs: list[Request], offsets: list[int] | None = None) -> torch.Tensor:
+    """Repetition (HF: prompt + output), presence and frequency (output only) penalties, in place; row i
+    sees the history before its own position (`offsets`: see `sample`)."""
     V = logits.shape[1]
     for i, r in enumerate(reqs):
         p = r.params
+        if p.repetition_penalty == 1.0 and not (p.presence_penalty or p.frequency_penalty):
+            continue
+        history = _history(r, offsets[i] if offsets else 0)
         if p.repetition_penalty != 1.0:
-            ids = torch.tensor(sorted(set(r.token_ids)), device=logits.device, dtype=torch.long)
+            ids = torch.tensor(sorted(set(history)), device=logits.device, dtype=torch.long)
             ids = ids[ids < V]
             sel = logits[i, ids]
             logits[i, ids] = torch.where(sel > 0, sel / p.repetition_penalty, sel * p.repetition_penalty)
         if p.presence_penalty or p.frequency_penalty:
-            out = torch.tensor(r.output_token_ids, device=logits.device, dtype=torch.long)
+            out = torch.tensor(history[r.num_prompt_tokens :], device=logits.device, dtype=torch.long)
             counts = torch.bincount(out[out < V], minlength=V).to(logits.dtype)
             logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
     return logits
@@ -117,10 +151,11 @@ def apply_logit_bias(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
     return logits
 
 
-def ban_stop_tokens(logits: torch.Tensor, reqs: list[Request], eos_token_ids: frozenset[int]) -> torch.Tensor:
+def ban_stop_tokens(logits: torch.Tensor, reqs: list[Request], eos_token_ids: frozenset[int],
+                    offsets: list[int] | None = None) -> torch.Tensor:
     """Until a request has min_tokens outputs, it may not pick EOS or its stop token ids (vLLM semantics)."""
     for i, r in enumerate(reqs):
-        if r.num_output_tokens < r.params.min_tokens:
+        if r.num_output_tokens + (offsets[i] if offsets else 0) < r.params.min_tokens:
             ban = set(r.params.stop_token_ids or ()) | (set() if r.params.ignore_eos else set(eos_token_ids))
             ids = [t for t in ban if t < logits.shape[1]]
             if ids:
@@ -128,23 +163,49 @@ def ban_stop_tokens(logits: torch.Tensor, reqs: list[Request], eos_token_ids: fr
     return logits
 
 
+def _draft_masks(reqs: list[Request], rows: list[int], offsets: list[int] | None) -> torch.Tensor | None:
+    """(R, W) grammar bitmasks of `rows` when some verify drafts (row offset j: the mask after the request's
+    first j drafts), else None (each grammar's current mask). A request's rows are consecutive, offsets 0..k."""
+    if offsets is None or not any(offsets[i] for i in rows):
+        return None
+    masks = []
+    for i in rows:
+        if offsets[i] == 0:
+            r = reqs[i]
+            along = r.grammar.masks_along(r.draft_token_ids)  # type: ignore[union-attr]
+        masks.append(along[offsets[i]])
+    return torch.stack(masks)
+
+
+def position_noise(keys: list[int], V: int, device: torch.device) -> torch.Tensor:
+    """(R, V) float32 uniforms in [0, 1): row j drawn from a generator seeded keys[j] (`draw_key`), so a
+    row's noise depends on its key alone. One generator, re-seeded per row (~µs; no loop over the vocabulary)."""
+    noise = torch.empty(len(keys), V, device=device)
+    g = torch.Generator(device=device)
+    for j, key in enumerate(keys):
+        noise[j].uniform_(generator=g.manual_seed(key))
+    return noise
+
+
 def sample(logits: torch.Tensor, reqs: list[Request], eos_token_ids: frozenset[int] = frozenset(),
-           writable: bool = False) -> SamplerOutput:
+           writable: bool = False, offsets: list[int] | None = None) -> SamplerOutput:
     """logits: (B, V) float32, row i for reqs[i]. Returns the chosen token of each row. `logits` is not
-    modified unless `writable` (the caller keeps no use for them): the grammar masks then go in place."""
+    modified unless `writable` (the caller keeps no use for them): the grammar masks then go in place.
+    offsets[i] (None: all 0): row i draws the token at position reqs[i].num_tokens + offsets[i], after the
+    request's first offsets[i] drafts (`Request.draft_token_ids`; speculative decoding's verify rows)."""
     want_logprobs = any(r.params.logprobs is not None for r in reqs)
     raw_logprobs = logits.log_softmax(-1) if want_logprobs else None
     constrained = [i for i, r in enumerate(reqs) if r.grammar_applies]
     if constrained:
         logits = apply_grammar_masks(logits, constrained, [reqs[i].grammar for i in constrained],  # type: ignore[misc]
-                                     inplace=writable)
+                                     inplace=writable, bitmask=_draft_masks(reqs, constrained, offsets))
     if any(r.params.logit_bias for r in reqs):
         logits = apply_logit_bias(logits.clone(), reqs)
     if any(r.params.min_tokens for r in reqs):
-        logits = ban_stop_tokens(logits.clone(), reqs, eos_token_ids)
+        logits = ban_stop_tokens(logits.clone(), reqs, eos_token_ids, offsets)
     if any(r.params.repetition_penalty != 1.0 or r.params.presence_penalty or r.params.frequency_penalty
            for r in reqs):
-        logits = apply_penalties(logits.clone(), reqs)
+        logits = apply_penalties(logits.clone(), reqs, offsets)
     tokens = argmax_rows(logits)  # (B,) greedy choice for every row; sampled rows are overwritten
     rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
     if rows:
@@ -160,15 +221,15 @@ def sample(logits: torch.Tensor, reqs: list[Request], eos_token_ids: frozenset[i
         # softmax is shift-invariant, so the distribution is that of logits / temperature.
         scaled = (sub - sub.amax(-1, keepdim=True)) / temp.unsqueeze(1)
         probs = filter_logits(scaled, top_k, top_p, min_p).softmax(-1)
-        noise = torch.empty_like(probs)
-        for j, i in enumerate(rows):
-            noise[j].uniform_(generator=reqs[i].generator)  # U in [0, 1), from the request's own generator
+        # U in [0, 1), keyed by (the request's seed, the position of the token drawn)
+        noise = position_noise([draw_key(reqs[i].seed, reqs[i].num_tokens + (offsets[i] if offsets else 0))
+                                for i in rows], V, dev)  # type: ignore[arg-type]
         # E = -log U ~ Exp(1), in (0, inf]: U = 0 gives E = inf, so that token's p / E is 0 and cannot win.
         # Not exponential_: on CPU it costs ~16 ns a value (0.8 ms for a 49k row), six times a uniform
         # draw and its log.
         tokens[idx] = argmax_rows(probs / noise.log_().neg_())
     token_list = tokens.tolist()  # the one host sync of a step: the engine needs the ids
-    for i, r in enumerate(reqs):
+    for i, r in enumerate(reqs):  # (a request with a reasoning budget gets no drafts: one row, offset 0)
         if r.reasoning is not None and r.reasoning.forced is not None:
             token_list[i] = r.reasoning.forced
     lps: list[dict[int, float] | None] = [None] * len(reqs)

@@ -20,6 +20,10 @@ request's next rows fit (`can_fit`), lets it evict what a bounded window or a sl
 before them (`evict`) and allocate them (`allocate`), which also yields the block copies and sink moves the
 runner makes before the step (`ScheduledBatch.kv`). A step's rows of a bounded request never straddle a
 move of its window (`chunk_limit`), nor exceed the smallest sliding window (`KVCacheManager.chunk_cap`).
+
+Speculative decoding (`engine/speculator.py`): a decoding request with drafts asks for 1 + k rows (its last
+token, then the drafts), within the budget and only if their blocks fit without preempting anyone
+(`_fit_drafts`); after the step it keeps the blocks of its accepted tokens only (`keep_computed`).
 """
 
 from __future__ import annotations
@@ -102,6 +106,9 @@ class Scheduler:
                 continue
             n = self._wanted(req, budget)
             extra = self.kv.evict(req)
+            if req.draft_token_ids:  # speculative decoding: its drafts ride along as n more rows, if they fit
+                req.draft_token_ids = self._fit_drafts(req, n, budget, extra)
+                n += len(req.draft_token_ids)
             while not self.kv.can_fit(req, req.num_computed_tokens + n, extra):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -150,6 +157,19 @@ class Scheduler:
                 self.kv.assert_writable(req, req.num_computed_tokens, req.num_computed_tokens + n)
         return batch
 
+    def _fit_drafts(self, req: Request, n: int, budget: int, extra: int) -> list[int]:
+        """The drafts `req` can verify in this step beside its `n` rows (its last token): within the token
+        budget and the chunk cap, and only if their blocks fit without preempting anyone (else none)."""
+        k = len(req.draft_token_ids)
+        if n != req.num_tokens - req.num_computed_tokens:
+            return []  # not decoding (a drafted request always is; kept safe)
+        k = min(k, budget - n, (self.kv.chunk_cap or 1 << 30) - n)
+        if req.kv_policy is not None:  # a bounded cache: the rows stay within one position of its window
+            k = min(k, req.kv_policy.chunk_limit(req.num_computed_tokens, n + k) - n)
+        if k > 0 and not self.kv.can_fit(req, req.num_computed_tokens + n + k, extra):
+            k = 0
+        return req.draft_token_ids[: max(k, 0)]
+
     def _pending_blocks(self, batch: ScheduledBatch) -> set[bytes] | None:
         """Hashes of the full blocks this step computes (None without prefix caching). A waiting request
         whose next uncached block is among them is admitted a step later, to take it from the cache
@@ -163,6 +183,7 @@ class Scheduler:
 
     def _new_full_blocks(self, req: Request, n: int) -> list[bytes]:
         bs = self.bm.block_size
+        n -= len(req.draft_token_ids)  # drafts' blocks are registered only once accepted
         first, end = req.num_computed_tokens // bs, (req.num_computed_tokens + n) // bs
         if req.kv_policy is not None:
             end = min(end, req.kv_policy.max_tokens // bs)  # nothing past it is ever registered
@@ -186,6 +207,7 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         self._free(req)
+        req.draft_token_ids = []
         req.num_computed_tokens = 0
         req.status = RequestStatus.WAITING
         req.metrics.num_preemptions += 1
@@ -203,6 +225,12 @@ class Scheduler:
 
     def _free(self, req: Request) -> None:
         self.kv.free(req)
+
+    def keep_computed(self, req: Request) -> None:
+        """After a verification: `req` keeps K/V for its first num_computed_tokens only; the blocks past
+        them (held for rejected drafts) go back to the pool, then its newly full blocks are registered."""
+        self.kv.trim(req, req.num_computed_tokens)
+        self.kv.cache_full_blocks(req)
 
     def cache_full_blocks(self, req: Request) -> None:
         """After a step: register `req`'s newly full blocks in every group's prefix cache."""

@@ -362,6 +362,14 @@ class BlockManager:
         req.num_cached_blocks = 0
         req.reset_bounded_state()
 
+    def free_tail(self, req: Request, keep: int) -> None:
+        """Return `req`'s blocks after its first `keep` (tail first), which hold no registered token."""
+        assert keep >= req.num_cached_blocks, "a registered block is never given back alone"
+        while len(req.block_table) > keep:
+            b = req.block_table.pop()
+            if b != EVICTED:
+                self._release(b, req)
+
     def _release(self, b: int, req: Request) -> None:
         self.ref_counts[b] -= 1
         assert self.ref_counts[b] >= 0, f"block {b} released twice"

@@ -158,6 +158,13 @@ class KVCacheManager:
         for bm, view in self._views(req):
             bm.cache_full_blocks(view)
 
+    def trim(self, req: Request, num_tokens: int) -> None:
+        """Give back, in every group, `req`'s blocks past its first `num_tokens` tokens (speculative decoding:
+        those held for drafts the target rejected; never registered, so never shared)."""
+        self.bm.free_tail(req, self.bm.blocks_for(num_tokens))
+        for bm, view, _ in self._views(req):
+            bm.free_tail(view, bm.blocks_for(num_tokens))
+
     def free(self, req: Request) -> None:
         self.bm.free(req)
         for bm, view in self._views(req):

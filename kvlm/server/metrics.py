@@ -60,6 +60,14 @@ class ServerMetrics:
                                       "Prompt tokens looked up in the prefix cache.").labels(**lbl)
         self.prefix_hits = counter("kvlm:prefix_cache_hits", "Prompt tokens found in the prefix cache.").labels(**lbl)
         self.success = counter("kvlm:request_success", "Finished requests by finish reason.", ("finished_reason",))
+        self.spec = None  # speculative decoding's counters, vLLM's names (only when it is on)
+        if aengine.engine.speculator is not None:
+            self.spec = (counter("kvlm:spec_decode_num_drafts", "Verifications of drafts.").labels(**lbl),
+                         counter("kvlm:spec_decode_num_draft_tokens", "Draft tokens verified.").labels(**lbl),
+                         counter("kvlm:spec_decode_num_accepted_tokens", "Draft tokens accepted.").labels(**lbl),
+                         counter("kvlm:spec_decode_num_accepted_tokens_per_pos",
+                                 "Draft tokens accepted, by their position among a verification's drafts.",
+                                 ("position",)))
 
         def hist(name: str, doc: str) -> Histogram:
             return Histogram(name, doc, ["model_name"], buckets=_LATENCY_BUCKETS, registry=r).labels(**lbl)
@@ -86,6 +94,13 @@ class ServerMetrics:
             self.prefix_hits.inc(m.num_cached_tokens)
         self.preemptions.inc(m.num_preemptions)
         self.evicted.inc(m.num_evicted_tokens)
+        if self.spec is not None and m.spec_num_drafts:
+            drafts, draft_tokens, accepted, per_pos = self.spec
+            drafts.inc(m.spec_num_drafts)
+            draft_tokens.inc(m.spec_num_draft_tokens)
+            accepted.inc(m.spec_num_accepted_tokens)
+            for pos, n in enumerate(m.spec_accepted_per_pos):
+                per_pos.labels(model_name=self._name, position=str(pos)).inc(n)
         self.success.labels(model_name=self._name, finished_reason=req.finish_reason or "abort").inc()
         if m.first_token_time is not None:
             self.ttft.observe(m.first_token_time - m.arrival_time)

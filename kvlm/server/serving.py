@@ -310,6 +310,12 @@ class _Call:
         cached = sum(r.metrics.num_cached_tokens for r in firsts)
         held = sum(r.metrics.kv_bytes_held for r in self.requests)  # at each request's last step
         evicted = sum(r.metrics.num_evicted_tokens for r in self.requests)  # a bounded cache dropped them
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": cached}, "kv_bytes_held": held,
-                "kv_evicted_tokens": evicted}
+        out = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+               "prompt_tokens_details": {"cached_tokens": cached}, "kv_bytes_held": held,
+               "kv_evicted_tokens": evicted}
+        drafted = sum(r.metrics.spec_num_draft_tokens for r in self.requests)
+        if drafted:  # speculative decoding, in OpenAI's predicted-outputs fields: drafts kept and refused
+            accepted = sum(r.metrics.spec_num_accepted_tokens for r in self.requests)
+            out["completion_tokens_details"] = {"accepted_prediction_tokens": accepted,
+                                                "rejected_prediction_tokens": drafted - accepted}
+        return out

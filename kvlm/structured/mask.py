@@ -72,12 +72,14 @@ def grammar_bitmask(grammars: Sequence[RequestGrammar]) -> torch.Tensor:
 
 
 def apply_grammar_masks(logits: torch.Tensor, rows: list[int], grammars: Sequence[RequestGrammar],
-                        inplace: bool = False) -> torch.Tensor:
+                        inplace: bool = False, bitmask: torch.Tensor | None = None) -> torch.Tensor:
     """logits: (B, V) float32. Returns logits whose rows[j] has -inf wherever grammars[j] forbids a token
     (ids past the grammar's vocabulary included); every other row is the input's, bit for bit. The input
-    itself is written when `inplace` (the caller needs no unmasked copy), else a copy is."""
+    itself is written when `inplace` (the caller needs no unmasked copy), else a copy is. `bitmask` (R, W):
+    the rows' masks when the caller made them (a request's draft rows: `RequestGrammar.masks_along`)."""
     if not rows:
         return logits
     out = logits if inplace else logits.clone()
-    apply_token_bitmask(out, grammar_bitmask(grammars), torch.tensor(rows, dtype=torch.long))
+    apply_token_bitmask(out, grammar_bitmask(grammars) if bitmask is None else bitmask,
+                        torch.tensor(rows, dtype=torch.long))
     return out

@@ -6,7 +6,9 @@ Then the request's matcher (a private copy of the compiled prototype) fills that
 (its own buffer, so a step allocates nothing for it) before each sample and consumes each token the
 output processor appends. Preemption by recompute keeps a request's output tokens (they are prefilled
 again, never sampled again), so the matcher keeps its state and is never rolled back or replayed; an
-aborted request drops it.
+aborted request drops it. Speculative decoding only looks ahead: `valid_prefix` cuts drafts the grammar
+forbids, `masks_along` gives the mask after each draft and rolls the matcher back to where it was; the
+tokens kept are then consumed one by one like any other.
 """
 
 from __future__ import annotations
@@ -48,6 +50,22 @@ class RequestGrammar:
         grammar's buffer, written again by the next call."""
         self.matcher.unsafe_compute_mask_ptr(self._mask_ptr, self.mask_words * 4)
         return self._mask
+
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many leading `tokens` the grammar accepts from its current state (the state is unchanged)."""
+        return int(self.matcher.validate_tokens(tokens))
+
+    def masks_along(self, tokens: list[int]) -> torch.Tensor:
+        """(len(tokens) + 1, W) int32: the bitmask now, then after each of `tokens` (which it must accept:
+        `valid_prefix`); the matcher is rolled back to its current state after."""
+        out = torch.empty(len(tokens) + 1, self.mask_words, dtype=torch.int32)
+        out[0] = self.mask()
+        for j, t in enumerate(tokens, 1):
+            assert self.matcher.consume_token(t), "masks_along: a token the grammar refuses"
+            out[j] = self.mask()
+        if tokens:
+            self.matcher.rollback(len(tokens))
+        return out
 
     def accept(self, token: int) -> bool:
         """Advance past a sampled token; False if the grammar refused it (the matcher is then in error)."""

@@ -372,3 +372,16 @@ def test_structured(tiny_gguf: Path, capsys: pytest.CaptureFixture[str]) -> None
         assert r["free_tokens_per_s"] > 0 and r["constrained_tokens_per_s"] > 0 and r["ratio"] > 0
         assert r["mask_fill_us_per_step"] > 0 and r["mask_apply_us_per_step"] >= 0
     assert d["compile_ms"] > 0 and d["tokenizer_build_ms"] > 0 and "JSON tok/s" in table
+
+
+def test_spec(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from tiny_models import tiny_config, write_tiny_gguf
+
+    path = write_tiny_gguf(tmp_path / "tiny-1k.gguf", tiny_config(max_position_embeddings=1024))  # byte prompts
+    d, table = cli_json(capsys, ["-q", "bench", "spec", str(path), "--max-tokens", "12", "--workloads", "extract",
+                                 "chat", "--repeats", "1"])
+    assert_header(d, "spec")
+    assert [(r["workload"], r["method"]) for r in d["results"]] == [
+        (w, m) for w in ("extract", "chat") for m in ("off", "ngram", "suffix")]
+    assert d["identical"] and all(r["output_tokens"] == 12 for r in d["results"])
+    assert sum(r.get("accepted_tokens", 0) for r in d["results"]) > 0 and "identical" in table

@@ -433,6 +433,8 @@ def test_bad_input_table(runs, name: str) -> None:
     (["--kv-cache-memory", "999999TiB"], ["90%", "available"]),
     (["--kv-cache-memory", "0.3"], ["bare number is bytes", "30%"]),
     (["--device", "cuda:x"], ["--device", "cuda:x"]),
+    (["--speculative", "eagle"], ["--speculative", "eagle"]),
+    (["--speculative", "ngram", "--num-speculative-tokens", "0"], ["num_speculative_tokens"]),
 ])
 def test_more_bad_values_in_process(tiny_gguf: Path, capsys: pytest.CaptureFixture[str], args: list[str],
                                     words: list[str]) -> None:
@@ -449,6 +451,20 @@ def test_more_bad_values_in_process(tiny_gguf: Path, capsys: pytest.CaptureFixtu
     assert len(lines) == 1 and lines[0].startswith("kvlm: error: ") and out == "", err
     for w in words:
         assert w in lines[0], (w, lines[0])
+
+
+def test_speculative_decoding_same_text_and_acceptance_in_stats(tiny_gguf: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """`--speculative suffix` prints the same text as without it, and the stats line counts the drafts."""
+    from kvlm.cli.main import main
+
+    args = ["generate", str(tiny_gguf), "ab ab ab ab", "--max-tokens", "12", "--ignore-eos", "--stats"]
+    assert main(args) == 0
+    plain_out, plain_err = capsys.readouterr()
+    assert main([*args, "--speculative", "suffix", "--num-speculative-tokens", "3"]) == 0
+    out, err = capsys.readouterr()
+    assert out == plain_out and "drafts accepted" not in plain_err
+    assert re.search(r"drafts accepted [1-9]\d*/\d+", err), err
 
 
 def test_truncated_metadata_names_no_numpy_internals(runs) -> None:

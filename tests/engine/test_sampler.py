@@ -19,7 +19,7 @@ def make_req(seed: int | None = None, prompt: list[int] | None = None, outputs: 
     prompt = [0] if prompt is None else prompt
     r = Request("r", prompt + list(outputs or []), len(prompt), SamplingParams(**kw))  # type: ignore[arg-type]
     if seed is not None:
-        r.generator = torch.Generator().manual_seed(seed)
+        r.seed = seed
     return r
 
 
@@ -28,8 +28,15 @@ def rand_logits(rows: int, vocab: int, seed: int = 0) -> torch.Tensor:
 
 
 def draws(logits: torch.Tensor, reqs: list[Request], n: int) -> list[list[int]]:
-    """n successive sample() calls on the same logits (each request's generator advances)."""
-    return [sample(logits.clone(), reqs).token_ids for _ in range(n)]
+    """n successive sample() calls on the same logits, each request taking its token (its position advances,
+    and with it the key of its next draw)."""
+    out = []
+    for _ in range(n):
+        toks = sample(logits.clone(), reqs).token_ids
+        for r, t in zip(reqs, toks):
+            r.token_ids.append(t)
+        out.append(toks)
+    return out
 
 
 def test_temperature_zero_is_argmax() -> None:
@@ -333,3 +340,37 @@ def test_top_k_fast_path_makes_the_full_sorts_cuts() -> None:
     off, p1 = torch.zeros(6, dtype=torch.long), torch.ones(6)
     fast = filter_logits(logits, off, p1, torch.zeros(6)).softmax(-1)
     assert torch.equal(fast, _sorted_cuts(logits, off, p1).softmax(-1))
+
+
+def test_draw_is_keyed_by_seed_and_position() -> None:
+    """A row's draw depends on (seed, position of the token drawn) only: the same request sampled twice at
+    the same length draws the same token; a row verifying drafts (offset j) draws what the request would
+    draw once those drafts were its tokens; another position or seed draws differently."""
+    logits = torch.zeros(1, 1000)
+    a, b = make_req(seed=3, temperature=1.0), make_req(seed=3, temperature=1.0)
+    assert sample(logits, [a]).token_ids == sample(logits, [a]).token_ids == sample(logits, [b]).token_ids
+    a.draft_token_ids = [5, 6]
+    spec = sample(logits.repeat(3, 1), [a, a, a], offsets=[0, 1, 2]).token_ids
+    one_by_one = []
+    for t in (None, 5, 6):
+        if t is not None:
+            b.token_ids.append(t)
+        one_by_one += sample(logits, [b]).token_ids
+    assert spec == one_by_one and len(set(spec)) == 3
+    assert sample(logits, [make_req(seed=4, temperature=1.0)]).token_ids != sample(logits, [a]).token_ids
+
+
+def test_penalties_and_min_tokens_see_each_rows_history() -> None:
+    """Verify rows apply penalties and min_tokens as if their drafts had been decoded one by one."""
+    kw = dict(temperature=0.0, frequency_penalty=2.0, min_tokens=2, prompt=[0])
+    logits = torch.tensor([[0.0, 3.0, 2.0, 9.0]])  # token 3 plays EOS
+    r = make_req(**kw)
+    r.draft_token_ids = [1, 2]
+    spec = sample(logits.repeat(3, 1), [r, r, r], frozenset({3}), offsets=[0, 1, 2]).token_ids
+    one = make_req(**kw)
+    ref = []
+    for t in (None, 1, 2):
+        if t is not None:
+            one.token_ids.append(t)
+        ref += sample(logits, [one], frozenset({3})).token_ids
+    assert spec == ref == [1, 2, 3]

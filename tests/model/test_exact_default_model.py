@@ -1,7 +1,7 @@
 """On the default model with default flags (Q4_1 / Q8_0 weights, int8 activations): token ids and top-5
 logprobs are bit-identical along every path the engine can take, for 12 prompts (plain and chat, short
 and over 1,000 tokens) x 64 greedy tokens, and for seeded sampling (no KV cache: 16 tokens, 3 on the long
-prompts, since every recomputed step re-runs the whole sequence)."""
+prompts, since every recomputed step re-runs the whole sequence); speculative decoding among the paths."""
 
 from __future__ import annotations
 
@@ -78,6 +78,11 @@ def test_every_path_bit_identical(setup, smollm2_gguf: Path, tmp_path: Path) -> 
     outs = small.generate(prompts, GREEDY, use_tqdm=False)
     assert sum(o.metrics.num_preemptions for o in outs) > 0
     _check("preempted", ref, outs)
+    # Speculative decoding (ngram; draft_rows 64: up to 4 drafts each in this batch of 12) vs off.
+    spec = LLM(str(smollm2_gguf), num_threads=2,
+               speculative_config={"method": "ngram", "num_speculative_tokens": 5, "draft_rows": 64})
+    _check("speculative ngram, in one batch", ref, spec.generate(prompts, GREEDY, use_tqdm=False))
+    assert spec.llm_engine.speculator.stats.num_accepted_tokens > 0
     before = torch.get_num_threads()
     try:  # 1 thread and inside one batch at once, against 2 threads alone
         torch.set_num_threads(1)
@@ -108,6 +113,9 @@ def test_seeded_sampling_bit_identical(setup, smollm2_gguf: Path) -> None:
     _check("seeded, in a batch", ref, llm.generate(prompts[:6], SEEDED, use_tqdm=False))
     chunked = LLM(str(smollm2_gguf), num_threads=2, max_num_batched_tokens=7)
     _check("seeded, chunked", ref, chunked.generate(prompts[:6], SEEDED, use_tqdm=False))
+    spec = LLM(str(smollm2_gguf), num_threads=2, speculative_config={"method": "suffix", "num_speculative_tokens": 5})
+    _check("seeded, speculative suffix", ref, spec.generate(prompts[:6], SEEDED, use_tqdm=False))
+    assert spec.llm_engine.speculator.stats.num_accepted_tokens > 0
     nocache = LLM(str(smollm2_gguf), num_threads=2, enable_kv_cache=False)
     short = SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=16, ignore_eos=True, logprobs=5)
     _check("seeded, no KV cache", [_truncate(o, 16) for o in ref], nocache.generate(prompts[:6], short, use_tqdm=False))

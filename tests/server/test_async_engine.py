@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 
 import pytest
@@ -81,3 +82,37 @@ def test_reserve_caps_the_queue(aengine):
     aengine.release(8)
     aengine.reserve(1)
     aengine.release(1)
+
+
+def test_speculative_streams_several_tokens_a_step_and_counts_them(tiny_gguf):
+    """With speculative decoding a step may deliver several deltas of one request: the stream still equals
+    offline generation without it, and /metrics counts drafts under vLLM's spec-decode names."""
+    from kvlm import LLM
+    from kvlm.server.metrics import ServerMetrics
+
+    spec = {"method": "suffix", "num_speculative_tokens": 3}
+    a = AsyncEngine(Engine(str(tiny_gguf), EngineConfig(num_threads=2, speculative_config=spec), quiet=True))
+    metrics = ServerMetrics(a, "tiny")
+    a.start()
+    prompt, params = [104, 105] * 6, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+    async def go() -> list[int]:
+        got: list[int] = []
+        async for _, d in await a.submit([(prompt, params, "s")]):
+            got += d.token_ids
+        return got
+
+    def accepted() -> float:
+        m = re.search(r'kvlm:spec_decode_num_accepted_tokens_total\{model_name="tiny"\} (\S+)',
+                      metrics.render().decode())
+        return float(m.group(1)) if m else 0.0
+
+    try:
+        got = asyncio.run(go())
+        assert wait_until(lambda: accepted() > 0)  # counted when the request finishes (on the loop thread)
+        text = metrics.render().decode()
+    finally:
+        a.stop()
+    want = LLM(str(tiny_gguf), num_threads=2).generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    assert got == want[0].outputs[0].token_ids
+    assert 'kvlm:spec_decode_num_accepted_tokens_per_pos_total{model_name="tiny",position="0"}' in text

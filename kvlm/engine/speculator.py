@@ -1,0 +1,122 @@
+"""Speculative decoding in the engine: which requests get drafts, how many, and what a verification keeps.
+
+Before each step `propose` gives every decoding request up to k drafts (`Request.draft_token_ids`) from the
+configured proposer (`kvlm.spec_decode`). The scheduler runs such a request as 1 + k rows (its last token,
+then the drafts; fewer if the token budget or the KV pool is short), the runner computes logits at all of
+them and the sampler picks the target's token at each, keyed by its position (`engine/sampler.py`). With
+the native kernels a row's logits have the same bits alone or among any others, so each pick is the one
+plain decoding makes at that position, given the same tokens before it. `verify` keeps the drafts up to
+the first one the target disagrees with, plus the target's own token there: the output is the same bits
+with speculation on or off, greedy or seeded, and for unseeded requests the same distribution.
+
+Depth: each request's own rule (`spec_decode/depth.py`: follows its acceptance, pauses a request whose
+drafts keep failing), then a batch cap: a step carries at most `draft_rows` (SpeculativeConfig, default
+16) rows of running requests and their drafts, so each of B running requests proposes at most
+(draft_rows - B) // B drafts: 15 alone, 3 each at B = 4, 1 each at B = 8, none from B = 9 on.
+On a CPU a step reads the weights once for all its rows, so extra rows are nearly free at small batch and
+not in a busy one.
+
+Under a grammar, drafts it forbids are cut before verification (`RequestGrammar.valid_prefix`), each row
+is masked as the grammar stands after the drafts before it (`masks_along`, which rolls the matcher back),
+and the kept tokens are consumed one by one as any sampled token. A bounded cache (`kv_policy`) gets no
+more drafts than keep a step's rows inside one position of its window (`chunk_limit`, as for a chunk).
+Not drafted for (a plain decode row instead): requests with a reasoning budget, and embeddings; nothing
+past max_tokens or the context is ever proposed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvlm.config import SpeculativeConfig
+from kvlm.request import Request, RequestStatus
+from kvlm.spec_decode import DraftDepth, make_proposer
+
+
+@dataclass(slots=True)
+class SpecStats:
+    """Engine-wide counts, vLLM's spec-decode metrics: verifications with drafts, drafts verified, drafts
+    accepted, and accepted drafts by position (index i: the (i+1)-th draft of a verification)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
+
+    def as_dict(self) -> dict[str, float | int | list[int] | None]:
+        return {"num_drafts": self.num_drafts, "num_draft_tokens": self.num_draft_tokens,
+                "num_accepted_tokens": self.num_accepted_tokens, "accepted_per_pos": list(self.accepted_per_pos),
+                "acceptance_rate": self.acceptance_rate}
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+        self.config = config
+        self.k_max = config.num_speculative_tokens
+        self.max_model_len = max_model_len
+        self.proposer = make_proposer(config.method, config.prompt_lookup_min, config.prompt_lookup_max)
+        self.stats = SpecStats(accepted_per_pos=[0] * self.k_max)
+
+    @staticmethod
+    def drafts_allowed(req: Request) -> bool:
+        """A decoding request (its next row is its last token) that may bring drafts."""
+        return (req.status is RequestStatus.RUNNING and req.num_computed_tokens == req.num_tokens - 1
+                and req.pooling is None and req.reasoning is None)
+
+    def _room(self, req: Request) -> int:
+        """Drafts that could all be emitted: past the last one comes the target's token, which must still
+        fit under max_tokens and inside the context."""
+        room = self.max_model_len - req.num_tokens - 1
+        if req.params.max_tokens is not None:
+            room = min(room, req.params.max_tokens - req.num_output_tokens - 1)
+        return room
+
+    def propose(self, running: list[Request]) -> None:
+        """Set `draft_token_ids` of every running request for the next step (empty: a plain row)."""
+        cap = (self.config.draft_rows - len(running)) // len(running) if running else 0
+        for req in running:
+            req.draft_token_ids = []
+            if not self.drafts_allowed(req):
+                continue
+            if req.draft_depth is None:
+                req.draft_depth = DraftDepth(self.k_max)
+            k = min(req.draft_depth.want(), cap, self._room(req))
+            if k > 0:
+                drafts = self.proposer.propose(req, req.token_ids, k)
+                if req.grammar is not None and drafts:  # cut what the grammar forbids before verifying it
+                    drafts = drafts[: req.grammar.valid_prefix(drafts)]
+                req.draft_token_ids = drafts
+
+    def verify(self, req: Request, sampled: list[int]) -> int:
+        """`sampled`: the target's token at each of req's rows (1 + its drafts). Returns how many drafts are
+        accepted (the longest prefix equal to the target's picks); counts them."""
+        drafts = req.draft_token_ids
+        a = 0
+        while a < len(drafts) and sampled[a] == drafts[a]:
+            a += 1
+        s, m = self.stats, req.metrics
+        s.num_drafts += 1
+        s.num_draft_tokens += len(drafts)
+        s.num_accepted_tokens += a
+        for i in range(a):
+            s.accepted_per_pos[i] += 1
+        m.spec_num_drafts += 1
+        m.spec_num_draft_tokens += len(drafts)
+        m.spec_num_accepted_tokens += a
+        if len(m.spec_accepted_per_pos) < a:
+            m.spec_accepted_per_pos += [0] * (a - len(m.spec_accepted_per_pos))
+        for i in range(a):
+            m.spec_accepted_per_pos[i] += 1
+        if req.draft_depth is not None:
+            req.draft_depth.record(len(drafts), a)
+        return a
+
+    def finish(self, req: Request) -> None:
+        """`req` ended: the proposer may keep its tokens (suffix) and drops its state."""
+        req.draft_token_ids = []
+        if req.pooling is None:
+            self.proposer.finish(req, req.token_ids)
