@@ -162,7 +162,7 @@ class KVCacheManager:
         """Give back, in every group, `req`'s blocks past its first `num_tokens` tokens (speculative decoding:
         those held for drafts the target rejected; never registered, so never shared)."""
         self.bm.free_tail(req, self.bm.blocks_for(num_tokens))
-        for bm, view, _ in self._views(req):
+        for bm, view in self._views(req):
             bm.free_tail(view, bm.blocks_for(num_tokens))
 
     def free(self, req: Request) -> None:
