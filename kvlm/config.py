@@ -166,6 +166,8 @@ class ModelConfig:
             kw.update(_phi3_fields(d))
         if d["model_type"] == "smollm3":
             kw.update(_smollm3_fields(d, int(d["num_hidden_layers"])))
+        if d["model_type"] == "granite":  # transformers' default: scores times 1, not head_dim ** -0.5
+            kw.setdefault("attention_multiplier", 1.0)
         return cls(**kw)
 
 

@@ -151,3 +151,11 @@ def test_gguf_longrope_factors_that_do_not_fit(tmp_path: Path) -> None:
     with pytest.raises(UnsupportedModelError) as e:
         load_checkpoint(path)
     assert "\n" not in str(e.value) and "longrope needs 8" in str(e.value)
+
+
+def test_granite_attention_multiplier_defaults_as_transformers() -> None:
+    """A Granite config.json without attention_multiplier scales scores by 1 (GraniteConfig's default)."""
+    from kvlm.config import ModelConfig
+
+    cfg = {k: v for k, v in CONFIGS["granite"].items() if k != "attention_multiplier"}
+    assert ModelConfig.from_hf_dict(cfg).attention_multiplier == 1.0
