@@ -11,7 +11,7 @@ The rule (per request; the engine adds the batch cap, `kvlm.engine.speculator`):
 A draft costs one more row of the step; at batch 1 on a CPU that row is nearly free (the step reads the
 weights once for all rows), so the rule is quick to try again and slow to give up. The constants here and
 the engine's batch cap (`draft_rows` 16) are a first choice, not yet decided by measurement (`kvlm bench
-spec` is the command for it; on 2026-12-03 the shared 2-core machine was too loaded for stable tok/s).
+spec` is the command for it; docs/speculative.md has its one run so far, on a loaded shared machine).
 """
 
 from __future__ import annotations
