@@ -25,7 +25,10 @@ _COUNTERS = (("prompt_tokens", "prompt_tokens", "Prompt tokens of finished reque
              ("prefix_cache_queries", "prompt_tokens", "Prompt tokens looked up in the prefix cache."),
              ("prefix_cache_hits", "cached_tokens", "Prompt tokens found in the prefix cache."),
              ("num_preemptions", "preemptions", "Preemptions (by recompute)."),
-             ("request_finished", "requests", "Finished requests."))
+             ("request_finished", "requests", "Finished requests."),
+             ("spec_decode_num_drafts", "spec_drafts", "Verifications of drafts."),
+             ("spec_decode_num_draft_tokens", "spec_draft_tokens", "Draft tokens verified."),
+             ("spec_decode_num_accepted_tokens", "spec_accepted_tokens", "Draft tokens accepted."))
 
 
 class _Collector:

@@ -19,6 +19,8 @@ class RemoteMetrics:
     num_cached_tokens: int = 0
     kv_bytes_held: int = 0
     num_evicted_tokens: int = 0
+    spec_num_draft_tokens: int = 0  # speculative decoding: drafts verified and accepted (usage's details)
+    spec_num_accepted_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -35,7 +37,8 @@ class RemoteRequest:
     @classmethod
     def of(cls, r: Request) -> RemoteRequest:
         return cls(r.num_prompt_tokens, r.num_output_tokens, r.stop_reason, r.prompt_logprobs,
-                   RemoteMetrics(r.metrics.num_cached_tokens, r.metrics.kv_bytes_held, r.metrics.num_evicted_tokens))
+                   RemoteMetrics(r.metrics.num_cached_tokens, r.metrics.kv_bytes_held, r.metrics.num_evicted_tokens,
+                                 r.metrics.spec_num_draft_tokens, r.metrics.spec_num_accepted_tokens))
 
 
 @dataclass(frozen=True, slots=True)

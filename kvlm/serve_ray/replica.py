@@ -33,7 +33,7 @@ class EngineReplica:
         self.engine = Engine(model, EngineConfig(**engine_config), quiet=True)
         self.aengine = AsyncEngine(self.engine)
         self.totals = {"requests": 0, "prompt_tokens": 0, "cached_tokens": 0, "generation_tokens": 0,
-                       "preemptions": 0}
+                       "preemptions": 0, "spec_drafts": 0, "spec_draft_tokens": 0, "spec_accepted_tokens": 0}
         self.aengine.on_finish = self._count  # loop thread
         self._seq = 0
         self.replica_id = _replica_id()
@@ -46,6 +46,9 @@ class EngineReplica:
         t["cached_tokens"] += m.num_cached_tokens
         t["generation_tokens"] += req.num_output_tokens
         t["preemptions"] += m.num_preemptions
+        t["spec_drafts"] += m.spec_num_drafts  # speculative decoding (zeros when it is off)
+        t["spec_draft_tokens"] += m.spec_num_draft_tokens
+        t["spec_accepted_tokens"] += m.spec_num_accepted_tokens
 
     def describe(self) -> ReplicaInfo:
         e, bm = self.engine, self.engine.block_manager

@@ -70,7 +70,8 @@ def server(smollm2_gguf):
     need("ray")
     with ServerProcess(smollm2_gguf, "--replicas", "2", "--threads", "1", "--served-model-name", "smollm2-135m",
                        "--max-model-len", "1024", "--kv-cache-memory", "96MiB", "--max-num-seqs", "8",
-                       "--max-queued-requests", "16", "--api-key", KEY, startup_timeout=240) as s:
+                       "--max-queued-requests", "16", "--api-key", KEY,
+                       "--speculative", "ngram", startup_timeout=240) as s:  # drafts through replicas, too
         s.model_path = smollm2_gguf
         s.headers = {"Authorization": f"Bearer {KEY}"}
         yield s
@@ -100,7 +101,8 @@ def aclient(server: ServerProcess) -> openai.AsyncOpenAI:
 
 
 def test_32_greedy_requests_equal_offline_streamed_and_not(server, offline):
-    """32 requests at once over 2 replicas, streamed and not: offline's text and logprobs, bit for bit."""
+    """32 requests at once over 2 replicas (speculative decoding on), streamed and not: offline's text and
+    logprobs (no speculation), bit for bit."""
     prompts = [f"{PROMPTS[i % 8]}" + " and" * (i // 8) for i in range(32)]
     max_tokens = [6 + (i * 5) % 11 for i in range(32)]
 
@@ -116,6 +118,9 @@ def test_32_greedy_requests_equal_offline_streamed_and_not(server, offline):
     served = {lbl for lbl, v in server.metrics(server.headers).items()
               if lbl.startswith("kvlm:request_finished_total") and v > 0}
     assert len(served) == 2, f"both replicas served requests: {served}"
+    accepted = sum(v for lbl, v in server.metrics(server.headers).items()
+                   if lbl.startswith("kvlm:spec_decode_num_accepted_tokens_total"))
+    assert accepted > 0, "the replicas verified and accepted drafts"
 
 
 def test_same_api_as_one_server(server):
