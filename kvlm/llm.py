@@ -213,7 +213,8 @@ class LLM:
                               + [sp] * len(items) + [SamplingParams(temperature=0, max_tokens=9)] * (len(fill) - 1),
                               use_tqdm=False)[1 : 1 + len(items)]
         cfg = dataclasses.asdict(eng.config)
-        recompute = LLM(eng.model_path, quiet=True, **{**cfg, "enable_kv_cache": False})
+        # the reference recomputes every step and never speculates (drafts need a KV cache to verify against)
+        recompute = LLM(eng.model_path, quiet=True, **{**cfg, "enable_kv_cache": False, "speculative_config": None})
         runs = {"inside a batch": batch, "no KV cache": alone(recompute)}
         n = sum(len(o.outputs[0].token_ids) for o in ref)
         for path, outs in runs.items():

@@ -465,6 +465,10 @@ def test_speculative_decoding_same_text_and_acceptance_in_stats(tiny_gguf: Path,
     out, err = capsys.readouterr()
     assert out == plain_out and "drafts accepted" not in plain_err
     assert re.search(r"drafts accepted [1-9]\d*/\d+", err), err
+    # --check-exact with speculation: the speculating engine against a recompute that never speculates
+    assert main([*args, "--speculative", "suffix", "--num-speculative-tokens", "3", "--check-exact"]) == 0
+    out, err = capsys.readouterr()  # (the same request as above, which accepted drafts)
+    assert "kvlm: bit-identical on 12 tokens" in out, (out, err)
 
 
 def test_truncated_metadata_names_no_numpy_internals(runs) -> None:
