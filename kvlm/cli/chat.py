@@ -257,6 +257,9 @@ def cmd_chat(a: argparse.Namespace) -> int:
         import readline  # noqa: F401  (line editing and history for input(), where the platform has it)
     except ImportError:
         pass
+    # Ctrl-C is how a chat is steered: take it even when started with SIGINT ignored (a background job of a
+    # non-interactive shell inherits SIG_IGN, and Python then installs no KeyboardInterrupt handler).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     eng = llm.llm_engine
     if llm.tokenizer.builtin_template:
         say(f"kvlm chat: warning: {eng.model_path.name} carries no chat template, as base models often do "
