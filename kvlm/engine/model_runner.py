@@ -77,13 +77,14 @@ class _StepRows:
             start = req.num_computed_tokens
             # speculative decoding: the rows past its tokens are its drafts (K/V written like any row's),
             # each its own one-row sequence (see the class docstring)
-            src = req.token_ids + req.draft_token_ids if req.draft_token_ids else req.token_ids
-            seqs = [(start + j, 1) for j in range(n)] if req.draft_token_ids else [(start, n)]
+            drafts = req.draft_token_ids  # (read in place: no copy of the request's tokens per step)
+            seqs = [(start + j, 1) for j in range(n)] if drafts else [(start, n)]
             bt, policy = req.block_table, req.kv_policy
             for s0, m in seqs:
                 r.requests.append(req)
                 r.starts.append(s0)
-                r.ids.extend(src[s0 : s0 + m])
+                d0 = s0 - req.num_tokens  # >= 0: a draft's row (m = 1)
+                r.ids.extend(req.token_ids[s0 : s0 + m] if d0 < 0 else drafts[d0 : d0 + m])
                 r.positions.extend(range(s0, s0 + m))
                 r.slots.extend(bt[p // block_size] * block_size + p % block_size for p in range(s0, s0 + m))
                 r.query_lens.append(m)
