@@ -1,18 +1,22 @@
 #!/usr/bin/env bash
-# Kernel A/B of the AVX2 int8 kernels: OLD_REV's against this tree's, interleaved in one process.
-#   scripts/kernel_ab/run.sh OLD_REV [FMT N K M THREADS HOT ...]
+# Kernel A/B of the int8 kernels: OLD_REV's against this tree's, interleaved in one process.
+#   [KVLM_AB_ISA=avx2|avx512|avx512-vnni] scripts/kernel_ab/run.sh OLD_REV [FMT N K M THREADS HOT ...]
 # Without cases it runs docs/kernels.md's table (1B and SmolLM2 shapes, M = 1 cold and M = 64 hot).
-# Needs g++ with OpenMP and an AVX2 CPU. Prints, per case, old and new ms (median of 3) and new/old speed.
+# Needs g++ with OpenMP and a CPU with the ISA (default avx2). Prints, per case, old and new ms (median of 3)
+# and new/old speed.
 set -euo pipefail
 if [ $# -lt 1 ] || [ "$1" = "--help" ] || [ "$1" = "-h" ]; then sed -n 2,5p "$0" | sed 's/^# \{0,1\}//'; exit 0; fi
 OLD=$1; shift
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 W=$(mktemp -d); trap 'rm -rf "$W"' EXIT
 git -C "$ROOT" archive "$OLD" kvlm/kernels/csrc | tar -x -C "$W"
+# The unit's head as kvlm/kernels/csrc/isa_<ISA>.cpp has it: its target pragma and ISA defines.
+UNIT="$ROOT/kvlm/kernels/csrc/isa_$(echo "${KVLM_AB_ISA:-avx2}" | tr - _).cpp"
+[ -f "$UNIT" ] || { echo "run.sh: no unit $UNIT" >&2; exit 2; }
+HEAD=$(grep -E '^#(pragma GCC target|define KVLM_(AVX|VNNI))' "$UNIT")
 for side in old new; do
   dir=$([ $side = old ] && echo "$W/kvlm/kernels/csrc" || echo "$ROOT/kvlm/kernels/csrc")
-  printf '#pragma GCC target("avx2,fma,f16c,bmi2")\n#define KVLM_ISA_FN kvlm_%s\n#define KVLM_AVX2 1\n#include "%s/kernels_impl.h"\n' \
-    "$side" "$dir" > "$W/$side.cpp"
+  printf '%s\n#define KVLM_ISA_FN kvlm_%s\n#include "%s/kernels_impl.h"\n' "$HEAD" "$side" "$dir" > "$W/$side.cpp"
 done
 FL="-O3 -std=c++20 -fopenmp -Wno-psabi -fno-math-errno"
 g++ $FL -c "$W/old.cpp" -o "$W/old.o" & g++ $FL -c "$W/new.cpp" -o "$W/new.o"; wait
