@@ -51,7 +51,8 @@ class ServerProcess:
         raise RuntimeError(f"kvlm serve did not start in {startup_timeout} s:\n{self.output()}")
 
     def output(self) -> str:
-        self._log.flush()
+        if not self._log.closed:  # stop() closes it; the timeout path reads the log after stopping
+            self._log.flush()
         return self.log_path.read_bytes().decode("utf-8", "replace")
 
     def metrics(self, headers: dict[str, str] | None = None) -> dict[str, float]:
