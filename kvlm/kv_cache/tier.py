@@ -31,6 +31,7 @@ What it knows: hashes, files, tensors handed to it. Not the block manager, the s
 
 from __future__ import annotations
 
+import atexit
 import fcntl
 import logging
 import os
@@ -104,10 +105,11 @@ class KVTier:
         self._lock = threading.Lock()  # stats and the queue's byte count
         self._queued_bytes = 0
         self._max_queued = max(QUEUE_BYTES, 2 * block_bytes)
-        self._queue: queue.Queue[_Pending | None] = queue.Queue()
+        self._queue: queue.Queue[_Pending] = queue.Queue()
         self._scan_lru(evict=False)
         self._writer = threading.Thread(target=self._write_loop, name="kvlm-kv-tier", daemon=True)
         self._writer.start()
+        atexit.register(self._at_exit)  # a stopping server's queued blocks still reach the disk
 
     def path(self, name: bytes) -> Path:
         return self.dir / (name.hex() + SUFFIX)
@@ -129,30 +131,31 @@ class KVTier:
         self._queue.put(item)
         return True
 
-    def flush(self) -> None:
-        """Wait until every queued block is written (or dropped): tests and benchmarks, before a restart."""
-        self._queue.join()
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued block is written (or dropped): tests and benchmarks, before a restart, and
+        at interpreter exit (at most 30 s there). Returns False if `timeout` passed first."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self._queue.unfinished_tasks:
+            if deadline is not None and time.monotonic() > deadline:
+                return False
+            time.sleep(0.005)
+        return True
 
-    def close(self) -> None:
-        self.flush()
-        self._queue.put(None)
-        self._writer.join(timeout=10)
+    def _at_exit(self) -> None:
+        self.flush(timeout=30.0)
 
     # -- writer thread ----------------------------------------------------------------------------------
     def _write_loop(self) -> None:
         while True:
             item = self._queue.get()
             try:
-                if item is None:
-                    return
                 if self.writable:
                     self._write(item)
             except Exception as e:  # noqa: BLE001 - a tier failure must never take the engine down
                 self._stop_storing(e)
             finally:
-                if item is not None:
-                    with self._lock:
-                        self._queued_bytes -= item.nbytes
+                with self._lock:
+                    self._queued_bytes -= item.nbytes
                 self._queue.task_done()
 
     def _write(self, item: _Pending) -> None:

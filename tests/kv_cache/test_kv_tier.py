@@ -251,3 +251,34 @@ def test_refused_where_blocks_are_not_one_prefix(model: Path, tmp_path: Path) ->
         LLM(model, block_size=BS, kv_tier_dir=str(tmp_path), max_kv_tokens=64)
     with pytest.raises(ParameterError, match="less than two KV blocks"):
         LLM(model, block_size=BS, kv_tier_dir=str(tmp_path), kv_tier_bytes=100)
+
+
+def test_server_restart_starts_warm_and_metrics_split_hits(tmp_path: Path) -> None:
+    """`kvlm serve --kv-tier-dir --kv-tier-write-through`: a stopped server's prompt blocks reach the disk, a
+    new server loads them (same text), and /metrics splits prompt tokens into pool / tier / miss."""
+    import httpx
+    from server_utils import ServerProcess
+
+    model = write_tiny_gguf(tmp_path / "tiny.gguf", tiny_config())
+    args = ("--served-model-name", "tiny", "--block-size", "4", "--kv-tier-dir", str(tmp_path / "tier"),
+            "--kv-tier-write-through")
+    prompt = "The tier keeps this prompt's blocks on disk for the next server."
+
+    def complete(server: ServerProcess) -> str:
+        r = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 5,
+                                                             "temperature": 0}, timeout=60)
+        return r.json()["choices"][0]["text"]
+
+    with ServerProcess(model, *args) as first:
+        text = complete(first)
+        m = first.metrics()
+        assert m['kvlm:prefix_cache_source_tokens_total{source="tier"}'] == 0
+        assert m['kvlm:prefix_cache_source_tokens_total{source="miss"}'] > 0
+    assert list((tmp_path / "tier").glob("*.kvb"))  # flushed at exit
+    with ServerProcess(model, *args) as second:
+        assert complete(second) == text
+        m = second.metrics()
+        assert m['kvlm:prefix_cache_source_tokens_total{source="tier"}'] > 0
+        assert m["kvlm:kv_tier_hit_blocks"] > 0 and m["kvlm:kv_tier_corrupt_files"] == 0
+        assert m['kvlm:prefix_cache_source_bytes_total{source="tier"}'] == \
+            m['kvlm:prefix_cache_source_tokens_total{source="tier"}'] * m["kvlm:kv_cache_bytes_per_token"]
