@@ -14,8 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-from engine_runs import assert_same_logits
+from engine_runs import assert_same_logits, run_alone
 from tiny_models import tiny_config, write_tiny_gguf
 
 from kvlm import LLM, SamplingParams
@@ -41,13 +40,8 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def run(llm: LLM, ids: list[int]):
     """(tokens, logprobs, stacked logits rows, metrics) of one greedy request run alone."""
-    eng = llm.llm_engine
-    req = eng.add_request(ids, PARAMS)
-    rows = []
-    while not req.is_finished:
-        eng.step(keep_logits=True)
-        rows += [eng.last_result.logits[j] for j, r in enumerate(eng.last_result.requests) if r is req]
-    return req.output_token_ids, req.logprobs, torch.stack(rows), req.metrics
+    req, logits = run_alone(llm.llm_engine, ids, PARAMS)
+    return req.output_token_ids, req.logprobs, logits, req.metrics
 
 
 def reference(model: Path, kv: str) -> list[tuple]:
@@ -282,3 +276,14 @@ def test_server_restart_starts_warm_and_metrics_split_hits(tmp_path: Path) -> No
         assert m["kvlm:kv_tier_hit_blocks"] > 0 and m["kvlm:kv_tier_corrupt_files"] == 0
         assert m['kvlm:prefix_cache_source_bytes_total{source="tier"}'] == \
             m['kvlm:prefix_cache_source_tokens_total{source="tier"}'] * m["kvlm:kv_cache_bytes_per_token"]
+
+
+def test_a_miss_in_pool_and_tier_says_tier_miss(model: Path, tmp_path: Path) -> None:
+    llm = LLM(model, block_size=BS, kv_cache_memory=pool("auto"), kv_tier_dir=str(tmp_path))
+    for p in PROMPTS:
+        run(llm, p)
+    llm.llm_engine.flush_kv_tier()
+    for f in tmp_path.glob("*.kvb"):  # another process's LRU pass removed them
+        f.unlink()
+    m = run(llm, PROMPTS[0])[3]
+    assert m.num_tier_tokens == 0 and m.prefix_miss is not None and m.prefix_miss.endswith("(tier miss)")
