@@ -12,6 +12,7 @@ import argparse
 from typing import Any
 
 from kvlm.config import DTYPES, KV_DTYPES, EngineConfig, parse_bytes
+from kvlm.errors import ParameterError
 from kvlm.sampling_params import SamplingParams
 
 
@@ -72,6 +73,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "blocks (StreamingLLM)")
     g.add_argument("--no-prefix-caching", action="store_true",
                    help="do not reuse cached K/V blocks of earlier requests with the same beginning")
+    g.add_argument("--kv-tier-dir", default=None,
+                   help="a disk tier under the prefix cache: blocks evicted from the KV pool are kept as files in "
+                        "this directory (shared by processes and restarts) and loaded instead of prefilled again "
+                        "(default: no tier; docs/kv_tier.md)")
+    g.add_argument("--kv-tier-bytes", default="20GiB", help="with --kv-tier-dir: the tier's size bound (LRU)")
+    g.add_argument("--kv-tier-write-through", action="store_true",
+                   help="with --kv-tier-dir: also store each finished request's prompt blocks at once, not only "
+                        "when the pool evicts them")
     g.add_argument("--speculative", default=None, choices=["ngram", "suffix"],
                    help="speculative decoding: ngram (prompt lookup in the request's own text) or suffix (an n-gram "
                         "index over it and recent requests) proposes tokens, the model verifies them in one step; "
@@ -88,12 +97,16 @@ def engine_kwargs_from_args(a: argparse.Namespace) -> dict[str, Any]:
     mem = None if a.kv_cache_memory is None else parse_bytes(a.kv_cache_memory)
     spec = (None if a.speculative is None else
             {"method": a.speculative, "num_speculative_tokens": a.num_speculative_tokens})
+    tier_bytes = parse_bytes(a.kv_tier_bytes, "kv_tier_bytes", "--kv-tier-bytes")
+    if isinstance(tier_bytes, float):
+        raise ParameterError("kv_tier_bytes", f"--kv-tier-bytes: {a.kv_tier_bytes!r}: give bytes (20GiB), not a share")
     return dict(dtype=a.dtype, device=a.device, num_threads=a.threads, max_model_len=a.max_model_len,
                 enable_kv_cache=not a.no_kv_cache, kv_cache_layout=a.kv_cache_layout,
                 kv_cache_dtype=a.kv_cache_dtype, block_size=a.block_size,
                 max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens, kv_cache_memory=mem,
                 enable_prefix_caching=not a.no_prefix_caching, adaptive_threads=not a.no_adaptive_threads,
-                max_kv_tokens=a.max_kv_tokens, sink_tokens=a.sink_tokens, speculative_config=spec)
+                max_kv_tokens=a.max_kv_tokens, sink_tokens=a.sink_tokens, speculative_config=spec,
+                kv_tier_dir=a.kv_tier_dir, kv_tier_bytes=tier_bytes, kv_tier_write_through=a.kv_tier_write_through)
 
 
 def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -337,6 +338,11 @@ class EngineConfig:
     pooling: Literal["last", "mean", "cls"] | None = None
     # Speculative decoding (spec_decode/, engine/speculator.py): a SpeculativeConfig or its dict; None: off.
     speculative_config: SpeculativeConfig | dict[str, Any] | None = None
+    # A disk tier under the prefix cache (kv_cache/tier.py; docs/kv_tier.md): blocks evicted from the pool
+    # go to files in kv_tier_dir, at most kv_tier_bytes, and come back instead of a prefill. None: off.
+    kv_tier_dir: str | None = None
+    kv_tier_bytes: int = 20 << 30
+    kv_tier_write_through: bool = False  # also store a finished request's prompt blocks at once
 
     def __post_init__(self) -> None:
         self.speculative_config = SpeculativeConfig.of(self.speculative_config)
@@ -366,7 +372,14 @@ class EngineConfig:
             raise bad("sink_tokens", "must be an integer >= 0")
         if self.pooling not in (None, "last", "mean", "cls"):
             raise bad("pooling", "must be last, mean or cls")
-        for name in ("enable_kv_cache", "adaptive_threads"):
+        if self.kv_tier_dir is not None and (not isinstance(self.kv_tier_dir, str | os.PathLike)
+                                             or not str(self.kv_tier_dir)):
+            raise bad("kv_tier_dir", "must be a directory path or None")
+        if self.kv_tier_dir is not None:
+            self.kv_tier_dir = os.fspath(self.kv_tier_dir)
+        if not is_int(self.kv_tier_bytes) or self.kv_tier_bytes < 1:
+            raise bad("kv_tier_bytes", "must be a positive number of bytes")
+        for name in ("enable_kv_cache", "adaptive_threads", "kv_tier_write_through"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "must be true or false")
         m = self.kv_cache_memory
@@ -408,7 +421,7 @@ _UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb"
           "g": 2**30, "gb": 10**9, "gib": 2**30, "t": 2**40, "tb": 10**12, "tib": 2**40}
 
 
-def parse_bytes(text: str) -> int | float:
+def parse_bytes(text: str, field: str = "kv_cache_memory", flag: str = "--kv-cache-memory") -> int | float:
     """A KV budget from the command line, with one meaning per spelling:
 
     '2GiB' -> 2147483648, '512MB' -> 512000000, '1048576' -> 1048576 (a bare number is bytes, so it must
@@ -417,18 +430,18 @@ def parse_bytes(text: str) -> int | float:
     s = text.strip().lower().replace(" ", "")
     m = re.fullmatch(r"(\d+(?:\.\d*)?|\.\d+)(%|[kmgt]i?b|[kmgtb])?", s)
     if not m:
-        raise ParameterError("kv_cache_memory", f"--kv-cache-memory: cannot parse {text!r} "
+        raise ParameterError(field, f"{flag}: cannot parse {text!r} "
                                                 "(write bytes like 2GiB, 512MB or 1048576, or a share like 30%)")
     num, unit = m.group(1), m.group(2) or ""
     if unit == "%":
         frac = float(num) / 100
         if not 0 < frac <= 1:
-            raise ParameterError("kv_cache_memory", f"--kv-cache-memory: {text!r} must be a share in (0%, 100%]")
+            raise ParameterError(field, f"{flag}: {text!r} must be a share in (0%, 100%]")
         return frac
     if unit == "" and "." in num:
-        raise ParameterError("kv_cache_memory", f"--kv-cache-memory: a bare number is bytes and must be whole, "
+        raise ParameterError(field, f"{flag}: a bare number is bytes and must be whole, "
                                                 f"got {text!r} (for a share of memory write e.g. 30%)")
     value = int(float(num) * _UNITS[unit]) if "." in num else int(num) * _UNITS[unit]
     if value < 1:
-        raise ParameterError("kv_cache_memory", f"--kv-cache-memory: {text!r} is less than one byte")
+        raise ParameterError(field, f"{flag}: {text!r} is less than one byte")
     return value

@@ -44,6 +44,7 @@ class RequestMetrics:
     finished_time: float | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens whose K/V were reused, not recomputed
+    num_tier_tokens: int = 0  # of those, tokens loaded from the disk tier (kv_cache/tier.py) for this request
     num_prefilled_tokens: int = 0  # prompt tokens run through the model (again after a preemption)
     num_computed_tokens: int = 0  # all tokens whose K/V this request computed (prefill, decode, recompute)
     num_generated_tokens: int = 0
@@ -80,6 +81,7 @@ class RequestMetrics:
         return {
             "prompt_tokens": self.num_prompt_tokens,
             "cached_tokens": self.num_cached_tokens,
+            **({"tier_tokens": self.num_tier_tokens} if self.num_tier_tokens else {}),
             "prefilled_tokens": self.num_prefilled_tokens,
             "computed_tokens": self.num_computed_tokens,
             "generated_tokens": self.num_generated_tokens,

@@ -55,7 +55,9 @@ def _format_stats(m: dict[str, Any]) -> str:
     def f(x: Any, fmt: str) -> str:
         return "n/a" if x is None else format(x, fmt)
 
-    line = (f"prompt tokens {m['prompt_tokens']} (cached {m['cached_tokens']}, computed {m['prefilled_tokens']}), "
+    tier = f" ({m['tier_tokens']} from the KV tier)" if m.get("tier_tokens") else ""
+    line = (f"prompt tokens {m['prompt_tokens']} (cached {m['cached_tokens']}{tier}, "
+            f"computed {m['prefilled_tokens']}), "
             f"generated {m['generated_tokens']}, "
             f"TTFT {f(m['ttft_s'], '.3f')} s, decode {f(m['decode_tokens_per_s'], '.1f')} tok/s, "
             f"KV held {m['kv_bytes_held'] / 2**20:.2f} MiB in {m['kv_blocks_held']} blocks "

@@ -195,6 +195,7 @@ class Scheduler:
             return  # (an embedding never looks the cache up: it is no query, and no earlier prefix to explain)
         m = req.metrics
         m.num_cached_tokens = min(req.num_computed_tokens, req.num_prompt_tokens)
+        m.num_tier_tokens = min(m.num_tier_tokens, m.num_cached_tokens)  # (loaded, and still there at admission)
         self.prefix_cache_queries += req.num_prompt_tokens
         self.prefix_cache_hits += m.num_cached_tokens
         if self.prefix_history is not None:

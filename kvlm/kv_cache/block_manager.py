@@ -46,7 +46,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kvlm.kv_cache.spec import AttentionSpec, FullAttention, GroupSpec
 from kvlm.request import Request
@@ -96,6 +96,9 @@ class BlockManager:
         self.root_hash = hashlib.sha256(b"kvlm-prefix").digest()
         self.readers: list[set[str]] | None = None  # debug mode: request ids reading each block
         self.num_evictions = 0
+        # Called with a cached-free block about to be evicted, its hash and K/V still intact (the KV tier
+        # keeps it on disk: kv_cache/tier_pool.py); None: evicted blocks are simply forgotten.
+        self.on_evict: Callable[[int], None] | None = None
         self.num_freed = 0  # blocks whose last reader let go (to free or cached-free), since the start
 
     # -- counts ------------------------------------------------------------------------------------
@@ -290,6 +293,8 @@ class BlockManager:
             b = self.free_blocks.popleft()
         else:
             b, _ = self.cached_free.popitem(last=False)
+            if self.on_evict is not None:
+                self.on_evict(b)
             self._forget(b)
             self.num_evictions += 1
         if self.readers is not None:

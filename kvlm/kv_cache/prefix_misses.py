@@ -50,12 +50,14 @@ class PrefixMiss:
     before: str = ""  # text of the tokens before `position`
     ours: str = ""  # text of this request from `position`
     theirs: str = ""  # text of the other request from `position`
+    tier: bool = False  # a disk tier was looked up too (and did not have those blocks)
 
     def __str__(self) -> str:
         head = f"reused {self.reused_tokens} of {self.shared_tokens} tokens shared with {self.other_request_id}: "
         if self.reason == "evicted":
             return head + (f"blocks from token {self.position} to {self.possible_tokens} were evicted "
-                           "(or never cached) before this request came")
+                           "(or never cached) before this request came" + (", and the KV tier had not got them "
+                                                                          "(tier miss)" if self.tier else ""))
         if self.reason == "short":
             return head + f"the shared prefix ({self.shared_tokens} tokens) is shorter than one block"
         return head + (f"diverged at token {self.position}: {self.before!r} then {self.ours!r} here "
@@ -70,6 +72,7 @@ class PrefixHistory:
         self.block_size = block_size
         self.recent: deque[Request] = deque(maxlen=max_requests)
         self.describe = describe or (lambda ids: " ".join(map(str, ids)))
+        self.tier = False  # the engine has a disk tier: an eviction miss is a tier miss too
 
     def explain(self, req: Request, reused: int) -> PrefixMiss | None:
         """Why `req` (just admitted, `reused` tokens from the cache) did not reuse more; None when it took
@@ -88,7 +91,7 @@ class PrefixHistory:
         possible = min(min(shared, other_cached) // bs * bs, (req.num_tokens - 1) // bs * bs)
         pos = shared
         if reused < possible:
-            return PrefixMiss("evicted", best.request_id, shared, reused, possible, reused)
+            return PrefixMiss("evicted", best.request_id, shared, reused, possible, reused, tier=self.tier)
         if shared < bs and shared < req.num_tokens - 1:
             reason: MissReason = "short"
         elif shared < min(other_cached, req.num_tokens - 1):

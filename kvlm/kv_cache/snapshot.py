@@ -49,7 +49,7 @@ class SnapshotInfo:
     blocks_loaded: int  # blocks written into the pool (the rest were already cached)
 
 
-def _checksum(*tensors: torch.Tensor) -> str:
+def checksum(*tensors: torch.Tensor) -> str:
     crc = 0
     for t in tensors:
         crc = zlib.crc32(t.contiguous().view(torch.uint8).numpy(), crc)
@@ -134,7 +134,7 @@ def save_prefix(bm: BlockManager, cache: KVCache, header: dict[str, str], token_
         kg, vg = cache.read_blocks(found, g)
         tensors[f"k{g}"], tensors[f"v{g}"] = kg.cpu().contiguous(), vg.cpu().contiguous()
     ids = torch.tensor(token_ids[: nblk * bm.block_size], dtype=torch.int64)
-    meta = {**header, "num_tokens": str(ids.numel()), "crc32": _checksum(*tensors.values(), ids)}
+    meta = {**header, "num_tokens": str(ids.numel()), "crc32": checksum(*tensors.values(), ids)}
     tmp = Path(f"{path}.tmp")
     save_file({**tensors, "token_ids": ids}, str(tmp), metadata=meta)
     os.replace(tmp, path)
@@ -145,6 +145,13 @@ def read_snapshot(path: str | os.PathLike, header: dict[str, str], vocab_size: i
                   groups: Groups = ()) -> tuple[list[int], dict[str, torch.Tensor]]:
     """Read a snapshot and check it against `header` (this engine's; `groups`: its extra layer groups'):
     (token ids, the K/V tensors by name: k, v, then k1, v1, ...). Raises SnapshotError."""
+    tokens, kv, _ = read_snapshot_meta(path, header, vocab_size, groups)
+    return tokens, kv
+
+
+def read_snapshot_meta(path: str | os.PathLike, header: dict[str, str], vocab_size: int,
+                       groups: Groups = ()) -> tuple[list[int], dict[str, torch.Tensor], dict[str, str]]:
+    """`read_snapshot`, with the file's metadata too (the KV tier's one-block files carry their hash there)."""
     from safetensors import SafetensorError, safe_open
 
     kv_names = ["k", "v"] + [f"{x}{g}" for g in range(1, len(groups) + 1) for x in "kv"]
@@ -181,12 +188,12 @@ def read_snapshot(path: str | os.PathLike, header: dict[str, str], vocab_size: i
     if (ids.dtype != torch.int64 or ids.ndim != 1 or ids.numel() % bs or str(ids.numel()) != meta.get("num_tokens")
             or any(tuple(t.shape) != shapes[n] or t.dtype != kv_dtype for n, t in kv.items())):
         raise SnapshotError(f"{path}: corrupt snapshot (tensor shapes disagree with its header)")
-    if _checksum(*kv.values(), ids) != meta.get("crc32"):
+    if checksum(*kv.values(), ids) != meta.get("crc32"):
         raise SnapshotError(f"{path}: corrupt snapshot (checksum mismatch)")
     tokens = ids.tolist()
     if any(not 0 <= t < vocab_size for t in tokens):
         raise SnapshotError(f"{path}: corrupt snapshot (token ids outside the vocabulary)")
-    return tokens, kv
+    return tokens, kv, meta
 
 
 def load_prefix(bm: BlockManager, cache: KVCache, header: dict[str, str], path: str | os.PathLike, *,

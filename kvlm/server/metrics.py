@@ -59,6 +59,29 @@ class ServerMetrics:
         self.prefix_queries = counter("kvlm:prefix_cache_queries",
                                       "Prompt tokens looked up in the prefix cache.").labels(**lbl)
         self.prefix_hits = counter("kvlm:prefix_cache_hits", "Prompt tokens found in the prefix cache.").labels(**lbl)
+        # The same tokens split by where their K/V came from: the pool, the disk tier (--kv-tier-dir) or
+        # nowhere (computed); bytes = tokens x the pool's bytes per token.
+        self.prefix_source = counter("kvlm:prefix_cache_source_tokens",
+                                     "Prompt tokens by where their K/V came from: pool, tier or miss.", ("source",))
+        self.prefix_source_bytes = counter("kvlm:prefix_cache_source_bytes",
+                                           "K/V bytes of prompt tokens by source: pool, tier or miss.", ("source",))
+        self._bpt = bpt
+        pt = aengine.engine.tier
+        if pt is not None:  # the tier's own figures (kv_cache/tier.py TierStats), read when scraped
+            st = pt.tier.stats
+            for key, doc in (("size_bytes", "Bytes of the tier directory's block files (last scan + writes since)."),
+                             ("hit_blocks", "Blocks loaded from the tier into the pool."),
+                             ("stored_blocks", "Blocks this process wrote to the tier."),
+                             ("dropped_blocks", "Blocks not stored: the writer's queue was full or storing was off."),
+                             ("evicted_files", "Tier files this process removed to keep the byte bound."),
+                             ("corrupt_files", "Tier files removed because they failed validation.")):
+                gauge(f"kvlm:kv_tier_{key}", doc, lambda key=key: getattr(st, key))
+            gauge("kvlm:kv_tier_load_bytes_per_second", "Tier read throughput (files read and validated).",
+                  lambda: st.hit_bytes / st.load_s if st.load_s else 0.0)
+            gauge("kvlm:kv_tier_store_bytes_per_second", "Tier write throughput (serialize, write, fsync, rename).",
+                  lambda: st.stored_bytes / st.store_s if st.store_s else 0.0)
+            gauge("kvlm:kv_tier_storing", "1 while the tier stores blocks (0 after a write failed).",
+                  lambda: float(pt.tier.writable))
         self.success = counter("kvlm:request_success", "Finished requests by finish reason.", ("finished_reason",))
         self.spec = None  # speculative decoding's counters, vLLM's names (only when it is on)
         if aengine.engine.speculator is not None:
@@ -92,6 +115,11 @@ class ServerMetrics:
         if req.pooling is None:  # an embedding never looks the prefix cache up (engine/pooling.py)
             self.prefix_queries.inc(m.num_prompt_tokens)
             self.prefix_hits.inc(m.num_cached_tokens)
+            split = {"pool": m.num_cached_tokens - m.num_tier_tokens, "tier": m.num_tier_tokens,
+                     "miss": m.num_prompt_tokens - m.num_cached_tokens}
+            for source, n in split.items():
+                self.prefix_source.labels(model_name=self._name, source=source).inc(n)
+                self.prefix_source_bytes.labels(model_name=self._name, source=source).inc(n * self._bpt)
         self.preemptions.inc(m.num_preemptions)
         self.evicted.inc(m.num_evicted_tokens)
         if self.spec is not None and m.spec_num_drafts:

@@ -14,6 +14,16 @@ from kvlm.engine.engine import Engine
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
+def run_alone(engine: Engine, ids: list[int], params: SamplingParams) -> tuple:
+    """One request run to completion by itself: (the Request, its logits rows stacked, one per step)."""
+    req = engine.add_request(ids, params)
+    rows = []
+    while not req.is_finished:
+        engine.step(keep_logits=True)
+        rows += [engine.last_result.logits[j] for j, r in enumerate(engine.last_result.requests) if r is req]
+    return req, torch.stack(rows)
+
+
 def run_engine(engine: Engine, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] = GREEDY,
                order: list[int] | None = None,
                requests: list | None = None) -> tuple[dict[int, list[int]], dict[int, list[torch.Tensor]]]:

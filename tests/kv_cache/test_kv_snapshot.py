@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_runs import assert_same_logits
+from engine_runs import assert_same_logits, run_alone
 
 from kvlm import LLM, SamplingParams
 from kvlm.errors import SnapshotError
@@ -21,13 +21,8 @@ PROMPT = PREFIX + [7, 8, 9]
 
 
 def greedy_with_logits(llm: LLM, ids: list[int]) -> tuple[list[int], torch.Tensor, int]:
-    eng = llm.llm_engine
-    req = eng.add_request(ids, PARAMS)
-    rows = []
-    while not req.is_finished:
-        eng.step(keep_logits=True)
-        rows += [eng.last_result.logits[j] for j, r in enumerate(eng.last_result.requests) if r is req]
-    return req.output_token_ids, torch.stack(rows), req.metrics.num_cached_tokens
+    req, logits = run_alone(llm.llm_engine, ids, PARAMS)
+    return req.output_token_ids, logits, req.metrics.num_cached_tokens
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,89 @@
+"""The pool's side of the KV tier: which blocks go down to disk, and how tier blocks come back up.
+
+* Down: the block manager calls `on_evict(b)` just before it forgets a cached-free block it hands out
+  again (its K/V are still intact: nothing writes into it before the next step); with write-through,
+  `write_through(req)` offers a finishing request's registered prompt blocks. Either copies the block's
+  bytes out of the pool on the engine thread (one `read_blocks`) and hands them to the tier's writer
+  thread (`KVTier.offer`), skipping blocks the tier already has.
+* Up: `prefetch(req)` (the engine calls it for the waiting requests about to be admitted) looks up, past
+  the pool's prefix hit, the prompt's next block hashes in the tier, reads the leading run of valid files,
+  writes them into fresh blocks and registers them as cached-free blocks, exactly as `load_prefix` loads
+  a snapshot. The scheduler's admission then finds them as an ordinary prefix hit: those tokens are not
+  prefilled, and the read's time is part of the request's time to first token.
+
+Only full-attention models (no sliding layer groups) and unbounded requests use the tier: a bounded
+request's blocks past its first eviction are named by its policy, not by the prefix, and a sliding
+group's blocks would need their window's blocks with them (the engine refuses a tier for such models;
+a bounded request skips it). Plain Python over the block manager, the paged cache and the tier.
+"""
+
+from __future__ import annotations
+
+from kvlm.kv_cache.block_manager import EVICTED, BlockManager
+from kvlm.kv_cache.storage import PagedKVCache
+from kvlm.kv_cache.tier import KVTier
+from kvlm.request import Request
+from kvlm.sampling_params import SamplingParams
+
+
+class PoolTier:
+    """Moves blocks between one engine's pool (`bm`, `cache`) and a `KVTier`."""
+
+    def __init__(self, bm: BlockManager, cache: PagedKVCache, tier: KVTier, write_through: bool = False) -> None:
+        self.bm, self.cache, self.tier, self.write_through_on = bm, cache, tier, write_through
+        bm.on_evict = self.on_evict
+
+    # -- down -------------------------------------------------------------------------------------------
+    def _offer(self, b: int) -> None:
+        name, tokens = self.bm.block_hash[b], self.bm.block_tokens[b]
+        if name is None or tokens is None or not self.tier.writable or self.tier.has(name):
+            return
+        k, v = self.cache.read_blocks([b])  # (layers, 1, block_size, kv_heads, row): a copy
+        self.tier.offer(name, tokens, k, v)
+
+    def on_evict(self, b: int) -> None:
+        """`b`, a cached block, is about to be reused for other K/V: keep its bytes on disk."""
+        self._offer(b)
+
+    def write_through(self, req: Request) -> None:
+        """`req` is finishing: offer its registered prompt blocks (write-through; no-op when it is off)."""
+        if not self.write_through_on or req.kv_policy is not None:
+            return
+        for i in range(min(req.num_cached_blocks, req.num_prompt_tokens // self.bm.block_size)):
+            b = req.block_table[i]
+            if b != EVICTED:
+                self._offer(b)
+
+    # -- up ---------------------------------------------------------------------------------------------
+    def prefetch(self, req: Request) -> int:
+        """Load the blocks of `req`'s prompt that follow its pool hit from the tier into the prefix cache;
+        returns the tokens loaded (0: nothing more in the tier, no room, or a file failed to load)."""
+        bm, bs = self.bm, self.bm.block_size
+        if req.kv_policy is not None or not req.reads_prefix_cache:
+            return 0
+        limit = (req.num_tokens - 1) // bs  # the last token always runs (as `find_cached_prefix`)
+        k = len(bm.find_cached_prefix(req))
+        if k >= limit:
+            return 0
+        names = bm.block_hashes(req, limit)[k:limit]
+        n = self.tier.lookup(names)
+        holder = Request(f"kv-tier-{req.request_id}", list(req.token_ids[: (k + n) * bs]), (k + n) * bs,
+                         SamplingParams())
+        hit = bm.find_cached_prefix(holder, max_blocks=k)
+        room = bm.num_free_blocks - sum(1 for b in hit if bm.ref_counts[b] == 0)
+        n = min(n, room)
+        if n <= 0:
+            return 0
+        toks = [tuple(req.token_ids[i * bs : (i + 1) * bs]) for i in range(k, k + n)]
+        kk, vv = self.tier.load_run(names[:n], toks)
+        m = kk.shape[1] if kk.ndim > 1 else 0
+        if m == 0:
+            return 0
+        holder.token_ids = holder.token_ids[: (k + m) * bs]
+        holder.num_prompt_tokens = (k + m) * bs
+        bm.allocate(holder, (k + m) * bs, hit)  # may evict older cached blocks (down to the tier, then)
+        self.cache.write_blocks(holder.block_table[k:], kk, vv, first_position=k * bs)
+        holder.num_computed_tokens = (k + m) * bs
+        bm.cache_full_blocks(holder)
+        bm.free(holder)  # cached-free, most recently used: the admission right after takes them
+        return m * bs
