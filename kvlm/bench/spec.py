@@ -114,7 +114,8 @@ def plot(d: dict[str, Any], path: str) -> str:
         width = 0.8 / max(len(shown), 1)
         for j, m in enumerate(shown):
             ys = [(rows.get((w, m)) or {}).get(key) or 0.0 for w in names]
-            ax_.bar([i + (j - (len(shown) - 1) / 2) * width for i in range(len(names))], ys, width, label=label(m))
+            ax_.bar([i + (j - (len(shown) - 1) / 2) * width for i in range(len(names))], ys, width, label=label(m),
+                    color=f"C{methods.index(m)}")  # one colour per method in both panels
         ax_.set_xticks(range(len(names)), names)
         ax_.grid(True, axis="y", alpha=0.3)
         ax_.legend(fontsize=7)
@@ -131,9 +132,10 @@ def print_table(d: dict[str, Any]) -> None:
 
     print(f"batch 1, greedy, {d['max_tokens']} tokens, k = {d['num_speculative_tokens']}, {d['threads']} threads, "
           f"{d['cpu']}, median of {d['repeats']} interleaved runs")
-    print(f"{'workload':10s} {'method':7s} {'tok/s':>7s} {'speedup':>8s} {'accept':>7s} {'tok/verif':>9s} identical")
+    w = max([7, *(len(label(r["method"])) for r in d["results"])])
+    print(f"{'workload':10s} {'method':{w}s} {'tok/s':>7s} {'speedup':>8s} {'accept':>7s} {'tok/verif':>9s} identical")
     for r in d["results"]:
-        print(f"{r['workload']:10s} {label(r['method']):7s} {f(r['decode_tokens_per_s'], '7.1f')} "
+        print(f"{r['workload']:10s} {label(r['method']):{w}s} {f(r['decode_tokens_per_s'], '7.1f')} "
               f"{f(r.get('speedup'), '7.2f')}x {f(r.get('acceptance'), '7.0%')} "
               f"{f(r.get('tokens_per_verification'), '9.2f')} {r.get('identical', '')}")
 
