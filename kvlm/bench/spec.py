@@ -21,6 +21,7 @@ from typing import Any
 from kvlm.args import speculative_config, speculative_method
 from kvlm.bench.common import DEFAULT_MODEL, Bench, add_model_args, log, run_header, standalone
 from kvlm.bench.plotting import new_figure, save_figure
+from kvlm.config import DTYPES
 
 _PASSAGE = ("The lighthouse stood on the northern cape for two hundred years. Every evening the keeper climbed "
             "the one hundred and twelve steps, trimmed the wick, wound the clockwork that turned the lens, and "
@@ -50,7 +51,8 @@ METHODS = ("ngram", "suffix")  # the default --methods; "off" always runs first
 
 
 def run(model: str = DEFAULT_MODEL, threads: int = 2, max_tokens: int = 128, k: int = 5,
-        workloads: list[str] | None = None, repeats: int = 3, methods: list[str] | None = None) -> dict[str, Any]:
+        workloads: list[str] | None = None, repeats: int = 3, methods: list[str] | None = None,
+        dtype: str = "auto") -> dict[str, Any]:
     from statistics import median
 
     from kvlm import LLM, SamplingParams
@@ -61,12 +63,12 @@ def run(model: str = DEFAULT_MODEL, threads: int = 2, max_tokens: int = 128, k: 
     doc = run_header("spec", model, threads)
     runs = ["off", *dict.fromkeys(methods or METHODS)]  # this run's methods, off first
     doc.update(max_tokens=max_tokens, num_speculative_tokens=k, batch=1, repeats=repeats, methods=runs,
-               results=[])
+               dtype=dtype, results=[])
     llms = {}
     for method in runs:  # one engine per method, all loaded first: their runs interleave below
         spec = None if method == "off" else speculative_config(method, k)
         llms[method] = llm = LLM(model, num_threads=threads, speculative_config=spec, enable_prefix_caching=False,
-                                 adaptive_threads=False)
+                                 dtype=dtype, adaptive_threads=False)
         llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)  # warm up
     for name in names:
         ids = llms["off"].render_chat([{"role": "user", "content": WORKLOADS[name]}])
@@ -131,6 +133,7 @@ def print_table(d: dict[str, Any]) -> None:
         return "-" if x is None else format(x, fmt)
 
     print(f"batch 1, greedy, {d['max_tokens']} tokens, k = {d['num_speculative_tokens']}, {d['threads']} threads, "
+          f"dtype {d.get('dtype', 'auto')}, "
           f"{d['cpu']}, median of {d['repeats']} interleaved runs")
     w = max([7, *(len(label(r["method"])) for r in d["results"])])
     print(f"{'workload':10s} {'method':{w}s} {'tok/s':>7s} {'speedup':>8s} {'accept':>7s} {'tok/verif':>9s} identical")
@@ -151,11 +154,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="proposers measured against none: ngram, suffix, draft:PATH (a draft model with the "
                         "same tokenizer) (default: ngram suffix)")
     p.add_argument("--plot", metavar="FILE", help="PNG of tok/s and acceptance per workload and method")
+    p.add_argument("--dtype", choices=DTYPES, default="auto",
+                   help="the target's compute dtype (a draft model always runs with auto: quantized on a CPU)")
 
 
 def run_args(a: argparse.Namespace) -> dict[str, Any]:
     return run(a.model, threads=a.threads, max_tokens=a.max_tokens, k=a.num_speculative_tokens,
-               workloads=a.workloads, repeats=a.repeats, methods=a.methods)
+               workloads=a.workloads, repeats=a.repeats, methods=a.methods, dtype=a.dtype)
 
 
 BENCH = Bench("spec", "speculative decoding (ngram, suffix, draft:PATH) vs none: tok/s, acceptance, identity",

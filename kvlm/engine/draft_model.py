@@ -40,9 +40,11 @@ _GREEDY = SamplingParams(temperature=0)
 
 
 def draft_config(target: EngineConfig, device: str) -> EngineConfig:
-    """The draft engine's settings: the target's device, dtype, block size and step sizes, KV pool sized the
-    same way; no prefix cache (its blocks are private per request), no thread governor of its own."""
-    return EngineConfig(device=device, dtype=target.dtype, block_size=target.block_size,
+    """The draft engine's settings: the target's device, block size and step sizes, KV pool sized the same
+    way; dtype "auto" whatever the target's (on a CPU the draft's GGUF weights stay in their quantized
+    formats: the cheap guesser beside, say, a float32 target); no prefix cache (its blocks are private per
+    request), no thread governor of its own (the target's sets the threads both use)."""
+    return EngineConfig(device=device, dtype="auto", block_size=target.block_size,
                         max_num_seqs=target.max_num_seqs, max_num_batched_tokens=target.max_num_batched_tokens,
                         kv_cache_memory=target.kv_cache_memory, enable_prefix_caching=False, adaptive_threads=False)
 
