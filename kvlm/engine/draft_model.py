@@ -63,7 +63,7 @@ def tokenizer_mismatch(target: Tokenizer, draft: Tokenizer) -> str | None:
         a, b = getattr(target, name), getattr(draft, name)
         if a != b:
             show = (lambda s: sorted(s)) if isinstance(a, frozenset) else (lambda s: s)
-            return f"{name} differ ({show(a)} vs {show(b)})"
+            return f"{name} differs ({show(a)} vs {show(b)})"
     return None
 
 
