@@ -21,6 +21,11 @@ from kvlm.sampling_params import StructuredOutputsParams as SO
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=5)
 SEEDED = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=16, ignore_eos=True, logprobs=5)
 METHODS = ("ngram", "suffix")
+SCHEMA = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 8},
+                                           "b": {"type": "array", "items": {"enum": ["xy", "xyz"]}, "maxItems": 4}},
+          "required": ["a", "b"], "additionalProperties": False}
+SCHEMA_SEEDED = [SamplingParams(temperature=0.8, top_p=0.9, seed=s, max_tokens=16, logprobs=5,
+                                structured_outputs=SO(json=SCHEMA)) for s in range(8)]
 # copy-heavy prompts (repeated spans the proposers find) of 16 kinds
 PROMPTS = [[(7 * i + j) % 200 + 20 for j in range(5 + i % 4)] * (3 + i % 3) for i in range(16)]
 
@@ -126,12 +131,7 @@ def test_stop_inside_an_accepted_run(model: Path) -> None:
 
 
 def test_identical_under_a_json_schema(model: Path) -> None:
-    schema = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 8},
-                                               "b": {"type": "array", "items": {"enum": ["xy", "xyz"]},
-                                                     "maxItems": 4}},
-              "required": ["a", "b"], "additionalProperties": False}
-    params = [SamplingParams(temperature=0.8, top_p=0.9, seed=s, max_tokens=16, logprobs=5,
-                             structured_outputs=SO(json=schema)) for s in range(8)]
+    params = SCHEMA_SEEDED
     prompts = PROMPTS[:8]
     ref = run(engine(model, None), prompts, params)
     for method in METHODS:
@@ -254,12 +254,7 @@ def test_draft_model_with_int8_kv_prefix_hits_preemption_and_a_schema(model: Pat
     reqs: list = []
     assert run(small, PROMPTS[:8], GREEDY, reqs) == off and accepted(small) > 0  # (run: draft state all freed)
     assert sum(r.metrics.num_preemptions for r in reqs) > 0
-    schema = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 8},
-                                               "b": {"type": "array", "items": {"enum": ["xy", "xyz"]},
-                                                     "maxItems": 4}},
-              "required": ["a", "b"], "additionalProperties": False}
-    params = [SamplingParams(temperature=0.8, top_p=0.9, seed=s, max_tokens=16, logprobs=5,
-                             structured_outputs=SO(json=schema)) for s in range(8)]
+    params = SCHEMA_SEEDED
     ref = run(engine(model, None), PROMPTS[:8], params)
     for draft in (model, varied):
         eng = engine(model, f"draft:{draft}")
