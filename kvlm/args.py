@@ -81,10 +81,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-tier-write-through", action="store_true",
                    help="with --kv-tier-dir: also store each finished request's prompt blocks at once, not only "
                         "when the pool evicts them")
-    g.add_argument("--speculative", default=None, choices=["ngram", "suffix"],
-                   help="speculative decoding: ngram (prompt lookup in the request's own text) or suffix (an n-gram "
-                        "index over it and recent requests) proposes tokens, the model verifies them in one step; "
-                        "the output is the same bits as without it (default: off)")
+    g.add_argument("--speculative", default=None, type=speculative_method, metavar="{ngram,suffix,draft:PATH}",
+                   help="speculative decoding: ngram (prompt lookup in the request's own text), suffix (an n-gram "
+                        "index over it and recent requests) or draft:PATH (a smaller model with the same tokenizer) "
+                        "proposes tokens, the model verifies them in one step; the output is the same bits as "
+                        "without it (default: off)")
     g.add_argument("--num-speculative-tokens", type=int, default=5,
                    help="with --speculative: tokens proposed per step at most")
     g.add_argument("--no-adaptive-threads", action="store_true",
@@ -92,11 +93,26 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "keep cores busy (spinning threads slow a shared CPU down many times)")
 
 
+def speculative_method(value: str) -> str:
+    """--speculative: ngram, suffix or draft:PATH (a draft model's file, folder or name)."""
+    if value in ("ngram", "suffix") or (value.startswith("draft:") and value[len("draft:"):].strip()):
+        return value
+    raise argparse.ArgumentTypeError(f"must be ngram, suffix or draft:PATH, got {value!r}")
+
+
+def speculative_config(method: str | None, k: int) -> dict[str, Any] | None:
+    """The `speculative_config` dict of --speculative METHOD and --num-speculative-tokens K (None: off)."""
+    if method is None:
+        return None
+    if method.startswith("draft:"):
+        return {"method": "draft", "model": method[len("draft:"):], "num_speculative_tokens": k}
+    return {"method": method, "num_speculative_tokens": k}
+
+
 def engine_kwargs_from_args(a: argparse.Namespace) -> dict[str, Any]:
     """The `EngineConfig` fields the engine flags set (what `LLM(model, **kwargs)` takes)."""
     mem = None if a.kv_cache_memory is None else parse_bytes(a.kv_cache_memory)
-    spec = (None if a.speculative is None else
-            {"method": a.speculative, "num_speculative_tokens": a.num_speculative_tokens})
+    spec = speculative_config(a.speculative, a.num_speculative_tokens)
     tier_bytes = parse_bytes(a.kv_tier_bytes, "kv_tier_bytes", "--kv-tier-bytes")
     if isinstance(tier_bytes, float):
         raise ParameterError("kv_tier_bytes", f"--kv-tier-bytes: {a.kv_tier_bytes!r}: give bytes (20GiB), not a share")

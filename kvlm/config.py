@@ -242,13 +242,14 @@ KV_DTYPES: tuple[KVDtype, ...] = (*DTYPES, "int8", "int4")
 KV_QUANT_BYTES_PER_VALUE: dict[str, float] = {"int8": 34 / 32, "int4": 18 / 32}
 
 
-SPEC_METHODS = ("ngram", "suffix")
+SPEC_METHODS = ("ngram", "suffix", "draft")
 
 
 @dataclass(frozen=True, slots=True)
 class SpeculativeConfig:
-    """Speculative decoding (vLLM's `speculative_config` shape): `method` "ngram" (prompt lookup) or
-    "suffix" (an n-gram index over the request's history and recent requests), up to
+    """Speculative decoding (vLLM's `speculative_config` shape): `method` "ngram" (prompt lookup),
+    "suffix" (an n-gram index over the request's history and recent requests) or "draft" (greedy guesses
+    of a smaller `model`, a path or name, with the same tokenizer: engine/draft_model.py), up to
     `num_speculative_tokens` drafts a step, n-gram lengths `prompt_lookup_min`..`prompt_lookup_max`
     (None: the method's defaults, ngram 2..4, suffix 1..8). `draft_rows`: a step carries at most this many
     rows of decoding requests with their drafts, so each of B decoding requests proposes at most
@@ -259,6 +260,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
     draft_rows: int = 16
+    model: str | None = None  # method "draft": the draft model (a GGUF file, a folder or a known name)
 
     @classmethod
     def of(cls, value: SpeculativeConfig | dict[str, Any] | None) -> SpeculativeConfig | None:
@@ -269,11 +271,11 @@ class SpeculativeConfig:
             raise ParameterError("speculative_config", "speculative_config must be a dict like "
                                                        '{"method": "ngram", "num_speculative_tokens": 5}')
         unknown = set(value) - {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
-                                "draft_rows"}
+                                "draft_rows", "model"}
         if unknown:
             raise ParameterError("speculative_config", f"speculative_config: unknown key(s) {sorted(unknown)}")
         if "method" not in value:
-            raise ParameterError("speculative_config", "speculative_config needs a method: ngram or suffix")
+            raise ParameterError("speculative_config", "speculative_config needs a method: ngram, suffix or draft")
         return cls(**value)
 
     def __post_init__(self) -> None:
@@ -281,7 +283,13 @@ class SpeculativeConfig:
             return ParameterError("speculative_config", f"speculative_config: {rule}")
 
         if self.method not in SPEC_METHODS:
-            raise bad(f"method must be ngram or suffix, got {self.method!r}")
+            raise bad(f"method must be ngram, suffix or draft, got {self.method!r}")
+        if (self.method == "draft") != (self.model is not None):
+            raise bad("a model is needed with method draft (and only then): "
+                      '{"method": "draft", "model": PATH}' if self.method == "draft"
+                      else f"model is for method draft only, not {self.method}")
+        if self.model is not None and (not isinstance(self.model, str) or not self.model.strip()):
+            raise bad(f"model must be a path or a model name, got {self.model!r}")
         k = self.num_speculative_tokens
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 64:
             raise bad(f"num_speculative_tokens must be an integer in [1, 64], got {k!r}")

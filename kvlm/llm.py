@@ -49,7 +49,8 @@ class LLM:
 
     Keyword arguments are `EngineConfig` fields (dtype, device, enable_kv_cache, max_model_len,
     kv_cache_layout, block_size, max_num_seqs, max_num_batched_tokens, kv_cache_memory, num_threads,
-    enable_prefix_caching, speculative_config={"method": "ngram" | "suffix", "num_speculative_tokens": k}).
+    enable_prefix_caching, speculative_config={"method": "ngram" | "suffix" | "draft", "num_speculative_tokens": k,
+    "model": DRAFT_PATH (method draft only)}).
     """
 
     def __init__(self, model: str | os.PathLike = "smollm2-135m", quiet: bool = True, **engine_kwargs: Any) -> None:

@@ -19,8 +19,9 @@ from pathlib import Path
 
 import torch
 
-from kvlm.config import DTYPES, EngineConfig, ModelConfig
+from kvlm.config import DTYPES, EngineConfig, ModelConfig, SpeculativeConfig
 from kvlm.engine import scoring
+from kvlm.engine.draft_model import DraftModelProposer, draft_config, tokenizer_mismatch
 from kvlm.engine.input_processor import InputProcessor
 from kvlm.engine.model_runner import ModelRunner, StepResult
 from kvlm.engine.output_processor import OutputProcessor
@@ -28,7 +29,7 @@ from kvlm.engine.pooling import ModelPooling
 from kvlm.engine.scheduler import ScheduledBatch, Scheduler
 from kvlm.engine.speculator import Speculator
 from kvlm.engine.threads import ThreadGovernor
-from kvlm.errors import ParameterError
+from kvlm.errors import KvlmError, ParameterError
 from kvlm.kernels.kv_quant import FORMATS, GROUP, KVQuantFormat
 from kvlm.kv_cache import snapshot as kv_snapshot
 from kvlm.kv_cache.block_manager import held_blocks
@@ -130,7 +131,12 @@ class Engine:
         spec = cfg.speculative_config
         if spec is not None and not cfg.enable_kv_cache:
             raise ParameterError("speculative_config", "speculative decoding needs the KV cache (no --no-kv-cache)")
-        self.speculator = Speculator(spec, self.max_model_len) if spec is not None else None  # type: ignore[arg-type]
+        self.speculator: Speculator | None = None
+        self.draft_engine: Engine | None = None  # method draft: the draft model's own engine
+        if spec is not None:
+            assert isinstance(spec, SpeculativeConfig)
+            proposer = self._draft_proposer(spec.model) if spec.method == "draft" else None
+            self.speculator = Speculator(spec, self.max_model_len, proposer)
         # Fewer threads while other processes hold cores (engine/threads.py); the count never changes bits.
         self.governor = (ThreadGovernor(torch.get_num_threads()) if cfg.adaptive_threads and self.device.type == "cpu"
                          else None)
@@ -142,6 +148,22 @@ class Engine:
         log.debug(self.describe_cache())  # a sizing detail: shown at DEBUG (the CLI's -v; `kvlm info` has it too)
 
     # -- setup -------------------------------------------------------------------------------------
+    def _draft_proposer(self, model: str | None) -> DraftModelProposer:
+        """Speculative method draft: a second engine for the draft model, its own weights and KV pool
+        (engine/draft_model.py); refused with one line if its tokenizer is not the target's."""
+        try:
+            self.draft_engine = Engine(str(model), draft_config(self.config, str(self.device)), quiet=True)
+        except KvlmError as e:  # (not found, unsupported, a bad setting for it): named as the draft's
+            raise ParameterError("speculative_config", f"draft model: {e}") from e
+        draft = self.draft_engine
+        why = tokenizer_mismatch(self.tokenizer, draft.tokenizer)
+        if why is not None:
+            raise ParameterError("speculative_config", f"draft model {draft.model_path.name} does not share the "
+                                                       f"target's tokenizer: {why}")
+        return DraftModelProposer(draft.scheduler.kv, draft.runner, draft.max_model_len,
+                                  min(self.model_config.vocab_size, draft.model_config.vocab_size),
+                                  self.config.max_num_batched_tokens)
+
     @property
     def kv_bytes_per_token(self) -> int:
         """K/V bytes per token, counted from the pool's tensors (`KVBytes`)."""

@@ -1,10 +1,12 @@
 """Speculative decoding in the engine: which requests get drafts, how many, and what a verification keeps.
 
 Before each step `propose` gives every decoding request up to k drafts (`Request.draft_token_ids`) from the
-configured proposer (`kvlm.spec_decode`). The scheduler runs such a request as 1 + k rows (its last token,
-then the drafts; fewer if the token budget or the KV pool is short), the runner computes logits at all of
-them and the sampler picks the target's token at each, keyed by its position (`engine/sampler.py`). With
-the native kernels a row's logits have the same bits alone or among any others, so each pick is the one
+configured proposer (`kvlm.spec_decode`: ngram, suffix; `engine/draft_model.py`: a draft model, which
+guesses for all requests in one batched draft forward pass per token). The scheduler runs such a request as
+1 + k rows (its last token, then the drafts; fewer if the token budget or the KV pool is short), the
+runner computes logits at all of them and the sampler picks the target's token at each, keyed by its
+position (`engine/sampler.py`). With the native kernels a row's logits have the same bits alone or among
+any others, so each pick is the one
 plain decoding makes at that position, given the same tokens before it. `verify` keeps the drafts up to
 the first one the target disagrees with, plus the target's own token there: the output is the same bits
 with speculation on or off, greedy or seeded, and for unseeded requests the same distribution.
@@ -29,8 +31,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvlm.config import SpeculativeConfig
+from kvlm.engine.draft_model import DraftModelProposer
 from kvlm.request import Request, RequestStatus
-from kvlm.spec_decode import DraftDepth, make_proposer
+from kvlm.spec_decode import DraftDepth, Proposer, make_proposer
 
 
 @dataclass(slots=True)
@@ -54,11 +57,13 @@ class SpecStats:
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, proposer: Proposer | None = None) -> None:
+        """`proposer`: the one to use (the engine builds the draft model's, `engine/draft_model.py`);
+        None: `config.method`'s (ngram, suffix)."""
         self.config = config
         self.k_max = config.num_speculative_tokens
         self.max_model_len = max_model_len
-        self.proposer = make_proposer(config.method, config.prompt_lookup_min, config.prompt_lookup_max)
+        self.proposer = proposer or make_proposer(config.method, config.prompt_lookup_min, config.prompt_lookup_max)
         self.stats = SpecStats(accepted_per_pos=[0] * self.k_max)
 
     @staticmethod
@@ -78,6 +83,7 @@ class Speculator:
     def propose(self, running: list[Request]) -> None:
         """Set `draft_token_ids` of every running request for the next step (empty: a plain row)."""
         cap = (self.config.draft_rows - len(running)) // len(running) if running else 0
+        asks: list[tuple[Request, int]] = []
         for req in running:
             req.draft_token_ids = []
             if not self.drafts_allowed(req):
@@ -86,10 +92,17 @@ class Speculator:
                 req.draft_depth = DraftDepth(self.k_max)
             k = min(req.draft_depth.want(), cap, self._room(req))
             if k > 0:
-                drafts = self.proposer.propose(req, req.token_ids, k)
-                if req.grammar is not None and drafts:  # cut what the grammar forbids before verifying it
-                    drafts = drafts[: req.grammar.valid_prefix(drafts)]
-                req.draft_token_ids = drafts
+                asks.append((req, k))
+        p = self.proposer
+        if isinstance(p, DraftModelProposer):  # one draft forward pass per guess for all requests together
+            p.forget_missing(set(running))  # (finished ones are gone already; preempted ones go here)
+            guesses = p.propose_batch([(req, req.token_ids, k) for req, k in asks])
+        else:
+            guesses = [p.propose(req, req.token_ids, k) for req, k in asks]
+        for (req, _), drafts in zip(asks, guesses):
+            if req.grammar is not None and drafts:  # cut what the grammar forbids before verifying it
+                drafts = drafts[: req.grammar.valid_prefix(drafts)]
+            req.draft_token_ids = drafts
 
     def verify(self, req: Request, sampled: list[int]) -> int:
         """`sampled`: the target's token at each of req's rows (1 + its drafts). Returns how many drafts are

@@ -138,11 +138,16 @@ def _stop(finish: str | None, stop_reason: str | int | None, called: bool) -> di
     return {"stop_reason": "end_turn", "stop_sequence": None}
 
 
-def _usage(ctx: _Call) -> dict[str, int]:
+def _usage(ctx: _Call, drafts: bool = True) -> dict[str, Any]:
+    """Anthropic's usage; with speculative decoding also `output_tokens_details` (kvlm's: drafts kept and
+    refused, `accepted_prediction_tokens` / `rejected_prediction_tokens`, as in chat completions' usage)."""
     u = ctx.usage()
     cached = u["prompt_tokens_details"]["cached_tokens"]
-    return {"input_tokens": u["prompt_tokens"] - cached, "output_tokens": u["completion_tokens"],
-            "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
+    out: dict[str, Any] = {"input_tokens": u["prompt_tokens"] - cached, "output_tokens": u["completion_tokens"],
+                           "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
+    if drafts and "completion_tokens_details" in u:
+        out["output_tokens_details"] = u["completion_tokens_details"]
+    return out
 
 
 def event(kind: str, obj: dict[str, Any]) -> str:
@@ -280,7 +285,7 @@ class MessagesServing:
                 yield event("message_start", {"message": {
                     "id": ctx.id, "type": "message", "role": "assistant", "model": self.chat.model_name,
                     "content": [], "stop_reason": None, "stop_sequence": None,
-                    "usage": {**_usage(ctx), "output_tokens": 0}}})  # tokens are counted in message_delta
+                    "usage": {**_usage(ctx, drafts=False), "output_tokens": 0}}})  # tokens: in message_delta
             for line in blocks.feed(d.text, final=d.finished):
                 yield line
             if d.finished:

@@ -240,12 +240,16 @@ def call_item(item_id: str, call: ToolCall, status: str = "completed") -> dict[s
 
 def usage(ctx: _Call) -> dict[str, Any]:
     """Reasoning tokens are the engine's count inside `<think>` (a forced `</think>` not
-    included), kept where it tracks the span (a template that opens it, or a budget); else 0."""
+    included), kept where it tracks the span (a template that opens it, or a budget); else 0. With speculative
+    decoding `output_tokens_details` also counts drafts (`accepted_prediction_tokens`,
+    `rejected_prediction_tokens`), as chat completions' usage does."""
     u = ctx.usage()
     tracked = ctx.requests[0].reasoning
+    # speculative decoding: drafts kept and refused, as chat completions' completion_tokens_details has them
+    drafts = u.get("completion_tokens_details", {})
     return {"input_tokens": u["prompt_tokens"], "input_tokens_details": u["prompt_tokens_details"],
             "output_tokens": u["completion_tokens"],
-            "output_tokens_details": {"reasoning_tokens": tracked.spent if tracked is not None else 0},
+            "output_tokens_details": {"reasoning_tokens": tracked.spent if tracked is not None else 0, **drafts},
             "total_tokens": u["total_tokens"]}
 
 

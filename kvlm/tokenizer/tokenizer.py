@@ -124,6 +124,10 @@ class Tokenizer:
             raise TokenizerError(f"token id {bad} is outside the vocabulary (size {self.vocab_size})")
         return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def vocab(self) -> dict[str, int]:
+        """Every token of the vocabulary (added ones included) and its id."""
+        return self._backend.get_vocab(with_added_tokens=True)
+
     def to_json(self) -> str:
         """The `tokenizers` serialization (what grammar libraries such as llguidance read)."""
         return self._backend.to_str()

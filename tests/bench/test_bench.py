@@ -378,10 +378,17 @@ def test_spec(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from tiny_models import tiny_config, write_tiny_gguf
 
     path = write_tiny_gguf(tmp_path / "tiny-1k.gguf", tiny_config(max_position_embeddings=1024))  # byte prompts
+    png, draft = tmp_path / "spec.png", f"draft:{path}"  # the model itself as its draft
     d, table = cli_json(capsys, ["-q", "bench", "spec", str(path), "--max-tokens", "12", "--workloads", "extract",
-                                 "chat", "--repeats", "1"])
+                                 "chat", "--repeats", "1", "--methods", "ngram", "suffix", draft, "--plot", str(png)])
     assert_header(d, "spec")
-    assert [(r["workload"], r["method"]) for r in d["results"]] == [
-        (w, m) for w in ("extract", "chat") for m in ("off", "ngram", "suffix")]
+    methods = ("off", "ngram", "suffix", draft)
+    assert d["methods"] == list(methods)
+    got = [(r["workload"], r["method"]) for r in d["results"]]
+    assert got == [(w, m) for w in ("extract", "chat") for m in methods]
     assert d["identical"] and all(r["output_tokens"] == 12 for r in d["results"])
     assert sum(r.get("accepted_tokens", 0) for r in d["results"]) > 0 and "identical" in table
+    greedy_self = [r for r in d["results"] if r["method"] == draft]  # greedy, its own draft: every draft kept
+    assert all(r["draft_tokens"] > 0 and r["acceptance"] == 1.0 for r in greedy_self), greedy_self
+    assert "draft:tiny-1k.gguf" in table and d["plot"] == str(png)
+    assert_png(png)

@@ -434,6 +434,8 @@ def test_bad_input_table(runs, name: str) -> None:
     (["--kv-cache-memory", "0.3"], ["bare number is bytes", "30%"]),
     (["--device", "cuda:x"], ["--device", "cuda:x"]),
     (["--speculative", "eagle"], ["--speculative", "eagle"]),
+    (["--speculative", "draft:"], ["--speculative", "draft:PATH"]),
+    (["--speculative", "draft:/no/such/model.gguf"], ["draft model", "/no/such/model.gguf"]),
     (["--speculative", "ngram", "--num-speculative-tokens", "0"], ["num_speculative_tokens"]),
 ])
 def test_more_bad_values_in_process(tiny_gguf: Path, capsys: pytest.CaptureFixture[str], args: list[str],
@@ -455,20 +457,23 @@ def test_more_bad_values_in_process(tiny_gguf: Path, capsys: pytest.CaptureFixtu
 
 def test_speculative_decoding_same_text_and_acceptance_in_stats(tiny_gguf: Path,
                                                                 capsys: pytest.CaptureFixture[str]) -> None:
-    """`--speculative suffix` prints the same text as without it, and the stats line counts the drafts."""
+    """`--speculative suffix` and `draft:PATH` (the model itself as its draft) print the same text as without
+    it, and the stats line counts the drafts."""
     from kvlm.cli.main import main
 
     args = ["generate", str(tiny_gguf), "ab ab ab ab", "--max-tokens", "12", "--ignore-eos", "--stats"]
     assert main(args) == 0
     plain_out, plain_err = capsys.readouterr()
-    assert main([*args, "--speculative", "suffix", "--num-speculative-tokens", "3"]) == 0
-    out, err = capsys.readouterr()
-    assert out == plain_out and "drafts accepted" not in plain_err
-    assert re.search(r"drafts accepted [1-9]\d*/\d+", err), err
-    # --check-exact with speculation: the speculating engine against a recompute that never speculates
-    assert main([*args, "--speculative", "suffix", "--num-speculative-tokens", "3", "--check-exact"]) == 0
-    out, err = capsys.readouterr()  # (the same request as above, which accepted drafts)
-    assert "kvlm: bit-identical on 12 tokens" in out, (out, err)
+    assert "drafts accepted" not in plain_err
+    for method in ("suffix", f"draft:{tiny_gguf}"):
+        assert main([*args, "--speculative", method, "--num-speculative-tokens", "3"]) == 0
+        out, err = capsys.readouterr()
+        assert out == plain_out, method
+        assert re.search(r"drafts accepted [1-9]\d*/\d+", err), err
+        # --check-exact with speculation: the speculating engine against a recompute that never speculates
+        assert main([*args, "--speculative", method, "--num-speculative-tokens", "3", "--check-exact"]) == 0
+        out, err = capsys.readouterr()  # (the same request as above, which accepted drafts)
+        assert "kvlm: bit-identical on 12 tokens" in out, (out, err)
 
 
 def test_truncated_metadata_names_no_numpy_internals(runs) -> None:

@@ -21,6 +21,11 @@ from kvlm.sampling_params import StructuredOutputsParams as SO
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=5)
 SEEDED = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=16, ignore_eos=True, logprobs=5)
 METHODS = ("ngram", "suffix")
+SCHEMA = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 8},
+                                           "b": {"type": "array", "items": {"enum": ["xy", "xyz"]}, "maxItems": 4}},
+          "required": ["a", "b"], "additionalProperties": False}
+SCHEMA_SEEDED = [SamplingParams(temperature=0.8, top_p=0.9, seed=s, max_tokens=16, logprobs=5,
+                                structured_outputs=SO(json=SCHEMA)) for s in range(8)]
 # copy-heavy prompts (repeated spans the proposers find) of 16 kinds
 PROMPTS = [[(7 * i + j) % 200 + 20 for j in range(5 + i % 4)] * (3 + i % 3) for i in range(16)]
 
@@ -59,11 +64,17 @@ def run(eng: Engine, prompts: list[list[int]], params: SamplingParams | list[Sam
         for r in eng.scheduler.running:  # rejected drafts' blocks given back: less than a block past the K/V
             assert 0 <= len(r.block_table) * bs - r.num_computed_tokens < bs
     assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+    if eng.draft_engine is not None:  # method draft: every request's draft state freed too
+        dbm = eng.draft_engine.block_manager
+        assert dbm.num_free_blocks == dbm.num_blocks and not eng.speculator.proposer.state  # type: ignore[union-attr]
     return [(r.output_token_ids, r.logprobs, r.text, r.finish_reason) for r in reqs]
 
 
 def engine(model: Path, method: str | None, k: int = 4, draft_rows: int = 16, **cfg) -> Engine:
+    """method: ngram, suffix, "draft:PATH" (a draft model) or None (off)."""
     spec = None if method is None else {"method": method, "num_speculative_tokens": k, "draft_rows": draft_rows}
+    if method is not None and method.startswith("draft:"):
+        spec.update(method="draft", model=method[len("draft:"):])  # type: ignore[union-attr]
     return Engine(model, EngineConfig(block_size=4, speculative_config=spec, **cfg), quiet=True)
 
 
@@ -120,12 +131,7 @@ def test_stop_inside_an_accepted_run(model: Path) -> None:
 
 
 def test_identical_under_a_json_schema(model: Path) -> None:
-    schema = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 8},
-                                               "b": {"type": "array", "items": {"enum": ["xy", "xyz"]},
-                                                     "maxItems": 4}},
-              "required": ["a", "b"], "additionalProperties": False}
-    params = [SamplingParams(temperature=0.8, top_p=0.9, seed=s, max_tokens=16, logprobs=5,
-                             structured_outputs=SO(json=schema)) for s in range(8)]
+    params = SCHEMA_SEEDED
     prompts = PROMPTS[:8]
     ref = run(engine(model, None), prompts, params)
     for method in METHODS:
@@ -211,3 +217,69 @@ def test_identical_with_a_bounded_cache(model: Path) -> None:
         reqs: list = []
         assert run(eng, PROMPTS[:6], params, reqs) == ref and accepted(eng) > 0
         assert all(r.metrics.num_evicted_tokens > 0 for r in reqs)
+
+
+# -- method draft: a second model proposes (engine/draft_model.py) ---------------------------------------
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_draft_model_identical_alone_and_in_a_batch_of_16(model: Path, varied: Path, params: SamplingParams) -> None:
+    """The target itself as its draft (what it guesses greedily is what greedy decoding picks: every draft
+    accepted, which holds only if the draft's K/V catch up on accepted tokens and roll back rejected ones
+    right), and another model with the same tokenizer (its guesses mostly wrong): the same bits as off."""
+    ref = run(engine(model, None), PROMPTS, params)
+    for draft in (model, varied):
+        batch = engine(model, f"draft:{draft}", draft_rows=64)
+        assert run(batch, PROMPTS, params) == ref, f"draft {draft.name}: batch of 16"
+        alone = engine(model, f"draft:{draft}", max_num_seqs=1)
+        assert run(alone, PROMPTS[:6], params) == ref[:6], f"draft {draft.name}: alone"
+        for eng in (batch, alone):
+            s = eng.speculator.stats  # type: ignore[union-attr]
+            assert s.num_draft_tokens > 0 and sum(s.accepted_per_pos) == s.num_accepted_tokens
+            if draft == model and params is GREEDY:
+                assert s.num_accepted_tokens == s.num_draft_tokens, s.as_dict()
+            elif draft == model:
+                assert s.num_accepted_tokens > 0
+
+
+def test_draft_model_with_int8_kv_prefix_hits_preemption_and_a_schema(model: Path, varied: Path) -> None:
+    ref = run(engine(model, None, kv_cache_dtype="int8"), PROMPTS[:8], SEEDED)
+    eng = engine(model, f"draft:{model}", kv_cache_dtype="int8")
+    assert run(eng, PROMPTS[:8], SEEDED) == ref
+    again = run(eng, PROMPTS[:8], SEEDED)  # the target's blocks from its prefix cache; the draft recomputes
+    assert again == ref and eng.scheduler.prefix_cache_hits > 0 and accepted(eng) > 0
+    off = run(engine(model, None), PROMPTS[:8], GREEDY)
+    per_token = engine(model, None).kv_bytes_per_token
+    small = engine(model, f"draft:{model}", kv_cache_memory=40 * 4 * per_token, enable_prefix_caching=False)
+    reqs: list = []
+    assert run(small, PROMPTS[:8], GREEDY, reqs) == off and accepted(small) > 0  # (run: draft state all freed)
+    assert sum(r.metrics.num_preemptions for r in reqs) > 0
+    params = SCHEMA_SEEDED
+    ref = run(engine(model, None), PROMPTS[:8], params)
+    for draft in (model, varied):
+        eng = engine(model, f"draft:{draft}")
+        assert run(eng, PROMPTS[:8], params) == ref
+        assert eng.speculator.stats.num_draft_tokens > 0  # type: ignore[union-attr]
+
+
+def test_draft_model_with_another_tokenizer_refused(model: Path, tmp_path: Path) -> None:
+    from tiny_models import byte_level_fields
+
+    tokens = byte_level_fields()["tokenizer.ggml.tokens"]
+    swapped = [tokens[1], tokens[0], *tokens[2:]]
+    cfg = tiny_config(head_dim=32)
+    for name, fields, why in (("eos", {"tokenizer.ggml.eos_token_id": len(tokens) - 1}, "eos_token_id"),
+                              ("vocab", {"tokenizer.ggml.tokens": swapped}, "token/id pairs differ")):
+        other = write_tiny_gguf(tmp_path / f"{name}.gguf", cfg, tensor_type="Q8_0", fields=fields)
+        with pytest.raises(ParameterError) as e:
+            engine(model, f"draft:{other}")
+        msg = str(e.value)
+        assert e.value.param == "speculative_config" and "\n" not in msg
+        assert "does not share the target's tokenizer" in msg and why in msg, msg
+    with pytest.raises(ParameterError) as e:
+        engine(model, f"draft:{tmp_path / 'missing.gguf'}")
+    assert "draft model" in str(e.value) and "\n" not in str(e.value)
+    for bad in ({"method": "draft"}, {"method": "ngram", "model": str(model)}):
+        with pytest.raises(ParameterError) as e:
+            EngineConfig(speculative_config=bad)
+        assert e.value.param == "speculative_config" and "\n" not in str(e.value)
