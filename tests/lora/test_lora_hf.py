@@ -30,7 +30,8 @@ CASES = {"all": (ATTN_MLP, 4, 8.0, False), "qv-rslora": (["q_proj", "v_proj"], 8
 @pytest.fixture(scope="module")
 def bases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("lora-base")
-    return {"gguf": write_tiny_gguf(root / "tiny.gguf", CFG, STATE), "safetensors": write_tiny_hf_dir(root / "hf", CFG, STATE)}
+    return {"gguf": write_tiny_gguf(root / "tiny.gguf", CFG, STATE),
+            "safetensors": write_tiny_hf_dir(root / "hf", CFG, STATE)}
 
 
 @pytest.fixture(scope="module", params=list(CASES))
