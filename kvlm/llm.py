@@ -181,7 +181,8 @@ class LLM:
         text = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt, **kwargs)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> Iterator[StreamDelta]:
+    def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
+               lora: LoRAName = None) -> Iterator[StreamDelta]:
         """Yield text and token ids as they are generated (UTF-8 safe, stop strings never partial).
 
         The finished `Request` (with metrics) is available as `self.last_request` afterwards. A chat turn
@@ -190,7 +191,7 @@ class LLM:
         eng = self.llm_engine
         if sampling_params is not None and sampling_params.structured_outputs is not None:
             eng.grammars.compile(sampling_params.structured_outputs)  # a bad grammar raises here, as in generate
-        req = eng.add_request(_prompt_input(prompt), sampling_params)
+        req = eng.add_request(_prompt_input(prompt), sampling_params, lora=self._lora_name(lora))
         self.last_request = req
         try:
             while not req.is_finished:

@@ -216,7 +216,9 @@ class Engine:
 
     def unload_lora(self, name: str) -> None:
         """Forget adapter `name` (`UnknownLoRAError` if none): new requests cannot name it; running ones finish."""
-        self.loras.remove(name)
+        adapter = self.loras.remove(name)
+        if self.runner.fused is not None:
+            self.runner.fused.forget_lora(adapter.id)
 
     # -- prefix cache ------------------------------------------------------------------------------
     def save_prefix(self, token_ids: list[int], path: str | os.PathLike) -> SnapshotInfo:

@@ -207,10 +207,10 @@ class ModelRunner:
         # A chunk of q tokens ending at sequence length s has contexts s-q+1 .. s.
         self.num_context_tokens += sum(q * s - q * (q - 1) // 2 for q, s in zip(meta.query_lens, meta.seq_lens))
         self.kv_cache.begin_step(meta)  # the cache's own per-block records (kv_cache/storage.py)
-        # A step with LoRA rows runs the module path, whatever its row count or plan: the fused step applies
-        # no adapter, and its bits equal the module path's for every base row (tests/model/test_fused_decode.py),
-        # so which path a base row takes never shows in its logits.
-        fused = self.fused is not None and meta.in_place and meta.kind is StepKind.DECODE and meta.lora is None
+        # LoRA rows (meta.lora) run in the fused step too: it adds each adapter's update after each base
+        # projection with the module path's kernel and order, so its bits are the module path's
+        # (tests/lora/test_lora_exact.py compares them).
+        fused = self.fused is not None and meta.in_place and meta.kind is StepKind.DECODE
         if fused and not self.fused.fits(meta.positions):  # type: ignore[union-attr]
             fused = False  # too many rows past the context for the RoPE table's scratch: the module path
         if fused:

@@ -3,7 +3,7 @@ adapters by name (`registry`) and the per-row low-rank update of one step (`rows
 files (PEFT safetensors, llama.cpp GGUF) is `kvlm.loader.lora`'s."""
 
 from kvlm.lora.adapter import LoRAAdapter, LoRAPart, build_adapter
-from kvlm.lora.registry import LoRARegistry, LoRARequest
+from kvlm.lora.registry import LoRARegistry, LoRARequest, parse_lora_spec
 from kvlm.lora.rows import LoRARows
 
-__all__ = ["LoRAAdapter", "LoRAPart", "LoRARegistry", "LoRARequest", "LoRARows", "build_adapter"]
+__all__ = ["LoRAAdapter", "LoRAPart", "LoRARegistry", "LoRARequest", "LoRARows", "build_adapter", "parse_lora_spec"]

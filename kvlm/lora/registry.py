@@ -62,3 +62,18 @@ class LoRARequest:
     lora_name: str
     lora_int_id: int = 0
     lora_path: str = ""
+
+
+def parse_lora_spec(spec: str) -> tuple[str, str, float]:
+    """`--lora NAME=PATH[:SCALE]` -> (name, path, scale); a `LoRAError` line says what is wrong. A path that
+    itself holds a colon works when what follows the last colon is not a number."""
+    name, sep, rest = spec.partition("=")
+    if not sep or not name or not rest:
+        raise LoRAError(f"--lora {spec!r}: expected NAME=PATH[:SCALE]")
+    head, colon, tail = rest.rpartition(":")
+    if colon and head:
+        try:
+            return name, head, float(tail)
+        except ValueError:
+            pass
+    return name, rest, 1.0

@@ -62,15 +62,22 @@ def test_mixed_adapters_in_one_batch_equal_each_alone(files: tuple[Path, dict[st
     assert all((x - y).abs().max() > 1e-3 for i, x in enumerate(first) for y in first[i + 1:])
 
 
-def test_base_rows_keep_the_fused_step_bits(files: tuple[Path, dict[str, Path]]) -> None:
-    """A base request beside an adapter's runs the module path; alone it runs the fused step: same bits."""
+def test_fused_decode_applies_adapters_as_the_module_path(files: tuple[Path, dict[str, Path]]) -> None:
+    """Decode-only steps with adapter rows run the fused native step; the module path gives the same bits."""
     need_native()
-    eng = _engine(files)
-    assert eng.runner.fused is not None, eng.backend.describe()
-    prompts = random_prompts(2, seed=5)
-    mixed = run_engine(eng, prompts, GREEDY, loras=[None, "b"])
-    alone = run_engine(_engine(files), [prompts[0]], GREEDY)
-    assert_identical(({0: mixed[0][0]}, {0: mixed[1][0]}), alone, "base row beside an adapter")
+    prompts = random_prompts(6, seed=5)
+    loras = ["a", None, "b", "c", "b", None]
+    fused = _engine(files)
+    assert fused.runner.fused is not None, fused.backend.describe()
+    modules = _engine(files)
+    modules.runner.fused = None
+    assert_identical(run_engine(fused, prompts, GREEDY, loras=loras),
+                     run_engine(modules, prompts, GREEDY, loras=loras), "fused vs module path")
+    # an unloaded adapter's native plan is freed; loaded again (a new id), it is rebuilt and gives the same bits
+    fused.unload_lora("b")
+    fused.load_lora("b", files[1]["b"], scale=0.5)
+    assert_identical(run_engine(fused, prompts[2:3], GREEDY, loras=["b"]),
+                     run_engine(modules, prompts[2:3], GREEDY, loras=["b"]), "reloaded adapter")
 
 
 def test_prefix_cache_never_shares_blocks_between_adapters(files: tuple[Path, dict[str, Path]]) -> None:
