@@ -101,4 +101,5 @@ def test_serve_refuses_a_bad_adapter_in_one_line(files: tuple[Path, Path, Path],
         p = subprocess.run([sys.executable, "-m", "kvlm", "serve", str(base), "--port", "0", *extra, "--lora", flag],
                            capture_output=True, text=True, cwd=ROOT, timeout=300)
         assert p.returncode != 0 and words in p.stderr, p.stderr
-        assert "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+        errors = [ln for ln in p.stderr.splitlines() if ln.startswith("kvlm: error:")]
+        assert "Traceback" not in p.stderr and len(errors) == 1 and words in errors[0], p.stderr
