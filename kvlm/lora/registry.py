@@ -7,6 +7,7 @@ requests already running finish under it.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 from kvlm.errors import LoRAError, UnknownLoRAError
@@ -17,6 +18,7 @@ class LoRARegistry:
     def __init__(self) -> None:
         self.adapters: dict[str, LoRAAdapter] = {}
         self._next_id = 1
+        self._lock = threading.Lock()
 
     def check_new(self, name: str) -> None:
         """A `LoRAError` line if `name` cannot be a new adapter's name."""
@@ -26,12 +28,16 @@ class LoRARegistry:
             raise LoRAError(f"a LoRA adapter named {name!r} is already loaded ({self.adapters[name].path})")
 
     def next_id(self) -> int:
-        return self._next_id
+        """A fresh id, never handed out before (two adapters loading at once on server threads get two)."""
+        with self._lock:
+            self._next_id += 1
+            return self._next_id - 1
 
     def add(self, adapter: LoRAAdapter) -> LoRAAdapter:
-        self.check_new(adapter.name)
-        self.adapters[adapter.name] = adapter
-        self._next_id = max(self._next_id, adapter.id + 1)
+        with self._lock:  # checked again: another thread may have taken the name while this one loaded
+            self.check_new(adapter.name)
+            self.adapters[adapter.name] = adapter
+            self._next_id = max(self._next_id, adapter.id + 1)
         return adapter
 
     def remove(self, name: str) -> LoRAAdapter:

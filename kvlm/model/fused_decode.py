@@ -76,8 +76,8 @@ def _eligible(model: torch.nn.Module, kv_cache: object, backend: Backend) -> str
     return None
 
 
-def _free_loras(ops: object, plans: dict[int, int]) -> None:
-    for plan in plans.values():
+def _free_loras(ops: object, plans: dict[int, int], stale: list[int]) -> None:
+    for plan in [*plans.values(), *stale]:
         ops.decode_lora_free(plan)  # type: ignore[attr-defined]
 
 
@@ -111,7 +111,8 @@ class FusedDecoder:
         self._finalizer = weakref.finalize(self, self._ops.decode_plan_free, plan)
         self.profile: torch.Tensor | None = None  # set to zeros(5, float64) to accumulate seconds per part
         self._loras: dict[int, int] = {}  # LoRA adapter id -> its native plan (freed with the decoder)
-        self._lora_finalizer = weakref.finalize(self, _free_loras, self._ops, self._loras)
+        self._stale_loras: list[int] = []  # plans of unloaded adapters, freed before the next step
+        self._lora_finalizer = weakref.finalize(self, _free_loras, self._ops, self._loras, self._stale_loras)
 
     @classmethod
     def create(cls, model: torch.nn.Module, kv_cache: object, backend: Backend) -> tuple[FusedDecoder | None, str]:
@@ -160,10 +161,12 @@ class FusedDecoder:
         return plan
 
     def forget_lora(self, adapter_id: int) -> None:
-        """Free an unloaded adapter's native plan (a request still running under it makes a new one)."""
+        """Free an unloaded adapter's native plan (a request still running under it makes a new one). Any
+        thread may call it (the server's unload endpoint): the plan is freed at the start of the next step,
+        on the thread that runs steps, never under a step that reads it."""
         plan = self._loras.pop(adapter_id, None)
         if plan is not None:
-            self._ops.decode_lora_free(plan)
+            self._stale_loras.append(plan)
 
     def _lora_ids(self, lora: LoRARows | None, n: int) -> list[int]:
         """Each of the step's n rows' LoRA plan id (0: the base); [] when no row has an adapter."""
@@ -200,6 +203,8 @@ class FusedDecoder:
         """input_ids (B,) of a decode-only step -> final hidden states (B, hidden) float32."""
         rows = meta.attn
         assert isinstance(rows, PagedRows)
+        while self._stale_loras:
+            self._ops.decode_lora_free(self._stale_loras.pop())
         x = self.model.model.embed_tokens(input_ids).float()  # (B, hidden)
         if self.model.config.embedding_multiplier != 1.0:  # Granite's, as the module path multiplies
             x = x * self.model.config.embedding_multiplier
