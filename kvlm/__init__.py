@@ -21,7 +21,7 @@ _EXPORTS = {
     "CompletionOutput": "kvlm.outputs", "StreamDelta": "kvlm.outputs", "Engine": "kvlm.engine.engine",
     "EngineConfig": "kvlm.config", "ModelConfig": "kvlm.config", "KvlmError": "kvlm.errors",
     "ModelLoadError": "kvlm.errors", "UnsupportedModelError": "kvlm.errors", "PromptTooLongError": "kvlm.errors",
-    "StructuredOutputsParams": "kvlm.sampling_params",
+    "StructuredOutputsParams": "kvlm.sampling_params", "LoRARequest": "kvlm.lora",
 }
 __all__ = [  # = list(_EXPORTS), spelled out for linters and type checkers
     "LLM",
@@ -29,6 +29,7 @@ __all__ = [  # = list(_EXPORTS), spelled out for linters and type checkers
     "Engine",
     "EngineConfig",
     "KvlmError",
+    "LoRARequest",
     "ModelConfig",
     "ModelLoadError",
     "PromptTooLongError",
@@ -49,6 +50,7 @@ if TYPE_CHECKING:  # for type checkers; at run time __getattr__ imports each nam
         UnsupportedModelError,
     )
     from kvlm.llm import LLM
+    from kvlm.lora import LoRARequest
     from kvlm.outputs import CompletionOutput, RequestOutput, StreamDelta
     from kvlm.sampling_params import SamplingParams, StructuredOutputsParams
 

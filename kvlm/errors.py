@@ -47,3 +47,18 @@ class ParameterError(KvlmError, ValueError):
 class SnapshotError(KvlmError):
     """A KV snapshot that cannot be used here: another model, dtype, block size or layout, a corrupt or
     truncated file, or an engine without prefix caching. The engine is left unchanged."""
+
+
+class LoRAError(ModelLoadError):
+    """A LoRA adapter that cannot serve this base: a missing file, a rank or target module that does not
+    fit the base model, a name already in use, or an adapter name no request can find."""
+
+
+class UnknownLoRAError(LoRAError, ParameterError):
+    """A request named an adapter that is not loaded (the server answers 404, as for an unknown model)."""
+
+    exit_code = 2
+
+    def __init__(self, name: str) -> None:
+        ParameterError.__init__(self, "lora", f"no LoRA adapter named {name!r} is loaded")
+        self.name = name

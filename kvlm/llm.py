@@ -16,6 +16,7 @@ from kvlm.engine.engine import Engine
 from kvlm.errors import ParameterError
 from kvlm.exactness import ExactReport, first_difference
 from kvlm.kv_cache.snapshot import SnapshotInfo
+from kvlm.lora import LoRARequest
 from kvlm.outputs import EmbeddingRequestOutput, RequestOutput, StreamDelta
 from kvlm.request import Request
 from kvlm.sampling_params import PoolingParams, SamplingParams
@@ -23,6 +24,7 @@ from kvlm.structured.tool_parser import parse_tool_calls
 from kvlm.structured.tools import call_grammar, chat_inputs, check_tools, tool_format_for, tool_mode
 
 PromptType = Union[str, dict[str, Any]]  # "text" or {"prompt_token_ids": [...]} / {"prompt": "text"}
+LoRAName = Union[str, LoRARequest, None]  # an adapter by name, vLLM's LoRARequest, or None: the base
 Message = dict[str, Any]  # {"role", "content"} plus, for tool calling, "tool_calls" / "tool_call_id"
 
 
@@ -59,8 +61,10 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate for every prompt (batched by the engine); outputs in input order."""
+                 use_tqdm: bool = True, lora: LoRAName | Sequence[LoRAName] = None) -> list[RequestOutput]:
+        """Generate for every prompt (batched by the engine); outputs in input order. `lora`: the adapter
+        every prompt (or, as a list, each prompt) runs under: a loaded adapter's name (`load_lora`), vLLM's
+        `LoRARequest(name, id, path)` (loaded on first use), or None for the base model."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if not isinstance(prompts, Sequence):
@@ -76,8 +80,25 @@ class LLM:
         for sp in params_list:  # a bad schema or regex is a ParameterError now, before anything is queued
             if sp is not None and sp.structured_outputs is not None:
                 self.llm_engine.grammars.compile(sp.structured_outputs)
-        reqs = self._add_all(prompts, params_list, use_tqdm and sys.stderr.isatty() and len(prompts) > 1)
+        if lora is None or isinstance(lora, (str, LoRARequest)):
+            loras = [self._lora_name(lora)] * len(prompts)
+        else:
+            loras = [self._lora_name(a) for a in lora]
+            if len(loras) != len(prompts):
+                raise ValueError(f"got {len(loras)} LoRA adapters for {len(prompts)} prompts")
+        reqs = self._add_all(prompts, params_list, use_tqdm and sys.stderr.isatty() and len(prompts) > 1, loras)
         return [RequestOutput.from_request(r) for r in reqs]
+
+    def load_lora(self, name: str, path: str | os.PathLike, scale: float = 1.0) -> None:
+        """Load a LoRA adapter (PEFT folder or GGUF LoRA file) for requests that name it (`Engine.load_lora`)."""
+        self.llm_engine.load_lora(name, path, scale)
+
+    def _lora_name(self, lora: LoRAName) -> str | None:
+        if isinstance(lora, LoRARequest):
+            if lora.lora_name not in self.llm_engine.loras and lora.lora_path:
+                self.llm_engine.load_lora(lora.lora_name, lora.lora_path)
+            return lora.lora_name
+        return lora
 
     def embed(self, prompts: PromptType | list[int] | Sequence[PromptType | list[int]], pooling: str | None = None,
               normalize: bool = True, dimensions: int | None = None,
@@ -99,13 +120,13 @@ class LLM:
         return [EmbeddingRequestOutput.from_request(r) for r in reqs]
 
     def _add_all(self, prompts: list[str | list[int]], params: Sequence[SamplingParams | PoolingParams | None],
-                 progress: bool = False) -> list[Request]:
+                 progress: bool = False, loras: Sequence[str | None] | None = None) -> list[Request]:
         """Queue every prompt and step until all are finished; on any error, abort them all."""
         eng = self.llm_engine
         reqs: list[Request] = []
         try:
-            for p, sp in zip(prompts, params):
-                reqs.append(eng.add_request(p, sp))
+            for i, (p, sp) in enumerate(zip(prompts, params)):
+                reqs.append(eng.add_request(p, sp, lora=None if loras is None else loras[i]))
             self._run(reqs, progress)
         except BaseException:
             for r in reqs:
@@ -161,7 +182,8 @@ class LLM:
         text = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt, **kwargs)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> Iterator[StreamDelta]:
+    def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
+               lora: LoRAName = None) -> Iterator[StreamDelta]:
         """Yield text and token ids as they are generated (UTF-8 safe, stop strings never partial).
 
         The finished `Request` (with metrics) is available as `self.last_request` afterwards. A chat turn
@@ -170,7 +192,7 @@ class LLM:
         eng = self.llm_engine
         if sampling_params is not None and sampling_params.structured_outputs is not None:
             eng.grammars.compile(sampling_params.structured_outputs)  # a bad grammar raises here, as in generate
-        req = eng.add_request(_prompt_input(prompt), sampling_params)
+        req = eng.add_request(_prompt_input(prompt), sampling_params, lora=self._lora_name(lora))
         self.last_request = req
         try:
             while not req.is_finished:

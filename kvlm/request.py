@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     import torch
 
     from kvlm.kv_policy import BoundedKV
+    from kvlm.lora.adapter import LoRAAdapter
     from kvlm.spec_decode.depth import DraftDepth
     from kvlm.structured.matcher import RequestGrammar
     from kvlm.structured.reasoning_budget import ReasoningBudget
@@ -138,6 +139,9 @@ class Request:
     group_cached: list[int] = field(default_factory=list)
     group_evicted: list[int] = field(default_factory=list)
     kv_policy: BoundedKV | None = None
+    # The LoRA adapter its rows run under (kvlm/lora; None: the base model). Its K/V are keyed by it in the
+    # prefix cache (`BlockManager.block_hashes`), so requests under different adapters never share blocks.
+    lora: LoRAAdapter | None = None
     evicted_upto: int = 0
     sink_keys: torch.Tensor | None = None
     sink_shift: int = 0

@@ -15,8 +15,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from kvlm.lora.rows import LoRARows
 
 
 class StepKind(Enum):
@@ -68,6 +72,9 @@ class AttentionMetadata:
     seq_lens: tuple[int, ...]  # tokens each sequence's last row attends (cached + new; a bounded cache's fewer)
     logits_indices: torch.Tensor  # (N,) int64: flat rows whose logits we need (a sequence's last row)
     attn: PagedRows | GatheredRows
+    # Which rows run under which LoRA adapter (kvlm/lora/rows.py), read by the model's projections after
+    # their base matmul; None: every row is the base model's. Attention and the caches never read it.
+    lora: LoRARows | None = None
 
     @property
     def slot_mapping(self) -> torch.Tensor:

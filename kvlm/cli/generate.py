@@ -15,6 +15,7 @@ from typing import Any
 
 from kvlm.args import add_engine_args, add_sampling_args, engine_kwargs_from_args, sampling_params_from_args
 from kvlm.cli.loading import loading
+from kvlm.cli.lora import add_lora_flag, load_lora_flags
 from kvlm.cli.snapshot import add_prefix_snapshot_flag, load_prefix_snapshot
 from kvlm.errors import ParameterError
 from kvlm.sampling_params import StructuredOutputsParams
@@ -45,6 +46,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="output must be one of these (repeat the flag; default: none)")
     g.add_argument("--grammar", metavar="FILE", help="output must follow this Lark or GBNF grammar (default: none)")
     add_prefix_snapshot_flag(s)
+    add_lora_flag(s, "the prompt runs under it (at most one)")
     add_sampling_args(s)
     add_engine_args(s)
     s.set_defaults(func=cmd_generate)
@@ -171,6 +173,11 @@ def cmd_generate(a: argparse.Namespace) -> int:
 
         llm = LLM(a.model, quiet=a.quiet, **engine_kwargs_from_args(a))
     load_prefix_snapshot(llm.llm_engine, a.prefix_snapshot, a.quiet)
+    if len(a.lora) > 1:
+        raise ParameterError("--lora", "kvlm generate runs one adapter: give --lora once")
+    if a.lora and a.check_exact:
+        raise ParameterError("--lora", "--check-exact does not take --lora (tests/lora checks adapters' exactness)")
+    lora = (load_lora_flags(llm.llm_engine, a.lora, a.quiet) or [None])[0]
     if structured is not None:  # a bad schema or regex: one line naming the flag, before any output
         try:
             llm.llm_engine.grammars.compile(structured)
@@ -189,9 +196,9 @@ def cmd_generate(a: argparse.Namespace) -> int:
         print(f"kvlm: {report}")
         return 0 if report.identical else 1
     if a.prompts_file:
-        return _generate_batch(llm, a, params, as_input)
+        return _generate_batch(llm, a, params, as_input, lora)
     if a.json:
-        out = llm.generate([as_input(a.prompt)], params, use_tqdm=False)[0]
+        out = llm.generate([as_input(a.prompt)], params, use_tqdm=False, lora=lora)[0]
         c = out.outputs[0]
         doc = {"text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason,
                "stop_reason": c.stop_reason, "prompt_token_ids": out.prompt_token_ids,
@@ -200,7 +207,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
             doc["logprobs"] = [{str(k): v for k, v in d.items()} for d in c.logprobs]
         print(json.dumps(doc, ensure_ascii=False))
         return 0
-    for d in llm.stream(as_input(a.prompt), params):
+    for d in llm.stream(as_input(a.prompt), params, lora=lora):
         sys.stdout.write(d.text)
         sys.stdout.flush()
     sys.stdout.write("\n")
@@ -225,8 +232,8 @@ def _file_prompts(a: argparse.Namespace, as_input: Any) -> list[Any]:
     return prompts
 
 
-def _generate_batch(llm: Any, a: argparse.Namespace, params: Any, as_input: Any) -> int:
-    outs = llm.generate(_file_prompts(a, as_input), params)
+def _generate_batch(llm: Any, a: argparse.Namespace, params: Any, as_input: Any, lora: str | None) -> int:
+    outs = llm.generate(_file_prompts(a, as_input), params, lora=lora)
     for o in outs:
         c = o.outputs[0]
         if a.json:

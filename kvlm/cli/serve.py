@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from kvlm.args import add_engine_args, engine_config_from_args
+from kvlm.cli.lora import add_lora_flag, load_lora_flags
 from kvlm.cli.snapshot import add_prefix_snapshot_flag, load_prefix_snapshot
 from kvlm.config import EngineConfig
 from kvlm.errors import KvlmError
@@ -81,6 +82,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "(default: --max-num-seqs)")
     add_engine_args(s)
     add_prefix_snapshot_flag(s)
+    add_lora_flag(s, "requests select it by its NAME in the `model` field")
     s.set_defaults(func=cmd_serve)
 
 
@@ -146,6 +148,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     if engine.config.enable_kv_cache:
         _check_pool(bm.num_blocks * bm.block_size, engine.max_model_len, "the KV pool")
     load_prefix_snapshot(engine, a.prefix_snapshot, a.quiet)
+    load_lora_flags(engine, a.lora, a.quiet)
     names = served_names(a.model, a.served_model_name)
     aengine = AsyncEngine(engine, a.max_queued_requests)
     metrics = ServerMetrics(aengine, names[0])  # takes the loop thread's token / finish hooks
@@ -168,6 +171,8 @@ def _serve_replicas(a: argparse.Namespace) -> int:
 
     if a.prefix_snapshot:
         raise KvlmError("--prefix-snapshot is not supported with --replicas (each replica has its own cache)")
+    if a.lora:
+        raise KvlmError("--lora is not supported with --replicas")
     _check_bind(a.host, a.port)
     resolve_model(a.model, quiet=a.quiet)  # an unknown model fails here in a second, not in N replicas
     cfg = _engine_config(a)

@@ -29,7 +29,7 @@ from kvlm.engine.pooling import ModelPooling
 from kvlm.engine.scheduler import ScheduledBatch, Scheduler
 from kvlm.engine.speculator import Speculator
 from kvlm.engine.threads import ThreadGovernor
-from kvlm.errors import KvlmError, ParameterError
+from kvlm.errors import KvlmError, LoRAError, ParameterError
 from kvlm.kernels.kv_quant import FORMATS, GROUP, KVQuantFormat
 from kvlm.kv_cache import snapshot as kv_snapshot
 from kvlm.kv_cache.block_manager import held_blocks
@@ -44,6 +44,9 @@ from kvlm.loader import resolve_model
 from kvlm.loader.build import load_model
 from kvlm.loader.fingerprint import model_files, model_fingerprint
 from kvlm.loader.heap import trim_heap
+from kvlm.loader.lora import load_lora
+from kvlm.lora import LoRAAdapter, LoRARegistry
+from kvlm.model.llama import LlamaForCausalLM
 from kvlm.outputs import StreamDelta
 from kvlm.request import Request
 from kvlm.sampling_params import PoolingParams, SamplingParams
@@ -127,6 +130,7 @@ class Engine:
         self.input_processor = InputProcessor(cfg, self.tokenizer, model_config.vocab_size, self.max_model_len,
                                               self.block_manager, windows, self.grammars, self.device)
         self.num_steps = 0
+        self.loras = LoRARegistry()  # LoRA adapters by name (kvlm/lora), applied per row, never merged
         # Speculative decoding (engine/speculator.py): drafts proposed before each step, verified in it
         spec = cfg.speculative_config
         if spec is not None and not cfg.enable_kv_cache:
@@ -234,17 +238,20 @@ class Engine:
 
     # -- requests ----------------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | PoolingParams | None = None,
-                    request_id: str | None = None) -> Request:
+                    request_id: str | None = None, lora: str | None = None) -> Request:
         """Queue a prompt (text or token ids), validated first (`InputProcessor`: `ParameterError` with the
         field's `.param`). Its leading full blocks already in the prefix cache (an earlier request's, a
         chat's previous turns, a loaded snapshot) are reused at admission. With `PoolingParams` it is an
         embedding (engine/pooling.py): prefilled, pooled, finished in the step that completes its prompt
-        (its vector on the final delta and `Request.embedding`)."""
+        (its vector on the final delta and `Request.embedding`). `lora`: the name of a loaded adapter
+        (`load_lora`) the request runs under (`UnknownLoRAError` if there is none by that name)."""
+        adapter = None if lora is None else self.loras.get(lora)
         if isinstance(params, PoolingParams):
             req = self.input_processor.process(prompt, None, request_id, in_use=self.requests,
                                                pooling=self.pooling.resolve(params))
         else:
             req = self.input_processor.process(prompt, params, request_id, in_use=self.requests)
+        req.lora = adapter
         self.requests[req.request_id] = req
         self.scheduler.add(req)
         return req
@@ -267,6 +274,22 @@ class Engine:
             self.speculator.finish(req)
         req.metrics.finished_time = now
         self.requests.pop(req.request_id, None)
+
+    # -- LoRA adapters -----------------------------------------------------------------------------
+    def load_lora(self, name: str, path: str | os.PathLike, scale: float = 1.0) -> LoRAAdapter:
+        """Load a LoRA adapter (a PEFT folder or a GGUF LoRA file) under `name`, for requests that name it.
+        The base model is untouched: adapters are applied per row at run time (kvlm/lora). `LoRAError`
+        (one line) when the file is missing or its rank or targets do not fit the base, or the name is taken."""
+        self.loras.check_new(name)
+        if type(self.model) is not LlamaForCausalLM or self.device.type != "cpu":
+            raise LoRAError(f"LoRA adapter {name!r}: adapters are served for the Llama family on the CPU only")
+        return self.loras.add(load_lora(name, path, self.model_config, self.loras.next_id(), scale))
+
+    def unload_lora(self, name: str) -> None:
+        """Forget adapter `name` (`UnknownLoRAError` if none): new requests cannot name it; running ones finish."""
+        adapter = self.loras.remove(name)
+        if self.runner.fused is not None:
+            self.runner.fused.forget_lora(adapter.id)
 
     # -- prefix cache ------------------------------------------------------------------------------
     def save_prefix(self, token_ids: list[int], path: str | os.PathLike) -> SnapshotInfo:

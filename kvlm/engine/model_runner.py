@@ -23,6 +23,7 @@ from kvlm.engine.sampler import sample
 from kvlm.engine.scheduler import ScheduledBatch
 from kvlm.kernels.backend import Backend
 from kvlm.kv_cache.storage import KVCache, PagedKVCache
+from kvlm.lora.rows import LoRARows
 from kvlm.model.fused_decode import FusedDecoder
 from kvlm.model.llama import LlamaForCausalLM
 from kvlm.request import Request
@@ -191,6 +192,7 @@ class ModelRunner:
             seq_lens=tuple(rows.seq_lens),
             logits_indices=torch.tensor(rows.logits_rows, device=dev),
             attn=attn,
+            lora=LoRARows.of([r.lora for r in rows.requests], rows.query_lens, dev),
         )
 
     @torch.inference_mode()
@@ -205,6 +207,9 @@ class ModelRunner:
         # A chunk of q tokens ending at sequence length s has contexts s-q+1 .. s.
         self.num_context_tokens += sum(q * s - q * (q - 1) // 2 for q, s in zip(meta.query_lens, meta.seq_lens))
         self.kv_cache.begin_step(meta)  # the cache's own per-block records (kv_cache/storage.py)
+        # LoRA rows (meta.lora) run in the fused step too: it adds each adapter's update after each base
+        # projection with the module path's kernel and order, so its bits are the module path's
+        # (tests/lora/test_lora_exact.py compares them).
         fused = self.fused is not None and meta.in_place and meta.kind is StepKind.DECODE
         if fused and not self.fused.fits(meta.positions):  # type: ignore[union-attr]
             fused = False  # too many rows past the context for the RoPE table's scratch: the module path

@@ -60,6 +60,12 @@ def hash_block(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
     return hashlib.sha256(parent_hash + array("q", token_ids).tobytes()).digest()
 
 
+def lora_root(root_hash: bytes, lora_key: str) -> bytes:
+    """The hash chain's root for requests under the LoRA adapter named by `lora_key` (its content digest):
+    K/V computed under an adapter differ from the base's, so its blocks are named apart."""
+    return hashlib.sha256(root_hash + b"lora\0" + lora_key.encode()).digest()
+
+
 def prefix_block_hashes(root_hash: bytes, token_ids: Sequence[int], block_size: int) -> list[bytes]:
     """The chain of hashes of `token_ids`' full blocks, starting from `root_hash` (a pool's `root_hash`)."""
     out: list[bytes] = []
@@ -142,9 +148,10 @@ class BlockManager:
         """`req.block_hashes` extended to its first `num_full` full blocks (token ids never change once
         written, so hashes are computed once per block)."""
         hs, bs = req.block_hashes, self.block_size
+        root = self.root_hash if req.lora is None else lora_root(self.root_hash, req.lora.key)
         while len(hs) < num_full:
             i = len(hs)
-            hs.append(self.hash_block(hs[-1] if hs else self.root_hash, req.token_ids[i * bs : (i + 1) * bs]))
+            hs.append(self.hash_block(hs[-1] if hs else root, req.token_ids[i * bs : (i + 1) * bs]))
         return hs
 
     def _matches(self, b: int, tokens: tuple[int, ...], parent: Parent | None) -> bool:

@@ -104,6 +104,7 @@ class GroupView:
     # A bounded request's: its sinks stay listed (their block, never read: outside the window), and a
     # sliding group registers nothing of it once it evicts (K/V computed under the policy are its own).
     kv_policy = property(lambda self: self.req.kv_policy)
+    lora = property(lambda self: self.req.lora)  # the hash chain's root (`BlockManager.block_hashes`)
 
     def reset_bounded_state(self) -> None:
         self.evicted_upto = 0

@@ -15,6 +15,10 @@ native paged attention. Anything else (the float32 reference path, a contiguous 
 keeps the module path, which stays the reference: tests compare the two token for token.
 `KVLM_FUSED_DECODE=0` turns it off.
 
+Rows under a LoRA adapter (`meta.lora`) run here too: each adapter becomes a native plan of its own on first
+use (`_lora_plan`: its A and scaled B per layer and projection, the F32 rows `kvlm/lora/rows.py` multiplies),
+and the step takes each row's plan id; the low-rank update follows each base projection as on the module path.
+
 The plan holds raw pointers into the model's tensors; it keeps references to them on both sides, and is
 freed with the decoder.
 """
@@ -32,6 +36,8 @@ from kvlm.kernels.backend import Backend, kernel_path
 from kvlm.kernels.kv_quant import KVQuantFormat
 from kvlm.kernels.paged_attention import KV_DTYPES
 from kvlm.kv_cache.storage import PagedKVCache
+from kvlm.lora.adapter import LoRAAdapter
+from kvlm.lora.rows import LoRARows
 from kvlm.model.quant_layers import QuantLinear
 
 # Seconds per part of a profiled step, in decode.cpp's order.
@@ -70,6 +76,11 @@ def _eligible(model: torch.nn.Module, kv_cache: object, backend: Backend) -> str
     return None
 
 
+def _free_loras(ops: object, plans: dict[int, int], stale: list[int]) -> None:
+    for plan in [*plans.values(), *stale]:
+        ops.decode_lora_free(plan)  # type: ignore[attr-defined]
+
+
 ROPE_SCRATCH = 256  # RoPE table rows past the context, for a step's rows beyond it (a bounded cache's)
 
 
@@ -99,6 +110,9 @@ class FusedDecoder:
         self._none = torch.empty(0)  # an argument that does not apply (`PagedKVCache.decode_centers`)
         self._finalizer = weakref.finalize(self, self._ops.decode_plan_free, plan)
         self.profile: torch.Tensor | None = None  # set to zeros(5, float64) to accumulate seconds per part
+        self._loras: dict[int, int] = {}  # LoRA adapter id -> its native plan (freed with the decoder)
+        self._stale_loras: list[int] = []  # plans of unloaded adapters, freed before the next step
+        self._lora_finalizer = weakref.finalize(self, _free_loras, self._ops, self._loras, self._stale_loras)
 
     @classmethod
     def create(cls, model: torch.nn.Module, kv_cache: object, backend: Backend) -> tuple[FusedDecoder | None, str]:
@@ -133,6 +147,38 @@ class FusedDecoder:
         plan = native.ops().decode_plan_create(tensors, spec, float(eps))
         return cls(model, plan, backend.isa, (cos, sin)), "decode-only steps run every layer in one native call"
 
+    def _lora_plan(self, adapter: LoRAAdapter) -> int:
+        """The native plan of `adapter` (created on first use): per layer and projection its A and scaled B."""
+        plan = self._loras.get(adapter.id)
+        if plan is None:
+            tensors: list[torch.Tensor] = []
+            for layer in range(len(self.model.model.layers)):
+                for module in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+                    w = adapter.on(layer, module)
+                    tensors += ([self._none, self._none] if w is None else
+                                [w.a.data.view(torch.float32), w.b.data.view(torch.float32)])
+            plan = self._loras[adapter.id] = self._ops.decode_lora_create(tensors, len(self.model.model.layers))
+        return plan
+
+    def forget_lora(self, adapter_id: int) -> None:
+        """Free an unloaded adapter's native plan (a request still running under it makes a new one). Any
+        thread may call it (the server's unload endpoint): the plan is freed at the start of the next step,
+        on the thread that runs steps, never under a step that reads it."""
+        plan = self._loras.pop(adapter_id, None)
+        if plan is not None:
+            self._stale_loras.append(plan)
+
+    def _lora_ids(self, lora: LoRARows | None, n: int) -> list[int]:
+        """Each of the step's n rows' LoRA plan id (0: the base); [] when no row has an adapter."""
+        if lora is None:
+            return []
+        ids = [0] * n
+        for adapter, rows in lora.groups:
+            plan = self._lora_plan(adapter)
+            for r in (range(n) if rows is None else rows.tolist()):
+                ids[r] = plan
+        return ids
+
     def fits(self, positions: torch.Tensor) -> bool:
         """Whether this step's positions fit the RoPE table and its scratch rows (see `_positions`)."""
         return int((positions >= self.model.max_positions).sum()) <= ROPE_SCRATCH
@@ -157,6 +203,8 @@ class FusedDecoder:
         """input_ids (B,) of a decode-only step -> final hidden states (B, hidden) float32."""
         rows = meta.attn
         assert isinstance(rows, PagedRows)
+        while self._stale_loras:
+            self._ops.decode_lora_free(self._stale_loras.pop())
         x = self.model.model.embed_tokens(input_ids).float()  # (B, hidden)
         if self.model.config.embedding_multiplier != 1.0:  # Granite's, as the module path multiplies
             x = x * self.model.config.embedding_multiplier
@@ -166,5 +214,6 @@ class FusedDecoder:
         prof = self.profile if self.profile is not None else self._no_profile
         centers = kv_cache.decode_centers(meta, self._none)  # what a centered cache's keys are stored on
         self._ops.decode_step(self.plan, x, self._positions(meta.positions), meta.slot_mapping, meta.block_tables,
-                              rows.seq_lens, kv_cache.k, kv_cache.v, *centers, self._isa, self._out, prof)
+                              rows.seq_lens, kv_cache.k, kv_cache.v, *centers, self._lora_ids(meta.lora, x.shape[0]),
+                              self._isa, self._out, prof)
         return self._out

@@ -30,6 +30,7 @@ from kvlm.errors import ModelLoadError
 from kvlm.kernels import QuantTensor
 from kvlm.kernels.elementwise import apply_rope, rms_norm, silu_mul
 from kvlm.kv_cache.storage import KVCache
+from kvlm.lora.rows import LoRARows
 from kvlm.model.quant_layers import QuantEmbedding, QuantLinear, stack_quant
 
 
@@ -203,25 +204,35 @@ class LlamaAttention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         T, nh, kvh = x.shape[0], self.n_heads, self.n_kv
-        qkv = self.qkv_proj(x).view(T, nh + 2 * kvh, self.head_dim)  # (T, nh + 2 kvh, D)
+        qkv = self.qkv_proj(x)  # (T, (nh + 2 kvh) D)
+        lora = meta.lora  # LoRA adapters: their rows' low-rank update, after the base matmul (kvlm/lora/rows.py)
+        if lora is not None:
+            lora.apply(qkv, x, self.layer_idx, "qkv_proj")
+        qkv = qkv.view(T, nh + 2 * kvh, self.head_dim)  # (T, nh + 2 kvh, D)
         qk, v = qkv[:, : nh + kvh], qkv[:, nh + kvh :]
         if self.qk_norm:
             qk = torch.cat((self.q_norm(qk[:, :nh]), self.k_norm(qk[:, nh:])), dim=1)
         if self.use_rope:
             qk = rotate(qk, cos, sin)  # queries and keys at once; cos, sin: (T, 1, rotary_dim)
         q, k = qk[:, :nh], qk[:, nh:]
-        return self.o_proj(self.attn(q, k, v, kv_cache, meta))
+        a = self.attn(q, k, v, kv_cache, meta)
+        out = self.o_proj(a)
+        return out if lora is None else lora.apply(out, a, self.layer_idx, "o_proj")
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int = 0) -> None:
         super().__init__()
+        self.layer_idx = layer_idx
         h, i = config.hidden_size, config.intermediate_size
         self.gate_up_proj = Linear(h, 2 * i, bias=False)
         self.down_proj = Linear(i, h, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_mul(self.gate_up_proj(x)))  # silu(gate) * up
+    def forward(self, x: torch.Tensor, lora: LoRARows | None = None) -> torch.Tensor:
+        if lora is None:
+            return self.down_proj(silu_mul(self.gate_up_proj(x)))  # silu(gate) * up
+        h = silu_mul(lora.apply(self.gate_up_proj(x), x, self.layer_idx, "gate_up_proj"))
+        return lora.apply(self.down_proj(h), h, self.layer_idx, "down_proj")
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -230,7 +241,7 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = LlamaAttention(config, layer_idx)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config)
+        self.mlp = LlamaMLP(config, layer_idx)
         self.residual_multiplier = config.residual_multiplier  # Granite's; 1.0 elsewhere (then no multiply)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -238,7 +249,7 @@ class LlamaDecoderLayer(nn.Module):
         attn = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
         r = self.residual_multiplier
         x = x + (attn if r == 1.0 else attn * r)
-        mlp = self.mlp(self.post_attention_layernorm(x))
+        mlp = self.mlp(self.post_attention_layernorm(x), meta.lora)
         return x + (mlp if r == 1.0 else mlp * r)
 
 

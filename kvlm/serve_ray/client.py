@@ -89,8 +89,10 @@ class ReplicaClient:
         self._in_flight -= count
 
     async def submit(self, specs: list[tuple[list[int], SamplingParams, str]], reserved: int = 0,
-                     stream: bool = True) -> ReplicaSubmission:
-        """Start every request; all or none (an engine refusal of one aborts its siblings and is raised)."""
+                     stream: bool = True, lora: str | None = None) -> ReplicaSubmission:
+        """Start every request; all or none (an engine refusal of one aborts its siblings and is raised).
+        LoRA adapters are not served by replicas (`lora` is always None here: no adapter name resolves)."""
+        assert lora is None, "LoRA adapters are not served with --replicas"
         if reserved < len(specs):
             self.reserve(len(specs) - reserved)
         if self.draining:

@@ -25,12 +25,13 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import kvlm
-from kvlm.errors import KvlmError
+from kvlm.engine.engine import Engine
+from kvlm.errors import KvlmError, LoRAError
 from kvlm.server.async_engine import AsyncEngine, EngineDeadError
 from kvlm.server.metrics import ServerMetrics
 from kvlm.server.protocol import (
@@ -38,7 +39,9 @@ from kvlm.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    LoadLoRARequest,
     TokenizeRequest,
+    UnloadLoRARequest,
     bad_request,
     validation_error,
 )
@@ -325,9 +328,35 @@ def create_app(completion: CompletionServing, chat: ChatServing, aengine: AsyncE
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         created = int(time.time())
+        names = chat.opts.served_model_names
+        adapters = list(engine.loras.adapters.values()) if isinstance(engine, Engine) else []
         return {"object": "list", "data": [
             {"id": name, "object": "model", "created": created, "owned_by": "kvlm", "root": root,
-             "max_model_len": chat.max_model_len} for name in chat.opts.served_model_names]}
+             "max_model_len": chat.max_model_len} for name in names] + [  # LoRA adapters, as vLLM lists them
+            {"id": a.name, "object": "model", "created": created, "owned_by": "kvlm", "root": Path(a.path).name,
+             "parent": names[0], "max_model_len": chat.max_model_len} for a in adapters]}
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request) -> Response:
+        """vLLM's run-time adapter loading: {"lora_name", "lora_path"} (kvlm: and an optional "scale")."""
+        body = parse(LoadLoRARequest, await read_json(request, max_body_bytes))
+        if not isinstance(engine, Engine):
+            raise APIError(501, "LoRA adapters are not served with --replicas", "invalid_request_error")
+        try:  # off the event loop: reading the file takes milliseconds to seconds
+            await asyncio.to_thread(engine.load_lora, body.lora_name, body.lora_path, body.scale)
+        except LoRAError as e:
+            raise bad_request(str(e), "lora_path") from None
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request) -> Response:
+        """vLLM's {"lora_name"}: new requests cannot name it; requests already running under it finish."""
+        body = parse(UnloadLoRARequest, await read_json(request, max_body_bytes))
+        if not isinstance(engine, Engine) or body.lora_name not in engine.loras:
+            raise APIError(404, f"The lora adapter '{body.lora_name}' cannot be found.", "NotFoundError",
+                           "lora_name", "model_not_found")
+        engine.unload_lora(body.lora_name)
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
     @app.get("/health")
     async def health() -> Response:

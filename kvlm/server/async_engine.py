@@ -76,6 +76,7 @@ class _Add:
     specs: list[tuple[list[int], SamplingParams, str]]
     streams: list[_Stream]
     future: Future = field(default_factory=Future)
+    lora: str | None = None  # the LoRA adapter every request of this add runs under (None: the base)
 
 
 class AsyncEngine:
@@ -141,17 +142,17 @@ class AsyncEngine:
             self._pending -= count
 
     async def submit(self, specs: list[tuple[list[int], SamplingParams, str]], reserved: int = 0,
-                     stream: bool = True) -> Submission:
+                     stream: bool = True, lora: str | None = None) -> Submission:
         """Start the requests `specs[i] = (prompt ids, params, request id)`; `reserved` of them were
         counted by `reserve()` already. All or none: if the engine refuses one (too long, bad ids), none
         runs and the engine's error is raised here, before anything was streamed. `stream` (whether the
         client sees deltas as they come) matters only to replicas (`serve_ray.client`), which may retry
-        a request elsewhere while nothing of it was shown."""
+        a request elsewhere while nothing of it was shown. `lora`: a loaded adapter's name, for every request."""
         if reserved < len(specs):
             self.reserve(len(specs) - reserved)
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
-        add = _Add(specs, [_Stream(i, q, loop) for i in range(len(specs))])
+        add = _Add(specs, [_Stream(i, q, loop) for i in range(len(specs))], lora=lora)
         try:
             self._post(add)
         except BaseException:
@@ -275,7 +276,7 @@ class AsyncEngine:
         added: list[Request] = []
         try:
             for (ids, params, rid), stream in zip(msg.specs, msg.streams):
-                req = self.engine.add_request(ids, params, request_id=rid)
+                req = self.engine.add_request(ids, params, request_id=rid, lora=msg.lora)
                 added.append(req)
                 self._streams[rid] = stream
                 self._requests_by_id[rid] = req

@@ -167,3 +167,17 @@ def validation_error(e: ValidationError) -> APIError:
             param += f".{part}" if param else str(part)
     msg = err["msg"]
     return bad_request(f"{param}: {msg}" if param else msg, param or None)
+
+
+class LoadLoRARequest(_Request):
+    """POST /v1/load_lora_adapter, vLLM's shape (kvlm adds an optional scale, as `--lora NAME=PATH:SCALE`)."""
+
+    lora_name: str
+    lora_path: str
+    scale: float = 1.0
+
+
+class UnloadLoRARequest(_Request):
+    """POST /v1/unload_lora_adapter, vLLM's shape."""
+
+    lora_name: str

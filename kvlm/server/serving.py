@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvlm.engine.engine import Engine
-from kvlm.errors import KvlmError, ParameterError, PromptTooLongError
+from kvlm.errors import KvlmError, ParameterError, PromptTooLongError, UnknownLoRAError
 from kvlm.outputs import StreamDelta
 from kvlm.request import Request
 from kvlm.sampling_params import SamplingParams, StructuredOutputsParams
@@ -80,9 +80,14 @@ class OpenAIServing:
         self._token_text: dict[int, str] = {}
 
     # ------------------------------------------------------------------------------------------ checks
-    def check_model(self, name: str | None) -> None:
-        if name is not None and name not in self.opts.served_model_names:
-            raise APIError(404, f"The model `{name}` does not exist.", "NotFoundError", "model", "model_not_found")
+    def check_model(self, name: str | None) -> str | None:
+        """The LoRA adapter `name` selects (vLLM: the `model` field names an adapter), None for the base;
+        404 in OpenAI's shape for a name that is neither."""
+        if name is None or name in self.opts.served_model_names:
+            return None
+        if isinstance(self.engine, Engine) and name in self.engine.loras:
+            return name
+        raise APIError(404, f"The model `{name}` does not exist.", "NotFoundError", "model", "model_not_found")
 
     def token_text(self, tid: int) -> str:
         t = self._token_text.get(tid)
@@ -198,11 +203,14 @@ class OpenAIServing:
             raise bad_request(str(e), param_of(e)) from None
 
     async def _submit(self, specs: list[tuple[list[int], SamplingParams, str]], reserved: int,
-                      prompt_param: str, stream: bool = True) -> Submission:
+                      prompt_param: str, stream: bool = True, lora: str | None = None) -> Submission:
         """Start the requests; the engine validates them once (`Engine.add_request`), and its
-        `ParameterError`s become 400s here, in vLLM's wording where vLLM has one."""
+        `ParameterError`s become 400s here, in vLLM's wording where vLLM has one. `lora`: `check_model`'s."""
         try:
-            return await self.aengine.submit(specs, reserved, stream)
+            return await self.aengine.submit(specs, reserved, stream, lora=lora)
+        except UnknownLoRAError as e:  # unloaded since check_model
+            raise APIError(404, f"The model `{e.name}` does not exist.", "NotFoundError", "model",
+                           "model_not_found") from None
         except PromptTooLongError as e:
             raise bad_request(str(e), "max_tokens") from None
         except ParameterError as e:

@@ -92,7 +92,7 @@ class ChatServing(OpenAIServing):
         """Check the request, render its prompt and start its engine requests: what every protocol that
         speaks in chat turns (chat completions, Anthropic's messages, OpenAI's Responses) does before shaping
         the answer."""
-        self.check_model(r.model)
+        lora = self.check_model(r.model)
         plan = self._check_chat(r)
         self._check_common(r, 1)
         if plan is not None and plan.active:
@@ -115,7 +115,7 @@ class ChatServing(OpenAIServing):
         except BaseException:
             self.aengine.release(r.n)
             raise
-        sub = await self._submit(specs, r.n, "messages", bool(r.stream))
+        sub = await self._submit(specs, r.n, "messages", bool(r.stream), lora=lora)
         return _Call(request_id, "chatcmpl", r.n, [ids], sub), plan, thinks
 
     async def chat(self, r: ChatCompletionRequest, request_id: str) -> dict[str, Any] | SSEStream:

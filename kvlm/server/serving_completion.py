@@ -24,7 +24,7 @@ class CompletionServing(OpenAIServing):
         return prompts
 
     async def completions(self, r: CompletionRequest, request_id: str) -> dict[str, Any] | SSEStream:
-        self.check_model(r.model)
+        lora = self.check_model(r.model)
         if r.suffix is not None:
             raise bad_request("suffix is not supported", "suffix")
         if r.logprobs is not None and not 0 <= r.logprobs <= self.opts.max_logprobs:
@@ -48,7 +48,7 @@ class CompletionServing(OpenAIServing):
         except BaseException:
             self.aengine.release(count)
             raise
-        sub = await self._submit(specs, count, "prompt", bool(r.stream))
+        sub = await self._submit(specs, count, "prompt", bool(r.stream), lora=lora)
         ctx = _Call(request_id, "cmpl", r.n, prompt_ids, sub)
         if r.stream:
             return SSEStream(self._sse(ctx, "text_completion", r, self._stream_completion(r, ctx)), sub)

@@ -57,7 +57,7 @@ class EmbeddingServing(OpenAIServing):
         return ids
 
     async def embeddings(self, r: EmbeddingRequest, request_id: str) -> dict[str, Any]:
-        self.check_model(r.model)
+        lora = self.check_model(r.model)
         if not isinstance(self.aengine, AsyncEngine):  # replicas (serve_ray) run generation requests only
             raise APIError(501, "embeddings are not available with --replicas", "invalid_request_error")
         try:  # `dimensions` against this model (Matryoshka only), before anything is queued
@@ -67,7 +67,7 @@ class EmbeddingServing(OpenAIServing):
         ids = self.inputs(r)
         self.reserve(len(ids))
         specs = [(p, params, request_id if len(ids) == 1 else f"{request_id}-{i}") for i, p in enumerate(ids)]
-        sub = await self._submit(specs, len(ids), "input")  # type: ignore[arg-type]
+        sub = await self._submit(specs, len(ids), "input", lora=lora)  # type: ignore[arg-type]
         vectors: list[list[float] | None] = [None] * len(ids)
         try:
             async for idx, d in sub:

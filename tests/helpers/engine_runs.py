@@ -26,12 +26,13 @@ def run_alone(engine: Engine, ids: list[int], params: SamplingParams) -> tuple:
 
 def run_engine(engine: Engine, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] = GREEDY,
                order: list[int] | None = None,
-               requests: list | None = None) -> tuple[dict[int, list[int]], dict[int, list[torch.Tensor]]]:
+               requests: list | None = None,
+               loras: list[str | None] | None = None) -> tuple[dict[int, list[int]], dict[int, list[torch.Tensor]]]:
     """Run prompts to completion; returns tokens and per-step logits keyed by prompt index. `requests`,
-    if given, receives the Request objects (for their metrics)."""
+    if given, receives the Request objects (for their metrics); `loras`: each prompt's adapter name."""
     plist = params if isinstance(params, list) else [params] * len(prompts)
     order = order if order is not None else list(range(len(prompts)))
-    reqs = {i: engine.add_request(prompts[i], plist[i]) for i in order}
+    reqs = {i: engine.add_request(prompts[i], plist[i], lora=None if loras is None else loras[i]) for i in order}
     if requests is not None:
         requests.extend(reqs[i] for i in sorted(reqs))
     logits: dict[int, list[torch.Tensor]] = {i: [] for i in reqs}

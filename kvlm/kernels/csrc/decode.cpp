@@ -7,7 +7,10 @@
 //   paged cache -> attn = paged attention(q) -> x += attn @ Wo.T -> h = rmsnorm(x)
 //   -> gu = h @ Wgate_up.T -> a = silu(gate) * up -> x += a @ Wdown.T
 //
-// then the final rmsnorm. The matrix products and attention are the same drivers the torch bindings
+// then the final rmsnorm. Rows whose request runs under a LoRA adapter (a plan of its own,
+// decode_lora_create) get, after each projection's base output, y += B (A h) on the F32 row kernel, as the
+// module path's LoRARows.apply adds it (kvlm/lora/rows.py): the same kernel per row, then one add per value.
+// The matrix products and attention are the same drivers the torch bindings
 // use (drivers.h: kvlm::matmul, kvlm::paged_attention); the element-wise work is elementwise.h's
 // functions, the ones the module path calls too (torch.ops.kvlm_kernels.rms_norm / rope / silu_mul). What this saves is the Python and dispatch around ~15 small tensor ops
 // per layer and their allocations: all intermediates live in one scratch buffer reused every step.
@@ -22,6 +25,7 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -184,6 +188,68 @@ void decode_plan_free(int64_t id) {
     plans.erase(id);
 }
 
+// A LoRA adapter for the fused step: per layer and projection (qkv, o, gate_up, down), A (r, k) and the
+// scaled block-diagonal B (n, r) in float32 (kvlm/lora/adapter.py), or none (a == nullptr).
+struct LoraMat {
+    const float *a = nullptr, *b = nullptr;
+    int64_t r = 0, k = 0, n = 0;
+};
+enum { L_QKV = 0, L_O, L_GATE_UP, L_DOWN, L_MODULES };
+struct Lora {
+    std::vector<at::Tensor> keep;
+    std::vector<std::array<LoraMat, L_MODULES>> layers;
+};
+std::unordered_map<int64_t, std::unique_ptr<Lora>> loras;
+int64_t next_lora = 1;
+
+// tensors: per layer, per projection in L_* order, A then B (both empty: not adapted there).
+int64_t decode_lora_create(at::TensorList tensors, int64_t layers) {
+    TORCH_CHECK(static_cast<int64_t>(tensors.size()) == layers * L_MODULES * 2, "kvlm decode: LoRA plan needs ",
+                layers * L_MODULES * 2, " tensors");
+    auto lo = std::make_unique<Lora>();
+    lo->layers.resize(layers);
+    for (int64_t l = 0; l < layers; l++)
+        for (int m = 0; m < L_MODULES; m++) {
+            const at::Tensor& a = tensors[(l * L_MODULES + m) * 2];
+            const at::Tensor& b = tensors[(l * L_MODULES + m) * 2 + 1];
+            if (!a.numel()) continue;
+            TORCH_CHECK(a.device().is_cpu() && b.device().is_cpu() && a.scalar_type() == at::kFloat &&
+                            b.scalar_type() == at::kFloat && a.dim() == 2 && b.dim() == 2 && a.is_contiguous() &&
+                            b.is_contiguous() && b.size(1) == a.size(0),
+                        "kvlm decode: LoRA A (r, k) and B (n, r) must be contiguous float32");
+            lo->keep.push_back(a);
+            lo->keep.push_back(b);
+            lo->layers[l][m] = {a.const_data_ptr<float>(), b.const_data_ptr<float>(), a.size(0), a.size(1), b.size(0)};
+        }
+    std::lock_guard<std::mutex> g(plans_mu);
+    loras[next_lora] = std::move(lo);
+    return next_lora++;
+}
+
+void decode_lora_free(int64_t id) {
+    std::lock_guard<std::mutex> g(plans_mu);
+    loras.erase(id);
+}
+
+// y (B, n) += B_b (A_b x_b) for each row b whose adapter (rows[b], null: none) adapts projection m of layer l:
+// x (B, k). Both products are the F32 row kernel's with one row (its rows' bits do not depend on M).
+void apply_lora(const KvlmKernels* t, const std::vector<const Lora*>& rows, int64_t l, int m, const float* x,
+                float* y, std::vector<float>& tmp) {
+    for (size_t b = 0; b < rows.size(); b++) {
+        if (!rows[b]) continue;
+        const LoraMat& w = rows[b]->layers[l][m];
+        if (!w.a) continue;
+        if (tmp.size() < static_cast<size_t>(w.r + w.n)) tmp.resize(w.r + w.n);
+        TORCH_CHECK(kvlm::matmul(t, T_F32, reinterpret_cast<const uint8_t*>(w.a), w.k * 4, w.k, w.r, x + b * w.k, 1,
+                                 tmp.data(), w.r, kvlm::ACT_F32) &&
+                        kvlm::matmul(t, T_F32, reinterpret_cast<const uint8_t*>(w.b), w.r * 4, w.r, w.n, tmp.data(), 1,
+                                     tmp.data() + w.r, w.n, kvlm::ACT_F32),
+                    "kvlm decode: LoRA matmul failed");
+        float* yb = y + b * w.n;
+        for (int64_t i = 0; i < w.n; i++) yb[i] += tmp[w.r + i];
+    }
+}
+
 enum { T_NORM = 0, T_MATMUL, T_KV_WRITE, T_ATTENTION, T_OTHER, T_PARTS };
 
 struct Timer {
@@ -239,7 +305,8 @@ void decode_step(int64_t plan_id, const at::Tensor& x, const at::Tensor& positio
                  const at::Tensor& block_tables, const at::Tensor& context_lens, at::TensorList k_caches,
                  at::TensorList v_caches, const at::Tensor& k_center, const at::Tensor& k0_center,
                  const at::Tensor& k0_delta,
-                 const at::Tensor& k0_seqs, int64_t isa, const at::Tensor& out, const at::Tensor& profile) {
+                 const at::Tensor& k0_seqs, at::IntArrayRef lora_ids, int64_t isa, const at::Tensor& out,
+                 const at::Tensor& profile) {
     Plan& p = get_plan(plan_id);
     const KvlmKernels* t = kvlm::table(isa);
     const int64_t H = p.hidden, nh = p.nh, kvh = p.kvh, D = p.D, I = p.inter, L = p.layers.size();
@@ -315,6 +382,23 @@ void decode_step(int64_t plan_id, const at::Tensor& x, const at::Tensor& positio
                     "kvlm decode: profile must be float64 (5,)");
         prof = profile.mutable_data_ptr<double>();
     }
+    // lora_ids: empty (no adapter in the step), or (B,) each row's LoRA plan (0: the base)
+    std::vector<const Lora*> lora_rows;
+    if (!lora_ids.empty()) {
+        TORCH_CHECK(static_cast<int64_t>(lora_ids.size()) == B, "kvlm decode: one LoRA id per row");
+        std::lock_guard<std::mutex> g(plans_mu);
+        for (int64_t id : lora_ids) {
+            const Lora* lo = nullptr;
+            if (id) {
+                auto it = loras.find(id);
+                TORCH_CHECK(it != loras.end() && static_cast<int64_t>(it->second->layers.size()) == L,
+                            "kvlm decode: no LoRA plan ", id, " for this model");
+                lo = it->second.get();
+            }
+            lora_rows.push_back(lo);
+        }
+    }
+    thread_local std::vector<float> lora_tmp;
     Timer tm(prof);
 
     const int64_t nqkv = (nh + 2 * kvh) * D;
@@ -338,6 +422,7 @@ void decode_step(int64_t plan_id, const at::Tensor& x, const at::Tensor& positio
         for (int64_t b = 0; b < B; b++) rmsnorm(xr + b * H, ly.in_norm, h + b * H, H, p.eps);
         tm.lap(T_NORM);
         run_linear(t, ly.qkv, h, B, qkv, p.act);
+        if (!lora_rows.empty()) apply_lora(t, lora_rows, l, L_QKV, h, qkv, lora_tmp);
         tm.lap(T_MATMUL);
         for (int64_t b = 0; b < B; b++) {
             float* row = qkv + b * nqkv;  // [q (nh, D) | k (kvh, D) | v (kvh, D)]
@@ -372,15 +457,18 @@ void decode_step(int64_t plan_id, const at::Tensor& x, const at::Tensor& positio
             kvlm::hadamard_rows(attn, B * nh, D);
         tm.lap(T_ATTENTION);
         run_linear(t, ly.o, attn, B, h, p.act);
+        if (!lora_rows.empty()) apply_lora(t, lora_rows, l, L_O, attn, h, lora_tmp);
         tm.lap(T_MATMUL);
         residual_add(xr, h, B * H, r);
         for (int64_t b = 0; b < B; b++) rmsnorm(xr + b * H, ly.post_norm, h + b * H, H, p.eps);
         tm.lap(T_NORM);
         run_linear(t, ly.gate_up, h, B, gu, p.act);
+        if (!lora_rows.empty()) apply_lora(t, lora_rows, l, L_GATE_UP, h, gu, lora_tmp);
         tm.lap(T_MATMUL);
         for (int64_t b = 0; b < B; b++) silu_mul(gu + b * 2 * I, gu + b * 2 * I + I, a + b * I, I);
         tm.lap(T_NORM);
         run_linear(t, ly.down, a, B, h, p.act);
+        if (!lora_rows.empty()) apply_lora(t, lora_rows, l, L_DOWN, a, h, lora_tmp);
         tm.lap(T_MATMUL);
         residual_add(xr, h, B * H, r);
         tm.lap(T_NORM);
@@ -395,8 +483,11 @@ void decode_step(int64_t plan_id, const at::Tensor& x, const at::Tensor& positio
 TORCH_LIBRARY_FRAGMENT(kvlm_kernels, m) {
     m.def("decode_plan_create(Tensor[] tensors, int[] spec, float eps) -> int", &decode_plan_create);
     m.def("decode_plan_free(int plan) -> ()", &decode_plan_free);
+    m.def("decode_lora_create(Tensor[] tensors, int layers) -> int", &decode_lora_create);
+    m.def("decode_lora_free(int lora) -> ()", &decode_lora_free);
     m.def("decode_step(int plan, Tensor x, Tensor positions, Tensor slots, Tensor block_tables, Tensor context_lens, "
-          "Tensor[] k_caches, Tensor[] v_caches, Tensor k_center, Tensor k0_center, Tensor k0_delta, Tensor k0_seqs, int isa, "
+          "Tensor[] k_caches, Tensor[] v_caches, Tensor k_center, Tensor k0_center, Tensor k0_delta, Tensor k0_seqs, "
+          "int[] lora_ids, int isa, "
           "Tensor(a!) out, "
           "Tensor(b!) profile) -> ()", &decode_step);
 }

@@ -1,0 +1,101 @@
+"""A row's bits do not depend on its neighbours' adapters: a batch mixing three adapters and none equals each
+request alone (`torch.equal` on every step's logits, same tokens), with and without the KV cache, chunked or
+whole, on a quantized base whose decode-only steps otherwise run the fused native step. Requests under
+different adapters never share prefix-cache blocks; under the same adapter they do."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from deps import need, need_native
+from engine_runs import assert_identical, random_prompts, run_engine
+from tiny_models import random_state_dict, tiny_config, write_tiny_gguf
+
+from kvlm import EngineConfig, SamplingParams
+from kvlm.engine.engine import Engine
+
+CFG = tiny_config()
+STATE = random_state_dict(CFG)
+ADAPTERS = {"a": (["q_proj", "v_proj"], 4), "b": (["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                   "down_proj"], 8), "c": (["down_proj", "gate_proj"], 2)}
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Path]]:
+    need("peft")
+    from tiny_lora import peft_model, save_peft, write_gguf_lora
+
+    root = tmp_path_factory.mktemp("lora-exact")
+    base = write_tiny_gguf(root / "tiny-q8.gguf", CFG, STATE, tensor_type="Q8_0")
+    out = {}
+    for i, (name, (targets, r)) in enumerate(ADAPTERS.items()):
+        pm = peft_model(CFG, STATE, targets, r=r, alpha=2.0 * r, seed=10 + i)
+        out[name] = (write_gguf_lora(root / f"{name}.gguf", pm, CFG, 2.0 * r) if name == "c"
+                     else save_peft(pm, root / name))
+    return base, out
+
+
+def _engine(files: tuple[Path, dict[str, Path]], **cfg: object) -> Engine:
+    base, adapters = files
+    eng = Engine(base, EngineConfig(**cfg), quiet=True)  # type: ignore[arg-type]
+    for name, path in adapters.items():
+        eng.load_lora(name, path, scale=0.5 if name == "b" else 1.0)
+    return eng
+
+
+@pytest.mark.parametrize("cfg", [{}, {"enable_kv_cache": False}, {"max_num_batched_tokens": 7},
+                                 {"enable_prefix_caching": False, "kv_cache_layout": "contiguous"}],
+                         ids=["cached", "no-cache", "chunked-7", "contiguous"])
+def test_mixed_adapters_in_one_batch_equal_each_alone(files: tuple[Path, dict[str, Path]], cfg: dict) -> None:
+    need_native()
+    prompts = random_prompts(8, seed=21)
+    loras = [None, "a", "b", "c", None, "c", "a", "b"]
+    eng = _engine(files, **cfg)
+    batch = run_engine(eng, prompts, GREEDY, loras=loras)
+    for i, (p, lora) in enumerate(zip(prompts, loras)):
+        alone = run_engine(_engine(files), [p], GREEDY, loras=[lora])
+        assert_identical(({0: batch[0][i]}, {0: batch[1][i]}), alone, f"prompt {i} under {lora}")
+    # each adapter changes the logits: prompt 0's first logits differ under every one and the base
+    first = [run_engine(eng, [prompts[0]], GREEDY, loras=[lora])[1][0][0] for lora in [None, "a", "b", "c"]]
+    assert all((x - y).abs().max() > 1e-3 for i, x in enumerate(first) for y in first[i + 1:])
+
+
+def test_fused_decode_applies_adapters_as_the_module_path(files: tuple[Path, dict[str, Path]]) -> None:
+    """Decode-only steps with adapter rows run the fused native step; the module path gives the same bits."""
+    need_native()
+    prompts = random_prompts(6, seed=5)
+    loras = ["a", None, "b", "c", "b", None]
+    fused = _engine(files)
+    assert fused.runner.fused is not None, fused.backend.describe()
+    modules = _engine(files)
+    modules.runner.fused = None
+    assert_identical(run_engine(fused, prompts, GREEDY, loras=loras),
+                     run_engine(modules, prompts, GREEDY, loras=loras), "fused vs module path")
+    # an unloaded adapter's native plan is freed; loaded again (a new id), it is rebuilt and gives the same bits
+    fused.unload_lora("b")
+    fused.load_lora("b", files[1]["b"], scale=0.5)
+    assert_identical(run_engine(fused, prompts[2:3], GREEDY, loras=["b"]),
+                     run_engine(modules, prompts[2:3], GREEDY, loras=["b"]), "reloaded adapter")
+
+
+def test_prefix_cache_never_shares_blocks_between_adapters(files: tuple[Path, dict[str, Path]]) -> None:
+    eng = _engine(files, block_size=16)
+    prompt = random_prompts(1, seed=9, lo=70, hi=70)[0]
+    one = SamplingParams(temperature=0, max_tokens=1)
+    reqs = []
+    for lora in [None, "a", "b", "a", None, "c", "b"]:
+        reqs.append([])
+        run_engine(eng, [prompt], one, requests=reqs[-1], loras=[lora])
+    cached = [r[0].metrics.num_cached_tokens for r in reqs]
+    assert cached == [0, 0, 0, 64, 64, 0, 64]  # only a repeat under the same adapter (or none) hits
+
+
+def test_switching_adapters_never_reloads_the_base(files: tuple[Path, dict[str, Path]]) -> None:
+    eng = _engine(files)
+    weights = [p.data.data_ptr() for m in eng.model.modules() for p in getattr(m, "parts", [])]
+    eng.unload_lora("a")
+    eng.load_lora("a", files[1]["a"])
+    run_engine(eng, random_prompts(3, seed=2), GREEDY, loras=["a", "b", None])
+    assert weights == [p.data.data_ptr() for m in eng.model.modules() for p in getattr(m, "parts", [])]
