@@ -329,6 +329,24 @@ def weight_formats(reader: Any) -> dict[str, dict[str, Any]]:
     return out
 
 
+def bytes_per_token(reader: Any, config: ModelConfig) -> int:
+    """Weight bytes one decode token reads from this file: every matrix but the embedding table (one row of
+    it, unless tied to the output), and of each layer's stacked experts the `num_experts_per_tok` it routes
+    to (k / E of their bytes)."""
+    arch = str(reader.fields.get("general.architecture", "llama"))
+    total = 0.0
+    for t in reader.tensors:
+        if gguf_to_hf_name(t.name, arch) is None:
+            continue
+        n = int(t.n_bytes)
+        if t.name == "token_embd.weight" and not config.tie_word_embeddings:
+            n //= max(1, config.vocab_size)
+        if len(t.shape) == 3:
+            n = n * config.num_experts_per_tok / max(1, config.num_experts)
+        total += n
+    return int(total)
+
+
 def load_gguf(path: str | os.PathLike,
               quantized: bool = False) -> tuple[ModelConfig, dict[str, Any], dict[str, Any]]:
     """Load a GGUF model: (config, HF-named state dict, metadata fields for the tokenizer).

@@ -51,7 +51,8 @@ def test_config_from_both_formats(model: tuple[str, Path]) -> None:
     c = load_config(path)
     assert c.model_type == kind and c.architecture == CONFIGS[kind]["architectures"][0]
     want = {"qwen3_moe": (8, 2, 32, True, False), "olmoe": (8, 4, 32, False, True), "mixtral": (4, 2, 64, True, False)}
-    assert (c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size, c.norm_topk_prob, c.qk_norm_full) == want[kind]
+    got = (c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size, c.norm_topk_prob, c.qk_norm_full)
+    assert got == want[kind]
     assert c.qk_norm == (kind != "mixtral")
     assert all(c.is_moe_layer(n) for n in range(c.num_hidden_layers))
     # Every routed layer: router E x h and E experts of 3 x h x I; a token computes with top-k of them
@@ -210,3 +211,32 @@ def test_bad_moe_configs_are_one_line(tmp_path: Path) -> None:
     assert "\n" not in str(e.value) and "experts" in str(e.value), str(e.value)
 
 
+
+
+@pytest.mark.parametrize("fmt", ["Q8_0", "safetensors"])
+def test_info_shows_active_parameters_and_bytes_per_token(tmp_path: Path, fmt: str,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """`kvlm info`: total and active parameters, and the weight bytes a token reads: all matrices but the
+    embedding table's other rows, and k / E of each layer's experts."""
+    import json
+
+    from kvlm.cli.main import main
+
+    kind = "olmoe"  # top 4 of 8
+    cfg, state = CONFIGS[kind], STATES[kind]
+    path = (write_moe_gguf(tmp_path / "m.gguf", cfg, state, tensor_type=fmt) if fmt != "safetensors"
+            else write_moe_hf_dir(tmp_path / "hf", cfg, state))
+    assert main(["-q", "info", str(path), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    L, h, E, k, inter, V = 2, 64, 8, 4, 32, cfg["vocab_size"]
+    experts = L * E * 3 * h * inter
+    assert doc["parameters"] == sum(t.numel() for t in state.values())
+    assert doc["active_parameters"] == doc["parameters"] - experts * (E - k) // E
+    assert "top 4 of 8" in doc["experts"]
+    if fmt == "safetensors":  # float32, the embedding table bar one row
+        assert doc["weight_bytes_per_token"] == 4 * (doc["active_parameters"] - V * h + h)
+    else:  # Q8_0: 34 bytes per 32 weights in every matrix; norms and the router F32
+        matrices = sum(t.numel() for n, t in state.items() if t.ndim == 2 and ".gate." not in n)
+        dense = sum(t.numel() for n, t in state.items() if t.ndim == 1 or ".gate." in n)
+        active_q8 = (matrices - experts * (E - k) // E - V * h + h)
+        assert doc["weight_bytes_per_token"] == active_q8 * 34 // 32 + 4 * dense
