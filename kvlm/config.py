@@ -76,10 +76,9 @@ class ModelConfig:
     attention_multiplier: float | None = None
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
-    # Mixture of experts (Qwen3-MoE, OLMoE, Mixtral; model/moe.py): `num_experts` experts of
-    # `moe_intermediate_size` each, the top `num_experts_per_tok` per token by the router's softmax, their
-    # weights renormalised to sum 1 where `norm_topk_prob`; the layers in `mlp_only_layers` and those not on
-    # the `decoder_sparse_step` grid keep a dense MLP of `intermediate_size` (Qwen3-MoE's options).
+    # Mixture of experts (model/moe.py): the top `num_experts_per_tok` of `num_experts` experts per token,
+    # weights renormalised where `norm_topk_prob`; Qwen3-MoE's `mlp_only_layers` and layers off the
+    # `decoder_sparse_step` grid keep a dense MLP of `intermediate_size`.
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
@@ -247,16 +246,15 @@ def _moe_fields(d: dict[str, Any]) -> dict[str, Any]:
     """The expert fields of Qwen3-MoE, OLMoE and Mixtral configs (Mixtral's `num_local_experts`, its expert
     size `intermediate_size`, its routing always renormalised). OLMoE's optional clamp of q/k/v (clip_qkv)
     is not implemented (OLMoE-1B-7B does not set it)."""
-    kind = d["model_type"]
     if d.get("clip_qkv") is not None:
         raise UnsupportedModelError("OLMoE with clip_qkv is not supported")
-    if kind == "mixtral":
+    if d["model_type"] == "mixtral":
         return {"num_experts": int(d.get("num_local_experts", 8)),
                 "num_experts_per_tok": int(d.get("num_experts_per_tok", 2)),
                 "moe_intermediate_size": int(d["intermediate_size"]), "norm_topk_prob": True}
     out = {"num_experts": int(d["num_experts"]), "num_experts_per_tok": int(d["num_experts_per_tok"]),
            "norm_topk_prob": bool(d.get("norm_topk_prob", False))}
-    if kind == "olmoe":  # every layer routed; its experts have intermediate_size
+    if d["model_type"] == "olmoe":  # every layer routed; its experts have intermediate_size
         out.update(moe_intermediate_size=int(d["intermediate_size"]), qk_norm_full=True)
     else:
         out.update(moe_intermediate_size=int(d["moe_intermediate_size"]),

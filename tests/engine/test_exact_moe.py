@@ -11,18 +11,15 @@ routed MLP runs on the module path) and says so.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import gguf
 import pytest
-import torch
 from deps import need_native
-from engine_runs import assert_identical, random_prompts, run_engine
+from engine_runs import assert_engine_equivalences
 from quantize import synthetic_quantize
 from tiny_moe import moe_config, moe_state_dict, write_moe_gguf, write_moe_hf_dir
 
-from kvlm import EngineConfig, SamplingParams
-from kvlm.engine.engine import Engine
+from kvlm import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 # case -> (family, how the test writes it)
@@ -53,40 +50,6 @@ def moe_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
 
 def test_moe_equivalences_bit_for_bit(moe_model: tuple[str, Path]) -> None:
     name, path = moe_model
-
-    def engine(**cfg: Any) -> Engine:
-        return Engine(path, EngineConfig(block_size=4, **cfg), quiet=True)
-
-    shared = random_prompts(1, 31, lo=20, hi=20)[0]
-    prompts = [shared + tail for tail in random_prompts(4, 32, lo=2, hi=14)]
-    main = engine(enable_prefix_caching=False)
-    ref = run_engine(main, prompts, GREEDY)
-    assert_identical(ref, run_engine(engine(enable_kv_cache=False), prompts, GREEDY), f"{name}: cache vs none")
-    assert_identical(ref, run_engine(engine(max_num_batched_tokens=7, enable_prefix_caching=False), prompts, GREEDY),
-                     f"{name}: chunked prefill (7 tokens a step)")
-    for i in (0, 3):
-        t, lg = run_engine(engine(enable_prefix_caching=False), [prompts[i]], GREEDY)
-        assert_identical(({i: ref[0][i]}, {i: ref[1][i]}), ({i: t[0]}, {i: lg[0]}), f"{name}: alone vs batch ({i})")
-
-    cached = engine()
-    run_engine(cached, [shared + [1, 2]], GREEDY)  # fills the prefix cache with the shared blocks
-    reqs: list = []
-    hit = run_engine(cached, prompts, GREEDY, requests=reqs)
-    assert all(r.metrics.num_cached_tokens >= 20 for r in reqs)
-    assert_identical(ref, hit, f"{name}: prefix-cache hit vs miss")
-
-    small = engine(kv_cache_memory=96 * main.kv_bytes_per_token, enable_prefix_caching=False)
-    reqs = []
-    assert_identical(ref, run_engine(small, prompts, GREEDY, requests=reqs), f"{name}: preempted vs not")
-    assert sum(r.metrics.num_preemptions for r in reqs) > 0
-
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1 if before > 1 else 2)
-        assert_identical(ref, run_engine(engine(enable_prefix_caching=False), prompts, GREEDY),
-                         f"{name}: {torch.get_num_threads()} vs {before} threads")
-    finally:
-        torch.set_num_threads(before)
-
+    main, _, _ = assert_engine_equivalences(path, name, GREEDY)
     assert main.runner.fused is None and main.backend.decode == "modules"
     assert "mixture-of-experts" in main.backend.reasons[-1], main.backend.reasons
