@@ -121,8 +121,6 @@ class MoEMLP(nn.Module):
         self.top_k, self.renormalize = config.num_experts_per_tok, config.norm_topk_prob
         self.gate = Router(h, config.num_experts, bias=False)
         self.experts = Experts(config.num_experts, h, config.moe_intermediate_size)
-        # Tokens routed to each expert since the counter was last reset (`kvlm bench moe`'s histogram).
-        self.expert_load: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         T, k = x.shape[0], self.top_k
@@ -131,8 +129,6 @@ class MoEMLP(nn.Module):
         flat = ids.reshape(-1)  # (T * k,): pair j is token j // k's (j % k)-th expert by id
         order = torch.argsort(flat, stable=True)  # pairs grouped by expert
         counts = torch.bincount(flat, minlength=self.experts.num_experts)
-        if self.expert_load is not None:
-            self.expert_load += counts
         y = x.new_empty(T * k, x.shape[1])
         start = 0
         for e, n in enumerate(counts.tolist()):
