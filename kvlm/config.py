@@ -16,8 +16,9 @@ from typing import Any, Literal
 
 from kvlm.errors import ParameterError, UnsupportedModelError
 
-# model_type -> architecture class name: the Llama family (one model file, model/llama.py: Phi-3, SmolLM3
-# and Granite are config differences on it) and Gemma 3's text model (model/gemma3.py).
+# model_type -> architecture class name: the Llama family (one model file, model/llama.py: Phi-3, SmolLM3,
+# Granite and the mixture-of-experts models Qwen3-MoE, OLMoE and Mixtral are config differences on it; their
+# routed MLP is model/moe.py) and Gemma 3's text model (model/gemma3.py).
 SUPPORTED_MODEL_TYPES: dict[str, str] = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
@@ -27,7 +28,11 @@ SUPPORTED_MODEL_TYPES: dict[str, str] = {
     "smollm3": "SmolLM3ForCausalLM",
     "granite": "GraniteForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
 }
+MOE_MODEL_TYPES = ("qwen3_moe", "olmoe", "mixtral")
 ROPE_TYPES = ("default", "llama3", "linear", "longrope")
 SLIDING, FULL = "sliding_attention", "full_attention"  # HF's `layer_types` values
 
@@ -72,6 +77,17 @@ class ModelConfig:
     attention_multiplier: float | None = None
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
+    # Mixture of experts (model/moe.py): the top `num_experts_per_tok` of `num_experts` experts per token,
+    # weights renormalised where `norm_topk_prob`; Qwen3-MoE's `mlp_only_layers` and layers off the
+    # `decoder_sparse_step` grid keep a dense MLP of `intermediate_size`.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    # OLMoE: the q / k RMSNorm spans the whole projection (all heads at once), not each head.
+    qk_norm_full: bool = False
 
     def __post_init__(self) -> None:
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -102,6 +118,11 @@ class ModelConfig:
                                             f"{SLIDING!r} or {FULL!r}")
             if SLIDING in self.layer_types and not self.sliding_window:
                 raise UnsupportedModelError("sliding_attention layers need a sliding_window")
+        if self.num_experts and not (0 < self.num_experts_per_tok <= self.num_experts
+                                     and self.moe_intermediate_size > 0 and self.decoder_sparse_step > 0):
+            raise UnsupportedModelError(
+                f"mixture of experts needs 0 < num_experts_per_tok <= num_experts and a moe_intermediate_size "
+                f"(got top {self.num_experts_per_tok} of {self.num_experts}, size {self.moe_intermediate_size})")
 
     @property
     def layer_windows(self) -> tuple[int | None, ...] | None:
@@ -120,6 +141,11 @@ class ModelConfig:
         """Whether layer `layer` rotates q and k (SmolLM3's NoPE layers do not)."""
         return self.no_rope_layers is None or bool(self.no_rope_layers[layer])
 
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether layer `layer`'s MLP is routed to experts (Qwen3-MoE's sparse step and dense-only layers)."""
+        return (self.num_experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
+
     @property
     def architecture(self) -> str:
         return SUPPORTED_MODEL_TYPES[self.model_type]
@@ -127,13 +153,30 @@ class ModelConfig:
     @property
     def num_parameters(self) -> int:
         """Parameter count implied by the shapes (embeddings counted once when tied)."""
-        h, i, kv = self.hidden_size, self.intermediate_size, self.num_key_value_heads * self.head_dim
+        h, kv = self.hidden_size, self.num_key_value_heads * self.head_dim
         q = self.num_attention_heads * self.head_dim
         attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.attention_bias else 0)
-        attn += 2 * self.head_dim if self.qk_norm else 0
-        layer = attn + 3 * h * i + (4 if self.model_type == "gemma3_text" else 2) * h  # Gemma: sandwich norms
+        attn += (q + kv if self.qk_norm_full else 2 * self.head_dim) if self.qk_norm else 0
+        layer = attn + (4 if self.model_type == "gemma3_text" else 2) * h  # Gemma: sandwich norms
         emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_hidden_layers * layer + emb + h
+        return sum(layer + self._mlp_parameters(n, self.num_experts) for n in range(self.num_hidden_layers)) + emb + h
+
+    @property
+    def num_active_parameters(self) -> int:
+        """Parameters one token computes with: the router and its top `num_experts_per_tok` experts in each
+        routed layer (`num_parameters` for a dense model)."""
+        if not self.num_experts:
+            return self.num_parameters
+        return self.num_parameters - sum(
+            self._mlp_parameters(n, self.num_experts) - self._mlp_parameters(n, self.num_experts_per_tok)
+            for n in range(self.num_hidden_layers))
+
+    def _mlp_parameters(self, layer: int, experts: int) -> int:
+        """Weights of layer `layer`'s MLP counting `experts` experts (plus the router) where it is routed."""
+        h = self.hidden_size
+        if self.is_moe_layer(layer):
+            return self.num_experts * h + experts * 3 * h * self.moe_intermediate_size
+        return 3 * h * self.intermediate_size
 
     def kv_bytes_per_token(self, dtype_bytes: float = 4, kv_heads: int | None = None) -> float:
         """2 (K and V) x layers x kv_heads x head_dim x bytes: the cache cost of one token."""
@@ -156,7 +199,9 @@ class ModelConfig:
         kw["num_key_value_heads"] = int(d.get("num_key_value_heads") or heads)
         kw["head_dim"] = int(d.get("head_dim") or d["hidden_size"] // heads)
         kw.setdefault("max_position_embeddings", 2048)
-        kw["qk_norm"] = d["model_type"] == "qwen3"
+        kw["qk_norm"] = d["model_type"] in ("qwen3", "qwen3_moe", "olmoe")
+        if d["model_type"] in MOE_MODEL_TYPES:
+            kw.update(_moe_fields(d))
         if d["model_type"] == "qwen2":
             kw["attention_bias"] = True
         if not d.get("use_sliding_window", True) and d["model_type"].startswith("qwen"):
@@ -195,6 +240,27 @@ def _phi3_fields(d: dict[str, Any]) -> dict[str, Any]:
     window = d.get("sliding_window")
     if window and window >= int(d.get("max_position_embeddings", 2048)):
         out["sliding_window"] = None
+    return out
+
+
+def _moe_fields(d: dict[str, Any]) -> dict[str, Any]:
+    """The expert fields of Qwen3-MoE, OLMoE and Mixtral configs (Mixtral's `num_local_experts`, its expert
+    size `intermediate_size`, its routing always renormalised). OLMoE's optional clamp of q/k/v (clip_qkv)
+    is not implemented (OLMoE-1B-7B does not set it)."""
+    if d.get("clip_qkv") is not None:
+        raise UnsupportedModelError("OLMoE with clip_qkv is not supported")
+    if d["model_type"] == "mixtral":
+        return {"num_experts": int(d.get("num_local_experts", 8)),
+                "num_experts_per_tok": int(d.get("num_experts_per_tok", 2)),
+                "moe_intermediate_size": int(d["intermediate_size"]), "norm_topk_prob": True}
+    out = {"num_experts": int(d["num_experts"]), "num_experts_per_tok": int(d["num_experts_per_tok"]),
+           "norm_topk_prob": bool(d.get("norm_topk_prob", False))}
+    if d["model_type"] == "olmoe":  # every layer routed; its experts have intermediate_size
+        out.update(moe_intermediate_size=int(d["intermediate_size"]), qk_norm_full=True)
+    else:
+        out.update(moe_intermediate_size=int(d["moe_intermediate_size"]),
+                   decoder_sparse_step=int(d.get("decoder_sparse_step") or 1),
+                   mlp_only_layers=tuple(int(n) for n in d.get("mlp_only_layers") or ()))
     return out
 
 

@@ -11,8 +11,15 @@ the same for random weights of the same shapes and formats. For each `--config`:
 Files go to $KVLM_HOME/real-size/ (`<config>.<type>.gguf`); files that exist are kept (`--force` remakes
 them); the F16 file is deleted after quantizing unless `--keep-f16`. Prints each file's path, size and
 tensor types.
+Mixture-of-experts configurations (`olmoe-1b-7b`: OLMoE-1B-7B's shapes, hidden 2048, 16 layers, 64 experts,
+top 8, expert ffn 1024) write llama.cpp's `olmoe` architecture: q/k norms over the whole projection, the
+router `ffn_gate_inp` (F32, as llama-quantize keeps it) and the experts stacked in 3-D `ffn_*_exps`. Tensors
+are written one at a time (the 7B file never sits in memory). Without `--llama-python`, Q8_0 and Q4_0 files
+are written directly with gguf's own quantizer (llama.cpp's recipes such as Q4_K_M need llama.cpp);
+`--layers N` writes only the first N layers (same shapes: a quick, smaller file for per-layer speed).
 Usage:
   PYTHONPATH=. python scripts/real_size_models.py --config llama-3.2-1b --llama-python PATH/TO/llama-venv/bin/python
+  PYTHONPATH=. python scripts/real_size_models.py --config olmoe-1b-7b --types Q4_0
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,12 +48,17 @@ class Config:
     ffn: int
     tied: bool  # lm_head shares the embedding matrix
     rope_theta: float = 500000.0
+    experts: int = 0  # mixture of experts: `experts` of ffn `ffn` each, the top `experts_used` per token
+    experts_used: int = 0
+    arch: str = "llama"
 
 
 CONFIGS = {
     "llama-3.2-1b": Config(hidden=2048, layers=16, heads=32, kv_heads=8, ffn=8192, tied=True),
     "llama-3.2-3b": Config(hidden=3072, layers=28, heads=24, kv_heads=8, ffn=8192, tied=True),
     "llama-3.1-8b": Config(hidden=4096, layers=32, heads=32, kv_heads=8, ffn=14336, tied=False),
+    "olmoe-1b-7b": Config(hidden=2048, layers=16, heads=16, kv_heads=16, ffn=1024, tied=False, rope_theta=10000.0,
+                          experts=64, experts_used=8, arch="olmoe"),
 }
 CONTEXT = 8192  # the files' context length: enough for decode at 2,048 of context and long prompts
 
@@ -54,13 +67,15 @@ def out_dir() -> Path:
     return kvlm_home() / "real-size"
 
 
-def write_f16(cfg: Config, name: str, vocab_src: Path, dst: Path, seed: int = 0) -> None:
-    """The random-weight F16 GGUF of `cfg`, with `vocab_src`'s tokenizer metadata."""
+def write_f16(cfg: Config, name: str, vocab_src: Path, dst: Path, seed: int = 0, layers: int | None = None,
+              qtype: str = "F16") -> None:
+    """The random-weight GGUF of `cfg` (F16, or `qtype` blocks from gguf's quantizer), with `vocab_src`'s
+    tokenizer metadata; `layers`: only the first that many."""
     import gguf
 
     reader = gguf.GGUFReader(vocab_src)
     vocab = len(reader.fields["tokenizer.ggml.tokens"].contents())
-    writer = gguf.GGUFWriter(dst, "llama")
+    writer = gguf.GGUFWriter(dst, cfg.arch)
     for key, field in reader.fields.items():
         if key.startswith("tokenizer."):
             vtype = field.types[0]
@@ -68,9 +83,10 @@ def write_f16(cfg: Config, name: str, vocab_src: Path, dst: Path, seed: int = 0)
             writer.add_key_value(key, field.contents(), vtype, sub_type=sub)
     head_dim = cfg.hidden // cfg.heads
     writer.add_name(f"{name} (random weights)")
+    n_layers = layers or cfg.layers
     writer.add_context_length(CONTEXT)
     writer.add_embedding_length(cfg.hidden)
-    writer.add_block_count(cfg.layers)
+    writer.add_block_count(n_layers)
     writer.add_feed_forward_length(cfg.ffn)
     writer.add_head_count(cfg.heads)
     writer.add_head_count_kv(cfg.kv_heads)
@@ -78,35 +94,65 @@ def write_f16(cfg: Config, name: str, vocab_src: Path, dst: Path, seed: int = 0)
     writer.add_rope_freq_base(cfg.rope_theta)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_vocab_size(vocab)
-    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if qtype == "F16" else gguf.LlamaFileType[f"MOSTLY_{qtype}"])
+    if cfg.experts:
+        writer.add_expert_count(cfg.experts)
+        writer.add_expert_used_count(cfg.experts_used)
     rng = np.random.default_rng(seed)
+    qt = gguf.GGMLQuantizationType[qtype]
 
-    def rand(rows: int, cols: int) -> np.ndarray:  # (rows, row length) as GGUF stores (out, in)
-        return (rng.standard_normal((rows, cols), dtype=np.float32) * 0.02).astype(np.float16)
+    def rand(*shape: int) -> np.ndarray:  # (..., rows, row length) as GGUF stores (out, in)
+        a = rng.standard_normal(shape, dtype=np.float32) * 0.02
+        return a.astype(np.float16) if qtype == "F16" else gguf.quants.quantize(a, qt)
 
-    ones = np.ones(cfg.hidden, dtype=np.float32)
+    def ones(n: int) -> Callable[[], np.ndarray]:
+        return lambda: np.ones(n, dtype=np.float32)
+
     kv = cfg.kv_heads * head_dim
-    writer.add_tensor("token_embd.weight", rand(vocab, cfg.hidden))
-    for i in range(cfg.layers):
-        for t, arr in (("attn_norm", ones), ("attn_q", rand(cfg.hidden, cfg.hidden)), ("attn_k", rand(kv, cfg.hidden)),
-                       ("attn_v", rand(kv, cfg.hidden)), ("attn_output", rand(cfg.hidden, cfg.hidden)),
-                       ("ffn_norm", ones), ("ffn_gate", rand(cfg.ffn, cfg.hidden)),
-                       ("ffn_up", rand(cfg.ffn, cfg.hidden)), ("ffn_down", rand(cfg.hidden, cfg.ffn))):
-            writer.add_tensor(f"blk.{i}.{t}.weight", arr)
-    writer.add_tensor("output_norm.weight", ones)
+    # (name, shape (out first), how to make it): made one at a time as the file is written
+    plan: list[tuple[str, tuple[int, ...], Callable[[], np.ndarray]]] = [
+        ("token_embd.weight", (vocab, cfg.hidden), lambda: rand(vocab, cfg.hidden))]
+    for i in range(n_layers):
+        mats = [("attn_q", (cfg.hidden, cfg.hidden)), ("attn_k", (kv, cfg.hidden)), ("attn_v", (kv, cfg.hidden)),
+                ("attn_output", (cfg.hidden, cfg.hidden))]
+        if cfg.experts:
+            mats += [("ffn_gate_exps", (cfg.experts, cfg.ffn, cfg.hidden)),
+                     ("ffn_up_exps", (cfg.experts, cfg.ffn, cfg.hidden)),
+                     ("ffn_down_exps", (cfg.experts, cfg.hidden, cfg.ffn))]
+            plan += [(f"blk.{i}.attn_q_norm.weight", (cfg.hidden,), ones(cfg.hidden)),
+                     (f"blk.{i}.attn_k_norm.weight", (kv,), ones(kv)),
+                     (f"blk.{i}.ffn_gate_inp.weight", (cfg.experts, cfg.hidden),
+                      lambda: rng.standard_normal((cfg.experts, cfg.hidden), dtype=np.float32))]
+        else:
+            mats += [("ffn_gate", (cfg.ffn, cfg.hidden)), ("ffn_up", (cfg.ffn, cfg.hidden)),
+                     ("ffn_down", (cfg.hidden, cfg.ffn))]
+        plan += [(f"blk.{i}.{n}.weight", (cfg.hidden,), ones(cfg.hidden)) for n in ("attn_norm", "ffn_norm")]
+        plan += [(f"blk.{i}.{n}.weight", shape, lambda shape=shape: rand(*shape)) for n, shape in mats]
+    plan.append(("output_norm.weight", (cfg.hidden,), ones(cfg.hidden)))
     if not cfg.tied:
-        writer.add_tensor("output.weight", rand(vocab, cfg.hidden))
+        plan.append(("output.weight", (vocab, cfg.hidden), lambda: rand(vocab, cfg.hidden)))
+    for tname, shape, _ in plan:  # the tensor table first, then each tensor's data as it is made
+        dense = len(shape) == 1 or ".ffn_gate_inp." in tname
+        t = gguf.GGMLQuantizationType.F32 if dense else gguf.GGMLQuantizationType.F16 if qtype == "F16" else qt
+        elems, nbytes = gguf.GGML_QUANT_SIZES[t]
+        dtype = np.dtype(np.float32 if dense else np.float16 if qtype == "F16" else np.uint8)
+        stored = shape if dtype != np.uint8 else (*shape[:-1], shape[-1] // elems * nbytes)  # blocks: bytes per row
+        writer.add_tensor_info(tname, stored, dtype, int(np.prod(shape)) // elems * nbytes, raw_dtype=t)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
+    writer.write_ti_data_to_file()
+    for _, _, make in plan:
+        writer.write_tensor_data(make())
     writer.close()
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", nargs="+", default=["llama-3.2-1b"], choices=sorted(CONFIGS))
-    p.add_argument("--llama-python", required=True, help="an interpreter that can import llama_cpp")
+    p.add_argument("--llama-python", help="an interpreter that can import llama_cpp (without it: Q8_0 / Q4_0 "
+                   "written directly by gguf's quantizer)")
     p.add_argument("--types", nargs="+", default=["Q4_K_M", "Q4_0"], choices=sorted(FTYPES))
+    p.add_argument("--layers", type=int, help="write only the first N layers (default: all)")
     p.add_argument("--force", action="store_true", help="remake files that exist")
     p.add_argument("--keep-f16", action="store_true", help="keep the F16 file after quantizing")
     a = p.parse_args()
@@ -116,11 +162,21 @@ def main() -> None:
     src = resolve_model(DEFAULT_MODEL, quiet=True)
     out = out_dir()
     out.mkdir(parents=True, exist_ok=True)
-    for name in a.config:
+    for cname in a.config:
+        name = cname if a.layers is None else f"{cname}-{a.layers}L"
         f16 = out / f"{name}.F16.gguf"
         todo = [t for t in a.types if a.force or not (out / f"{name}.{t}.gguf").exists()]
+        if not a.llama_python:
+            if set(a.types) - {"Q8_0", "Q4_0"}:
+                sys.exit("without --llama-python only Q8_0 and Q4_0 can be written (gguf's quantizer)")
+            for t in todo:
+                write_f16(CONFIGS[cname], name, src, out / f"{name}.{t}.gguf", layers=a.layers, qtype=t)
+            for t in a.types:
+                dst = out / f"{name}.{t}.gguf"
+                print(f"{dst}: {dst.stat().st_size / 2**20:.0f} MiB, {tensor_types(dst)}")
+            continue
         if todo and (a.force or not f16.exists()):
-            write_f16(CONFIGS[name], name, src, f16)
+            write_f16(CONFIGS[cname], name, src, f16, layers=a.layers)
         for t in a.types:
             dst = out / f"{name}.{t}.gguf"
             if t in todo:

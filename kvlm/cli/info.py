@@ -66,6 +66,11 @@ def cmd_info(a: argparse.Namespace) -> int:
                          "busy, re-checked every 0.5 s (--no-adaptive-threads to fix it)"}
     info["backend"] = _backend(c.head_dim)
     info["kv_pool_bytes"] = _default_pool_bytes(c.max_position_embeddings, info["kv_bytes_per_token_fp32"])
+    if c.num_experts:  # mixture of experts: what a token computes with and reads
+        info["experts"] = (f"top {c.num_experts_per_tok} of {c.num_experts} per token, expert ffn "
+                           f"{c.moe_intermediate_size}, {'renormalised' if c.norm_topk_prob else 'softmax'} weights")
+        info["active_parameters"] = c.num_active_parameters
+        info["weight_bytes_per_token"] = _bytes_per_token(path, c)
     formats = _weight_formats(path)
     if formats:
         info["weight_formats"] = formats
@@ -78,7 +83,7 @@ def cmd_info(a: argparse.Namespace) -> int:
                       f"elementwise {v['elementwise']}, sampler {v['sampler']}")
                 for why in v["reasons"]:
                     print(f"{'':26s} - {why}")
-            if k == "kv_pool_bytes":  # the line `-v` shows when an engine starts, for the default flags
+            elif k == "kv_pool_bytes":  # the line `-v` shows when an engine starts, for the default flags
                 print(f"{'kv_pool':26s} {v / 2**20:.1f} MiB reserved with the default flags, "
                       f"{v // info['kv_bytes_per_token_fp32']:,} tokens of float32 K/V (--max-num-seqs sequences "
                       "at full context, at most a quarter of available memory and 1 GiB on CPU; --kv-cache-memory "
@@ -109,6 +114,17 @@ def _default_pool_bytes(context_length: int, kv_bytes_per_token: int) -> int:
     cfg = EngineConfig()
     max_model_len = min(context_length, 4096)  # EngineConfig.max_model_len None: the model's, at most 4096
     return kv_pool_budget(cfg, max_model_len, kv_bytes_per_token, torch.device("cpu"))
+
+
+def _bytes_per_token(path: Path, c: Any) -> int:
+    """Weight bytes a decode token reads: from the GGUF file's tensors (loader.gguf.bytes_per_token), or for an
+    HF folder its active parameters bar the embedding table as float32 (`--dtype auto` computes in it)."""
+    if path.suffix == ".gguf" and path.is_file():
+        from kvlm.loader.gguf import bytes_per_token, read_gguf
+
+        return bytes_per_token(read_gguf(path)[0], c)
+    emb = c.vocab_size * c.hidden_size if not c.tie_word_embeddings else 0
+    return 4 * (c.num_active_parameters - emb + c.hidden_size)
 
 
 def _weight_formats(path: Path) -> dict[str, Any]:

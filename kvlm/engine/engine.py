@@ -283,6 +283,8 @@ class Engine:
         self.loras.check_new(name)
         if type(self.model) is not LlamaForCausalLM or self.device.type != "cpu":
             raise LoRAError(f"LoRA adapter {name!r}: adapters are served for the Llama family on the CPU only")
+        if self.model_config.num_experts:
+            raise LoRAError(f"LoRA adapter {name!r}: adapters on mixture-of-experts models are not served yet")
         return self.loras.add(load_lora(name, path, self.model_config, self.loras.next_id(), scale))
 
     def unload_lora(self, name: str) -> None:

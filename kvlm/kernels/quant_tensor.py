@@ -35,3 +35,28 @@ class QuantTensor:
     @property
     def nbytes(self) -> int:
         return self.data.numel()
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertStack:
+    """The weights of E experts stacked as GGUF stores them: logical shape (E, N, K), `data` (E, N, row_bytes)
+    uint8 (a view over the memory-mapped file: an expert no token has used was never read, so costs no
+    resident memory). `expert(e)` is expert e's (N, K) `QuantTensor`, a view of its rows."""
+
+    data: torch.Tensor
+    qtype: GGMLQuantizationType
+    shape: tuple[int, int, int]
+
+    def __post_init__(self) -> None:
+        e, n, k = self.shape
+        elems, nbytes = GGML_QUANT_SIZES[self.qtype]
+        if k % elems or self.data.dtype != torch.uint8 or tuple(self.data.shape) != (e, n, k // elems * nbytes):
+            raise ValueError(f"{self.qtype.name} expert data must be uint8 ({e}, {n}, {k // elems * nbytes}) "
+                             f"with rows of whole blocks, got {self.data.dtype} {tuple(self.data.shape)}")
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+    def expert(self, e: int) -> QuantTensor:
+        return QuantTensor(self.data[e], self.qtype, self.shape[1:])

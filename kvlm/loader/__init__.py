@@ -55,7 +55,7 @@ def load_checkpoint(path: str | os.PathLike,
 
             config, state = load_hf_dir(p)
             if quantized:  # 2-D weights on the native row kernel (fixed order per output: row-invariant)
-                state = {k: f32_blocks(v) if v.ndim == 2 else v for k, v in state.items()}
+                state = {k: f32_blocks(v) if v.ndim in (2, 3) else v for k, v in state.items()}
             tokenizer = Tokenizer.from_hf_dir(p)
     except TokenizerError as e:
         raise ModelLoadError(f"{p}: bad tokenizer: {e}") from None
@@ -65,13 +65,16 @@ def load_checkpoint(path: str | os.PathLike,
 def f32_blocks(w: torch.Tensor) -> Any:
     """A dense float32 (N, K) weight as an F32 `QuantTensor` over the same bytes: the native row kernel
     then multiplies it, whose rows are bit-identical in any batch or chunk and whose sums (16 lanes, then a
-    fixed tree) round less than BLAS's (`--dtype float32` on CPU takes it too, `loader.build`)."""
+    fixed tree) round less than BLAS's (`--dtype float32` on CPU takes it too, `loader.build`). A 3-D
+    (E, N, K) tensor of stacked experts becomes an F32 `ExpertStack` likewise."""
     import torch
 
     from kvlm.kernels.ggml_types import GGMLQuantizationType
-    from kvlm.kernels.quant_tensor import QuantTensor
+    from kvlm.kernels.quant_tensor import ExpertStack, QuantTensor
 
     w = w.float().contiguous()
+    if w.ndim == 3:
+        return ExpertStack(w.view(torch.uint8).reshape(*w.shape[:2], -1), GGMLQuantizationType.F32, tuple(w.shape))
     return QuantTensor(w.view(torch.uint8).reshape(w.shape[0], -1), GGMLQuantizationType.F32, tuple(w.shape))
 
 

@@ -63,7 +63,7 @@ def load_model(path: Path, max_model_len: int | None, dtype: torch.dtype, device
     config, state, tokenizer = load_checkpoint(path, quantized=quantized)
     backend = select_backend(device, dtype, config.head_dim)  # the engine's one kernel decision
     if not quantized and backend.native_rows:
-        state = {k: f32_blocks(v) if isinstance(v, torch.Tensor) and v.ndim == 2 else v for k, v in state.items()}
+        state = {k: f32_blocks(v) if isinstance(v, torch.Tensor) and v.ndim in (2, 3) else v for k, v in state.items()}
     n_ctx = context_length(max_model_len, config)
     cls = Gemma3ForCausalLM if config.model_type == "gemma3_text" else LlamaForCausalLM
     with torch.device("meta"):  # no random init of weights that load_weights replaces

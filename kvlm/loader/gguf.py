@@ -34,7 +34,8 @@ SUPPORTED_TENSOR_TYPES = frozenset(
 
 # GGUF architecture -> HF model_type.
 _ARCH_TO_MODEL_TYPE = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
-                       "phi3": "phi3", "smollm3": "smollm3", "granite": "granite", "gemma3": "gemma3_text"}
+                       "phi3": "phi3", "smollm3": "smollm3", "granite": "granite", "gemma3": "gemma3_text",
+                       "qwen3moe": "qwen3_moe", "olmoe": "olmoe"}  # Mixtral: "llama" with expert tensors
 # Architectures whose Q/K rows llama.cpp's converter permuted (its LlamaModel and subclasses: RoPE type NORM).
 _PERMUTED_QK = frozenset({"llama", "smollm3", "granite"})
 
@@ -58,6 +59,11 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    # Mixture of experts: the router (E x hidden) and the experts stacked (E, out, in), as llama.cpp stores them
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
 }
 # Gemma 3's four norms per layer: llama.cpp's `ffn_norm` is HF's pre-feedforward norm there.
 _GEMMA3_LAYER_NAMES = {**_LAYER_NAMES, "ffn_norm": "pre_feedforward_layernorm",
@@ -81,7 +87,10 @@ def gguf_to_hf_name(name: str, arch: str = "llama") -> str | None:
     m = _LAYER_RE.match(name)
     names = _GEMMA3_LAYER_NAMES if arch == "gemma3" else _PHI3_LAYER_NAMES if arch == "phi3" else _LAYER_NAMES
     if m and m.group(2) in names:
-        return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
+        hf = names[m.group(2)]
+        # stacked experts are parameters of their module, named without ".weight" (transformers 5's naming)
+        return f"model.layers.{m.group(1)}.{hf}" if hf.startswith("mlp.experts.") else \
+            f"model.layers.{m.group(1)}.{hf}.{m.group(3)}"
     return None
 
 
@@ -186,11 +195,18 @@ def _config_from_gguf(fields: dict[str, Any], tensor_names: set[str], factors: d
         extra = {k: float(fields[f"{arch}.{key}"]) for k, key in (
             ("embedding_multiplier", "embedding_scale"), ("attention_multiplier", "attention.scale"),
             ("residual_multiplier", "residual_scale"), ("logits_scaling", "logit_scale")) if f"{arch}.{key}" in fields}
+    model_type = _ARCH_TO_MODEL_TYPE[arch]
+    if f"{arch}.expert_count" in fields and int(fields[f"{arch}.expert_count"]) > 0:
+        if arch == "llama":
+            model_type = "mixtral"
+        elif arch not in ("qwen3moe", "olmoe"):
+            raise UnsupportedModelError(f"mixture-of-experts {arch!r} models are not supported")
+        extra.update(_moe_fields(fields, arch))
     return ModelConfig(
-        model_type=_ARCH_TO_MODEL_TYPE[arch],
+        model_type=model_type,
         vocab_size=int(vocab),
         hidden_size=hidden,
-        intermediate_size=int(get("feed_forward_length")),
+        intermediate_size=int(fields.get(f"{arch}.feed_forward_length") or extra.get("moe_intermediate_size") or 0),
         num_hidden_layers=int(get("block_count")),
         num_attention_heads=heads,
         num_key_value_heads=int(get("attention.head_count_kv", heads)),
@@ -206,6 +222,22 @@ def _config_from_gguf(fields: dict[str, Any], tensor_names: set[str], factors: d
         eos_token_id=fields.get("tokenizer.ggml.eos_token_id"),
         **extra,
     )
+
+
+def _moe_fields(fields: dict[str, Any], arch: str) -> dict[str, Any]:
+    """Expert metadata as ModelConfig fields. llama.cpp renormalises the top-k weights for Qwen3-MoE and
+    Mixtral and not for OLMoE (its graph builders' fixed choice) unless the file says `expert_weights_norm`;
+    every layer is routed (llama.cpp's Qwen3-MoE has no dense layers)."""
+    ff = f"{arch}.expert_feed_forward_length"
+    out: dict[str, Any] = {
+        "num_experts": int(fields[f"{arch}.expert_count"]),
+        "num_experts_per_tok": int(fields[f"{arch}.expert_used_count"]),
+        "moe_intermediate_size": int(fields[ff] if ff in fields else fields[f"{arch}.feed_forward_length"]),
+        "norm_topk_prob": bool(fields.get(f"{arch}.expert_weights_norm", arch != "olmoe")),
+    }
+    if arch == "olmoe":
+        out["qk_norm_full"] = True
+    return out
 
 
 def _phi3_fields(fields: dict[str, Any], factors: dict[str, list[float]], head_dim: int,
@@ -260,17 +292,22 @@ def file_bytes(reader: Any) -> torch.Tensor:
 
 
 def quant_tensor(t: Any, mapped: torch.Tensor) -> Any:
-    """A 2-D GGUF tensor as a `kernels.QuantTensor` over the mapped file: nothing is read or converted."""
-    from kvlm.kernels import QuantTensor
+    """A 2-D GGUF tensor as a `kernels.QuantTensor` over the mapped file, a 3-D one (stacked experts) as a
+    `kernels.ExpertStack`: nothing is read or converted."""
+    from kvlm.kernels import ExpertStack, QuantTensor
     from kvlm.kernels.ggml_types import GGML_QUANT_SIZES
 
     if t.tensor_type.name not in SUPPORTED_TENSOR_TYPES:
         raise UnsupportedModelError(f"tensor {t.name} has unsupported type {t.tensor_type.name}")
-    n, k = (int(d) for d in reversed(t.shape.tolist()))  # GGUF lists dims fastest-first
+    dims = [int(d) for d in reversed(t.shape.tolist())]  # GGUF lists dims fastest-first
     elems, nbytes = GGML_QUANT_SIZES[t.tensor_type]
+    k = dims[-1]
     row_bytes = k // elems * nbytes
-    data = mapped[t.data_offset : t.data_offset + n * row_bytes].view(n, row_bytes)
-    return QuantTensor(data, t.tensor_type, (n, k))
+    rows = int(np.prod(dims[:-1]))
+    data = mapped[t.data_offset : t.data_offset + rows * row_bytes].view(*dims[:-1], row_bytes)
+    if len(dims) == 3:
+        return ExpertStack(data, t.tensor_type, (dims[0], dims[1], k))
+    return QuantTensor(data, t.tensor_type, (dims[0], k))
 
 
 def weight_formats(reader: Any) -> dict[str, dict[str, Any]]:
@@ -283,13 +320,31 @@ def weight_formats(reader: Any) -> dict[str, dict[str, Any]]:
     for t in reader.tensors:
         if gguf_to_hf_name(t.name, arch) is None:
             continue
-        matrix = len(t.shape) == 2
+        matrix = len(t.shape) in (2, 3)
         key = t.tensor_type.name + ("" if matrix else " (1-D)")
         row = out.setdefault(key, {"tensors": 0, "bytes": 0,
                                    "kernel": kernel_path(t.tensor_type) if matrix else "float32 vector ops"})
         row["tensors"] += 1
         row["bytes"] += int(t.n_bytes)
     return out
+
+
+def bytes_per_token(reader: Any, config: ModelConfig) -> int:
+    """Weight bytes one decode token reads from this file: every matrix but the embedding table (one row of
+    it, unless tied to the output), and of each layer's stacked experts the `num_experts_per_tok` it routes
+    to (k / E of their bytes)."""
+    arch = str(reader.fields.get("general.architecture", "llama"))
+    total = 0.0
+    for t in reader.tensors:
+        if gguf_to_hf_name(t.name, arch) is None:
+            continue
+        n = int(t.n_bytes)
+        if t.name == "token_embd.weight" and not config.tie_word_embeddings:
+            n //= max(1, config.vocab_size)
+        if len(t.shape) == 3:
+            n = n * config.num_experts_per_tok / max(1, config.num_experts)
+        total += n
+    return int(total)
 
 
 def load_gguf(path: str | os.PathLike,
@@ -311,7 +366,7 @@ def load_gguf(path: str | os.PathLike,
         if hf is None:
             continue
         try:
-            if mapped is not None and len(t.shape) == 2:
+            if mapped is not None and len(t.shape) in (2, 3):
                 w = quant_tensor(t, mapped)
             else:
                 w = dequantize_tensor(t)

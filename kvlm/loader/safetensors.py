@@ -8,12 +8,17 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import torch
 
 from kvlm.config import ModelConfig
 from kvlm.errors import ModelLoadError
+
+# Mixtral checkpoints: `block_sparse_moe.{gate,experts.E.w1/w3/w2}` = `mlp.{gate,experts.E.gate/up/down_proj}`
+_MIXTRAL_PARTS = {".block_sparse_moe.": ".mlp.", ".w1.": ".gate_proj.", ".w3.": ".up_proj.", ".w2.": ".down_proj."}
+_MIXTRAL_NAMES = re.compile("|".join(re.escape(k) for k in _MIXTRAL_PARTS))
 
 
 def load_hf_dir(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
@@ -53,6 +58,8 @@ def load_hf_dir(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.T
         except (SafetensorError, OSError, ValueError) as e:
             raise ModelLoadError(f"{shard}: corrupt safetensors file ({e})") from None
         state.update({k: v.float() for k, v in tensors.items()})
+    if config.model_type == "mixtral":  # its MoE block's names, as the Qwen3-MoE / OLMoE ones the model takes
+        state = {_MIXTRAL_NAMES.sub(lambda m: _MIXTRAL_PARTS[m.group(0)], k): v for k, v in state.items()}
     if config.model_type == "gemma3_text":
         # HF's Gemma norms multiply by (1 + w) and store w; the model (like GGUF files) takes 1 + w.
         state = {k: v + 1.0 if k.endswith("norm.weight") else v for k, v in state.items()}

@@ -1,10 +1,11 @@
 """The Llama family (Llama 2/3, SmolLM/SmolLM2, Mistral, Qwen2/2.5, Qwen3, Phi-3/Phi-4-mini, SmolLM3,
-Granite 3.x) as one PyTorch module tree.
+Granite 3.x, and the mixture-of-experts Qwen3-MoE, OLMoE and Mixtral) as one PyTorch module tree.
 
 The members differ only by `ModelConfig` fields: q/k/v bias (Qwen2), per-head q/k norms (Qwen3), LongRoPE
 and RoPE on part of each head (Phi-3, Phi-4-mini; their checkpoints store q/k/v and gate/up fused, which are
 this module's own stacked projections, loaded as stored), layers without RoPE (SmolLM3), and scalar
-multipliers on the embedding, the attention scores, the residual branches and the logits (Granite).
+multipliers on the embedding, the attention scores, the residual branches and the logits (Granite), and a
+routed MLP of experts in place of the dense one (model/moe.py; OLMoE's q/k norms span the whole projection).
 
 Module names equal Hugging Face checkpoint names (`model.layers.0.self_attn.q_proj`), so loading is a
 dictionary copy; format-specific renaming lives in `loader/`. The model works on a flat batch:
@@ -16,8 +17,10 @@ The model owns no cache state: each attention layer asks the cache for its conte
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -27,10 +30,11 @@ from kvlm.attention.paged import paged_attention
 from kvlm.attention.window import windowed_attention
 from kvlm.config import ModelConfig
 from kvlm.errors import ModelLoadError
-from kvlm.kernels import QuantTensor
+from kvlm.kernels import ExpertStack, QuantTensor
 from kvlm.kernels.elementwise import apply_rope, rms_norm, silu_mul
 from kvlm.kv_cache.storage import KVCache
 from kvlm.lora.rows import LoRARows
+from kvlm.model.moe import MoEMLP
 from kvlm.model.quant_layers import QuantEmbedding, QuantLinear, stack_quant
 
 
@@ -107,10 +111,39 @@ def rotate(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 _STACKS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
+_EXPERT_RE = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def stack_experts(state: dict[str, Any]) -> dict[str, Any]:
+    """Per-expert checkpoint tensors (`...mlp.experts.{e}.gate_proj.weight`, safetensors' layout) become one
+    stacked (E, out, in) tensor `...mlp.experts.gate_proj` as GGUF stores them; transformers 5's fused
+    `...mlp.experts.gate_up_proj` (E, 2I, hidden) splits into gate and up."""
+    groups: dict[tuple[str, str], dict[int, Any]] = {}
+    for key in [k for k in state if ".experts." in k]:
+        m = _EXPERT_RE.match(key)
+        if m:
+            groups.setdefault((m.group(1), m.group(3)), {})[int(m.group(2))] = state.pop(key)
+        elif key.endswith(".experts.gate_up_proj") and isinstance(state[key], torch.Tensor):
+            gate, up = state.pop(key).chunk(2, dim=1)
+            state[key.replace("gate_up_proj", "gate_proj")] = gate
+            state[key.replace("gate_up_proj", "up_proj")] = up
+    for (prefix, proj), parts in groups.items():
+        if sorted(parts) != list(range(len(parts))):
+            raise ModelLoadError(f"{prefix}: experts {sorted(parts)} are not numbered 0..{len(parts) - 1}")
+        ts = [parts[e] for e in range(len(parts))]
+        if all(isinstance(t, QuantTensor) and t.qtype == ts[0].qtype for t in ts):  # blocks: one stacked copy
+            data = torch.from_numpy(np.stack([t.data.numpy() for t in ts]))
+            state[f"{prefix}.{proj}"] = ExpertStack(data, ts[0].qtype, (len(ts), *ts[0].shape))
+        else:
+            state[f"{prefix}.{proj}"] = torch.stack([_dense(t) for t in ts])
+    return state
+
+
 def stack_weights(state: dict[str, Any]) -> dict[str, Any]:
     """Replace `...q_proj.weight`, `...k_proj.weight`, `...v_proj.weight` by `...qkv_proj.weight`
     (rows concatenated in that order), likewise biases and gate/up -> gate_up_proj. Quantized parts
-    become a list of QuantTensors (one per run of parts sharing a block format)."""
+    become a list of QuantTensors (one per run of parts sharing a block format). Experts: `stack_experts`."""
+    state = stack_experts(state)
     for key in [k for k in state if ".q_proj." in k or ".gate_proj." in k]:
         for stacked, parts in _STACKS.items():
             if f".{parts[0]}." in key:
@@ -194,9 +227,12 @@ class LlamaAttention(nn.Module):
         h = config.hidden_size
         self.qkv_proj = Linear(h, (self.n_heads + 2 * self.n_kv) * self.head_dim, bias=config.attention_bias)
         self.o_proj = Linear(self.n_heads * self.head_dim, h, bias=False)
+        self.qk_norm_full = config.qk_norm and config.qk_norm_full  # OLMoE: over all heads at once
         if config.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            qn, kn = ((self.n_heads * self.head_dim, self.n_kv * self.head_dim) if self.qk_norm_full
+                      else (self.head_dim, self.head_dim))
+            self.q_norm = RMSNorm(qn, config.rms_norm_eps)
+            self.k_norm = RMSNorm(kn, config.rms_norm_eps)
         self.qk_norm = config.qk_norm
         self.use_rope = config.uses_rope(layer_idx)  # SmolLM3's NoPE layers: no position encoding at all
         self.attn = Attention(layer_idx, config.attention_multiplier or self.head_dim**-0.5)
@@ -210,7 +246,10 @@ class LlamaAttention(nn.Module):
             lora.apply(qkv, x, self.layer_idx, "qkv_proj")
         qkv = qkv.view(T, nh + 2 * kvh, self.head_dim)  # (T, nh + 2 kvh, D)
         qk, v = qkv[:, : nh + kvh], qkv[:, nh + kvh :]
-        if self.qk_norm:
+        if self.qk_norm_full:
+            q, k = qk[:, :nh].reshape(T, -1), qk[:, nh:].reshape(T, -1)  # (T, nh * D), (T, kvh * D) copies
+            qk = torch.cat((self.q_norm(q).view(T, nh, -1), self.k_norm(k).view(T, kvh, -1)), dim=1)
+        elif self.qk_norm:
             qk = torch.cat((self.q_norm(qk[:, :nh]), self.k_norm(qk[:, nh:])), dim=1)
         if self.use_rope:
             qk = rotate(qk, cos, sin)  # queries and keys at once; cos, sin: (T, 1, rotary_dim)
@@ -241,7 +280,7 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = LlamaAttention(config, layer_idx)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config, layer_idx)
+        self.mlp = MoEMLP(config) if config.is_moe_layer(layer_idx) else LlamaMLP(config, layer_idx)
         self.residual_multiplier = config.residual_multiplier  # Granite's; 1.0 elsewhere (then no multiply)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -285,7 +324,12 @@ class LlamaForCausalLM(nn.Module):
         """Why the fused native decode step (model/fused_decode.py, csrc/decode.cpp) cannot compute this
         model as its layers do (None: it can). The native step implements the whole Llama layer as this
         module does: q/k/v bias, q/k norms, RoPE on rotary_dim values of each head or on none (NoPE layers),
-        any RoPE tables and attention factor, the attention scale, the embedding and residual multipliers."""
+        any RoPE tables and attention factor, the attention scale, the embedding and residual multipliers;
+        not routed experts or q/k norms over the whole projection."""
+        if self.config.num_experts:
+            return "a mixture-of-experts MLP (routed experts run on the module path)"
+        if self.config.qk_norm_full:
+            return "q/k norms over the whole projection"
         return None
 
     def set_rope(self, inv_freq: torch.Tensor) -> None:
@@ -410,6 +454,9 @@ class LlamaForCausalLM(nn.Module):
         path, attr = name.rsplit(".", 1)
         parent_path, _, child = path.rpartition(".")
         mod = self.get_submodule(path)
+        if path.endswith(".mlp.experts"):  # stacked (E, out, in): blocks as stored, or a dense tensor
+            mod.set(attr, t if isinstance(t, ExpertStack) else _dense(t))
+            return
         if isinstance(t, (QuantTensor, list)):
             assert attr == "weight", name
             if isinstance(mod, nn.Embedding):

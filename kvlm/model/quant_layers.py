@@ -125,9 +125,13 @@ class QuantEmbedding(nn.Module):
 
 
 def weight_ranges(model: nn.Module) -> list[tuple[int, int]]:
-    """[start, end) addresses of every QuantTensor's bytes in `model` (views of a mapped file, or copies):
-    what `loader.mapped_pages.release_unused` must keep resident."""
+    """[start, end) addresses of every QuantTensor's and ExpertStack's bytes in `model` (views of a mapped
+    file, or copies): what `loader.mapped_pages.release_unused` must keep (experts no token has chosen stay
+    unread, so out of RSS, either way)."""
+    from kvlm.model.moe import Experts
+
     tensors = [t for m in model.modules() for t in (
-        m.parts if isinstance(m, QuantLinear) else [m.qweight] if isinstance(m, QuantEmbedding) else [])]
-    return [(t.data.data_ptr(), t.data.data_ptr() + (t.data.shape[0] - 1) * t.data.stride(0) + t.data.shape[1])
-            for t in tensors if t.data.numel()]
+        m.parts if isinstance(m, QuantLinear) else [m.qweight] if isinstance(m, QuantEmbedding)
+        else list(m.stacks.values()) if isinstance(m, Experts) else [])]
+    return [(t.data.data_ptr(), t.data.data_ptr() + sum((n - 1) * st for n, st in zip(t.data.shape, t.data.stride()))
+             + 1) for t in tensors if t.data.numel()]

@@ -14,9 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 from deps import need_native
-from engine_runs import assert_identical, random_prompts, run_engine
+from engine_runs import assert_engine_equivalences, assert_identical, run_engine
 from tiny_gemma import gemma3_config, gemma3_state, write_gemma3_gguf
 from tiny_models import longrope, tiny_config, write_tiny_gguf, write_tiny_hf_dir
 
@@ -66,50 +65,12 @@ def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
 
 def test_family_equivalences_bit_for_bit(family: tuple[str, Path]) -> None:
     name, path = family
-
-    def engine(**cfg: Any) -> Engine:
-        return Engine(path, EngineConfig(block_size=4, **cfg), quiet=True)
-
-    shared = random_prompts(1, 31, lo=20, hi=20)[0]
-    prompts = [shared + tail for tail in random_prompts(4, 32, lo=2, hi=14)]
-    main = engine(enable_prefix_caching=False)
-    ref = run_engine(main, prompts, GREEDY)
-    assert_identical(ref, run_engine(engine(enable_kv_cache=False), prompts, GREEDY), f"{name}: cache vs none")
-    assert_identical(ref, run_engine(engine(max_num_batched_tokens=7, enable_prefix_caching=False), prompts, GREEDY),
-                     f"{name}: chunked prefill (7 tokens a step)")
-    for i in (0, 3):
-        t, lg = run_engine(engine(enable_prefix_caching=False), [prompts[i]], GREEDY)
-        assert_identical(({i: ref[0][i]}, {i: ref[1][i]}), ({i: t[0]}, {i: lg[0]}), f"{name}: alone vs batch ({i})")
-
-    cached = engine()
-    run_engine(cached, [shared + [1, 2]], GREEDY)  # fills the prefix cache with the shared blocks
-    reqs: list = []
-    hit = run_engine(cached, prompts, GREEDY, requests=reqs)
-    assert all(r.metrics.num_cached_tokens >= 20 for r in reqs)
-    assert_identical(ref, hit, f"{name}: prefix-cache hit vs miss")
-
-    # 96 tokens of full-attention layers for four requests of up to 44: preemptions (Gemma 3's sliding
-    # layers keep their fixed blocks per request besides, as the pool reserves them)
-    windows = main.model_config.layer_windows or (None,) * main.model_config.num_hidden_layers
-    sliding = sum(main.kv_cache.k[i].nbytes + main.kv_cache.v[i].nbytes for i, w in enumerate(windows) if w)
-    budget = sliding + 96 * main.kv_bytes_per_token * windows.count(None) // len(windows)
-    small = engine(kv_cache_memory=budget, enable_prefix_caching=False)
-    reqs = []
-    assert_identical(ref, run_engine(small, prompts, GREEDY, requests=reqs), f"{name}: preempted vs not")
-    assert sum(r.metrics.num_preemptions for r in reqs) > 0
-
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1 if before > 1 else 2)
-        assert_identical(ref, run_engine(engine(enable_prefix_caching=False), prompts, GREEDY),
-                         f"{name}: {torch.get_num_threads()} vs {before} threads")
-    finally:
-        torch.set_num_threads(before)
+    main, ref, prompts = assert_engine_equivalences(path, name, GREEDY)
 
     refusal = FAMILIES[name][1]
     if refusal is None:  # the fused native step ran every decode step of `ref`: the module path gives the same bits
         assert main.runner.fused is not None and main.backend.decode == "fused"
-        modules = engine(enable_prefix_caching=False)
+        modules = Engine(path, EngineConfig(block_size=4, enable_prefix_caching=False), quiet=True)
         modules.runner.fused = None
         assert_identical(ref, run_engine(modules, prompts, GREEDY), f"{name}: fused decode vs module path")
     else:

@@ -77,6 +77,57 @@ def assert_identical(a: tuple[dict, dict], b: tuple[dict, dict], what: str) -> N
             assert torch.equal(x, y), f"{what}: prompt {i}, step {k}: max |diff| {float((x - y).abs().max()):.3g}"
 
 
+def assert_engine_equivalences(path: Path, name: str, params: SamplingParams) -> tuple[Engine, tuple[dict, dict],
+                                                                                       list[list[int]]]:
+    """The bit-exact engine equivalences on one model (block size 4, four prompts sharing a 20-token prefix):
+    cache vs none, chunked vs whole, alone vs batch, prefix hit vs miss, preempted vs not, 1 vs 2 threads.
+    Returns the reference engine, its result and the prompts (for a family's own further checks)."""
+    from typing import Any
+
+    from kvlm import EngineConfig
+
+    def engine(**cfg: Any) -> Engine:
+        return Engine(path, EngineConfig(block_size=4, **cfg), quiet=True)
+
+    shared = random_prompts(1, 31, lo=20, hi=20)[0]
+    prompts = [shared + tail for tail in random_prompts(4, 32, lo=2, hi=14)]
+    main = engine(enable_prefix_caching=False)
+    ref = run_engine(main, prompts, params)
+    assert_identical(ref, run_engine(engine(enable_kv_cache=False), prompts, params), f"{name}: cache vs none")
+    assert_identical(ref, run_engine(engine(max_num_batched_tokens=7, enable_prefix_caching=False), prompts, params),
+                     f"{name}: chunked prefill (7 tokens a step)")
+    for i in (0, 3):
+        t, lg = run_engine(engine(enable_prefix_caching=False), [prompts[i]], params)
+        assert_identical(({i: ref[0][i]}, {i: ref[1][i]}), ({i: t[0]}, {i: lg[0]}), f"{name}: alone vs batch ({i})")
+
+    cached = engine()
+    run_engine(cached, [shared + [1, 2]], params)  # fills the prefix cache with the shared blocks
+    reqs: list = []
+    hit = run_engine(cached, prompts, params, requests=reqs)
+    assert all(r.metrics.num_cached_tokens >= 20 for r in reqs)
+    assert_identical(ref, hit, f"{name}: prefix-cache hit vs miss")
+
+    # 96 tokens of full-attention layers for four requests of up to 44: preemptions (Gemma 3's sliding
+    # layers keep their fixed blocks per request besides, as the pool reserves them)
+    windows = main.model_config.layer_windows or (None,) * main.model_config.num_hidden_layers
+    sliding = sum(main.kv_cache.k[i].nbytes + main.kv_cache.v[i].nbytes for i, w in enumerate(windows) if w)
+    budget = sliding + 96 * main.kv_bytes_per_token * windows.count(None) // len(windows)
+    small = engine(kv_cache_memory=budget, enable_prefix_caching=False)
+    reqs = []
+    assert_identical(ref, run_engine(small, prompts, params, requests=reqs), f"{name}: preempted vs not")
+    assert sum(r.metrics.num_preemptions for r in reqs) > 0
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1 if before > 1 else 2)
+        assert_identical(ref, run_engine(engine(enable_prefix_caching=False), prompts, params),
+                         f"{name}: {torch.get_num_threads()} vs {before} threads")
+    finally:
+        torch.set_num_threads(before)
+
+    return main, ref, prompts
+
+
 def assert_same_logits(a: list[torch.Tensor] | torch.Tensor, b: list[torch.Tensor] | torch.Tensor) -> None:
     """Equal bits on the native path (every row's computation is fixed: the engine's promise); within
     float32 rounding on the reference path (no native build), whose SDPA and BLAS calls change their

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tiny_models import VOCAB, add_byte_level_vocab, write_tensors, write_tiny_hf_dir
+from tiny_models import VOCAB, add_byte_level_vocab, gguf_writer, write_tensors, write_tiny_hf_dir
 
 WINDOW = 8  # small, so that short prompts already reach past the sliding layers' window
 
@@ -75,19 +75,8 @@ def _gguf_name(hf: str) -> str:
 
 def write_gemma3_gguf(path: Path, cfg: dict[str, Any], state: dict[str, torch.Tensor],
                       tensor_type: str = "F32") -> Path:
-    import gguf
-
-    w = gguf.GGUFWriter(str(path), "gemma3")
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(cfg["num_attention_heads"])
-    w.add_head_count_kv(cfg["num_key_value_heads"])
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    w.add_rope_freq_base(cfg["rope_parameters"]["full_attention"]["rope_theta"])
-    w.add_key_length(cfg["head_dim"])
-    w.add_value_length(cfg["head_dim"])
+    w = gguf_writer(path, cfg, "gemma3", rope_theta=cfg["rope_parameters"]["full_attention"]["rope_theta"],
+                    vocab_size=False)
     w.add_sliding_window(cfg["sliding_window"])
     add_byte_level_vocab(w, chat_template=False)  # like the real file: no template in the GGUF
     # llama.cpp's converter stores Gemma's norm weights as 1 + w

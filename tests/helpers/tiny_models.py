@@ -168,24 +168,11 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
 def write_tiny_gguf(path: Path, cfg: dict[str, Any] | None = None, state: dict[str, torch.Tensor] | None = None,
                     tensor_type: str = "F32", arch: str | None = None, fields: dict[str, Any] | None = None) -> Path:
     """Write cfg/state as a GGUF file the way llama.cpp's converter would. tensor_type: F32, F16, Q8_0, ..."""
-    import gguf
 
     cfg = cfg or tiny_config()
     state = state if state is not None else random_state_dict(cfg)
     arch = arch or {"mistral": "llama"}.get(cfg["model_type"], cfg["model_type"])
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(cfg["num_attention_heads"])
-    w.add_head_count_kv(cfg["num_key_value_heads"])
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    w.add_rope_freq_base(cfg["rope_theta"])
-    if arch not in ("phi3", "granite"):  # their converters write no head_dim (hidden / heads)
-        w.add_key_length(cfg["head_dim"])
-        w.add_value_length(cfg["head_dim"])
-    w.add_vocab_size(cfg["vocab_size"])
+    w = gguf_writer(path, cfg, arch)
     extra = _converter_extras(w, cfg, arch)
     add_byte_level_vocab(w, fields)
 
@@ -200,6 +187,29 @@ def write_tiny_gguf(path: Path, cfg: dict[str, Any] | None = None, state: dict[s
 
     write_tensors(w, tensors(), tensor_type)
     return path
+
+
+def gguf_writer(path: Path, cfg: dict[str, Any], arch: str, rope_theta: float | None = None,
+                vocab_size: bool = True) -> Any:
+    """A GGUFWriter for `arch` with the hyper-parameters every converter writes (head_dim but for Phi-3 and
+    Granite, whose converters write none: hidden / heads; the vocab size unless `vocab_size` is False)."""
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_rope_freq_base(cfg["rope_theta"] if rope_theta is None else rope_theta)
+    if arch not in ("phi3", "granite"):
+        w.add_key_length(cfg["head_dim"])
+        w.add_value_length(cfg["head_dim"])
+    if vocab_size:
+        w.add_vocab_size(cfg["vocab_size"])
+    return w
 
 
 def _converter_extras(w: Any, cfg: dict[str, Any], arch: str) -> list[tuple[str, np.ndarray]]:
@@ -251,7 +261,7 @@ def write_tensors(w: Any, tensors: Any, tensor_type: str) -> None:
 
     qtype = gguf.GGMLQuantizationType[tensor_type]
     for name, a in tensors:
-        if a.ndim == 1 or tensor_type == "F32":
+        if a.ndim == 1 or tensor_type == "F32" or ".ffn_gate_inp." in name:  # llama.cpp keeps routers F32
             w.add_tensor(name, a.astype(np.float32))
         elif tensor_type == "F16":
             w.add_tensor(name, a.astype(np.float16))

@@ -1,0 +1,165 @@
+"""The routed MLP of mixture-of-experts models (Qwen3-MoE, OLMoE, Mixtral): router, top-k, grouped experts.
+
+Routing (`route`). The router is a linear layer (E, hidden) giving each token E logits; their softmax in
+float32, then the top k by probability with ties broken by expert id (a stable sort of (-p, id): the lower id
+wins), then, where the family renormalises (`norm_topk_prob`: Qwen3-MoE configs that say so, Mixtral always),
+the k weights divided by their sum. Mixtral's "softmax over the top-k logits" is that same number
+(transformers and llama.cpp compute it this way too).
+
+Experts (`Experts`). Each of gate_proj, up_proj (E, I, hidden) and down_proj (E, hidden, I) stays stacked
+as the file stores it: an `ExpertStack` of blocks in the file's format (a view of the memory-mapped GGUF
+file; an expert no token has chosen was never read and costs no resident memory), or a dense 3-D
+parameter (the non-native dense path). A step's (token, expert) pairs are grouped by expert, and each
+expert's rows go once through the same row-invariant kernel the dense layers use for that format
+(`kernels.qmatmul`, llama.cpp's mul_mat_id idea): one matrix product per chosen expert per step, whatever
+the number of tokens that chose it.
+
+Exactness. Every kernel computes each output row by a fixed arithmetic of that row alone; the gather and
+scatter only move rows; a token's k expert outputs are summed in ascending expert id, starting from zero,
+as `moe_reference` does. So a token's output has the same bits whichever other tokens share its experts,
+in any batch, chunk or thread count.
+
+`moe_reference` is the pure-PyTorch definition of the block (a loop over tokens): the tests compare the
+grouped path with it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from kvlm.config import ModelConfig
+from kvlm.kernels import ExpertStack, QuantTensor, qmatmul
+from kvlm.kernels.elementwise import silu_mul
+
+
+def route(logits: torch.Tensor, k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits (T, E) -> (expert ids (T, k) int64, weights (T, k) float32), by descending
+    probability, ties by ascending expert id."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    top, ids = torch.sort(probs, dim=-1, descending=True, stable=True)  # stable: equal p keep id order
+    top, ids = top[:, :k], ids[:, :k]
+    if renormalize:
+        top = top / top.sum(dim=-1, keepdim=True)
+    return ids, top
+
+
+def _combine_order(ids: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's k (id, weight) pairs in ascending id: the order its expert outputs are summed in."""
+    ids, perm = torch.sort(ids, dim=-1)
+    return ids, weights.gather(1, perm)
+
+
+_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+class Experts(nn.Module):
+    """E experts' gate/up/down projections stacked (E, out, in); see the module docstring. Built on the
+    meta device as dense parameters; `set` replaces one with the checkpoint's `ExpertStack` or tensor."""
+
+    def __init__(self, num_experts: int, hidden: int, inter: int) -> None:
+        super().__init__()
+        self.num_experts, self.hidden, self.inter = num_experts, hidden, inter
+        shapes = {"gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter)}
+        for name, shape in shapes.items():
+            self.register_parameter(name, nn.Parameter(torch.empty(num_experts, *shape), requires_grad=False))
+        self.stacks: dict[str, ExpertStack] = {}  # projections kept in their stored blocks
+
+    def set(self, name: str, t: ExpertStack | torch.Tensor) -> None:
+        if isinstance(t, ExpertStack):
+            self._parameters.pop(name, None)
+            self.stacks[name] = t
+        else:
+            self.register_parameter(name, nn.Parameter(t, requires_grad=False))
+
+    def weight(self, name: str, e: int) -> QuantTensor | torch.Tensor:
+        """Expert e's (out, in) weight of projection `name`."""
+        return self.stacks[name].expert(e) if name in self.stacks else getattr(self, name)[e]
+
+    @property
+    def nbytes_per_expert(self) -> int:
+        """Bytes of weight one expert's three projections read."""
+        total = 0
+        for name in _PROJECTIONS:
+            if name in self.stacks:
+                total += self.stacks[name].nbytes // self.num_experts
+            else:
+                p = getattr(self, name)
+                total += p[0].numel() * p.element_size()
+        return total
+
+    def forward(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert e on rows x (M, hidden) -> (M, hidden): down(silu(gate x) * up x)."""
+        g, u = (_mm(x, self.weight(n, e)) for n in ("gate_proj", "up_proj"))
+        return _mm(silu_mul(torch.cat((g, u), dim=-1)), self.weight("down_proj", e))
+
+    def extra_repr(self) -> str:
+        kinds = ", ".join(f"{n}:{self.stacks[n].qtype.name}" if n in self.stacks else f"{n}:dense"
+                          for n in _PROJECTIONS)
+        return f"experts={self.num_experts}, hidden={self.hidden}, inter={self.inter}, {kinds}"
+
+
+def _mm(x: torch.Tensor, w: QuantTensor | torch.Tensor) -> torch.Tensor:
+    return qmatmul(x, w) if isinstance(w, QuantTensor) else x @ w.T
+
+
+class Router(nn.Linear):
+    """The router's (E, hidden) linear layer, without nn.Linear's random init (the weights are loaded)."""
+
+    def reset_parameters(self) -> None:
+        pass
+
+
+class MoEMLP(nn.Module):
+    """Router `gate` (a linear layer, E x hidden) and `experts`. forward: (T, hidden) -> (T, hidden)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        h = config.hidden_size
+        self.top_k, self.renormalize = config.num_experts_per_tok, config.norm_topk_prob
+        self.gate = Router(h, config.num_experts, bias=False)
+        self.experts = Experts(config.num_experts, h, config.moe_intermediate_size)
+
+    def forward(self, x: torch.Tensor, lora: object = None) -> torch.Tensor:
+        # lora: the decoder layer passes its step's LoRARows to every MLP; the engine refuses adapters on MoE
+        # models (Engine.load_lora), so it is always None here.
+        T, k = x.shape[0], self.top_k
+        ids, weights = route(self.gate(x), k, self.renormalize)
+        ids, weights = _combine_order(ids, weights)
+        flat = ids.reshape(-1)  # (T * k,): pair j is token j // k's (j % k)-th expert by id
+        order = torch.argsort(flat, stable=True)  # pairs grouped by expert
+        counts = torch.bincount(flat, minlength=self.experts.num_experts)
+        y = x.new_empty(T * k, x.shape[1])
+        start = 0
+        for e, n in enumerate(counts.tolist()):
+            if n:
+                pairs = order[start:start + n]
+                y[pairs] = self.experts(e, x[pairs // k]).to(y.dtype)
+                start += n
+        y = y.view(T, k, -1) * weights.to(y.dtype).unsqueeze(-1)
+        out = torch.zeros_like(x)
+        for r in range(k):  # ascending expert id, from zero: the same additions for a token in any batch
+            out = out + y[:, r]
+        return out
+
+
+def moe_reference(x: torch.Tensor, router: torch.Tensor, gate: list[torch.Tensor], up: list[torch.Tensor],
+                  down: list[torch.Tensor], k: int, renormalize: bool,
+                  matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """The definition, one token at a time: route, then sum weight x down(silu(gate x) * up x) over the
+    token's experts in ascending id. Weights are dense (out, in) float tensors per expert; `matmul(x, w)`
+    defaults to x @ w.T (pass a quantized-kernel reference to define a format's numerics)."""
+    mm = matmul or (lambda a, w: a @ w.T)
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        xt = x[t:t + 1]
+        ids, w = route(mm(xt, router), k, renormalize)
+        ids, w = _combine_order(ids, w)
+        acc = torch.zeros_like(xt)
+        for e, we in zip(ids[0].tolist(), w[0]):
+            g, u = mm(xt, gate[e]), mm(xt, up[e])
+            acc = acc + mm(torch.nn.functional.silu(g) * u, down[e]) * we
+        out[t] = acc[0]
+    return out
