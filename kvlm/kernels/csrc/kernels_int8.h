@@ -1,6 +1,6 @@
 // Int8 activations (llama.cpp style) for Q4_0, Q4_1 and Q8_0 weights (the other formats: kernels_kquant.h): the default numerics for these
 // types on the AVX2 and AVX-512 paths (reference: reference.qmatmul_int8_ref). Included by the AVX2,
-// AVX-512 and AVX-512 VNNI units only, after kernels_impl.h.
+// AVX-512 and AVX-512 VNNI units, and (kernels_int8_portable.h) by the portable and NEON units, after kernels_impl.h.
 //
 // Activations: each 32-element block of a row of x becomes 32 int8 q = round_even(x * (1 / d)) with
 // d = amax / 127 (d = 0 and q = 0 for an all-zero block), plus s = d * sum(q) (q8_1's convention: s is
@@ -18,6 +18,8 @@
 //   its own contract of 8 partial sums per block: its logits moved in the last bits once).
 
 namespace {
+
+#if defined(KVLM_AVX2) || defined(KVLM_AVX512)
 
 // ---- Activation quantization ----------------------------------------------------------------------
 
@@ -128,6 +130,30 @@ template <> struct I8Fmt<T_Q8_0> { static constexpr int BB = 34, QOFF = 2; };
 
 #include "kernels_kquant.h"  // Q5_0, Q5_1, Q4_K, Q5_K, Q6_K (gemv_kq)
 
+#else  // no x86 vectors: the portable and NEON units (every format, kernels_int8_portable.h)
+
+#include "kernels_int8_portable.h"
+
+int gemv_i8(int qtype, const uint8_t* w, int64_t rs, int64_t K, const int8_t* xq, const float* xd, const float* xs,
+            const int32_t* xi, int64_t M, float* y, int64_t ldy, int64_t n0, int64_t n1) {
+#define KVLM_I8_CALL(QT) gemm_port_t<QT>(w, rs, K, xq, xd, xs, xi, M, y, ldy, n0, n1)
+    switch (qtype) {
+        case T_Q4_0: KVLM_I8_CALL(T_Q4_0); return 0;
+        case T_Q4_1: KVLM_I8_CALL(T_Q4_1); return 0;
+        case T_Q8_0: KVLM_I8_CALL(T_Q8_0); return 0;
+        case T_Q5_0: KVLM_I8_CALL(T_Q5_0); return 0;
+        case T_Q5_1: KVLM_I8_CALL(T_Q5_1); return 0;
+        case T_Q4_K: KVLM_I8_CALL(T_Q4_K); return 0;
+        case T_Q5_K: KVLM_I8_CALL(T_Q5_K); return 0;
+        case T_Q6_K: KVLM_I8_CALL(T_Q6_K); return 0;
+        default: return -1;
+    }
+#undef KVLM_I8_CALL
+}
+
+#endif
+
+#if defined(KVLM_AVX2) || defined(KVLM_AVX512)
 int gemv_i8(int qtype, const uint8_t* w, int64_t rs, int64_t K, const int8_t* xq, const float* xd, const float* xs,
             const int32_t* xi, int64_t M, float* y, int64_t ldy, int64_t n0, int64_t n1) {
 #if defined(KVLM_AVX512)
@@ -143,5 +169,6 @@ int gemv_i8(int qtype, const uint8_t* w, int64_t rs, int64_t K, const int8_t* xq
     }
 #undef KVLM_I8_CALL
 }
+#endif
 
 }  // namespace
