@@ -12,7 +12,8 @@ compiler are held back: never a crash, never a block of someone else's advice.
 
 The path is the best one this CPU supports (x86: `avx512-vnni` > `avx512` > `avx2` > `scalar`; `avx512-vnni` is
 `avx512` plus vpdpbusd in the int8 kernels; aarch64: `neon-dotprod` (sdot) > `neon` > `scalar`), or the one
-forced by `KVLM_KERNEL_ISA=avx512-vnni|avx512|avx2|neon-dotprod|neon|scalar|reference`, read once per process (reading the environment costs
+forced by `KVLM_KERNEL_ISA=avx512-vnni|avx512|avx2|neon-dotprod|neon|scalar|reference`, read once per
+process (reading the environment costs
 microseconds, and a decode step makes ~120 kernel calls); `refresh()` re-reads it (tests use that).
 `KVLM_KERNEL_ACT=f32` opts out of int8 activations for Q4_0 / Q4_1 / Q8_0 (`int8_activations`).
 """
@@ -52,7 +53,8 @@ _SOURCES = ("ops.cpp", "decode.cpp", "elementwise.cpp", "kv_quant.cpp", "token_m
             "isa_scalar.cpp", "isa_avx2.cpp", "isa_avx512.cpp", "isa_avx512_vnni.cpp", "isa_neon.cpp",
             "isa_neon_dotprod.cpp")
 _HEADERS = ("kernels.h", "kernels_impl.h", "kernels_int8.h", "kernels_int8_panel.h", "kernels_int8_avx2.h",
-            "kernels_kquant.h", "kernels_int8_portable.h", "drivers.h", "elementwise.h", "kernels_attn_quant.h", "kv_quantize.h")
+            "kernels_kquant.h", "kernels_int8_portable.h", "drivers.h", "elementwise.h", "kernels_attn_quant.h",
+            "kv_quantize.h")
 # -std=c++20: torch 2.13's headers need it. -fopenmp: at::parallel_for is an inline `omp parallel`
 # (serial without it); the library then binds to the libgomp.so.1 torch has already loaded, so it
 # shares torch's thread pool and torch.set_num_threads. The ISA units set their own `#pragma GCC target`.
