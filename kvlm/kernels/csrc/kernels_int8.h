@@ -19,10 +19,9 @@
 
 namespace {
 
-#if defined(KVLM_AVX2) || defined(KVLM_AVX512)
-
 // ---- Activation quantization ----------------------------------------------------------------------
 
+#if defined(KVLM_AVX2) || defined(KVLM_AVX512)
 // One 32-element block: 32 int8 at q, its scale and fake-quantized sum.
 KVLM_INLINE void quantize_block(const float* v, int8_t* q, float* d_out, float* s_out, int32_t* i_out) {
 #if defined(KVLM_AVX512)
@@ -62,6 +61,25 @@ KVLM_INLINE void quantize_block(const float* v, int8_t* q, float* d_out, float* 
 #endif
     _mm256_storeu_ps(d_out, _mm256_set1_ps(d));  // expanded: 8 copies, one per int32 lane of the block
 }
+#else
+// One 32-element block of activations (kernels_int8.h's contract): d = amax / 127, q = round_even(x / d)
+// computed as x * (1 / d), s = d * sum(q). Max and integer sums are exact in any order.
+KVLM_INLINE void quantize_block(const float* v, int8_t* q, float* d_out, float* s_out, int32_t* i_out) {
+    float amax = 0.0f;
+    for (int e = 0; e < 32; e++) amax = fmaxf(amax, fabsf(v[e]));
+    const float d = amax / 127.0f, inv = d != 0.0f ? 1.0f / d : 0.0f;
+    int32_t sum = 0;
+    for (int e = 0; e < 32; e++) {
+        const float p = v[e] * inv;  // a lone product: nothing for fp-contract to fuse
+        const int32_t r = (int32_t)rintf(p);  // round to nearest even (the default rounding mode), as cvtps
+        q[e] = (int8_t)r;
+        sum += r;
+    }
+    *i_out = sum;
+    *s_out = d * (float)sum;
+    for (int e = 0; e < 8; e++) d_out[e] = d;
+}
+#endif
 
 // x (M, K) -> xq (M, K) int8, xd (M, K/32, 8) scales (each repeated 8 times: the AVX2 kernel loads them
 // as vectors), xs (M, K/32) sums of the fake-quantized blocks, xi (M, K/32) the blocks' sum(q).
@@ -70,7 +88,7 @@ void quantize_act(const float* x, int64_t M, int64_t K, int8_t* xq, float* xd, f
         quantize_block(x + i * 32, xq + i * 32, xd + 8 * i, xs + i, xi + i);
 }
 
-// ---- Shared by the AVX2 and AVX-512 kernels -----------------------------------------------------
+// ---- Shared by every unit's kernels -----------------------------------------------------
 
 // Rows of x seen by a tile: row i's block b at xq + i * K + 32 b, its scale at xd[8 (i nb + b)]
 // (expanded), d * sum(q) at xs[i nb + b], sum(q) at xi[i nb + b].
@@ -94,6 +112,8 @@ T* thread_buffer(int64_t n) {
     }
     return buf;
 }
+
+#if defined(KVLM_AVX2) || defined(KVLM_AVX512)
 
 // Q6_K's per-row integer offsets need sum(q) of each block's first 16 elements: xl16 (M, K/32), computed
 // per call into this thread's buffer (grown and kept).

@@ -16,49 +16,6 @@
 // x against it. No column panels yet (docs/kernels.md: NEON, not measured on ARM hardware).
 // (arm_neon.h and math.h: included by kernels_impl.h, outside the anonymous namespace.)
 
-// One 32-element block of activations (kernels_int8.h's contract): d = amax / 127, q = round_even(x / d)
-// computed as x * (1 / d), s = d * sum(q). Max and integer sums are exact in any order.
-KVLM_INLINE void quantize_block(const float* v, int8_t* q, float* d_out, float* s_out, int32_t* i_out) {
-    float amax = 0.0f;
-    for (int e = 0; e < 32; e++) amax = fmaxf(amax, fabsf(v[e]));
-    const float d = amax / 127.0f, inv = d != 0.0f ? 1.0f / d : 0.0f;
-    int32_t sum = 0;
-    for (int e = 0; e < 32; e++) {
-        const float p = v[e] * inv;  // a lone product: nothing for fp-contract to fuse
-        const int32_t r = (int32_t)rintf(p);  // round to nearest even (the default rounding mode), as cvtps
-        q[e] = (int8_t)r;
-        sum += r;
-    }
-    *i_out = sum;
-    *s_out = d * (float)sum;
-    for (int e = 0; e < 8; e++) d_out[e] = d;
-}
-
-void quantize_act(const float* x, int64_t M, int64_t K, int8_t* xq, float* xd, float* xs, int32_t* xi) {
-    for (int64_t i = 0; i < M * (K / 32); i++)
-        quantize_block(x + i * 32, xq + i * 32, xd + 8 * i, xs + i, xi + i);
-}
-
-struct ActRows {
-    const int8_t* xq;
-    const float* xd;
-    const float* xs;
-    const int32_t* xi;
-    int64_t K, nb;
-};
-
-template <class T>
-T* thread_buffer(int64_t n) {
-    static __thread T* buf = nullptr;
-    static __thread int64_t cap = 0;
-    if (n > cap) {
-        free(buf);
-        buf = (T*)aligned_alloc(64, (n * sizeof(T) + 63) / 64 * 64);
-        cap = buf ? n : 0;
-    }
-    return buf;
-}
-
 // One unit of a weight row: signed weights and factors (sl, sh: Q6_K's sub-scales, else 1).
 struct PUnit {
     int8_t w[32];
