@@ -34,10 +34,10 @@ from kvlm.kernels.ggml_types import GGMLQuantizationType as Q
 
 # Weight formats the native matmul kernels compute on in place (block layouts as in ggml).
 NATIVE_TYPES = frozenset({Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K})
-# ... of which these quantize activations to int8 per 32 values on the AVX2 / AVX-512 paths (the default;
+# ... of which these quantize activations to int8 per 32 values on every native path (the default;
 # KVLM_KERNEL_ACT=f32 opts out; `reference.qmatmul_int8_ref` defines the numerics).
 INT8_ACT_TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K})
-INT8_ISAS = frozenset({"avx2", "avx512", "avx512-vnni"})
+INT8_ISAS = frozenset(native.ISAS)  # every unit: x86 vector kernels, NEON, or the portable one (same bits)
 # The paged attention kernel reads head_dim in 16-float vectors (csrc/kernels_impl.h).
 ATTN_HEAD_DIM_MULTIPLE = 16
 

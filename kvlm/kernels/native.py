@@ -10,9 +10,10 @@ stats them. Where the compiler, headers or build fail, one line is logged (what 
 kernel then runs its much slower pure-PyTorch reference, how to fix it) and torch's own warnings about the
 compiler are held back: never a crash, never a block of someone else's advice.
 
-The path is the best one this CPU supports (`avx512-vnni` > `avx512` > `avx2` > `scalar`; `avx512-vnni` is
-`avx512` plus vpdpbusd in the int8 kernels), or the one forced by
-`KVLM_KERNEL_ISA=avx512-vnni|avx512|avx2|scalar|reference`, read once per process (reading the environment costs
+The path is the best one this CPU supports (x86: `avx512-vnni` > `avx512` > `avx2` > `scalar`; `avx512-vnni` is
+`avx512` plus vpdpbusd in the int8 kernels; aarch64: `neon-dotprod` (sdot) > `neon` > `scalar`), or the one
+forced by `KVLM_KERNEL_ISA=avx512-vnni|avx512|avx2|neon-dotprod|neon|scalar|reference`, read once per
+process (reading the environment costs
 microseconds, and a decode step makes ~120 kernel calls); `refresh()` re-reads it (tests use that).
 `KVLM_KERNEL_ACT=f32` opts out of int8 activations for Q4_0 / Q4_1 / Q8_0 (`int8_activations`).
 """
@@ -42,15 +43,18 @@ from kvlm.paths import kvlm_home
 
 logger = logging.getLogger("kvlm")
 
-ISAS = ("scalar", "avx2", "avx512", "avx512-vnni")  # index = the id the C++ side uses (drivers.h)
+# index = the id the C++ side uses (drivers.h); x86 ids 1-3 and aarch64 ids 4-5 are not one order
+ISAS = ("scalar", "avx2", "avx512", "avx512-vnni", "neon", "neon-dotprod")
 PATHS = (*ISAS, "reference")
 ENV_ISA = "KVLM_KERNEL_ISA"
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = ("ops.cpp", "decode.cpp", "elementwise.cpp", "kv_quant.cpp", "token_mask.cpp", "argmax.cpp",
-            "isa_scalar.cpp", "isa_avx2.cpp", "isa_avx512.cpp", "isa_avx512_vnni.cpp")
+            "isa_scalar.cpp", "isa_avx2.cpp", "isa_avx512.cpp", "isa_avx512_vnni.cpp", "isa_neon.cpp",
+            "isa_neon_dotprod.cpp")
 _HEADERS = ("kernels.h", "kernels_impl.h", "kernels_int8.h", "kernels_int8_panel.h", "kernels_int8_avx2.h",
-            "kernels_kquant.h", "drivers.h", "elementwise.h", "kernels_attn_quant.h", "kv_quantize.h")
+            "kernels_kquant.h", "kernels_int8_portable.h", "drivers.h", "elementwise.h", "kernels_attn_quant.h",
+            "kv_quantize.h")
 # -std=c++20: torch 2.13's headers need it. -fopenmp: at::parallel_for is an inline `omp parallel`
 # (serial without it); the library then binds to the libgomp.so.1 torch has already loaded, so it
 # shares torch's thread pool and torch.set_num_threads. The ISA units set their own `#pragma GCC target`.
@@ -217,8 +221,8 @@ _load_lock = threading.Lock()
 @functools.cache
 def available() -> bool:
     """Whether the native extension is built and loaded in this process (builds it on the first call)."""
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        logger.warning("kvlm: native kernels target x86-64; using the PyTorch reference kernels on %s",
+    if platform.machine().lower() not in ("x86_64", "amd64", "aarch64", "arm64"):
+        logger.warning("kvlm: native kernels target x86-64 and aarch64; using the PyTorch reference kernels on %s",
                        platform.machine())
         return False
     try:
@@ -278,6 +282,11 @@ def best_isa() -> str:
     return ISAS[torch.ops.kvlm_kernels.best_isa()]
 
 
+def isa_available(isa: str) -> bool:
+    """Whether this CPU runs the ISA path `isa` (one of ISAS) with the extension built."""
+    return available() and bool(torch.ops.kvlm_kernels.isa_available(ISAS.index(isa)))
+
+
 @functools.cache
 def active_isa() -> str:
     """The path kernels take: `KVLM_KERNEL_ISA` if set (and possible here), else the best one."""
@@ -289,7 +298,7 @@ def active_isa() -> str:
     best = best_isa()
     if not forced or best == "reference":
         return best
-    if ISAS.index(forced) > ISAS.index(best):
+    if not isa_available(forced):
         logger.warning("kvlm: %s=%s is not available here; using %s", ENV_ISA, forced, best)
         return best
     return forced

@@ -8,19 +8,20 @@ so `data` is a (N, row_bytes) uint8 tensor (possibly a view over the memory-mapp
 `qmatmul(x, w)` computes `x @ dequantize(w).T` on the blocks in place with the native kernels
 (`native.py`, `csrc/`) where they are built, else with the reference (`reference.py`).
 
-Numerics. Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K on the AVX2 / AVX-512 paths use int8
+Numerics. Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K on every native path use int8
 activations by default (as llama.cpp does; it quantizes x per 256 for the K-quants, kvlm per 32 for
 every format): x is quantized per 32-element block (d = amax / 127, round half to even) and the block
 products run on integers; `reference.qmatmul_int8_ref` (fake-quantize x, then float32 matmul) is their
-definition. `KVLM_KERNEL_ACT=f32` opts out. F16, BF16, F32, the scalar path and the reference fallback
-(no extension) keep float32 activations (`qmatmul_ref`).
+definition. `KVLM_KERNEL_ACT=f32` opts out. F16, BF16, F32 and the reference fallback (no extension) keep
+float32 activations (`qmatmul_ref`).
 
 Paths by row count M:
 - int8 types: the int8 kernel for M <= INT8_ROW_MAX_ROWS (every M by default: decode, batched
   decode, prefill chunks); on AVX-512 it computes 16 output columns per vector (csrc/kernels_int8_panel.h
   and kernels_kquant.h: weights used in place for up to 4 rows of x, a transposed panel buffer for more),
-  on AVX2 (csrc/kernels_int8_avx2.h) 8 per vector, the same way and on the same contract (AVX2 and
-  AVX-512 give the same bits, `reference.qmatmul_int8_contract`); each output's arithmetic is fixed, so
+  on AVX2 (csrc/kernels_int8_avx2.h) 8 per vector, the same way, and on NEON and the scalar path
+  (csrc/kernels_int8_portable.h) a weight row at a time, all on the same contract (every path gives
+  the same bits, `reference.qmatmul_int8_contract`); each output's arithmetic is fixed, so
   a row's result is bit-identical alone, in a batch or in a prefill chunk. Above the limit: fake-quantize x (the
   same int8 values), dequantize a weight tile, BLAS: the same numerics up to the float32 summation order.
 - float32 activations: the row kernel for M <= GEMV_MAX_ROWS (every M by default), whose outputs each

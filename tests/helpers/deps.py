@@ -30,12 +30,12 @@ def need(module: str) -> ModuleType:
 def need_native(why: str = "exactness across step shapes needs them") -> None:
     """Skip the test unless the native kernels run here; under CI=true a missing build fails it instead.
 
-    Still a skip everywhere: a CPU that is not x86-64 (the kernels target it; there is nothing to build)
+    Still a skip everywhere: a CPU that is neither x86-64 nor aarch64 (the kernels target those)
     and `KVLM_KERNEL_ISA=reference` (whoever set it asked for the reference path)."""
     from kvlm.kernels import native
 
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        pytest.skip(f"the native kernels target x86-64, this is {platform.machine()}: {why}")
+    if platform.machine().lower() not in ("x86_64", "amd64", "aarch64", "arm64"):
+        pytest.skip(f"the native kernels target x86-64 and aarch64, this is {platform.machine()}: {why}")
     if not native.available():
         msg = (f"the native kernels are not built here: {why} (the 'kvlm:' warning in the captured log says what is "
                "missing; Debian: apt install g++)")

@@ -52,7 +52,7 @@ ROWS = 8  # the row kernel decodes a weight block once for up to this many rows 
 FORMATS = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K, T.F16, T.BF16, T.F32]
 ROUNDED = {T.Q4_1, T.Q5_1, T.Q4_K, T.Q5_K}  # q * d + m: fused here, two roundings in the reference
 ISAS = list(native.ISAS)
-INT8_ISAS = {"avx2", "avx512", "avx512-vnni"}  # paths with the int8-activation kernel
+INT8_ISAS = set(native.ISAS)  # paths with the int8-activation kernel: all (portable and NEON too)
 INT8_FORMATS = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]  # int8 activations there
 SUPER = {T.Q4_K, T.Q5_K, T.Q6_K}  # 256-element blocks
 

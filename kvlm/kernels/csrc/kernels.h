@@ -79,7 +79,7 @@ typedef struct KvlmKernels {
     // Paged attention for work items [i0, i1) of a->items (see KvlmPagedAttn); `scores` is this thread's
     // scratch of KVLM_ATTN_TILE * a->H * (a->chunk + 2) floats. Returns 0, or -1 for an unsupported kv_dtype.
     int (*paged_attn)(const struct KvlmPagedAttn* a, float* scores, int64_t i0, int64_t i1);
-    // Int8-activation matmul (Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K; NULL where the ISA lacks it, kernels_int8.h): x is first
+    // Int8-activation matmul (Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K; every unit, kernels_int8.h): x is first
     // quantized per 32-element block by quantize_act (xq (M, K) int8, xd (M, K/32, 8) the block scale
     // repeated 8 times, xs (M, K/32) the block's fake-quantized sum d * sum(q), xi (M, K/32) sum(q)).
     // gemv_i8 runs fastest with n0 (and n1, unless n1 == N) multiples of 16 (AVX-512 column panels).
@@ -92,5 +92,7 @@ const KvlmKernels* kvlm_kernels_scalar(void);
 const KvlmKernels* kvlm_kernels_avx2(void);
 const KvlmKernels* kvlm_kernels_avx512(void);
 const KvlmKernels* kvlm_kernels_avx512_vnni(void);  // AVX-512 + VNNI: vpdpbusd in the int8 kernels
+const KvlmKernels* kvlm_kernels_neon(void);          // aarch64 only: NEON (smull + sadalp in the int8 kernels)
+const KvlmKernels* kvlm_kernels_neon_dotprod(void);  // aarch64 only: NEON + sdot
 
 }

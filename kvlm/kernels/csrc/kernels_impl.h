@@ -15,8 +15,12 @@
 #include "kernels.h"
 #include "kv_quantize.h"  // Q4_LEVELS: the int4 KV cache's levels
 
+#include <math.h>
 #if defined(KVLM_AVX2) || defined(KVLM_AVX512)
 #include <immintrin.h>
+#endif
+#if defined(KVLM_NEON)
+#include <arm_neon.h>
 #endif
 
 namespace {
@@ -1042,12 +1046,8 @@ int paged_attn(const KvlmPagedAttn* a, float* scores, int64_t i0, int64_t i1) {
 
 }  // namespace
 
-#if defined(KVLM_AVX2) || defined(KVLM_AVX512)
-#include "kernels_int8.h"
+#include "kernels_int8.h"  // every unit: x86 vector kernels, or the portable / NEON ones
 #define KVLM_INT8 quantize_act, gemv_i8
-#else
-#define KVLM_INT8 nullptr, nullptr
-#endif
 
 extern "C" const KvlmKernels* KVLM_ISA_FN(void) {
     static const KvlmKernels table = {gemv, dequant, paged_attn, KVLM_INT8};

@@ -1,6 +1,6 @@
 // Int8 activations (llama.cpp style) for Q4_0, Q4_1 and Q8_0 weights (the other formats: kernels_kquant.h): the default numerics for these
 // types on the AVX2 and AVX-512 paths (reference: reference.qmatmul_int8_ref). Included by the AVX2,
-// AVX-512 and AVX-512 VNNI units only, after kernels_impl.h.
+// AVX-512 and AVX-512 VNNI units, and (kernels_int8_portable.h) by the portable and NEON units, after kernels_impl.h.
 //
 // Activations: each 32-element block of a row of x becomes 32 int8 q = round_even(x * (1 / d)) with
 // d = amax / 127 (d = 0 and q = 0 for an all-zero block), plus s = d * sum(q) (q8_1's convention: s is
@@ -21,6 +21,7 @@ namespace {
 
 // ---- Activation quantization ----------------------------------------------------------------------
 
+#if defined(KVLM_AVX2) || defined(KVLM_AVX512)
 // One 32-element block: 32 int8 at q, its scale and fake-quantized sum.
 KVLM_INLINE void quantize_block(const float* v, int8_t* q, float* d_out, float* s_out, int32_t* i_out) {
 #if defined(KVLM_AVX512)
@@ -60,6 +61,25 @@ KVLM_INLINE void quantize_block(const float* v, int8_t* q, float* d_out, float* 
 #endif
     _mm256_storeu_ps(d_out, _mm256_set1_ps(d));  // expanded: 8 copies, one per int32 lane of the block
 }
+#else
+// One 32-element block of activations (kernels_int8.h's contract): d = amax / 127, q = round_even(x / d)
+// computed as x * (1 / d), s = d * sum(q). Max and integer sums are exact in any order.
+KVLM_INLINE void quantize_block(const float* v, int8_t* q, float* d_out, float* s_out, int32_t* i_out) {
+    float amax = 0.0f;
+    for (int e = 0; e < 32; e++) amax = fmaxf(amax, fabsf(v[e]));
+    const float d = amax / 127.0f, inv = d != 0.0f ? 1.0f / d : 0.0f;
+    int32_t sum = 0;
+    for (int e = 0; e < 32; e++) {
+        const float p = v[e] * inv;  // a lone product: nothing for fp-contract to fuse
+        const int32_t r = (int32_t)rintf(p);  // round to nearest even (the default rounding mode), as cvtps
+        q[e] = (int8_t)r;
+        sum += r;
+    }
+    *i_out = sum;
+    *s_out = d * (float)sum;
+    for (int e = 0; e < 8; e++) d_out[e] = d;
+}
+#endif
 
 // x (M, K) -> xq (M, K) int8, xd (M, K/32, 8) scales (each repeated 8 times: the AVX2 kernel loads them
 // as vectors), xs (M, K/32) sums of the fake-quantized blocks, xi (M, K/32) the blocks' sum(q).
@@ -68,7 +88,7 @@ void quantize_act(const float* x, int64_t M, int64_t K, int8_t* xq, float* xd, f
         quantize_block(x + i * 32, xq + i * 32, xd + 8 * i, xs + i, xi + i);
 }
 
-// ---- Shared by the AVX2 and AVX-512 kernels -----------------------------------------------------
+// ---- Shared by every unit's kernels -----------------------------------------------------
 
 // Rows of x seen by a tile: row i's block b at xq + i * K + 32 b, its scale at xd[8 (i nb + b)]
 // (expanded), d * sum(q) at xs[i nb + b], sum(q) at xi[i nb + b].
@@ -92,6 +112,8 @@ T* thread_buffer(int64_t n) {
     }
     return buf;
 }
+
+#if defined(KVLM_AVX2) || defined(KVLM_AVX512)
 
 // Q6_K's per-row integer offsets need sum(q) of each block's first 16 elements: xl16 (M, K/32), computed
 // per call into this thread's buffer (grown and kept).
@@ -128,6 +150,30 @@ template <> struct I8Fmt<T_Q8_0> { static constexpr int BB = 34, QOFF = 2; };
 
 #include "kernels_kquant.h"  // Q5_0, Q5_1, Q4_K, Q5_K, Q6_K (gemv_kq)
 
+#else  // no x86 vectors: the portable and NEON units (every format, kernels_int8_portable.h)
+
+#include "kernels_int8_portable.h"
+
+int gemv_i8(int qtype, const uint8_t* w, int64_t rs, int64_t K, const int8_t* xq, const float* xd, const float* xs,
+            const int32_t* xi, int64_t M, float* y, int64_t ldy, int64_t n0, int64_t n1) {
+#define KVLM_I8_CALL(QT) gemm_port_t<QT>(w, rs, K, xq, xd, xs, xi, M, y, ldy, n0, n1)
+    switch (qtype) {
+        case T_Q4_0: KVLM_I8_CALL(T_Q4_0); return 0;
+        case T_Q4_1: KVLM_I8_CALL(T_Q4_1); return 0;
+        case T_Q8_0: KVLM_I8_CALL(T_Q8_0); return 0;
+        case T_Q5_0: KVLM_I8_CALL(T_Q5_0); return 0;
+        case T_Q5_1: KVLM_I8_CALL(T_Q5_1); return 0;
+        case T_Q4_K: KVLM_I8_CALL(T_Q4_K); return 0;
+        case T_Q5_K: KVLM_I8_CALL(T_Q5_K); return 0;
+        case T_Q6_K: KVLM_I8_CALL(T_Q6_K); return 0;
+        default: return -1;
+    }
+#undef KVLM_I8_CALL
+}
+
+#endif
+
+#if defined(KVLM_AVX2) || defined(KVLM_AVX512)
 int gemv_i8(int qtype, const uint8_t* w, int64_t rs, int64_t K, const int8_t* xq, const float* xd, const float* xs,
             const int32_t* xi, int64_t M, float* y, int64_t ldy, int64_t n0, int64_t n1) {
 #if defined(KVLM_AVX512)
@@ -143,5 +189,6 @@ int gemv_i8(int qtype, const uint8_t* w, int64_t rs, int64_t K, const int8_t* xq
     }
 #undef KVLM_I8_CALL
 }
+#endif
 
 }  // namespace

@@ -13,7 +13,24 @@
 
 #include "drivers.h"
 
+#if defined(__aarch64__) && defined(__linux__)
+#include <sys/auxv.h>  // getauxval: the CPU's feature bits
+#endif
+
 namespace kvlm {
+
+#if defined(__aarch64__)
+// sdot: Linux reports it as HWCAP_ASIMDDP; Apple silicon (M1 and later) always has it.
+bool cpu_has_dotprod() {
+#if defined(__APPLE__)
+    return true;
+#elif defined(__linux__)
+    return (getauxval(AT_HWCAP) & (1UL << 20)) != 0;  // HWCAP_ASIMDDP
+#else
+    return false;
+#endif
+}
+#endif
 
 int64_t best_isa() {
 #if defined(__x86_64__) || defined(__i386__)
@@ -24,15 +41,35 @@ int64_t best_isa() {
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c") &&
         __builtin_cpu_supports("bmi2"))
         return ISA_AVX2;
-#endif
     return ISA_SCALAR;
+#elif defined(__aarch64__)
+    return cpu_has_dotprod() ? ISA_NEON_DOTPROD : ISA_NEON;
+#else
+    return ISA_SCALAR;
+#endif
+}
+
+bool isa_available(int64_t isa) {
+    if (isa == ISA_SCALAR) return true;
+#if defined(__x86_64__) || defined(__i386__)
+    return isa >= ISA_AVX2 && isa <= ISA_AVX512_VNNI && isa <= best_isa();
+#elif defined(__aarch64__)
+    return isa == ISA_NEON || (isa == ISA_NEON_DOTPROD && best_isa() == ISA_NEON_DOTPROD);
+#else
+    return false;
+#endif
 }
 
 const KvlmKernels* table(int64_t isa) {
-    TORCH_CHECK(isa >= ISA_SCALAR && isa <= best_isa(), "kvlm kernels: ISA ", isa, " is not available on this CPU");
+    TORCH_CHECK(isa_available(isa), "kvlm kernels: ISA ", isa, " is not available on this CPU");
+#if defined(__x86_64__) || defined(__i386__)
     if (isa == ISA_AVX512_VNNI) return kvlm_kernels_avx512_vnni();
     if (isa == ISA_AVX512) return kvlm_kernels_avx512();
     if (isa == ISA_AVX2) return kvlm_kernels_avx2();
+#elif defined(__aarch64__)
+    if (isa == ISA_NEON_DOTPROD) return kvlm_kernels_neon_dotprod();
+    if (isa == ISA_NEON) return kvlm_kernels_neon();
+#endif
     return kvlm_kernels_scalar();
 }
 
@@ -393,6 +430,7 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
 
 TORCH_LIBRARY(kvlm_kernels, m) {
     m.def("best_isa() -> int", &kvlm::best_isa);
+    m.def("isa_available(int isa) -> bool", &kvlm::isa_available);
     m.def("qmatmul(Tensor x, Tensor w, int qtype, int K, int isa, Tensor(a!) out) -> ()", &qmatmul);
     m.def("qmatmul_i8(Tensor x, Tensor w, int qtype, int K, int isa, Tensor(a!) out) -> ()", &qmatmul_i8);
     m.def("fake_quantize_act(Tensor x, int isa, Tensor(a!) out) -> ()", &fake_quantize_act);
