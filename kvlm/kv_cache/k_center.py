@@ -4,7 +4,7 @@ SmolLM2-135M's keys (post-RoPE) carry a large per-channel mean that every token'
 their range on. A quantized cache stores k - mu instead (`kv_cache/storage.py`, `csrc/decode.cpp`), which
 changes no attention output in exact arithmetic: q . (k - mu) = q . k - q . mu is the same shift for
 every key of a query row, and softmax ignores it (attention logits go into softmax as they are: models
-with attention soft-capping are refused at load, `config.py`). docs/kv_quant.md measures what it buys.
+with attention soft-capping are refused at load, `config/`). docs/kv_quant.md measures what it buys.
 
 mu comes from one prefill at engine load of a fixed sequence, `CALIBRATION_TOKENS` token ids drawn from
 Python's `random.Random(CALIBRATION_SEED)` (Mersenne Twister and CPython's randrange: the same ids everywhere),
