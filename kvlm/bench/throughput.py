@@ -4,6 +4,8 @@ Hugging Face transformers' padded batched `generate`, on the same seeded random 
 Workload: N prompts of random token ids, prompt lengths uniform in [in_min, in_max], output lengths
 uniform in [out_min, out_max], greedy, ignore_eos (every request produces exactly its output length).
 Reports output tokens/s, total tokens/s, peak KV blocks and paging waste; the last line is JSON.
+`--speculative METHOD` runs kvlm with speculative decoding (its drafts and acceptance are in the JSON's
+kvlm_batched.speculative); the same command without it is the run to compare with.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 
 import torch
 
+from kvlm.args import speculative_method
 from kvlm.bench.common import (
     DEFAULT_MODEL,
     KV_CACHE_DTYPES,
@@ -121,16 +124,25 @@ def run(model: str = DEFAULT_MODEL, num_prompts: int = 32, in_range: tuple[int, 
         out_range: tuple[int, int] = (64, 256), seed: int = 0, threads: int = 2, max_num_seqs: int = 32,
         max_num_batched_tokens: int = 2048, sequential: bool = True, compare_hf: bool = True,
         dtype: str = "auto", baseline_dtype: str | None = None, kv_cache_dtype: str = "auto",
-        kv_cache_memory: int | float | None = None) -> dict[str, Any]:
+        kv_cache_memory: int | float | None = None, speculative: str | None = None,
+        num_speculative_tokens: int = 5) -> dict[str, Any]:
+    from kvlm.args import speculative_config
     from kvlm.llm import LLM
 
     torch.set_num_threads(threads)
     llm = LLM(model, dtype=dtype, num_threads=threads, max_num_seqs=max_num_seqs, kv_cache_dtype=kv_cache_dtype,
               max_num_batched_tokens=max_num_batched_tokens, max_model_len=in_range[1] + out_range[1],
-              kv_cache_memory=kv_cache_memory)
+              kv_cache_memory=kv_cache_memory,
+              speculative_config=speculative_config(speculative, num_speculative_tokens))
     prompts, outs = make_workload(num_prompts, llm.llm_engine.model_config.vocab_size, in_range, out_range, seed)
     llm.generate({"prompt_token_ids": prompts[0][:16]}, use_tqdm=False)  # warm-up
+    spec = llm.llm_engine.speculator
+    if spec is not None:
+        spec.stats = type(spec.stats)(accepted_per_pos=[0] * spec.k_max)  # not the warm-up's drafts
     batched = run_kvlm_batched(llm, prompts, outs)
+    if spec is not None:
+        batched["speculative"] = {"method": speculative, "num_speculative_tokens": num_speculative_tokens,
+                                  **spec.stats.as_dict()}
     seq = run_kvlm_sequential(llm, prompts, outs) if sequential else None
     peak_rss = peak_rss_mib()  # before any second model loads
     base = None
@@ -172,6 +184,11 @@ def print_table(d: dict[str, Any]) -> None:
         if r:
             print(f"{name:40s} {r['output_tokens_per_s']:12.1f} {r['total_tokens_per_s']:12.1f} {r['seconds']:9.1f}")
     b = d["kvlm_batched"]
+    if b.get("speculative"):
+        s = b["speculative"]
+        rate = "-" if s["acceptance_rate"] is None else f"{s['acceptance_rate']:.0%}"
+        print(f"continuous batching with --speculative {s['method']} (k = {s['num_speculative_tokens']}): "
+              f"{s['num_draft_tokens']} drafts in {s['num_drafts']} verifications, acceptance {rate}")
     print(f"peak KV: {b['peak_kv_blocks']} blocks = {b['peak_kv_tokens']} tokens of a {b['kv_pool_tokens']}-token "
           f"pool ({b['peak_kv_bytes'] / 2**20:.1f} MiB at {b['kv_bytes_per_token']} B/token), "
           f"peak running {b['peak_running']}, max paging waste {b['max_waste_blocks_per_request']:.2f} block/request, "
@@ -200,6 +217,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="K/V element type of the main run (the baseline keeps its dtype's)")
     p.add_argument("--kv-cache-memory", default=None,
                    help="KV pool budget of the main run (e.g. 64MiB, 30%%): tokens held = budget / bytes per token")
+    p.add_argument("--speculative", type=speculative_method, default=None, metavar="METHOD",
+                   help="continuous batching with speculative decoding: ngram, suffix or draft:PATH (the "
+                        "one-at-a-time run too)")
+    p.add_argument("--num-speculative-tokens", type=int, default=5, help="with --speculative: drafts per step at most")
     p.add_argument("--no-sequential", action="store_true", help="skip the one-request-at-a-time run")
     p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face comparison")
 
@@ -210,7 +231,8 @@ def run_args(a: argparse.Namespace) -> dict[str, Any]:
                max_num_batched_tokens=a.max_num_batched_tokens, sequential=not a.no_sequential,
                compare_hf=not a.no_hf, dtype=a.dtype, baseline_dtype=a.baseline_dtype,
                kv_cache_dtype=a.kv_cache_dtype,
-               kv_cache_memory=None if a.kv_cache_memory is None else parse_bytes(a.kv_cache_memory))
+               kv_cache_memory=None if a.kv_cache_memory is None else parse_bytes(a.kv_cache_memory),
+               speculative=a.speculative, num_speculative_tokens=a.num_speculative_tokens)
 
 
 BENCH = Bench("throughput", "continuous batching vs one at a time vs HF padded batching", add_args, run_args,

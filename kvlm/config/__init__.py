@@ -239,13 +239,16 @@ class SpeculativeConfig:
     `num_speculative_tokens` drafts a step, n-gram lengths `prompt_lookup_min`..`prompt_lookup_max`
     (None: the method's defaults, ngram 2..4, suffix 1..8). `draft_rows`: a step carries at most this many
     rows of decoding requests with their drafts, so each of B decoding requests proposes at most
-    (draft_rows - B) // B (engine/speculator.py). Output is the same bits with it on or off."""
+    (draft_rows - B) // B (engine/speculator.py). `cost_rule`: within that, draft only where a draft's
+    expected tokens beat its row's cost (spec_decode/depth.py); False: up to k each (tests use it to force
+    drafts in any batch). Output is the same bits with it on or off, whatever these choose."""
 
     method: str
     num_speculative_tokens: int = 5
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
-    draft_rows: int = 16
+    draft_rows: int = 64
+    cost_rule: bool = True
     model: str | None = None  # method "draft": the draft model (a GGUF file, a folder or a known name)
 
     @classmethod
@@ -257,7 +260,7 @@ class SpeculativeConfig:
             raise ParameterError("speculative_config", "speculative_config must be a dict like "
                                                        '{"method": "ngram", "num_speculative_tokens": 5}')
         unknown = set(value) - {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
-                                "draft_rows", "model"}
+                                "draft_rows", "cost_rule", "model"}
         if unknown:
             raise ParameterError("speculative_config", f"speculative_config: unknown key(s) {sorted(unknown)}")
         if "method" not in value:
@@ -282,6 +285,8 @@ class SpeculativeConfig:
         r = self.draft_rows
         if not isinstance(r, int) or isinstance(r, bool) or not 1 <= r <= 1 << 16:
             raise bad(f"draft_rows must be an integer in [1, 65536], got {r!r}")
+        if not isinstance(self.cost_rule, bool):
+            raise bad(f"cost_rule must be true or false, got {self.cost_rule!r}")
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
         for v in (lo, hi):
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= 64):

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from kvlm.config import SpeculativeConfig
 from kvlm.engine.draft_model import DraftModelProposer
 from kvlm.request import Request, RequestStatus
-from kvlm.spec_decode import DraftDepth, Proposer, make_proposer
+from kvlm.spec_decode import DraftDepth, Proposer, make_proposer, plan_depths
 
 
 @dataclass(slots=True)
@@ -82,17 +82,24 @@ class Speculator:
 
     def propose(self, running: list[Request]) -> None:
         """Set `draft_token_ids` of every running request for the next step (empty: a plain row)."""
-        cap = (self.config.draft_rows - len(running)) // len(running) if running else 0
-        asks: list[tuple[Request, int]] = []
+        cfg = self.config
+        cap = (cfg.draft_rows - len(running)) // len(running) if running else 0
+        allowed: list[tuple[Request, DraftDepth, int]] = []
         for req in running:
             req.draft_token_ids = []
             if not self.drafts_allowed(req):
                 continue
             if req.draft_depth is None:
                 req.draft_depth = DraftDepth(self.k_max)
-            k = min(req.draft_depth.want(), cap, self._room(req))
-            if k > 0:
-                asks.append((req, k))
+            limit = min(self.k_max, cap, self._room(req))
+            if limit > 0:
+                allowed.append((req, req.draft_depth, limit))
+        if cfg.cost_rule:  # drafts where they raise the step's tokens per second (spec_decode/depth.py)
+            ks = plan_depths([d.p for _, d, _ in allowed], [lim for *_, lim in allowed], len(running))
+            ks = [k or int(d.probe()) for k, (_, d, _) in zip(ks, allowed)]
+        else:  # up to k each, paused while they keep failing
+            ks = [0 if d.paused() else 1 if d.probing else lim for _, d, lim in allowed]
+        asks = [(req, k) for k, (req, _, _) in zip(ks, allowed) if k > 0]
         p = self.proposer
         if isinstance(p, DraftModelProposer):  # one draft forward pass per guess for all requests together
             p.forget_missing(set(running))  # (finished ones are gone already; preempted ones go here)

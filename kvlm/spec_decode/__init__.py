@@ -6,7 +6,7 @@ requests); `depth.py` decides how many to guess from the acceptance it has measu
 KV bookkeeping and the sampler's per-row draws are the engine's (`kvlm.engine.speculator`).
 """
 
-from kvlm.spec_decode.depth import DraftDepth
+from kvlm.spec_decode.depth import DraftDepth, plan_depths
 from kvlm.spec_decode.proposers import METHODS, NgramProposer, Proposer, SuffixProposer, make_proposer
 
-__all__ = ["METHODS", "DraftDepth", "NgramProposer", "Proposer", "SuffixProposer", "make_proposer"]
+__all__ = ["METHODS", "DraftDepth", "NgramProposer", "Proposer", "SuffixProposer", "make_proposer", "plan_depths"]

@@ -78,9 +78,10 @@ def test_every_path_bit_identical(setup, smollm2_gguf: Path, tmp_path: Path) -> 
     outs = small.generate(prompts, GREEDY, use_tqdm=False)
     assert sum(o.metrics.num_preemptions for o in outs) > 0
     _check("preempted", ref, outs)
-    # Speculative decoding (ngram; draft_rows 64: up to 4 drafts each in this batch of 12) vs off.
-    spec = LLM(str(smollm2_gguf), num_threads=2,
-               speculative_config={"method": "ngram", "num_speculative_tokens": 5, "draft_rows": 64})
+    # Speculative decoding (ngram; draft_rows 64 without the cost rule: up to 4 drafts each in this batch
+    # of 12) vs off.
+    spec = LLM(str(smollm2_gguf), num_threads=2, speculative_config={
+        "method": "ngram", "num_speculative_tokens": 5, "draft_rows": 64, "cost_rule": False})
     _check("speculative ngram, in one batch", ref, spec.generate(prompts, GREEDY, use_tqdm=False))
     assert spec.llm_engine.speculator.stats.num_accepted_tokens > 0
     before = torch.get_num_threads()
@@ -113,7 +114,8 @@ def test_seeded_sampling_bit_identical(setup, smollm2_gguf: Path) -> None:
     _check("seeded, in a batch", ref, llm.generate(prompts[:6], SEEDED, use_tqdm=False))
     chunked = LLM(str(smollm2_gguf), num_threads=2, max_num_batched_tokens=7)
     _check("seeded, chunked", ref, chunked.generate(prompts[:6], SEEDED, use_tqdm=False))
-    spec = LLM(str(smollm2_gguf), num_threads=2, speculative_config={"method": "suffix", "num_speculative_tokens": 5})
+    spec = LLM(str(smollm2_gguf), num_threads=2,  # (without the cost rule: drafts in this batch of 6 too)
+               speculative_config={"method": "suffix", "num_speculative_tokens": 5, "cost_rule": False})
     _check("seeded, speculative suffix", ref, spec.generate(prompts[:6], SEEDED, use_tqdm=False))
     assert spec.llm_engine.speculator.stats.num_accepted_tokens > 0
     nocache = LLM(str(smollm2_gguf), num_threads=2, enable_kv_cache=False)

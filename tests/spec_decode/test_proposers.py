@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvlm.spec_decode import DraftDepth, NgramProposer, SuffixProposer, make_proposer
+from kvlm.spec_decode import DraftDepth, NgramProposer, SuffixProposer, make_proposer, plan_depths
 from kvlm.spec_decode.depth import MAX_PAUSE, MISSES, PAUSE
 
 
@@ -51,26 +51,56 @@ def test_make_proposer_refuses_unknown_methods() -> None:
         NgramProposer(min_n=3, max_n=2)
 
 
-def test_depth_follows_acceptance_and_pauses_failing_requests() -> None:
+def test_plan_drafts_where_they_raise_tokens_per_row_time() -> None:
+    # alone: every draft pays at p = 1, one at p = 0.5 (a second adds 0.25 < 1.5 / 5.6), none at p = 0.2
+    assert plan_depths([1.0], [5], 1) == [5]
+    assert plan_depths([0.5], [5], 1) == [1]
+    assert plan_depths([0.2], [5], 1) == [0]
+    assert plan_depths([0.99], [3], 1) == [3]  # never past the limit
+    # busy: at B = 16 a draft must beat 16 / 19.6 = 0.82 tokens
+    assert plan_depths([0.8] * 16, [5] * 16, 16) == [0] * 16
+    assert sum(plan_depths([0.95] * 16, [5] * 16, 16)) > 16
+    # the best requests first: the confident one drafts deeper than the doubtful one
+    ks = plan_depths([0.9, 0.6], [5, 5], 2)
+    assert ks[0] > ks[1] > 0
+    assert plan_depths([0.9, 0.9], [0, 2], 2) == [0, 2]
+    assert plan_depths([], [], 0) == []
+
+
+def test_depth_estimate_follows_acceptance_and_probes_back_off() -> None:
     d = DraftDepth(k_max=4)
-    assert d.want() == 4
-    d.record(4, 1)
-    assert d.want() == 2  # broke at the second draft: reach just past it
-    d.record(2, 2)
-    assert d.want() == 3
-    for _ in range(MISSES):
-        d.record(d.want(), 0)
-    assert [d.want() for _ in range(PAUSE)] == [0] * PAUSE and d.want() == 1  # paused, then k = 1 again
-    for _ in range(MISSES):  # still failing: the next pause is twice as long
+    assert d.p == 0.5  # the prior
+    for _ in range(5):
+        d.record(4, 4)
+    assert d.p > 0.9
+    for _ in range(5):
+        d.record(2, 0)
+    assert d.p < 0.3  # recent drafts weigh most
+    # a request the plan leaves out probes after `pause` idle steps; a failed probe doubles the pause
+    d = DraftDepth(k_max=4)
+    assert [d.probe() for _ in range(PAUSE + 1)] == [False] * PAUSE + [True]
+    d.record(1, 0)
+    assert d.pause == 2 * PAUSE and not d.probing
+    assert [d.probe() for _ in range(2 * PAUSE + 1)][-2:] == [False, True]
+    d.record(1, 1)  # an accepted draft: the pause starts over
+    assert d.pause == PAUSE
+    for _ in range(20):
+        while not d.probe():
+            pass
         d.record(1, 0)
-    assert [d.want() for _ in range(2 * PAUSE)] == [0] * (2 * PAUSE) and d.want() == 1
-    d.record(1, 1)  # an accepted draft: depth grows, the pause length starts over
-    assert d.pause == PAUSE and d.k == 2
-    for _ in range(20):  # the pause never exceeds MAX_PAUSE
-        for _ in range(MISSES):
-            d.record(1, 0)
-        d.paused = 0
     assert d.pause == MAX_PAUSE
+
+
+def test_depth_without_the_cost_rule_pauses_failing_requests() -> None:
+    d = DraftDepth(k_max=4)
+    for _ in range(MISSES):
+        assert not d.paused()
+        d.record(4, 0)
+    assert [d.paused() for _ in range(PAUSE + 1)] == [True] * PAUSE + [False] and d.probing
+    d.record(1, 0)  # the probe failed: paused again, twice as long
+    assert [d.paused() for _ in range(2 * PAUSE + 1)] == [True] * (2 * PAUSE) + [False]
+    d.record(1, 1)
+    assert not d.paused() and d.pause == PAUSE
 
 
 def test_suffix_forgets_finished_requests_on_demand() -> None:
