@@ -11,12 +11,13 @@ plain decoding makes at that position, given the same tokens before it. `verify`
 the first one the target disagrees with, plus the target's own token there: the output is the same bits
 with speculation on or off, greedy or seeded, and for unseeded requests the same distribution.
 
-Depth: each request's own rule (`spec_decode/depth.py`: follows its acceptance, pauses a request whose
-drafts keep failing), then a batch cap: a step carries at most `draft_rows` (SpeculativeConfig, default
-16) rows of running requests and their drafts, so each of B running requests proposes at most
-(draft_rows - B) // B drafts: 15 alone, 3 each at B = 4, 1 each at B = 8, none from B = 9 on.
-On a CPU a step reads the weights once for all its rows, so extra rows are nearly free at small batch and
-not in a busy one.
+Depth (`spec_decode/depth.py`): each request keeps an estimate of its acceptance; `plan_depths` gives
+drafts over all of the step's decoding requests, best first, while a draft's expected tokens beat its
+row's cost in a step that costs a fixed part plus one unit per row, so a request whose drafts fail and
+every request of a busy step draft little or nothing (a request left out probes with one draft now and
+then). Within that, a step carries at most `draft_rows` (SpeculativeConfig, default 64) rows of running
+requests and their drafts: each of B running requests proposes at most (draft_rows - B) // B drafts.
+`cost_rule` False skips the plan: every request up to k, paused while its drafts keep failing.
 
 Under a grammar, drafts it forbids are cut before verification (`RequestGrammar.valid_prefix`), each row
 is masked as the grammar stands after the drafts before it (`masks_along`, which rolls the matcher back),

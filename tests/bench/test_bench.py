@@ -392,3 +392,17 @@ def test_spec(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert all(r["draft_tokens"] > 0 and r["acceptance"] == 1.0 for r in greedy_self), greedy_self
     assert "draft:tiny-1k.gguf" in table and d["plot"] == str(png)
     assert_png(png)
+
+
+def test_throughput_with_speculation(tiny_gguf: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`kvlm bench throughput --speculative ngram`: the batched run drafts (the tiny model repeats itself)
+    and reports its drafts and acceptance; without the flag there is no such entry."""
+    argv = ["-q", "bench", "throughput", str(tiny_gguf), "--num-prompts", "4", "--max-num-seqs", "4",
+            "--input-len", "8", "16", "--output-len", "24", "32", "--no-sequential", "--no-hf"]
+    d, table = cli_json(capsys, [*argv, "--speculative", "ngram", "--num-speculative-tokens", "3"])
+    s = d["kvlm_batched"]["speculative"]
+    assert s["method"] == "ngram" and s["num_speculative_tokens"] == 3
+    assert 0 < s["num_accepted_tokens"] <= s["num_draft_tokens"] and "acceptance" in table
+    off, _ = cli_json(capsys, argv)
+    assert "speculative" not in off["kvlm_batched"]
+    assert off["output_tokens"] == d["output_tokens"]
