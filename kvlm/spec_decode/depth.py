@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 FIXED_ROWS = 3.6  # a step's fixed cost, in rows (measured: docs/speculative.md, "The depth rule")
-DECAY = 0.7  # weight of a judged draft one draft older in the acceptance estimate (a window of ~3 drafts)
+DECAY = 0.85  # weight of a judged draft one draft older in the acceptance estimate (a window of ~7 drafts)
 PRIOR_ACCEPTED, PRIOR_TRIALS = 0.5, 1.0  # p = 1/2 before any verification (a prior that decays as drafts do)
 MISSES = 3  # cost rule off: verifications in a row with nothing accepted before drafting pauses
 PAUSE = 8  # steps without drafts before a probe, at first

@@ -73,7 +73,7 @@ def test_depth_estimate_follows_acceptance_and_probes_back_off() -> None:
     for _ in range(5):
         d.record(4, 4)
     assert d.p > 0.9
-    for _ in range(5):
+    for _ in range(10):
         d.record(2, 0)
     assert d.p < 0.3  # recent drafts weigh most
     # a request the plan leaves out probes after `pause` idle steps; a failed probe doubles the pause
