@@ -85,6 +85,38 @@ def test_logits_match_peft(bases: dict[str, Path], adapter: tuple[Any, Path, Pat
     assert (eng.last_result.logits[0] - ref).abs().max().item() < 1e-4
 
 
+@pytest.mark.parametrize("dtype", ["float32", "auto"])
+def test_rank_and_alpha_patterns_match_peft(bases: dict[str, Path], tmp_path: Path, dtype: str) -> None:
+    """PEFT's per-module `rank_pattern` / `alpha_pattern` (keys matching a module path's end): the ranks come
+    from the tensors, each module's scale from its own alpha over its own rank, as PEFT computes them."""
+    need("peft")
+    from tiny_lora import peft_model, save_peft
+
+    ranks, alphas = {"v_proj": 2, "layers.1.mlp.down_proj": 6}, {"q_proj": 3.0, "model.layers.0.mlp.gate_proj": 20.0}
+    pm = peft_model(CFG, STATE, ATTN_MLP, r=4, alpha=8.0, seed=7, rank_pattern=ranks, alpha_pattern=alphas)
+    folder = save_peft(pm, tmp_path / "patterns")
+    saved = json.loads((folder / "adapter_config.json").read_text())
+    assert saved["rank_pattern"] == ranks and saved["alpha_pattern"] == alphas
+    eng = Engine(bases["gguf"], EngineConfig(dtype=dtype), quiet=True)
+    eng.load_lora("p", folder)
+    ids = random_prompts(1, seed=8, lo=5, hi=20)[0]
+    want_tokens, want = _peft_greedy(pm, ids, 5)
+    req = eng.add_request(ids, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), lora="p")
+    got = []
+    while not req.is_finished:
+        eng.step(keep_logits=True)
+        got.append(eng.last_result.logits[0])
+    assert req.output_token_ids == want_tokens
+    assert max((ours - ref).abs().max().item() for ours, ref in zip(got, want)) < 1e-4
+    # and the patterns matter: the same weights read with the default rank and alpha give other logits
+    saved.pop("alpha_pattern")
+    (folder / "adapter_config.json").write_text(json.dumps(saved))
+    eng.load_lora("flat", folder)
+    req = eng.add_request(ids, SamplingParams(temperature=0, max_tokens=1), lora="flat")
+    eng.step(keep_logits=True)
+    assert (eng.last_result.logits[0] - want[0]).abs().max().item() > 1e-3
+
+
 def test_llm_generate_takes_a_name_or_vllms_lora_request(bases: dict[str, Path],
                                                          adapter: tuple[Any, Path, Path]) -> None:
     pm, folder, _ = adapter

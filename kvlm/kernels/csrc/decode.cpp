@@ -20,6 +20,7 @@
 // which prefill runs) it is bit for bit too: the same row kernels, element-wise functions and paged
 // attention in the same order, so the same hidden states and K/V bits on float32, float16 and bfloat16
 // caches (tests/model/test_fused_decode.py) and on int8 / int4 ones (tests/engine/test_exact_kv_quant.py).
+#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -27,6 +28,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -246,19 +248,30 @@ void decode_lora_free(int64_t id) {
 }
 
 // y (B, n) += B_b (A_b x_b) for each row b whose adapter (rows[b], null: none) adapts projection m of layer l:
-// x (B, k). A's product is the F32 row kernel's with one row (its rows' bits do not depend on M), B's is
-// lora_b_add (elementwise.h): the module path's kernels (kvlm/lora/rows.py), so the same bits.
+// x (B, k). A's product is the F32 row kernel's (its rows' bits do not depend on M or on which rows share a
+// call), B's is lora_b_add (elementwise.h, lane by lane): the module path's kernels (kvlm/lora/rows.py), so
+// the same bits. Each is split across the threads (A by its rows, B by output columns), so the low-rank
+// product is not a serial tail after the threaded base matmul; no split changes a bit.
 void apply_lora(const KvlmKernels* t, const std::vector<const Lora*>& rows, int64_t l, int m, const float* x,
                 float* y, int64_t n, std::vector<float>& tmp) {
     for (size_t b = 0; b < rows.size(); b++) {
         if (!rows[b]) continue;
         const LoraMat& w = rows[b]->layers[l][m];
         if (!w.a) continue;
-        if (tmp.size() < static_cast<size_t>(w.r + w.widest)) tmp.resize(w.r + w.widest);
-        TORCH_CHECK(kvlm::matmul(t, T_F32, reinterpret_cast<const uint8_t*>(w.a), w.k * 4, w.k, w.r, x + b * w.k, 1,
-                                 tmp.data(), w.r, kvlm::ACT_F32),
-                    "kvlm decode: LoRA matmul failed");
-        kvlm::lora_b_add(tmp.data(), w.bt, w.spans, w.parts, y + b * n, tmp.data() + w.r);
+        if (tmp.size() < static_cast<size_t>(w.r)) tmp.resize(w.r);
+        float* tr = tmp.data();
+        std::atomic<bool> ok{true};
+        at::parallel_for(0, w.r, 8, [&](int64_t r0, int64_t r1) {
+            if (!kvlm::matmul(t, T_F32, reinterpret_cast<const uint8_t*>(w.a + r0 * w.k), w.k * 4, w.k, r1 - r0,
+                              x + b * w.k, 1, tr + r0, w.r, kvlm::ACT_F32))
+                ok = false;
+        });
+        TORCH_CHECK(ok, "kvlm decode: LoRA matmul failed");
+        at::parallel_for(0, n, 256, [&](int64_t c0, int64_t c1) {
+            thread_local std::vector<float> u;
+            if (u.size() < static_cast<size_t>(c1 - c0)) u.resize(c1 - c0);
+            kvlm::lora_b_add(tr, w.bt, w.spans, w.parts, y + b * n, u.data(), c0, c1);
+        });
     }
 }
 

@@ -1,6 +1,7 @@
 // Element-wise kernels (elementwise.h) and their torch ops. Compiled without an ISA pragma: RMSNorm and
 // RoPE are short scalar loops over one row; SiLU x up and GELU x up, the widest, are compiled for AVX-512, AVX2 and the
 // baseline with GCC's target_clones and the loader picks the clone the CPU runs.
+#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
@@ -103,24 +104,28 @@ void gelu_tanh_mul(const float* g, const float* u, float* a, int64_t n) { gated_
 // multiply and the add (GCC would in C++ mode), so every clone has the same bits as the PyTorch reference's
 // separate multiply and add.
 __attribute__((target_clones("avx512f", "avx2", "default"), optimize("fp-contract=off")))
-void lora_b_add(const float* t, const float* bt, const int64_t* spans, int64_t P, float* y, float* u) {
+void lora_b_add(const float* t, const float* bt, const int64_t* spans, int64_t P, float* y, float* u, int64_t c0,
+                int64_t c1) {
     for (int64_t p = 0; p < P; p++) {
         const int64_t r0 = spans[4 * p], r = spans[4 * p + 1], o0 = spans[4 * p + 2], n = spans[4 * p + 3];
         const float* b = bt;
         bt += r * n;
-        if (r == 0) continue;
+        const int64_t i0 = std::max(c0, o0) - o0, i1 = std::min(c1, o0 + n) - o0;  // this part's columns here
+        if (r == 0 || i0 >= i1) continue;
+        const int64_t w = i1 - i0;
         const float t0 = t[r0];
-        for (int64_t i = 0; i < n; i++) u[i] = t0 * b[i];
+        const float* b0 = b + i0;
+        for (int64_t i = 0; i < w; i++) u[i] = t0 * b0[i];
         for (int64_t j = 1; j < r; j++) {
             const float tj = t[r0 + j];
-            const float* bj = b + j * n;
-            for (int64_t i = 0; i < n; i++) {
+            const float* bj = b + j * n + i0;
+            for (int64_t i = 0; i < w; i++) {
                 const float v = tj * bj[i];
                 u[i] = u[i] + v;
             }
         }
-        float* yo = y + o0;
-        for (int64_t i = 0; i < n; i++) yo[i] += u[i];
+        float* yo = y + o0 + i0;
+        for (int64_t i = 0; i < w; i++) yo[i] += u[i];
     }
 }
 
@@ -211,10 +216,12 @@ void lora_b_add_op(const at::Tensor& t, const at::Tensor& bt, const at::Tensor& 
     check_f32_rows(t, R, "lora_b_add t");
     check_f32_rows(y, N, "lora_b_add y");
     TORCH_CHECK(y.size(0) == t.size(0), "kvlm lora_b_add: t and y rows differ");
-    std::vector<float> u(widest);
-    for (int64_t row = 0; row < y.size(0); row++)
-        lora_b_add(t.const_data_ptr<float>() + row * t.stride(0), bt.const_data_ptr<float>(), sp, P,
-                   y.mutable_data_ptr<float>() + row * y.stride(0), u.data());
+    at::parallel_for(0, y.size(0), std::max<int64_t>(1, 65536 / std::max<int64_t>(1, R * N)), [&](int64_t a, int64_t b) {
+        std::vector<float> u(widest);
+        for (int64_t row = a; row < b; row++)
+            lora_b_add(t.const_data_ptr<float>() + row * t.stride(0), bt.const_data_ptr<float>(), sp, P,
+                       y.mutable_data_ptr<float>() + row * y.stride(0), u.data(), 0, N);
+    });
 }
 
 }  // namespace
