@@ -58,6 +58,16 @@ def _peft_greedy(pm: Any, ids: list[int], n: int) -> tuple[list[int], list[torch
     return toks[len(ids):], logits
 
 
+def _greedy(eng: Engine, ids: list[int], n: int, lora: str) -> tuple[list[int], list[torch.Tensor]]:
+    """kvlm's greedy tokens and each step's logits for `ids` under adapter `lora`."""
+    req = eng.add_request(ids, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), lora=lora)
+    got = []
+    while not req.is_finished:
+        eng.step(keep_logits=True)
+        got.append(eng.last_result.logits[0])
+    return req.output_token_ids, got
+
+
 @pytest.mark.parametrize("fmt", ["peft", "gguf"])
 @pytest.mark.parametrize("base", ["gguf", "safetensors"])
 @pytest.mark.parametrize("dtype", ["float32", "auto"])
@@ -68,12 +78,8 @@ def test_logits_match_peft(bases: dict[str, Path], adapter: tuple[Any, Path, Pat
     eng.load_lora("a", folder if fmt == "peft" else gguf_file)
     for ids in random_prompts(2, seed=3, lo=5, hi=20):
         want_tokens, want = _peft_greedy(pm, ids, 6)
-        req = eng.add_request(ids, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), lora="a")
-        got = []
-        while not req.is_finished:
-            eng.step(keep_logits=True)
-            got.append(eng.last_result.logits[0])
-        assert req.output_token_ids == want_tokens
+        tokens, got = _greedy(eng, ids, 6, "a")
+        assert tokens == want_tokens
         for ours, ref in zip(got, want):
             assert (ours - ref).abs().max().item() < 1e-4
     # and the base is untouched: the same prompt without an adapter is PEFT's with the adapter disabled
@@ -101,18 +107,14 @@ def test_rank_and_alpha_patterns_match_peft(bases: dict[str, Path], tmp_path: Pa
     eng.load_lora("p", folder)
     ids = random_prompts(1, seed=8, lo=5, hi=20)[0]
     want_tokens, want = _peft_greedy(pm, ids, 5)
-    req = eng.add_request(ids, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), lora="p")
-    got = []
-    while not req.is_finished:
-        eng.step(keep_logits=True)
-        got.append(eng.last_result.logits[0])
-    assert req.output_token_ids == want_tokens
+    tokens, got = _greedy(eng, ids, 5, "p")
+    assert tokens == want_tokens
     assert max((ours - ref).abs().max().item() for ours, ref in zip(got, want)) < 1e-4
     # and the patterns matter: the same weights read with the default rank and alpha give other logits
     saved.pop("alpha_pattern")
     (folder / "adapter_config.json").write_text(json.dumps(saved))
     eng.load_lora("flat", folder)
-    req = eng.add_request(ids, SamplingParams(temperature=0, max_tokens=1), lora="flat")
+    eng.add_request(ids, SamplingParams(temperature=0, max_tokens=1), lora="flat")
     eng.step(keep_logits=True)
     assert (eng.last_result.logits[0] - want[0]).abs().max().item() > 1e-3
 
