@@ -246,11 +246,12 @@ class LLM:
                 return ExactReport(tuple(runs), n, d)
         return ExactReport(tuple(runs), n, None)
 
-    def save_prefix(self, prompt: PromptType, path: str | os.PathLike) -> SnapshotInfo:
-        """Save the K/V of `prompt`'s full blocks to a safetensors file (see `kvlm.kv_cache.snapshot`)."""
+    def save_prefix(self, prompt: PromptType, path: str | os.PathLike, lora: str | None = None) -> SnapshotInfo:
+        """Save the K/V of `prompt`'s full blocks to a safetensors file (see `kvlm.kv_cache.snapshot`), computed
+        under the loaded LoRA adapter named `lora` (None: the base); the file records the adapter."""
         p = _prompt_input(prompt)
         ids = self.tokenizer.encode(p) if isinstance(p, str) else p
-        return self.llm_engine.save_prefix(ids, path)
+        return self.llm_engine.save_prefix(ids, path, lora)
 
     def load_prefix(self, path: str | os.PathLike) -> SnapshotInfo:
         """Load a saved prefix into the prefix cache: the next prompt starting with it skips its prefill.

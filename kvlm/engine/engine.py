@@ -29,7 +29,7 @@ from kvlm.engine.pooling import ModelPooling
 from kvlm.engine.scheduler import ScheduledBatch, Scheduler
 from kvlm.engine.speculator import Speculator
 from kvlm.engine.threads import ThreadGovernor
-from kvlm.errors import KvlmError, LoRAError, ParameterError
+from kvlm.errors import KvlmError, LoRAError, ParameterError, SnapshotError
 from kvlm.kernels.kv_quant import FORMATS, GROUP, KVQuantFormat
 from kvlm.kv_cache import snapshot as kv_snapshot
 from kvlm.kv_cache.block_manager import held_blocks
@@ -294,28 +294,42 @@ class Engine:
             self.runner.fused.forget_lora(adapter.id)
 
     # -- prefix cache ------------------------------------------------------------------------------
-    def save_prefix(self, token_ids: list[int], path: str | os.PathLike) -> SnapshotInfo:
-        """Write the K/V of `token_ids`' full blocks to a safetensors snapshot (computing them if needed)."""
+    def save_prefix(self, token_ids: list[int], path: str | os.PathLike, lora: str | None = None) -> SnapshotInfo:
+        """Write the K/V of `token_ids`' full blocks to a safetensors snapshot (computing them if needed),
+        under the loaded adapter named `lora` (None: the base); the file records the adapter's name and key."""
+        adapter = None if lora is None else self.loras.get(lora)
         groups = self.scheduler.groups
         nblk = len(token_ids) // self.block_manager.block_size
-        if nblk and not prefix_cached(self.block_manager, token_ids, groups):
-            req = self.add_request(list(token_ids), SamplingParams(temperature=0, max_tokens=1))
+        if nblk and not prefix_cached(self.block_manager, token_ids, groups, adapter):
+            req = self.add_request(list(token_ids), SamplingParams(temperature=0, max_tokens=1), lora=lora)
             while not req.is_finished:
                 self.step()
-        return kv_snapshot.save_prefix(self.block_manager, self.kv_cache, self._snapshot_header(), token_ids, path,
-                                       groups)
+        return kv_snapshot.save_prefix(self.block_manager, self.kv_cache, self._snapshot_header(adapter), token_ids,
+                                       path, groups, adapter)
 
     def load_prefix(self, path: str | os.PathLike) -> SnapshotInfo:
-        """Load a snapshot into the prefix cache; `SnapshotError` (engine unchanged) if it does not fit."""
-        return kv_snapshot.load_prefix(self.block_manager, self.kv_cache, self._snapshot_header(), path,
+        """Load a snapshot into the prefix cache; `SnapshotError` (engine unchanged) if it does not fit. A
+        snapshot saved under an adapter loads only while an adapter of the same weights and scale is loaded
+        (any name), and its blocks then serve that adapter's requests."""
+        ident = kv_snapshot.snapshot_lora(path)
+        adapter = None
+        if ident is not None:
+            adapter = next((a for a in self.loras.adapters.values() if a.key == ident["key"]), None)
+            if adapter is None:
+                same = self.loras.adapters.get(ident["name"])
+                raise SnapshotError(f"{path}: snapshot was saved under LoRA adapter {ident['name']!r} ("
+                                    f"{ident['key'][:12]}), " + ("which is not loaded" if same is None else
+                                    f"and the adapter loaded as {ident['name']!r} here differs ({same.key[:12]})"))
+        return kv_snapshot.load_prefix(self.block_manager, self.kv_cache, self._snapshot_header(adapter), path,
                                        vocab_size=self.model_config.vocab_size, max_model_len=self.max_model_len,
-                                       groups=self.scheduler.groups)
+                                       groups=self.scheduler.groups, lora=adapter)
 
-    def _snapshot_header(self) -> dict[str, str]:
+    def _snapshot_header(self, lora: LoRAAdapter | None = None) -> dict[str, str]:
         mc = self.model_config
         return snapshot_header(self.model_fingerprint, self.config.dtype, self.kv_cache_dtype,
                                self.block_manager.block_size, mc.num_hidden_layers, mc.num_key_value_heads,
-                               mc.head_dim, getattr(self.kv_cache, "layer_group", None), center_digest(self.k_center))
+                               mc.head_dim, getattr(self.kv_cache, "layer_group", None), center_digest(self.k_center),
+                               lora)
 
     def prompt_logits(self, token_ids: list[int], first: int, max_kv_tokens: int | None = None,
                       sink_tokens: int | None = None) -> Iterator[tuple[int, torch.Tensor]]:

@@ -14,7 +14,7 @@ import torch
 
 from kvlm.kernels import native
 from kvlm.kernels.backend import native_isa
-from kvlm.kernels.reference import gelu_tanh_mul_ref, rms_norm_ref, rope_ref, silu_mul_ref
+from kvlm.kernels.reference import gelu_tanh_mul_ref, lora_b_add_ref, rms_norm_ref, rope_ref, silu_mul_ref
 
 
 def _ops(x: torch.Tensor) -> native.NativeOps | None:
@@ -52,6 +52,16 @@ def _gated(gate_up: torch.Tensor, op: str, ref) -> torch.Tensor:
     out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
     getattr(ops, op)(gate_up, out)
     return out
+
+
+def lora_b_add(t: torch.Tensor, bt: torch.Tensor, spans: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """y (T, N) float32 += the LoRA B product of t (T, R), in place (`reference.lora_b_add_ref` says what it
+    computes): the native kernel the fused decode step runs too, else the reference, the same arithmetic."""
+    ops = _ops(y)
+    if ops is None or y.dtype != torch.float32 or y.dim() != 2 or y.stride(1) != 1 or not t.is_contiguous():
+        return lora_b_add_ref(t, bt, spans, y)
+    ops.lora_b_add(t, bt, spans, y)
+    return y
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:

@@ -259,6 +259,7 @@ class NativeOps:
     hadamard: Any
     decode_lora_create: Any  # a LoRA adapter's plan for decode_step (model/fused_decode.py)
     decode_lora_free: Any
+    lora_b_add: Any  # a LoRA adapter's B product (kvlm/lora/rows.py; the fused step's too)
 
 
 @functools.cache
@@ -271,7 +272,8 @@ def ops() -> NativeOps | None:
                      ns.paged_decode_attention.default, ns.paged_attention.default, ns.decode_plan_create.default,
                      ns.decode_plan_free.default, ns.decode_step.default, ns.rms_norm.default,
                      ns.silu_mul.default, ns.rope.default, ns.gelu_tanh_mul.default, ns.kv_quantize.default,
-                     ns.hadamard.default, ns.decode_lora_create.default, ns.decode_lora_free.default)
+                     ns.hadamard.default, ns.decode_lora_create.default, ns.decode_lora_free.default,
+                     ns.lora_b_add.default)
 
 
 @functools.cache

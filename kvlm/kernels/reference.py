@@ -157,6 +157,23 @@ def gelu_tanh_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.gelu(gate, approximate="tanh") * up
 
 
+def lora_b_add_ref(t: torch.Tensor, bt: torch.Tensor, spans: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """y (T, N) float32 += each row's LoRA B product of t (T, R), in place: per span (r0, r, o0, n) of `spans`
+    (P, 4), with that part's B transposed (r, n) next in the packed `bt`, u = sum_j t[:, r0 + j] * bt_p[j] in
+    increasing j (a multiply, then an add), then y[:, o0:o0 + n] += u. The native kernel's exact arithmetic."""
+    off = 0
+    for r0, r, o0, n in spans.tolist():
+        b = bt[off : off + r * n].view(r, n)
+        off += r * n
+        if r == 0:
+            continue
+        u = t[:, r0 : r0 + 1] * b[0]
+        for j in range(1, r):
+            u = u + t[:, r0 + j : r0 + j + 1] * b[j]
+        y[:, o0 : o0 + n] += u
+    return y
+
+
 def rope_ref(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
     """Rotate-half RoPE with a signed sin table: x * cos + roll(x, D/2) * sin_signed."""
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed

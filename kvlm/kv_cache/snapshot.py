@@ -10,13 +10,18 @@ File layout (safetensors, so loading never unpickles anything):
   metadata format "kvlm-prefix-snapshot/1"; model_fingerprint (sha256 over the model's files); dtype;
            kv_dtype; block_size; kv_layout ("paged", layers, kv_heads, head_dim); k_center ("none", or a
            digest of the mean key an int8 / int4 cache subtracts, `kv_cache/k_center.py`; absent: "none");
-           num_tokens; crc32 of the tensors' bytes (a flipped byte in the data is caught, not served).
+           num_tokens; crc32 of the tensors' bytes (a flipped byte in the data is caught, not served);
+           lora: "none" (absent: "none"), or the LoRA adapter the K/V were computed under, as JSON
+           {"name", "key"} (`LoRAAdapter.key`, a digest of its weights and scale: `lora_identity`).
 
 The functions work on a block manager, a paged cache and the header this engine expects
 (`snapshot_header`); they know nothing of the engine. `load_prefix` checks everything before it touches
-the pool: a snapshot for another model, dtype, block size, layout or K center, or a corrupt or truncated file
-raises `SnapshotError` (one line) and leaves the cache unchanged and serving. Loaded blocks enter the
-prefix cache as cached-free blocks, exactly as if a request had computed them, so the next request
+the pool: a snapshot for another model, dtype, block size, layout or K center, one saved under a LoRA
+adapter this engine has not loaded (same weights and scale, any name), or a corrupt or truncated file
+raises `SnapshotError` (one line) and leaves the cache unchanged and serving. An adapter's blocks are
+hashed from its own root (`block_manager.lora_root`), so they are a prefix hit for its requests only.
+Loaded blocks enter the prefix cache as cached-free blocks, exactly as if a request had computed them, so
+the next request
 starting with those tokens reuses them (and the LRU may evict them like any other cached block).
 """
 
@@ -27,6 +32,7 @@ import os
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -37,6 +43,9 @@ from kvlm.kv_cache.layer_groups import GroupView
 from kvlm.kv_cache.storage import KVCache, KVElement, PagedKVCache, stored_row
 from kvlm.request import Request
 from kvlm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from kvlm.lora.adapter import LoRAAdapter
 
 FORMAT = "kvlm-prefix-snapshot/1"
 
@@ -61,17 +70,53 @@ Groups = list[BlockManager]  # layer groups 1..: their block managers (each with
 
 def snapshot_header(model_fingerprint: str, dtype: str, kv_dtype: KVElement, block_size: int, layers: int,
                     kv_heads: int, head_dim: int, layer_group: list[int] | None = None,
-                    k_center: str = "none") -> dict[str, str]:
+                    k_center: str = "none", lora: LoRAAdapter | None = None) -> dict[str, str]:
     """The metadata a snapshot for this engine carries, and that a snapshot must carry to load
     (`layer_group`: each layer's group, for a model with sliding-window layers; `k_center`: the digest of
     the K center the cache subtracts from its keys, `kv_cache/k_center.center_digest`, "none" if it stores them
-    as computed)."""
+    as computed; `lora`: the adapter the snapshot's K/V are computed under, None for the base)."""
     layout = {"layout": "paged", "layers": layers, "kv_heads": kv_heads, "head_dim": head_dim}
     if layer_group and any(layer_group):
         layout["layer_group"] = list(layer_group)
     return {"format": FORMAT, "model_fingerprint": model_fingerprint, "dtype": dtype,
             "kv_dtype": str(kv_dtype).removeprefix("torch."), "block_size": str(block_size),
-            "kv_layout": json.dumps(layout), "k_center": k_center}
+            "kv_layout": json.dumps(layout), "k_center": k_center, "lora": lora_identity(lora)}
+
+
+def lora_identity(lora: LoRAAdapter | None) -> str:
+    """The `lora` metadata of a snapshot computed under `lora`: "none" for the base."""
+    return "none" if lora is None else json.dumps({"name": lora.name, "key": lora.key})
+
+
+def _lora_key(value: str | None) -> str | None:
+    """The adapter key in a `lora` metadata value ("none" for the base; None if unreadable)."""
+    if value == "none":
+        return value
+    try:
+        ident = json.loads(value or "")
+    except ValueError:
+        return None
+    return ident.get("key") if isinstance(ident, dict) else None
+
+
+def snapshot_lora(path: str | os.PathLike) -> dict[str, str] | None:
+    """The adapter a snapshot file says its K/V were computed under ({"name", "key"}), None for the base or
+    a file without readable metadata (`read_snapshot` then says what is wrong with it)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            value = (f.metadata() or {}).get("lora", "none")
+    except (SafetensorError, OSError, ValueError, RuntimeError):
+        return None
+    try:
+        ident = json.loads(value) if value != "none" else None
+    except ValueError:
+        raise SnapshotError(f"{path}: corrupt snapshot (lora metadata is not JSON)") from None
+    if ident is not None and not (isinstance(ident, dict) and isinstance(ident.get("name"), str)
+                                  and isinstance(ident.get("key"), str)):
+        raise SnapshotError(f"{path}: corrupt snapshot (lora metadata is not {{name, key}})")
+    return ident
 
 
 def _group_firsts(nblk: int, groups: Groups) -> list[int]:
@@ -79,8 +124,9 @@ def _group_firsts(nblk: int, groups: Groups) -> list[int]:
     return [gbm.spec.hit_start(nblk) for gbm in groups]
 
 
-def _holder(name: str, tokens: list[int], groups: Groups) -> Request:
+def _holder(name: str, tokens: list[int], groups: Groups, lora: LoRAAdapter | None = None) -> Request:
     req = Request(name, list(tokens), len(tokens), SamplingParams())
+    req.lora = lora  # the hash chain's root: an adapter's blocks are its own
     n = len(groups)
     req.group_tables, req.group_cached, req.group_evicted = [[] for _ in range(n)], [0] * n, [0] * n
     return req
@@ -92,27 +138,27 @@ def _paged_cache(cache: KVCache, bm: BlockManager) -> PagedKVCache:
     return cache
 
 
-def cached_prefix_blocks(bm: BlockManager, token_ids: list[int]) -> list[int]:
-    """The blocks of `token_ids`' full blocks that are in the prefix cache now (a leading run)."""
+def cached_prefix_blocks(bm: BlockManager, token_ids: list[int], lora: LoRAAdapter | None = None) -> list[int]:
+    """The blocks of `token_ids`' full blocks (computed under `lora`) in the prefix cache now (a leading run)."""
     nblk = len(token_ids) // bm.block_size
-    probe = Request("snapshot", list(token_ids), len(token_ids), SamplingParams())
-    return bm.find_cached_prefix(probe, max_blocks=nblk)
+    return bm.find_cached_prefix(_holder("snapshot", token_ids, (), lora), max_blocks=nblk)
 
 
-def prefix_cached(bm: BlockManager, token_ids: list[int], groups: Groups = ()) -> bool:
-    """Whether the prefix cache holds everything a snapshot of `token_ids` saves (every group's part)."""
+def prefix_cached(bm: BlockManager, token_ids: list[int], groups: Groups = (), lora: LoRAAdapter | None = None) -> bool:
+    """Whether the prefix cache holds everything a snapshot of `token_ids` under `lora` saves (every group's part)."""
     nblk = len(token_ids) // bm.block_size
-    if len(cached_prefix_blocks(bm, token_ids)) < nblk:
+    if len(cached_prefix_blocks(bm, token_ids, lora)) < nblk:
         return False
-    probe = _holder("snapshot", token_ids, groups)
+    probe = _holder("snapshot", token_ids, groups, lora)
     return all(gbm.find_window_blocks(GroupView(probe, g), nblk, first) is not None
                for g, (gbm, first) in enumerate(zip(groups, _group_firsts(nblk, groups)), 1))
 
 
 def save_prefix(bm: BlockManager, cache: KVCache, header: dict[str, str], token_ids: list[int],
-                path: str | os.PathLike, groups: Groups = ()) -> SnapshotInfo:
-    """Write the cached K/V of `token_ids`' full blocks to `path`. The caller computes them first
-    (`Engine.save_prefix` runs the prompt when `cached_prefix_blocks` falls short)."""
+                path: str | os.PathLike, groups: Groups = (), lora: LoRAAdapter | None = None) -> SnapshotInfo:
+    """Write the cached K/V of `token_ids`' full blocks, computed under `lora` (None: the base; `header`
+    records it), to `path`. The caller computes them first (`Engine.save_prefix` runs the prompt when
+    `cached_prefix_blocks` falls short)."""
     from safetensors.torch import save_file
 
     cache = _paged_cache(cache, bm)
@@ -120,12 +166,14 @@ def save_prefix(bm: BlockManager, cache: KVCache, header: dict[str, str], token_
     if nblk == 0:
         raise SnapshotError(f"the prompt has {len(token_ids)} tokens, fewer than one block ({bm.block_size}): "
                             "nothing to save")
-    blocks = cached_prefix_blocks(bm, token_ids)
+    if header.get("lora", "none") != lora_identity(lora):
+        raise SnapshotError("the snapshot header and the adapter to save under disagree")
+    blocks = cached_prefix_blocks(bm, token_ids, lora)
     if len(blocks) < nblk:  # only if the pool is too small to keep the whole prompt cached
         raise SnapshotError(f"only {len(blocks)} of the prompt's {nblk} blocks stayed cached; use a larger KV pool")
     k, v = cache.read_blocks(blocks)  # read now: no step runs before the copy is made
     tensors = {"k": k.cpu().contiguous(), "v": v.cpu().contiguous()}
-    probe = _holder("snapshot", token_ids, groups)
+    probe = _holder("snapshot", token_ids, groups, lora)
     for g, (gbm, first) in enumerate(zip(groups, _group_firsts(nblk, groups)), 1):
         found = gbm.find_window_blocks(GroupView(probe, g), nblk, first)
         if found is None:
@@ -170,9 +218,13 @@ def read_snapshot_meta(path: str | os.PathLike, header: dict[str, str], vocab_si
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
         raise SnapshotError(f"{path}: corrupt or truncated snapshot ({str(e).splitlines()[0]})") from None
     for key, label in (("model_fingerprint", "model"), ("dtype", "dtype"), ("kv_dtype", "KV cache dtype"),
-                       ("block_size", "block size"), ("kv_layout", "KV layout"), ("k_center", "K center")):
-        # a snapshot without k_center (written before centering existed) holds uncentered keys
-        got = meta.get(key, "none" if key == "k_center" else None)
+                       ("block_size", "block size"), ("kv_layout", "KV layout"), ("k_center", "K center"),
+                       ("lora", "LoRA adapter")):
+        # a snapshot without k_center (written before centering existed) holds uncentered keys; without
+        # lora (written before adapters existed), the base's K/V
+        got = meta.get(key, "none" if key in ("k_center", "lora") else None)
+        if key == "lora" and _lora_key(got) == _lora_key(header[key]):
+            continue  # an adapter is the same by its weights and scale, whatever name it is loaded under
         if got != header[key]:
             got, exp = got or "missing", header[key]
             if key == "model_fingerprint":
@@ -197,16 +249,18 @@ def read_snapshot_meta(path: str | os.PathLike, header: dict[str, str], vocab_si
 
 
 def load_prefix(bm: BlockManager, cache: KVCache, header: dict[str, str], path: str | os.PathLike, *,
-                vocab_size: int, max_model_len: int, groups: Groups = ()) -> SnapshotInfo:
-    """Put a snapshot's blocks into the prefix cache (every layer group's). All checks come first: on error
-    nothing changed."""
+                vocab_size: int, max_model_len: int, groups: Groups = (),
+                lora: LoRAAdapter | None = None) -> SnapshotInfo:
+    """Put a snapshot's blocks into the prefix cache (every layer group's), hashed under `lora` (the adapter
+    the file records, as the caller resolved it; `header` must record it too). All checks come first: on
+    error nothing changed."""
     cache = _paged_cache(cache, bm)
     tokens, kv = read_snapshot(path, header, vocab_size, groups)
     bs = bm.block_size
     nblk = len(tokens) // bs
     if nblk > bm.num_blocks or len(tokens) >= max_model_len:
         raise SnapshotError(f"{path}: {len(tokens)} tokens do not fit this engine's KV pool or context")
-    holder = _holder(f"snapshot-load-{os.fspath(path)}", tokens, groups)
+    holder = _holder(f"snapshot-load-{os.fspath(path)}", tokens, groups, lora)
     hit = bm.find_cached_prefix(holder, max_blocks=nblk)
     firsts = _group_firsts(nblk, groups)
     views = [GroupView(holder, g) for g in range(1, len(groups) + 1)]

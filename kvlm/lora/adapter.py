@@ -5,10 +5,11 @@ never merges it into W: the base matmul runs as for every other row, and rows wh
 adapter then get `y += (scale B) (A x)` (`LoRARows.apply`, in `kvlm.lora.rows`).
 
 The model stacks q/k/v into `qkv_proj` and gate/up into `gate_up_proj`, so an adapter's parts are stacked
-the same way at load: `A` is the parts' A matrices one after another (sum of ranks x in), `B` is block
-diagonal (out x sum of ranks: part i's B, times its scale, in part i's output rows and its rank's columns,
-zeros elsewhere). One pair of matrix products per projection then serves every targeted part; the zeros
-add exactly nothing to the parts the adapter does not target.
+the same way at load: `A` is the parts' A matrices one after another (sum of ranks x in), one matrix
+product for every targeted part. B is kept per part, transposed and times its scale (`bt`, the parts' (r, n)
+matrices packed one after another, with `spans`: each part's rank columns r0:r0+r of A's product and output
+rows o0:o0+n of the stacked projection): the stacked B would be block diagonal, and at rank 16 its zeros
+were a third of the adapter's bytes, all read every decode step.
 
 This module knows the base only through `ModelConfig`; reading files is `kvlm.loader.lora`'s.
 """
@@ -58,10 +59,12 @@ class LoRAPart:
 
 @dataclass(frozen=True, slots=True)
 class StackedLoRA:
-    """An adapter's weights on one stacked projection of one layer: A (R, in), scaled block-diagonal B (out, R)."""
+    """An adapter's weights on one stacked projection of one layer: A (R, in) as F32 rows; per targeted part
+    its scaled B transposed, packed (`bt`, float32), and `spans` (P, 4) int64: r0, r, o0, n of each part."""
 
     a: QuantTensor
-    b: QuantTensor
+    bt: torch.Tensor
+    spans: torch.Tensor
 
 
 @dataclass(eq=False, slots=True)
@@ -118,19 +121,18 @@ def build_adapter(name: str, adapter_id: int, path: str, parts: dict[tuple[int, 
             present = [(m, parts[layer, m]) for m in members if (layer, m) in parts]
             if not present:
                 continue
-            out_total = sum(shapes[m][0] for m in members)
-            rank_total = sum(p.a.shape[0] for _, p in present)
             a = torch.cat([p.a.float() for _, p in present])  # (R, in)
-            b = torch.zeros(out_total, rank_total, dtype=torch.float32)  # (out, R), block diagonal
-            r0 = 0
+            bts, spans, r0 = [], [], 0
             for m, p in present:
                 o0 = sum(shapes[x][0] for x in members[: members.index(m)])
                 r = p.a.shape[0]
-                b[o0 : o0 + shapes[m][0], r0 : r0 + r] = p.b.float() * (p.scale * scale)
+                bts.append((p.b.float() * (p.scale * scale)).T.contiguous().reshape(-1))  # (r, n), row-major
+                spans.append((r0, r, o0, shapes[m][0]))
                 r0 += r
-            for t in (a, b):
+            bt, sp = torch.cat(bts), torch.tensor(spans, dtype=torch.int64)
+            for t in (a, bt, sp):
                 digest.update(f"{layer}.{stacked}{tuple(t.shape)}".encode())
                 digest.update(t.numpy().tobytes())
-            weights[layer, stacked] = StackedLoRA(f32_rows(a), f32_rows(b))
+            weights[layer, stacked] = StackedLoRA(f32_rows(a), bt, sp)
     targets = tuple(m for m in TARGETS if any(k[1] == m for k in parts))
     return LoRAAdapter(name, adapter_id, path, scale, max(ranks), targets, weights, key=digest.hexdigest())

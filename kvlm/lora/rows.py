@@ -5,12 +5,13 @@ Built once per step by the model runner from its requests (`LoRARows.of`), carri
 
     y[rows of a] += B_a (A_a x[rows of a])      (B_a carries the adapter's scale, `kvlm.lora.adapter`)
 
-Why a row's bits do not depend on its neighbours: both products run on `kernels.qmatmul` over F32 rows,
+Why a row's bits do not depend on its neighbours: A's product runs on `kernels.qmatmul` over F32 rows,
 the native row kernel whose every output row is computed the same way for any number of rows (the same
-kernel the base's dense float32 weights use); the rows of one adapter are gathered, multiplied and added
-back one element per row, after the base output is complete. Rows without an adapter are untouched. On
-the reference path (no native build) the products are BLAS's, exact across batches only to float32
-rounding, as the base's are there.
+kernel the base's dense float32 weights use); B's is `kernels.elementwise.lora_b_add`, per part r
+multiply-adds over B's transposed rows in a fixed order, lane by lane, then one add per value into the
+complete base output. The fused decode step calls the same two kernels. Rows without an adapter are
+untouched. On the reference path (no native build) A's product is BLAS's, exact across batches only to
+float32 rounding, as the base's are there.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from kvlm.kernels import qmatmul
+from kvlm.kernels.elementwise import lora_b_add
 from kvlm.lora.adapter import LoRAAdapter
 
 
@@ -53,9 +55,14 @@ class LoRARows:
             if w is None:
                 continue
             xr = x if rows is None else x.index_select(0, rows)
-            u = qmatmul(qmatmul(xr.float(), w.a), w.b)  # (T_a, R) then (T_a, out)
+            t = qmatmul(xr.float(), w.a)  # (T_a, R)
+            if rows is None and y.dtype == torch.float32 and y.dim() == 2 and y.stride(1) == 1:
+                lora_b_add(t, w.bt, w.spans, y)
+                continue
+            yr = (y if rows is None else y.index_select(0, rows)).float().contiguous()
+            lora_b_add(t, w.bt, w.spans, yr)
             if rows is None:
-                y += u.to(y.dtype)
+                y.copy_(yr)
             else:
-                y.index_add_(0, rows, u.to(y.dtype))
+                y.index_copy_(0, rows, yr.to(y.dtype))
         return y

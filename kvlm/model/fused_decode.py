@@ -16,7 +16,7 @@ keeps the module path, which stays the reference: tests compare the two token fo
 `KVLM_FUSED_DECODE=0` turns it off.
 
 Rows under a LoRA adapter (`meta.lora`) run here too: each adapter becomes a native plan of its own on first
-use (`_lora_plan`: its A and scaled B per layer and projection, the F32 rows `kvlm/lora/rows.py` multiplies),
+use (`_lora_plan`: its A and per-part scaled B^T per layer and projection, the kernels `kvlm/lora/rows.py` calls),
 and the step takes each row's plan id; the low-rank update follows each base projection as on the module path.
 
 The plan holds raw pointers into the model's tensors; it keeps references to them on both sides, and is
@@ -148,15 +148,14 @@ class FusedDecoder:
         return cls(model, plan, backend.isa, (cos, sin)), "decode-only steps run every layer in one native call"
 
     def _lora_plan(self, adapter: LoRAAdapter) -> int:
-        """The native plan of `adapter` (created on first use): per layer and projection its A and scaled B."""
+        """The native plan of `adapter` (created on first use): per layer and projection its A, B^T and spans."""
         plan = self._loras.get(adapter.id)
         if plan is None:
             tensors: list[torch.Tensor] = []
             for layer in range(len(self.model.model.layers)):
                 for module in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
                     w = adapter.on(layer, module)
-                    tensors += ([self._none, self._none] if w is None else
-                                [w.a.data.view(torch.float32), w.b.data.view(torch.float32)])
+                    tensors += ([self._none] * 3 if w is None else [w.a.data.view(torch.float32), w.bt, w.spans])
             plan = self._loras[adapter.id] = self._ops.decode_lora_create(tensors, len(self.model.model.layers))
         return plan
 

@@ -243,7 +243,7 @@ class OpenAIServing:
             async for chunk in chunks:
                 yield chunk
             if r.stream_options and r.stream_options.include_usage:
-                yield sse({"id": ctx.id, "object": obj, "created": ctx.created, "model": self.model_name,
+                yield sse({"id": ctx.id, "object": obj, "created": ctx.created, "model": ctx.model,
                            "choices": [], "usage": ctx.usage()})
 
         async for line in guarded(ctx, body(), lambda e: sse(e.body())):
@@ -276,8 +276,10 @@ class SSEStream:
 class _Call:
     """One API call's engine requests: choice index = prompt index x n + i."""
 
-    def __init__(self, request_id: str, kind: str, n: int, prompt_ids: list[list[int]], sub: Submission) -> None:
+    def __init__(self, request_id: str, kind: str, n: int, prompt_ids: list[list[int]], sub: Submission,
+                 model: str) -> None:
         self.id, self.n, self.prompt_ids, self.sub = f"{kind}-{request_id}", n, prompt_ids, sub
+        self.model = model  # the response's `model`: the LoRA adapter's name when the call named one (vLLM's)
         self.created = int(time.time())
         self.requests: list[Request] = sub.requests
 

@@ -116,7 +116,7 @@ class ChatServing(OpenAIServing):
             self.aengine.release(r.n)
             raise
         sub = await self._submit(specs, r.n, "messages", bool(r.stream), lora=lora)
-        return _Call(request_id, "chatcmpl", r.n, [ids], sub), plan, thinks
+        return _Call(request_id, "chatcmpl", r.n, [ids], sub, lora or self.model_name), plan, thinks
 
     async def chat(self, r: ChatCompletionRequest, request_id: str) -> dict[str, Any] | SSEStream:
         ctx, plan, thinks = await self.start_chat(r, request_id)
@@ -138,7 +138,7 @@ class ChatServing(OpenAIServing):
             out.append({"index": i, "message": message,
                         "logprobs": self._chat_logprobs(c.token_ids, c.logprobs) if r.logprobs else None,
                         "finish_reason": finish, "stop_reason": c.stop_reason})
-        return {"id": ctx.id, "object": "chat.completion", "created": ctx.created, "model": self.model_name,
+        return {"id": ctx.id, "object": "chat.completion", "created": ctx.created, "model": ctx.model,
                 "choices": out, "usage": ctx.usage()}
 
     def _chat_logprobs(self, ids: list[int], lps: list[dict[int, float]]) -> dict[str, Any]:
@@ -160,7 +160,7 @@ class ChatServing(OpenAIServing):
 
         def chunk(choice: dict[str, Any]) -> str:
             return sse({"id": ctx.id, "object": "chat.completion.chunk", "created": ctx.created,
-                        "model": self.model_name, "choices": [choice]})
+                        "model": ctx.model, "choices": [choice]})
 
         for i in range(r.n):
             yield chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,

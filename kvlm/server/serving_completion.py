@@ -49,7 +49,7 @@ class CompletionServing(OpenAIServing):
             self.aengine.release(count)
             raise
         sub = await self._submit(specs, count, "prompt", bool(r.stream), lora=lora)
-        ctx = _Call(request_id, "cmpl", r.n, prompt_ids, sub)
+        ctx = _Call(request_id, "cmpl", r.n, prompt_ids, sub, lora or self.model_name)
         if r.stream:
             return SSEStream(self._sse(ctx, "text_completion", r, self._stream_completion(r, ctx)), sub)
         choices = await ctx.collect()  # closes the submission however it ends
@@ -65,7 +65,7 @@ class CompletionServing(OpenAIServing):
                     lp = self._merge_echo(self._completion_logprobs(ids, plp, 0), lp)
             out.append({"index": idx, "text": prefix + text, "logprobs": lp, "finish_reason": c.finish_reason,
                         "stop_reason": c.stop_reason})
-        return {"id": ctx.id, "object": "text_completion", "created": ctx.created, "model": self.model_name,
+        return {"id": ctx.id, "object": "text_completion", "created": ctx.created, "model": ctx.model,
                 "choices": out, "usage": ctx.usage()}
 
     def _completion_logprobs(self, ids: list[int], lps: list[dict[int, float] | None], offset: int) -> dict[str, Any]:
@@ -118,4 +118,4 @@ class CompletionServing(OpenAIServing):
             choice = {"index": idx, "text": text, "logprobs": lp, "finish_reason": d.finish_reason,
                       "stop_reason": ctx.stop_reason(d)}
             yield sse({"id": ctx.id, "object": "text_completion", "created": ctx.created,
-                       "model": self.model_name, "choices": [choice]})
+                       "model": ctx.model, "choices": [choice]})

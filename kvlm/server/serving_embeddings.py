@@ -81,7 +81,7 @@ class EmbeddingServing(OpenAIServing):
         data = [{"object": "embedding", "index": i, "embedding": _encode(v, r.encoding_format)}  # type: ignore[arg-type]
                 for i, v in enumerate(vectors)]
         tokens = sum(len(p) for p in ids)
-        return {"object": "list", "data": data, "model": self.model_name,
+        return {"object": "list", "data": data, "model": lora or self.model_name,
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
 

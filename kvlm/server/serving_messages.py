@@ -265,7 +265,7 @@ class MessagesServing:
         c = (await ctx.collect())[0]  # closes the submission however it ends
         content = content_blocks(c.text, plan, thinks)
         called = any(b["type"] == "tool_use" for b in content)
-        return {"id": ctx.id, "type": "message", "role": "assistant", "model": self.chat.model_name,
+        return {"id": ctx.id, "type": "message", "role": "assistant", "model": ctx.model,
                 "content": content, **_stop(c.finish_reason, c.stop_reason, called), "usage": _usage(ctx)}
 
     def count_tokens(self, r: CountTokensRequest) -> dict[str, int]:
@@ -283,7 +283,7 @@ class MessagesServing:
         async for _, d in ctx.deltas():
             if not blocks.started:  # at the first delta the prefix cache has been asked: usage is known
                 yield event("message_start", {"message": {
-                    "id": ctx.id, "type": "message", "role": "assistant", "model": self.chat.model_name,
+                    "id": ctx.id, "type": "message", "role": "assistant", "model": ctx.model,
                     "content": [], "stop_reason": None, "stop_sequence": None,
                     "usage": {**_usage(ctx, drafts=False), "output_tokens": 0}}})  # tokens: in message_delta
             for line in blocks.feed(d.text, final=d.finished):

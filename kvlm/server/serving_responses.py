@@ -430,7 +430,9 @@ class ResponsesServing(ChatServing):
                 "error": {"code": "server_error", "message": "aborted: the server is shutting down"}
                 if status == "failed" else None,
                 "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-                "instructions": r.instructions, "max_output_tokens": r.max_output_tokens, "model": self.model_name,
+                "instructions": r.instructions, "max_output_tokens": r.max_output_tokens,
+                # a name other than the base's got past check_model at the start: a LoRA adapter (vLLM echoes it)
+                "model": r.model if r.model and r.model not in self.opts.served_model_names else self.model_name,
                 "output": output, "parallel_tool_calls": r.parallel_tool_calls,
                 "previous_response_id": r.previous_response_id, "reasoning": r.reasoning or None, "store": r.store,
                 "temperature": 1.0 if r.temperature is None else r.temperature,

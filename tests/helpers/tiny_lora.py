@@ -14,14 +14,16 @@ ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 
 
 def peft_model(cfg: dict[str, Any], state: dict[str, torch.Tensor], targets: list[str], r: int = 4,
-               alpha: float = 8.0, seed: int = 0, rslora: bool = False) -> Any:
-    """The HF reference model of cfg/state wrapped by PEFT with one random adapter (float32, eval)."""
+               alpha: float = 8.0, seed: int = 0, rslora: bool = False, rank_pattern: dict[str, int] | None = None,
+               alpha_pattern: dict[str, float] | None = None) -> Any:
+    """The HF reference model of cfg/state wrapped by PEFT with one random adapter (float32, eval);
+    `rank_pattern` / `alpha_pattern`: PEFT's per-module rank and alpha (a key matches a module path's end)."""
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(seed)
     base = hf_reference_model(cfg, state)
     lc = LoraConfig(r=r, lora_alpha=alpha, target_modules=targets, init_lora_weights=False, lora_dropout=0.0,
-                    use_rslora=rslora)
+                    use_rslora=rslora, rank_pattern=rank_pattern or {}, alpha_pattern=alpha_pattern or {})
     m = get_peft_model(base, lc).eval()
     with torch.no_grad():  # B at PEFT's random init is large next to the tiny base: keep logits O(1)
         for name, p in m.named_parameters():

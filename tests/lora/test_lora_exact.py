@@ -99,3 +99,45 @@ def test_switching_adapters_never_reloads_the_base(files: tuple[Path, dict[str, 
     eng.load_lora("a", files[1]["a"])
     run_engine(eng, random_prompts(3, seed=2), GREEDY, loras=["a", "b", None])
     assert weights == [p.data.data_ptr() for m in eng.model.modules() for p in getattr(m, "parts", [])]
+
+
+def test_snapshots_record_the_adapter(files: tuple[Path, dict[str, Path]], tmp_path: Path) -> None:
+    """A snapshot saved under an adapter records its name and key; it loads only where the same adapter (same
+    weights and scale, any name) is loaded, and its blocks then serve that adapter's requests, bit for bit as
+    computed; a missing or different adapter is one line and changes nothing. Base snapshots are as before."""
+    import json
+
+    from safetensors import safe_open
+
+    from kvlm.errors import SnapshotError
+
+    prompt = random_prompts(1, seed=13, lo=70, hi=70)[0]
+    one = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    src = _engine(files, block_size=16)
+    src.save_prefix(prompt, tmp_path / "b.kv", lora="b")
+    src.save_prefix(prompt, tmp_path / "base.kv")
+    with safe_open(str(tmp_path / "b.kv"), framework="pt") as f:
+        assert json.loads(f.metadata()["lora"]) == {"name": "b", "key": src.loras.get("b").key}
+    with safe_open(str(tmp_path / "base.kv"), framework="pt") as f:
+        assert f.metadata()["lora"] == "none"
+    expected = run_engine(_engine(files, block_size=16), [prompt], one, loras=["b"])
+
+    base, adapters = files
+    bare = Engine(base, EngineConfig(block_size=16), quiet=True)
+    with pytest.raises(SnapshotError, match=r"saved under LoRA adapter 'b' \(.*\), which is not loaded$"):
+        bare.load_prefix(tmp_path / "b.kv")
+    bare.load_lora("b", adapters["b"], scale=1.0)  # the same file at another scale is another adapter
+    with pytest.raises(SnapshotError, match="the adapter loaded as 'b' here differs"):
+        bare.load_prefix(tmp_path / "b.kv")
+    bare.unload_lora("b")
+    bare.load_lora("renamed", adapters["b"], scale=0.5)
+    info = bare.load_prefix(tmp_path / "b.kv")
+    assert info.blocks_loaded == 4
+    reqs: list = []
+    got = run_engine(bare, [prompt], one, requests=reqs, loras=["renamed"])
+    assert reqs[0].metrics.num_cached_tokens == 64  # the snapshot's blocks serve the adapter's request
+    assert_identical(got, expected, "snapshot under an adapter")
+    reqs = []
+    run_engine(bare, [prompt], one, requests=reqs)  # ...and never the base's
+    assert reqs[0].metrics.num_cached_tokens == 0
+    assert bare.load_prefix(tmp_path / "base.kv").num_tokens == 64  # base snapshots as before

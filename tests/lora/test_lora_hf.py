@@ -58,6 +58,16 @@ def _peft_greedy(pm: Any, ids: list[int], n: int) -> tuple[list[int], list[torch
     return toks[len(ids):], logits
 
 
+def _greedy(eng: Engine, ids: list[int], n: int, lora: str) -> tuple[list[int], list[torch.Tensor]]:
+    """kvlm's greedy tokens and each step's logits for `ids` under adapter `lora`."""
+    req = eng.add_request(ids, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), lora=lora)
+    got = []
+    while not req.is_finished:
+        eng.step(keep_logits=True)
+        got.append(eng.last_result.logits[0])
+    return req.output_token_ids, got
+
+
 @pytest.mark.parametrize("fmt", ["peft", "gguf"])
 @pytest.mark.parametrize("base", ["gguf", "safetensors"])
 @pytest.mark.parametrize("dtype", ["float32", "auto"])
@@ -68,12 +78,8 @@ def test_logits_match_peft(bases: dict[str, Path], adapter: tuple[Any, Path, Pat
     eng.load_lora("a", folder if fmt == "peft" else gguf_file)
     for ids in random_prompts(2, seed=3, lo=5, hi=20):
         want_tokens, want = _peft_greedy(pm, ids, 6)
-        req = eng.add_request(ids, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), lora="a")
-        got = []
-        while not req.is_finished:
-            eng.step(keep_logits=True)
-            got.append(eng.last_result.logits[0])
-        assert req.output_token_ids == want_tokens
+        tokens, got = _greedy(eng, ids, 6, "a")
+        assert tokens == want_tokens
         for ours, ref in zip(got, want):
             assert (ours - ref).abs().max().item() < 1e-4
     # and the base is untouched: the same prompt without an adapter is PEFT's with the adapter disabled
@@ -83,6 +89,34 @@ def test_logits_match_peft(bases: dict[str, Path], adapter: tuple[Any, Path, Pat
     eng.add_request(ids, SamplingParams(temperature=0, max_tokens=1))
     eng.step(keep_logits=True)
     assert (eng.last_result.logits[0] - ref).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("dtype", ["float32", "auto"])
+def test_rank_and_alpha_patterns_match_peft(bases: dict[str, Path], tmp_path: Path, dtype: str) -> None:
+    """PEFT's per-module `rank_pattern` / `alpha_pattern` (keys matching a module path's end): the ranks come
+    from the tensors, each module's scale from its own alpha over its own rank, as PEFT computes them."""
+    need("peft")
+    from tiny_lora import peft_model, save_peft
+
+    ranks, alphas = {"v_proj": 2, "layers.1.mlp.down_proj": 6}, {"q_proj": 3.0, "model.layers.0.mlp.gate_proj": 20.0}
+    pm = peft_model(CFG, STATE, ATTN_MLP, r=4, alpha=8.0, seed=7, rank_pattern=ranks, alpha_pattern=alphas)
+    folder = save_peft(pm, tmp_path / "patterns")
+    saved = json.loads((folder / "adapter_config.json").read_text())
+    assert saved["rank_pattern"] == ranks and saved["alpha_pattern"] == alphas
+    eng = Engine(bases["gguf"], EngineConfig(dtype=dtype), quiet=True)
+    eng.load_lora("p", folder)
+    ids = random_prompts(1, seed=8, lo=5, hi=20)[0]
+    want_tokens, want = _peft_greedy(pm, ids, 5)
+    tokens, got = _greedy(eng, ids, 5, "p")
+    assert tokens == want_tokens
+    assert max((ours - ref).abs().max().item() for ours, ref in zip(got, want)) < 1e-4
+    # and the patterns matter: the same weights read with the default rank and alpha give other logits
+    saved.pop("alpha_pattern")
+    (folder / "adapter_config.json").write_text(json.dumps(saved))
+    eng.load_lora("flat", folder)
+    eng.add_request(ids, SamplingParams(temperature=0, max_tokens=1), lora="flat")
+    eng.step(keep_logits=True)
+    assert (eng.last_result.logits[0] - want[0]).abs().max().item() > 1e-3
 
 
 def test_llm_generate_takes_a_name_or_vllms_lora_request(bases: dict[str, Path],

@@ -58,6 +58,9 @@ def test_openai_client_lists_uses_loads_and_unloads_adapters(files: tuple[Path, 
         out = client.completions.create(model="a", prompt=PROMPT, max_tokens=8, temperature=0,
                                         extra_body={"ignore_eos": True})
         assert out.choices[0].text == _decode(srv.url, _offline(files, "a"))
+        assert out.model == "a"  # the response names the adapter, as vLLM's does
+        chunks = list(client.completions.create(model="a", prompt=PROMPT, max_tokens=2, stream=True))
+        assert chunks and {c.model for c in chunks} == {"a"}
         with pytest.raises(openai.NotFoundError) as e:
             client.completions.create(model="nope", prompt="hi", max_tokens=2)
         assert e.value.body["code"] == "model_not_found"  # type: ignore[index]
@@ -67,13 +70,15 @@ def test_openai_client_lists_uses_loads_and_unloads_adapters(files: tuple[Path, 
         assert r.status_code == 200, r.text
         assert {m.id for m in client.models.list().data} == {"tiny", "a", "b"}
         chat = client.chat.completions.create(model="b", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
-        assert chat.choices[0].finish_reason in ("length", "stop")
+        assert chat.choices[0].finish_reason in ("length", "stop") and chat.model == "b"
+        resp = client.responses.create(model="b", input="hi", max_output_tokens=4)
+        assert resp.model == "b"
         out_b = client.completions.create(model="b", prompt=PROMPT, max_tokens=8, temperature=0,
                                           extra_body={"ignore_eos": True})
         assert out_b.choices[0].text == _decode(srv.url, _offline(files, "b"))
         base_out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0,
                                              extra_body={"ignore_eos": True})
-        assert base_out.choices[0].text == _decode(srv.url, _offline(files, None))
+        assert base_out.choices[0].text == _decode(srv.url, _offline(files, None)) and base_out.model == "tiny"
         for body, code, words in [({"lora_name": "b", "lora_path": str(b)}, 400, "already loaded"),
                                   ({"lora_name": "c", "lora_path": "/nonexistent"}, 400, "no such file"),
                                   ({"lora_name": "c"}, 400, "lora_path")]:

@@ -8,8 +8,8 @@
 //   -> gu = h @ Wgate_up.T -> a = silu(gate) * up -> x += a @ Wdown.T
 //
 // then the final rmsnorm. Rows whose request runs under a LoRA adapter (a plan of its own,
-// decode_lora_create) get, after each projection's base output, y += B (A h) on the F32 row kernel, as the
-// module path's LoRARows.apply adds it (kvlm/lora/rows.py): the same kernel per row, then one add per value.
+// decode_lora_create) get, after each projection's base output, y += B (A h): A on the F32 row kernel, B by
+// lora_b_add (elementwise.h), as the module path's LoRARows.apply adds it (kvlm/lora/rows.py).
 // The matrix products and attention are the same drivers the torch bindings
 // use (drivers.h: kvlm::matmul, kvlm::paged_attention); the element-wise work is elementwise.h's
 // functions, the ones the module path calls too (torch.ops.kvlm_kernels.rms_norm / rope / silu_mul). What this saves is the Python and dispatch around ~15 small tensor ops
@@ -20,12 +20,15 @@
 // which prefill runs) it is bit for bit too: the same row kernels, element-wise functions and paged
 // attention in the same order, so the same hidden states and K/V bits on float32, float16 and bfloat16
 // caches (tests/model/test_fused_decode.py) and on int8 / int4 ones (tests/engine/test_exact_kv_quant.py).
+#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <array>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -188,11 +191,13 @@ void decode_plan_free(int64_t id) {
     plans.erase(id);
 }
 
-// A LoRA adapter for the fused step: per layer and projection (qkv, o, gate_up, down), A (r, k) and the
-// scaled block-diagonal B (n, r) in float32 (kvlm/lora/adapter.py), or none (a == nullptr).
+// A LoRA adapter for the fused step: per layer and projection (qkv, o, gate_up, down), A (r, k) float32,
+// and per targeted part its scaled B transposed (packed, with spans {r0, r, o0, n}; kvlm/lora/adapter.py),
+// or none (a == nullptr).
 struct LoraMat {
-    const float *a = nullptr, *b = nullptr;
-    int64_t r = 0, k = 0, n = 0;
+    const float *a = nullptr, *bt = nullptr;
+    const int64_t* spans = nullptr;
+    int64_t r = 0, k = 0, parts = 0, widest = 0;
 };
 enum { L_QKV = 0, L_O, L_GATE_UP, L_DOWN, L_MODULES };
 struct Lora {
@@ -202,24 +207,35 @@ struct Lora {
 std::unordered_map<int64_t, std::unique_ptr<Lora>> loras;
 int64_t next_lora = 1;
 
-// tensors: per layer, per projection in L_* order, A then B (both empty: not adapted there).
+// tensors: per layer, per projection in L_* order, A, packed B transposed and spans (all empty: not adapted there).
 int64_t decode_lora_create(at::TensorList tensors, int64_t layers) {
-    TORCH_CHECK(static_cast<int64_t>(tensors.size()) == layers * L_MODULES * 2, "kvlm decode: LoRA plan needs ",
-                layers * L_MODULES * 2, " tensors");
+    TORCH_CHECK(static_cast<int64_t>(tensors.size()) == layers * L_MODULES * 3, "kvlm decode: LoRA plan needs ",
+                layers * L_MODULES * 3, " tensors");
     auto lo = std::make_unique<Lora>();
     lo->layers.resize(layers);
     for (int64_t l = 0; l < layers; l++)
         for (int m = 0; m < L_MODULES; m++) {
-            const at::Tensor& a = tensors[(l * L_MODULES + m) * 2];
-            const at::Tensor& b = tensors[(l * L_MODULES + m) * 2 + 1];
+            const at::Tensor& a = tensors[(l * L_MODULES + m) * 3];
+            const at::Tensor& bt = tensors[(l * L_MODULES + m) * 3 + 1];
+            const at::Tensor& sp = tensors[(l * L_MODULES + m) * 3 + 2];
             if (!a.numel()) continue;
-            TORCH_CHECK(a.device().is_cpu() && b.device().is_cpu() && a.scalar_type() == at::kFloat &&
-                            b.scalar_type() == at::kFloat && a.dim() == 2 && b.dim() == 2 && a.is_contiguous() &&
-                            b.is_contiguous() && b.size(1) == a.size(0),
-                        "kvlm decode: LoRA A (r, k) and B (n, r) must be contiguous float32");
-            lo->keep.push_back(a);
-            lo->keep.push_back(b);
-            lo->layers[l][m] = {a.const_data_ptr<float>(), b.const_data_ptr<float>(), a.size(0), a.size(1), b.size(0)};
+            TORCH_CHECK(a.device().is_cpu() && bt.device().is_cpu() && sp.device().is_cpu() &&
+                            a.scalar_type() == at::kFloat && bt.scalar_type() == at::kFloat &&
+                            sp.scalar_type() == at::kLong && a.dim() == 2 && sp.dim() == 2 && sp.size(1) == 4 &&
+                            a.is_contiguous() && bt.is_contiguous() && sp.is_contiguous(),
+                        "kvlm decode: LoRA A (r, k), B^T and spans (P, 4) must be contiguous float32 / int64");
+            const int64_t* s = sp.const_data_ptr<int64_t>();
+            int64_t total = 0, widest = 0;
+            for (int64_t p = 0; p < sp.size(0); p++) {
+                TORCH_CHECK(s[4 * p] >= 0 && s[4 * p + 1] >= 0 && s[4 * p] + s[4 * p + 1] <= a.size(0),
+                            "kvlm decode: LoRA span outside A's rank");
+                total += s[4 * p + 1] * s[4 * p + 3];
+                widest = std::max(widest, s[4 * p + 3]);
+            }
+            TORCH_CHECK(bt.numel() == total, "kvlm decode: LoRA B^T does not match its spans");
+            lo->keep.insert(lo->keep.end(), {a, bt, sp});
+            lo->layers[l][m] = {a.const_data_ptr<float>(), bt.const_data_ptr<float>(), s, a.size(0), a.size(1),
+                                sp.size(0), widest};
         }
     std::lock_guard<std::mutex> g(plans_mu);
     loras[next_lora] = std::move(lo);
@@ -232,21 +248,30 @@ void decode_lora_free(int64_t id) {
 }
 
 // y (B, n) += B_b (A_b x_b) for each row b whose adapter (rows[b], null: none) adapts projection m of layer l:
-// x (B, k). Both products are the F32 row kernel's with one row (its rows' bits do not depend on M).
+// x (B, k). A's product is the F32 row kernel's (its rows' bits do not depend on M or on which rows share a
+// call), B's is lora_b_add (elementwise.h, lane by lane): the module path's kernels (kvlm/lora/rows.py), so
+// the same bits. Each is split across the threads (A by its rows, B by output columns), so the low-rank
+// product is not a serial tail after the threaded base matmul; no split changes a bit.
 void apply_lora(const KvlmKernels* t, const std::vector<const Lora*>& rows, int64_t l, int m, const float* x,
-                float* y, std::vector<float>& tmp) {
+                float* y, int64_t n, std::vector<float>& tmp) {
     for (size_t b = 0; b < rows.size(); b++) {
         if (!rows[b]) continue;
         const LoraMat& w = rows[b]->layers[l][m];
         if (!w.a) continue;
-        if (tmp.size() < static_cast<size_t>(w.r + w.n)) tmp.resize(w.r + w.n);
-        TORCH_CHECK(kvlm::matmul(t, T_F32, reinterpret_cast<const uint8_t*>(w.a), w.k * 4, w.k, w.r, x + b * w.k, 1,
-                                 tmp.data(), w.r, kvlm::ACT_F32) &&
-                        kvlm::matmul(t, T_F32, reinterpret_cast<const uint8_t*>(w.b), w.r * 4, w.r, w.n, tmp.data(), 1,
-                                     tmp.data() + w.r, w.n, kvlm::ACT_F32),
-                    "kvlm decode: LoRA matmul failed");
-        float* yb = y + b * w.n;
-        for (int64_t i = 0; i < w.n; i++) yb[i] += tmp[w.r + i];
+        if (tmp.size() < static_cast<size_t>(w.r)) tmp.resize(w.r);
+        float* tr = tmp.data();
+        std::atomic<bool> ok{true};
+        at::parallel_for(0, w.r, 8, [&](int64_t r0, int64_t r1) {
+            if (!kvlm::matmul(t, T_F32, reinterpret_cast<const uint8_t*>(w.a + r0 * w.k), w.k * 4, w.k, r1 - r0,
+                              x + b * w.k, 1, tr + r0, w.r, kvlm::ACT_F32))
+                ok = false;
+        });
+        TORCH_CHECK(ok, "kvlm decode: LoRA matmul failed");
+        at::parallel_for(0, n, 256, [&](int64_t c0, int64_t c1) {
+            thread_local std::vector<float> u;
+            if (u.size() < static_cast<size_t>(c1 - c0)) u.resize(c1 - c0);
+            kvlm::lora_b_add(tr, w.bt, w.spans, w.parts, y + b * n, u.data(), c0, c1);
+        });
     }
 }
 
@@ -422,7 +447,7 @@ void decode_step(int64_t plan_id, const at::Tensor& x, const at::Tensor& positio
         for (int64_t b = 0; b < B; b++) rmsnorm(xr + b * H, ly.in_norm, h + b * H, H, p.eps);
         tm.lap(T_NORM);
         run_linear(t, ly.qkv, h, B, qkv, p.act);
-        if (!lora_rows.empty()) apply_lora(t, lora_rows, l, L_QKV, h, qkv, lora_tmp);
+        if (!lora_rows.empty()) apply_lora(t, lora_rows, l, L_QKV, h, qkv, nqkv, lora_tmp);
         tm.lap(T_MATMUL);
         for (int64_t b = 0; b < B; b++) {
             float* row = qkv + b * nqkv;  // [q (nh, D) | k (kvh, D) | v (kvh, D)]
@@ -457,18 +482,18 @@ void decode_step(int64_t plan_id, const at::Tensor& x, const at::Tensor& positio
             kvlm::hadamard_rows(attn, B * nh, D);
         tm.lap(T_ATTENTION);
         run_linear(t, ly.o, attn, B, h, p.act);
-        if (!lora_rows.empty()) apply_lora(t, lora_rows, l, L_O, attn, h, lora_tmp);
+        if (!lora_rows.empty()) apply_lora(t, lora_rows, l, L_O, attn, h, H, lora_tmp);
         tm.lap(T_MATMUL);
         residual_add(xr, h, B * H, r);
         for (int64_t b = 0; b < B; b++) rmsnorm(xr + b * H, ly.post_norm, h + b * H, H, p.eps);
         tm.lap(T_NORM);
         run_linear(t, ly.gate_up, h, B, gu, p.act);
-        if (!lora_rows.empty()) apply_lora(t, lora_rows, l, L_GATE_UP, h, gu, lora_tmp);
+        if (!lora_rows.empty()) apply_lora(t, lora_rows, l, L_GATE_UP, h, gu, 2 * I, lora_tmp);
         tm.lap(T_MATMUL);
         for (int64_t b = 0; b < B; b++) silu_mul(gu + b * 2 * I, gu + b * 2 * I + I, a + b * I, I);
         tm.lap(T_NORM);
         run_linear(t, ly.down, a, B, h, p.act);
-        if (!lora_rows.empty()) apply_lora(t, lora_rows, l, L_DOWN, a, h, lora_tmp);
+        if (!lora_rows.empty()) apply_lora(t, lora_rows, l, L_DOWN, a, h, H, lora_tmp);
         tm.lap(T_MATMUL);
         residual_add(xr, h, B * H, r);
         tm.lap(T_NORM);

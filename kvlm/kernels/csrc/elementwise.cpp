@@ -1,11 +1,14 @@
 // Element-wise kernels (elementwise.h) and their torch ops. Compiled without an ISA pragma: RMSNorm and
 // RoPE are short scalar loops over one row; SiLU x up and GELU x up, the widest, are compiled for AVX-512, AVX2 and the
 // baseline with GCC's target_clones and the loader picks the clone the CPU runs.
+#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
 #include <cmath>
+#include <algorithm>
 #include <cstring>
+#include <vector>
 
 #include "elementwise.h"
 
@@ -96,6 +99,36 @@ void silu_mul(const float* g, const float* u, float* a, int64_t n) { gated_mul<S
 __attribute__((target_clones("avx512f", "avx2", "default")))
 void gelu_tanh_mul(const float* g, const float* u, float* a, int64_t n) { gated_mul<GeluTanh>(g, u, a, n); }
 
+// LoRA's B product as r axpys over B's transposed rows (B's rank is small, 8 to 64: a dot product per output
+// value would spend more on its horizontal sum than on the products). fp-contract=off: no clone fuses the
+// multiply and the add (GCC would in C++ mode), so every clone has the same bits as the PyTorch reference's
+// separate multiply and add.
+__attribute__((target_clones("avx512f", "avx2", "default"), optimize("fp-contract=off")))
+void lora_b_add(const float* t, const float* bt, const int64_t* spans, int64_t P, float* y, float* u, int64_t c0,
+                int64_t c1) {
+    for (int64_t p = 0; p < P; p++) {
+        const int64_t r0 = spans[4 * p], r = spans[4 * p + 1], o0 = spans[4 * p + 2], n = spans[4 * p + 3];
+        const float* b = bt;
+        bt += r * n;
+        const int64_t i0 = std::max(c0, o0) - o0, i1 = std::min(c1, o0 + n) - o0;  // this part's columns here
+        if (r == 0 || i0 >= i1) continue;
+        const int64_t w = i1 - i0;
+        const float t0 = t[r0];
+        const float* b0 = b + i0;
+        for (int64_t i = 0; i < w; i++) u[i] = t0 * b0[i];
+        for (int64_t j = 1; j < r; j++) {
+            const float tj = t[r0 + j];
+            const float* bj = b + j * n + i0;
+            for (int64_t i = 0; i < w; i++) {
+                const float v = tj * bj[i];
+                u[i] = u[i] + v;
+            }
+        }
+        float* yo = y + o0 + i0;
+        for (int64_t i = 0; i < w; i++) yo[i] += u[i];
+    }
+}
+
 }  // namespace kvlm
 
 namespace {
@@ -103,6 +136,7 @@ namespace {
 using kvlm::rmsnorm;
 using kvlm::rope;
 using kvlm::gelu_tanh_mul;
+using kvlm::lora_b_add;
 using kvlm::silu_mul;
 
 // ---- The same functions as torch ops (torch.ops.kvlm_kernels.*), for kernels/elementwise.py -------
@@ -162,9 +196,38 @@ void rope_op(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, 
     }
 }
 
+// y (T, N) += each row's LoRA B product (lora_b_add) of t (T, R); bt float32 (sum of r * n,), spans int64 (P, 4).
+void lora_b_add_op(const at::Tensor& t, const at::Tensor& bt, const at::Tensor& spans, const at::Tensor& y) {
+    TORCH_CHECK(spans.device().is_cpu() && spans.scalar_type() == at::kLong && spans.dim() == 2 && spans.size(1) == 4 &&
+                    spans.is_contiguous(), "kvlm lora_b_add: spans must be contiguous int64 (P, 4)");
+    TORCH_CHECK(bt.device().is_cpu() && bt.scalar_type() == at::kFloat && bt.is_contiguous(),
+                "kvlm lora_b_add: bt must be contiguous float32");
+    const int64_t P = spans.size(0), R = t.size(1), N = y.size(1);
+    const int64_t* sp = spans.const_data_ptr<int64_t>();
+    int64_t total = 0, widest = 0;
+    for (int64_t p = 0; p < P; p++) {
+        const int64_t r0 = sp[4 * p], r = sp[4 * p + 1], o0 = sp[4 * p + 2], n = sp[4 * p + 3];
+        TORCH_CHECK(r0 >= 0 && r >= 0 && r0 + r <= R && o0 >= 0 && n >= 0 && o0 + n <= N,
+                    "kvlm lora_b_add: span outside t or y");
+        total += r * n;
+        widest = std::max(widest, n);
+    }
+    TORCH_CHECK(bt.numel() == total, "kvlm lora_b_add: bt holds ", bt.numel(), " floats, the spans need ", total);
+    check_f32_rows(t, R, "lora_b_add t");
+    check_f32_rows(y, N, "lora_b_add y");
+    TORCH_CHECK(y.size(0) == t.size(0), "kvlm lora_b_add: t and y rows differ");
+    at::parallel_for(0, y.size(0), std::max<int64_t>(1, 65536 / std::max<int64_t>(1, R * N)), [&](int64_t a, int64_t b) {
+        std::vector<float> u(widest);
+        for (int64_t row = a; row < b; row++)
+            lora_b_add(t.const_data_ptr<float>() + row * t.stride(0), bt.const_data_ptr<float>(), sp, P,
+                       y.mutable_data_ptr<float>() + row * y.stride(0), u.data(), 0, N);
+    });
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvlm_kernels, m) {
+    m.def("lora_b_add(Tensor t, Tensor bt, Tensor spans, Tensor(a!) y) -> ()", &lora_b_add_op);
     m.def("rms_norm(Tensor x, Tensor w, float eps, Tensor(a!) out) -> ()", &rms_norm_op);
     m.def("silu_mul(Tensor gu, Tensor(a!) out) -> ()", &silu_mul_op);
     m.def("gelu_tanh_mul(Tensor gu, Tensor(a!) out) -> ()", &gelu_tanh_mul_op);

@@ -22,4 +22,14 @@ void silu_mul(const float* g, const float* u, float* a, int64_t n);
 // a[i] = gelu_tanh(g[i]) * u[i] = g / (1 + exp(-2 sqrt(2/pi) (g + 0.044715 g^3))) * u (Gemma's GeGLU).
 void gelu_tanh_mul(const float* g, const float* u, float* a, int64_t n);
 
+// A LoRA adapter's B product on one row, added to the base output y after it is complete (kvlm/lora/):
+// for each of the P parts (spans: P x {r0, r, o0, n}, bt: the parts' B transposed, (r, n) each, packed one
+// after another), u = sum_j t[r0 + j] * bt_p[j, :] in increasing j (u = t0 * b0, then u = u + tj * bj: a
+// multiply and an add per term, never fused), then y[o0 + i] += u[i]. Columns of y outside the parts are
+// untouched; only columns c0 <= o < c1 are computed (the fused step splits them across threads). u: scratch
+// of at least c1 - c0 floats. Lane-wise, so a value's bits depend neither on the row's neighbours nor on the
+// column split.
+void lora_b_add(const float* t, const float* bt, const int64_t* spans, int64_t P, float* y, float* u, int64_t c0,
+                int64_t c1);
+
 }  // namespace kvlm
