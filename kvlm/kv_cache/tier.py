@@ -98,6 +98,8 @@ class KVTier:
                  block_bytes: int) -> None:
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
+        st = self.dir.stat()  # names the directory across processes on one machine (the router groups by it)
+        self.tier_id = f"{os.uname().nodename}:{st.st_dev}:{st.st_ino}"
         self.max_bytes, self.header, self.vocab_size = max_bytes, header, vocab_size
         self.stats = TierStats()
         self.writable = True
@@ -116,6 +118,18 @@ class KVTier:
 
     def has(self, name: bytes) -> bool:
         return self.path(name).is_file()
+
+    def names(self, prefix_bytes: int = 8, limit: int = 1 << 16) -> list[bytes]:
+        """The first `prefix_bytes` of the hashes of (at most `limit`) files here, for the router's view."""
+        out: list[bytes] = []
+        with os.scandir(self.dir) as it:
+            for entry in it:
+                if entry.name.endswith(SUFFIX) and len(out) < limit:
+                    try:
+                        out.append(bytes.fromhex(entry.name[: 2 * prefix_bytes]))
+                    except ValueError:
+                        continue  # not one of ours
+        return out
 
     # -- engine thread: store ---------------------------------------------------------------------------
     def offer(self, name: bytes, token_ids: tuple[int, ...], k: torch.Tensor, v: torch.Tensor) -> bool:
