@@ -25,6 +25,7 @@ from kvlm.errors import ParameterError
 from kvlm.kv_cache.block_manager import EVICTED, BlockManager
 from kvlm.kv_cache.storage import PagedKVCache
 from kvlm.kv_cache.tier import KVTier
+from kvlm.kv_cache.tier_ray import SCHEME, RayTier
 from kvlm.request import Request
 from kvlm.sampling_params import SamplingParams
 
@@ -119,7 +120,10 @@ def make_pool_tier(cfg: EngineConfig, bm: BlockManager, cache: object, sliding_g
         raise ParameterError("kv_tier_bytes", f"--kv-tier-bytes {cfg.kv_tier_bytes} holds less than two KV blocks "
                                               f"({block} bytes each) of this model")
     try:
-        tier = KVTier(cfg.kv_tier_dir, cfg.kv_tier_bytes, header, vocab_size, block)
+        if cfg.kv_tier_dir.startswith(SCHEME):  # a Ray actor shared by a cluster's replicas (tier_ray.py)
+            tier: KVTier = RayTier(cfg.kv_tier_dir, cfg.kv_tier_bytes, header, vocab_size, block)
+        else:
+            tier = KVTier(cfg.kv_tier_dir, cfg.kv_tier_bytes, header, vocab_size, block)
     except OSError as e:
         raise ParameterError("kv_tier_dir", f"--kv-tier-dir {cfg.kv_tier_dir}: {e.strerror or e}") from None
     return PoolTier(bm, cache, tier, cfg.kv_tier_write_through)
