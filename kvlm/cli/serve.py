@@ -199,6 +199,8 @@ def _serve_replicas(a: argparse.Namespace) -> int:
         scale = (f"{opts.min_replicas or 1}..{opts.max_replicas or opts.min_replicas} replicas (autoscaling)"
                  if opts.autoscaling else f"{n} replicas")
         ready = f"{scale}, router {a.router}, {cfg.num_threads} threads each; max_model_len {info.max_model_len}"
+        if cfg.kv_tier_dir is not None:
+            ready += f"; KV tier {cfg.kv_tier_dir} shared (write-through)"
         if a.verbose:
             ready += f"; per replica {info.cache_line.removeprefix('kvlm: ')}"
         return _run_http(a, info, client, metrics, names, ready)
