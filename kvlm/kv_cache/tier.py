@@ -27,6 +27,7 @@ directory and removes the least recently used files down to 90% of it. A write t
 a quota) turns storing off with one warning; what the tier holds is still served.
 
 What it knows: hashes, files, tensors handed to it. Not the block manager, the scheduler or requests.
+`kv_cache/tier_ray.py`'s `RayTier` keeps the same files in a Ray actor instead (`--kv-tier-dir ray://NAME`).
 """
 
 from __future__ import annotations
