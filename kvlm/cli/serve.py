@@ -177,6 +177,10 @@ def _serve_replicas(a: argparse.Namespace) -> int:
     resolve_model(a.model, quiet=a.quiet)  # an unknown model fails here in a second, not in N replicas
     cfg = _engine_config(a)
     n = a.replicas or a.min_replicas or 1
+    if cfg.kv_tier_dir is not None and not cfg.kv_tier_write_through:
+        # Replicas sharing a tier share what reaches it: with eviction alone a document prefilled by one
+        # replica reaches the tier only once that replica's pool evicts it, so the others prefill it again.
+        cfg = dataclasses.replace(cfg, kv_tier_write_through=True)
     if cfg.num_threads is None:  # share this machine's cores between the replicas
         cfg = dataclasses.replace(cfg, num_threads=max(1, (os.cpu_count() or 1) // n))
     opts = ReplicaOptions(replicas=n, min_replicas=a.min_replicas, max_replicas=a.max_replicas,
@@ -195,6 +199,8 @@ def _serve_replicas(a: argparse.Namespace) -> int:
         scale = (f"{opts.min_replicas or 1}..{opts.max_replicas or opts.min_replicas} replicas (autoscaling)"
                  if opts.autoscaling else f"{n} replicas")
         ready = f"{scale}, router {a.router}, {cfg.num_threads} threads each; max_model_len {info.max_model_len}"
+        if cfg.kv_tier_dir is not None:
+            ready += f"; KV tier {cfg.kv_tier_dir} shared (write-through)"
         if a.verbose:
             ready += f"; per replica {info.cache_line.removeprefix('kvlm: ')}"
         return _run_http(a, info, client, metrics, names, ready)

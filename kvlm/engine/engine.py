@@ -37,9 +37,8 @@ from kvlm.kv_cache.k_center import calibrate_k_center, center_digest
 from kvlm.kv_cache.pool import KVBytes, describe_kv_pool, make_kv_cache
 from kvlm.kv_cache.prefix_misses import PrefixHistory
 from kvlm.kv_cache.snapshot import SnapshotInfo, prefix_cached, snapshot_header
-from kvlm.kv_cache.storage import KVCache, KVElement, PagedKVCache, kv_format
-from kvlm.kv_cache.tier import KVTier
-from kvlm.kv_cache.tier_pool import PoolTier
+from kvlm.kv_cache.storage import KVCache, KVElement, kv_format
+from kvlm.kv_cache.tier_pool import PoolTier, make_pool_tier
 from kvlm.loader import resolve_model
 from kvlm.loader.build import load_model
 from kvlm.loader.fingerprint import model_files, model_fingerprint
@@ -111,7 +110,10 @@ class Engine:
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    recompute_all=not cfg.enable_kv_cache, prefix_history=history, groups=groups)
         # The disk tier under the prefix cache (kv_cache/tier.py, tier_pool.py); None: off
-        self.tier = self._make_tier(groups) if cfg.kv_tier_dir is not None else None
+        self.tier: PoolTier | None = None
+        if cfg.kv_tier_dir is not None:  # refused (ParameterError) where the tier cannot work: tier_pool.py
+            self.tier = make_pool_tier(cfg, self.block_manager, self.kv_cache, bool(groups), self.kv_bytes_per_token,
+                                       self._snapshot_header(), self.model_config.vocab_size)
         if history is not None and self.tier is not None:
             history.tier = True
         self.runner = ModelRunner(self.model, self.kv_cache, self.device, loaded.backend, self.tokenizer.eos_token_ids)
@@ -185,28 +187,6 @@ class Engine:
                            "kv_dtype": str(self.kv_cache_dtype), "kv_layout": self.config.kv_cache_layout,
                            "k_center": center_digest(self.k_center),
                            "block_size": self.config.block_size})
-
-    def _make_tier(self, groups: list) -> PoolTier:
-        """The KV tier for `--kv-tier-dir`: refused (ParameterError) where its blocks would not name one
-        prefix's K/V alone (see kv_cache/tier_pool.py) or where one block does not fit its bound."""
-        cfg = self.config
-        why = ("the paged KV cache with prefix caching" if not (cfg.enable_kv_cache and cfg.kv_cache_layout == "paged"
-                                                              and cfg.enable_prefix_caching)
-               else "a model without sliding-window layers" if groups
-               else "unbounded requests (no engine-wide --max-kv-tokens)" if cfg.max_kv_tokens is not None else None)
-        if why is not None:
-            raise ParameterError("kv_tier_dir", f"--kv-tier-dir needs {why}")
-        block = self.kv_bytes_per_token * cfg.block_size
-        if cfg.kv_tier_bytes < 2 * block:
-            raise ParameterError("kv_tier_bytes", f"--kv-tier-bytes {cfg.kv_tier_bytes} holds less than two KV blocks "
-                                                  f"({block} bytes each) of this model")
-        assert isinstance(self.kv_cache, PagedKVCache)
-        try:
-            tier = KVTier(cfg.kv_tier_dir, cfg.kv_tier_bytes, self._snapshot_header(), self.model_config.vocab_size,
-                          block)
-        except OSError as e:
-            raise ParameterError("kv_tier_dir", f"--kv-tier-dir {cfg.kv_tier_dir}: {e.strerror or e}") from None
-        return PoolTier(self.block_manager, self.kv_cache, tier, cfg.kv_tier_write_through)
 
     def _prefetch_tier(self) -> None:
         """Before admission: the requests about to be admitted load what the tier has past their pool hit."""

@@ -197,25 +197,46 @@ def read_snapshot(path: str | os.PathLike, header: dict[str, str], vocab_size: i
     return tokens, kv
 
 
+def _open_bytes(data: bytes) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+    """A safetensors file held in memory (the KV tier's Ray store): its metadata and tensors."""
+    from safetensors.torch import load
+
+    n = int.from_bytes(data[:8], "little")
+    meta = json.loads(bytes(data[8 : 8 + n])).get("__metadata__") or {}
+    return meta, load(bytes(data))
+
+
 def read_snapshot_meta(path: str | os.PathLike, header: dict[str, str], vocab_size: int,
-                       groups: Groups = ()) -> tuple[list[int], dict[str, torch.Tensor], dict[str, str]]:
-    """`read_snapshot`, with the file's metadata too (the KV tier's one-block files carry their hash there)."""
+                       groups: Groups = (), data: bytes | None = None
+                       ) -> tuple[list[int], dict[str, torch.Tensor], dict[str, str]]:
+    """`read_snapshot`, with the file's metadata too (the KV tier's one-block files carry their hash there).
+    `data`: the file's bytes, already in memory (then `path` only names it in errors)."""
     from safetensors import SafetensorError, safe_open
 
     kv_names = ["k", "v"] + [f"{x}{g}" for g in range(1, len(groups) + 1) for x in "kv"]
+
+    def check_names(meta: dict[str, str], names: set[str]) -> None:
+        if names != {*kv_names, "token_ids"} or meta.get("format") != FORMAT:
+            raise SnapshotError(f"{path}: not a kvlm prefix snapshot" + (" for this model's layer groups"
+                                                                          if meta.get("format") == FORMAT else ""))
+
     try:
-        with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
-            names = set(f.keys())
-            if names != {*kv_names, "token_ids"} or meta.get("format") != FORMAT:
-                raise SnapshotError(f"{path}: not a kvlm prefix snapshot" + (" for this model's layer groups"
-                                                                              if meta.get("format") == FORMAT else ""))
-            kv, ids = {n: f.get_tensor(n) for n in kv_names}, f.get_tensor("token_ids")
+        if data is not None:
+            meta, tensors = _open_bytes(data)
+            check_names(meta, set(tensors))
+            kv, ids = {n: tensors[n] for n in kv_names}, tensors["token_ids"]
+        else:
+            with safe_open(str(path), framework="pt") as f:
+                meta = f.metadata() or {}
+                check_names(meta, set(f.keys()))
+                kv, ids = {n: f.get_tensor(n) for n in kv_names}, f.get_tensor("token_ids")
     except SnapshotError:
         raise
     except FileNotFoundError:
         raise SnapshotError(f"{path}: no such file") from None
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        if data is None and not os.path.exists(path):  # safetensors names a missing file its own way
+            raise SnapshotError(f"{path}: no such file") from None
         raise SnapshotError(f"{path}: corrupt or truncated snapshot ({str(e).splitlines()[0]})") from None
     for key, label in (("model_fingerprint", "model"), ("dtype", "dtype"), ("kv_dtype", "KV cache dtype"),
                        ("block_size", "block size"), ("kv_layout", "KV layout"), ("k_center", "K center"),

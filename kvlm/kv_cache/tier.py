@@ -27,6 +27,7 @@ directory and removes the least recently used files down to 90% of it. A write t
 a quota) turns storing off with one warning; what the tier holds is still served.
 
 What it knows: hashes, files, tensors handed to it. Not the block manager, the scheduler or requests.
+`kv_cache/tier_ray.py`'s `RayTier` keeps the same files in a Ray actor instead (`--kv-tier-dir ray://NAME`).
 """
 
 from __future__ import annotations
@@ -98,6 +99,11 @@ class KVTier:
                  block_bytes: int) -> None:
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
+        st = self.dir.stat()  # names the directory across processes on one machine (the router groups by it)
+        self._start(f"{os.uname().nodename}:{st.st_dev}:{st.st_ino}", max_bytes, header, vocab_size, block_bytes)
+
+    def _start(self, tier_id: str, max_bytes: int, header: dict[str, str], vocab_size: int, block_bytes: int) -> None:
+        self.tier_id = tier_id
         self.max_bytes, self.header, self.vocab_size = max_bytes, header, vocab_size
         self.stats = TierStats()
         self.writable = True
@@ -109,13 +115,25 @@ class KVTier:
         self._scan_lru(evict=False)
         self._writer = threading.Thread(target=self._write_loop, name="kvlm-kv-tier", daemon=True)
         self._writer.start()
-        atexit.register(self._at_exit)  # a stopping server's queued blocks still reach the disk
+        atexit.register(self._at_exit)  # a stopping server's queued blocks still reach the store
 
     def path(self, name: bytes) -> Path:
         return self.dir / (name.hex() + SUFFIX)
 
     def has(self, name: bytes) -> bool:
         return self.path(name).is_file()
+
+    def names(self, prefix_bytes: int = 8, limit: int = 1 << 16) -> list[bytes]:
+        """The first `prefix_bytes` of the hashes of (at most `limit`) files here, for the router's view."""
+        out: list[bytes] = []
+        with os.scandir(self.dir) as it:
+            for entry in it:
+                if entry.name.endswith(SUFFIX) and len(out) < limit:
+                    try:
+                        out.append(bytes.fromhex(entry.name[: 2 * prefix_bytes]))
+                    except ValueError:
+                        continue  # not one of ours
+        return out
 
     # -- engine thread: store ---------------------------------------------------------------------------
     def offer(self, name: bytes, token_ids: tuple[int, ...], k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -158,19 +176,23 @@ class KVTier:
                     self._queued_bytes -= item.nbytes
                 self._queue.task_done()
 
-    def _write(self, item: _Pending) -> None:
+    def _encode(self, item: _Pending) -> bytes:
+        """A block's file: the snapshot format and header, plus its chain hash."""
         from safetensors.torch import save
 
+        ts = item.tensors
+        meta = {**self.header, "num_tokens": str(ts["token_ids"].numel()),
+                "crc32": checksum(ts["k"], ts["v"], ts["token_ids"]), "tier_hash": item.name.hex()}
+        return save({"k": ts["k"].contiguous(), "v": ts["v"].contiguous(), "token_ids": ts["token_ids"]},
+                    metadata=meta)
+
+    def _write(self, item: _Pending) -> None:
         final = self.path(item.name)
         if final.exists():  # another process (or an earlier eviction) stored it: refresh its place in the LRU
             _touch(final)
             return
         t0 = time.perf_counter()
-        ts = item.tensors
-        meta = {**self.header, "num_tokens": str(ts["token_ids"].numel()),
-                "crc32": checksum(ts["k"], ts["v"], ts["token_ids"]), "tier_hash": item.name.hex()}
-        data = save({"k": ts["k"].contiguous(), "v": ts["v"].contiguous(), "token_ids": ts["token_ids"]},
-                    metadata=meta)
+        data = self._encode(item)
         tmp = self.dir / f"{TMP_PREFIX}{item.name.hex()}-{os.getpid()}-{threading.get_ident()}"
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -251,22 +273,18 @@ class KVTier:
         t0 = time.perf_counter()
         ks, vs, nbytes = [], [], 0
         for name, toks in zip(names, tokens):
-            path = self.path(name)
             try:
-                ids, kv, meta = read_snapshot_meta(path, self.header, self.vocab_size)
-                size = path.stat().st_size
+                ids, kv, meta, size = self._read(name)
             except SnapshotError as e:
                 if "no such file" not in str(e):
-                    self._drop_corrupt(path, str(e))
+                    self._drop_corrupt(name, str(e))
                 self.stats.miss_blocks += 1
                 break
-            except FileNotFoundError:  # removed after it was read: the read is whole (mmap of an open file)
-                size = 0
             if tuple(ids) != toks or meta.get("tier_hash") != name.hex():
-                self._drop_corrupt(path, f"{path}: holds another block than its name says")
+                self._drop_corrupt(name, f"{self.path(name)}: holds another block than its name says")
                 self.stats.miss_blocks += 1
                 break
-            _touch(path)
+            self._touch(name)
             ks.append(kv["k"])
             vs.append(kv["v"])
             nbytes += size
@@ -277,8 +295,27 @@ class KVTier:
             return torch.empty(0), torch.empty(0)
         return torch.cat(ks, dim=1), torch.cat(vs, dim=1)
 
-    def _drop_corrupt(self, path: Path, why: str) -> None:
-        _unlink(path)
+    def _read(self, name: bytes) -> tuple[list[int], dict[str, torch.Tensor], dict[str, str], int]:
+        """(token ids, K/V, metadata, bytes) of a block's file, validated; SnapshotError when missing or bad."""
+        path = self.path(name)
+        try:  # read whole first: a file removed or replaced meanwhile is then either all there or missing
+            with open(path, "rb") as f:
+                data = f.read()
+        except FileNotFoundError:
+            raise SnapshotError(f"{path}: no such file") from None
+        except OSError as e:
+            raise SnapshotError(f"{path}: unreadable ({e.strerror or e})") from None
+        ids, kv, meta = read_snapshot_meta(path, self.header, self.vocab_size, data=data)
+        return ids, kv, meta, len(data)
+
+    def _touch(self, name: bytes) -> None:
+        _touch(self.path(name))
+
+    def _drop_corrupt(self, name: bytes, why: str) -> None:
+        _unlink(self.path(name))
+        self._count_corrupt(why)
+
+    def _count_corrupt(self, why: str) -> None:
         self.stats.corrupt_files += 1
         if not self._warned_corrupt:
             self._warned_corrupt = True

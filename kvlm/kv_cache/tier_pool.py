@@ -14,14 +14,18 @@
 Only full-attention models (no sliding layer groups) and unbounded requests use the tier: a bounded
 request's blocks past its first eviction are named by its policy, not by the prefix, and a sliding
 group's blocks would need their window's blocks with them (the engine refuses a tier for such models;
-a bounded request skips it). Plain Python over the block manager, the paged cache and the tier.
+a bounded request skips it). `make_pool_tier` checks all that and the byte bound for the engine, which
+only wires the result in. Plain Python over the block manager, the paged cache and the tier.
 """
 
 from __future__ import annotations
 
+from kvlm.config import EngineConfig
+from kvlm.errors import ParameterError
 from kvlm.kv_cache.block_manager import EVICTED, BlockManager
 from kvlm.kv_cache.storage import PagedKVCache
 from kvlm.kv_cache.tier import KVTier
+from kvlm.kv_cache.tier_ray import SCHEME, RayTier
 from kvlm.request import Request
 from kvlm.sampling_params import SamplingParams
 
@@ -87,3 +91,39 @@ class PoolTier:
         bm.cache_full_blocks(holder)
         bm.free(holder)  # cached-free, most recently used: the admission right after takes them
         return m * bs
+
+
+def tier_refusal(cfg: EngineConfig, sliding_groups: bool) -> str | None:
+    """Why `cfg` cannot use a KV tier (what --kv-tier-dir needs), or None: its blocks must each name one
+    prefix's K/V alone, so a paged cache with prefix caching, no sliding-window layer groups, and no
+    engine-wide bound (a bounded request's blocks are named by its policy)."""
+    if not (cfg.enable_kv_cache and cfg.kv_cache_layout == "paged" and cfg.enable_prefix_caching):
+        return "the paged KV cache with prefix caching"
+    if sliding_groups:
+        return "a model without sliding-window layers"
+    if cfg.max_kv_tokens is not None:
+        return "unbounded requests (no engine-wide --max-kv-tokens)"
+    return None
+
+
+def make_pool_tier(cfg: EngineConfig, bm: BlockManager, cache: object, sliding_groups: bool,
+                   kv_bytes_per_token: int, header: dict[str, str], vocab_size: int) -> PoolTier:
+    """The KV tier for `cfg.kv_tier_dir` over this pool: ParameterError where its blocks would not name one
+    prefix's K/V alone (`tier_refusal`), where one block does not fit its bound, or where the directory
+    cannot be made."""
+    why = tier_refusal(cfg, sliding_groups)
+    if why is not None:
+        raise ParameterError("kv_tier_dir", f"--kv-tier-dir needs {why}")
+    assert cfg.kv_tier_dir is not None and isinstance(cache, PagedKVCache)
+    block = kv_bytes_per_token * cfg.block_size
+    if cfg.kv_tier_bytes < 2 * block:
+        raise ParameterError("kv_tier_bytes", f"--kv-tier-bytes {cfg.kv_tier_bytes} holds less than two KV blocks "
+                                              f"({block} bytes each) of this model")
+    try:
+        if cfg.kv_tier_dir.startswith(SCHEME):  # a Ray actor shared by a cluster's replicas (tier_ray.py)
+            tier: KVTier = RayTier(cfg.kv_tier_dir, cfg.kv_tier_bytes, header, vocab_size, block)
+        else:
+            tier = KVTier(cfg.kv_tier_dir, cfg.kv_tier_bytes, header, vocab_size, block)
+    except OSError as e:
+        raise ParameterError("kv_tier_dir", f"--kv-tier-dir {cfg.kv_tier_dir}: {e.strerror or e}") from None
+    return PoolTier(bm, cache, tier, cfg.kv_tier_write_through)

@@ -54,8 +54,24 @@ class _Collector:
             for rid, s in sorted(reps.items()):
                 c.add_metric([self.model_name, rid], float(s.get(key, 0)))
             yield c
+        src = CounterMetricFamily("kvlm:prefix_cache_source_tokens", "Prompt tokens by where their K/V came "
+                                  "from: pool, tier (--kv-tier-dir) or miss (prefilled).", labels=[*labels, "source"])
+        for rid, s in sorted(reps.items()):
+            tier, cached = s.get("tier_tokens", 0), s.get("cached_tokens", 0)
+            for source, n in (("pool", cached - tier), ("tier", tier), ("miss", s.get("prompt_tokens", 0) - cached)):
+                src.add_metric([self.model_name, rid, source], float(n))
+        yield src
+        for key, doc in (("size_bytes", "Bytes of the tier directory's block files (shared by replicas using it)."),
+                         ("stored_blocks", "Blocks this replica wrote to the tier."),
+                         ("evicted_files", "Tier files this replica removed to keep the byte bound.")):
+            g = GaugeMetricFamily(f"kvlm:kv_tier_{key}", doc, labels=labels)
+            for rid, s in sorted(reps.items()):
+                if "tier_id" in s:
+                    g.add_metric([self.model_name, rid], float(s.get(f"tier_{key}", 0)))
+            yield g
         d = CounterMetricFamily("kvlm:router_decisions", "Requests routed, by why that replica: prefix (longest "
-                                "cached prefix), load_fallback (it was too busy: power of two choices), no_prefix "
+                                "cached prefix), tier (the best one holds it in its KV tier only), "
+                                "load_fallback (it was too busy: power of two choices), no_prefix "
                                 "(no replica held any block), pow2, round_robin.", labels=["model_name", "decision"])
         for k, v in sorted(snap["decisions"].items()):
             d.add_metric([self.model_name, k], float(v))

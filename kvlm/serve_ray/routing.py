@@ -9,8 +9,14 @@ sha256 chained over the parent hash and the block's token ids, from the pool's r
 reports the book adds what it sent there itself, bounded by the replica's pool size (what it cannot hold
 it has evicted, oldest first, as the pool does), so the view decays the way the replica's cache does.
 
+Replicas with a KV tier (`--kv-tier-dir`) also report the tier's files and which directory it is
+(`tier_id`); replicas sharing one directory share one tier view here. With write-through (which sharing
+turns on: `cli/serve.py`), what the book sends to any of them also enters their tier's view.
+
 Policies (`--router`):
-  prefix       the replica with the longest cached prefix of the prompt's blocks, unless its in-flight
+  prefix       the replica whose cache holds the most of the prompt's leading blocks, a block in its pool
+               counting 1 and one it would load from its tier `TIER_WEIGHT` (a load is cheaper than a
+               prefill, dearer than a pool hit: "tier" when the best replica's pool holds none), unless its in-flight
                count exceeds the least-loaded replica's by more than `imbalance_threshold`: then the
                power of two choices (a "load fallback"); no replica holds any block: power of two choices
   pow2         two replicas at random, the less loaded first
@@ -31,6 +37,7 @@ from typing import Any
 POLICIES = ("prefix", "pow2", "round-robin")
 BOOKS: dict[str, RoutingBook] = {}  # book key -> the book of the `kvlm serve` process (see serve_ray.router)
 HASH_BYTES = 8  # what a view keeps of each 32-byte block hash: enough to tell prefixes apart for routing
+TIER_WEIGHT = 0.5  # a block the replica would load from its KV tier, against 1 for one in its pool
 
 
 @dataclass(slots=True)
@@ -43,6 +50,7 @@ class ReplicaView:
     in_flight: int = 0
     reported_at: float = 0.0
     stats: dict[str, Any] = field(default_factory=dict)  # the replica's last report (load, counters)
+    tier_id: str | None = None  # its KV tier's directory (replicas sharing one share a `TierView`)
 
     def touch(self, hashes: Iterable[bytes]) -> None:
         for h in hashes:
@@ -62,6 +70,23 @@ class ReplicaView:
 
 
 @dataclass(slots=True)
+class TierView:
+    """What the book knows of one KV tier directory, shared by the replicas that report its `tier_id`."""
+
+    blocks: set[bytes] = field(default_factory=set)
+    write_through: bool = False  # prompts sent to its replicas enter it (when they finish)
+    sent: deque[tuple[float, list[bytes]]] = field(default_factory=deque)
+    listed_by: tuple[str, int] = ("", -1)  # (replica, seq) of the listing in `blocks`
+
+    def continues(self, hashes: Sequence[bytes], start: int) -> int:
+        """How many blocks after the first `start` of the prompt the tier holds (a chain)."""
+        n = start
+        while n < len(hashes) and hashes[n] in self.blocks:
+            n += 1
+        return n - start
+
+
+@dataclass(slots=True)
 class RouteHint:
     """What the router needs of a request (its prompt's block hashes); travels to the replica too, a few
     hundred bytes. The router writes the chosen replica's id into it."""
@@ -77,8 +102,8 @@ class Ranking:
     """Replica ids best first, each in its own rank; `decision` is what the book counts."""
 
     order: list[str]
-    decision: str  # "prefix" | "load_fallback" | "no_prefix" | "pow2" | "round_robin"
-    matched_blocks: int = 0
+    decision: str  # "prefix" | "tier" | "load_fallback" | "no_prefix" | "pow2" | "round_robin"
+    matched_blocks: int = 0  # the best replica's pool and tier blocks of the prompt
 
 
 class RoutingBook:
@@ -90,6 +115,7 @@ class RoutingBook:
             raise ValueError(f"router must be one of {', '.join(POLICIES)}, got {policy!r}")
         self.policy, self.imbalance_threshold, self.report_period_s = policy, imbalance_threshold, report_period_s
         self.views: dict[str, ReplicaView] = {}
+        self.tiers: dict[str, TierView] = {}
         self.decisions: dict[str, int] = {}
         self.retries = 0
         self._rr = 0
@@ -124,7 +150,12 @@ class RoutingBook:
             v = self.views.setdefault(replica_id, ReplicaView())
             v.in_flight += 1
             v.touch(hashes)
-            v.sent.append((time.monotonic(), list(hashes)))
+            now = time.monotonic()
+            v.sent.append((now, list(hashes)))
+            t = self.tiers.get(v.tier_id) if v.tier_id is not None else None
+            if t is not None and t.write_through:
+                t.blocks.update(hashes)
+                t.sent.append((now, list(hashes)))
 
     def finished(self, replica_id: str) -> None:
         with self._lock:
@@ -150,6 +181,19 @@ class RoutingBook:
                 v.sent.popleft()
             for _, hs in v.sent:
                 v.touch(hs)
+            if stats.get("tier_id") is not None:
+                self._report_tier(replica_id, v, stats, cutoff)
+
+    def _report_tier(self, replica_id: str, v: ReplicaView, stats: dict[str, Any], cutoff: float) -> None:
+        v.tier_id = tid = str(stats["tier_id"])
+        t = self.tiers.setdefault(tid, TierView())
+        t.write_through = bool(stats.get("tier_write_through"))
+        t.listed_by = (replica_id, int(stats["seq"]))
+        t.blocks = set(stats.get("tier_hashes", ()))
+        while t.sent and t.sent[0][0] < cutoff:
+            t.sent.popleft()
+        for _, hs in t.sent:
+            t.blocks.update(hs)
 
     def load(self, replica_id: str) -> int:
         with self._lock:
@@ -182,18 +226,25 @@ class RoutingBook:
             return Ranking(ids[k:] + ids[:k], "round_robin")
         if self.policy == "pow2":
             return Ranking(self._pow2(ids, views), "pow2")
-        matched = {c: views[c].matched(hashes) for c in ids}
+        pool = {c: views[c].matched(hashes) for c in ids}
+        tier = {c: self._tier_blocks(views[c], hashes, pool[c]) for c in ids}
+        score = {c: pool[c] + TIER_WEIGHT * tier[c] for c in ids}
         least = min(views[c].in_flight for c in ids)
-        # Longest match first; among equal matches the least loaded, then a random order (no replica is
+        # Best score first; among equal scores the least loaded, then a random order (no replica is
         # favoured by its place in Serve's list).
         self._rng.shuffle(ids)
-        order = sorted(ids, key=lambda c: (-matched[c], views[c].in_flight))
+        order = sorted(ids, key=lambda c: (-score[c], views[c].in_flight))
         best = order[0]
-        if matched[best] == 0:
+        matched = pool[best] + tier[best]
+        if matched == 0:
             return Ranking(self._pow2(ids, views), "no_prefix")
         if views[best].in_flight - least > self.imbalance_threshold:
-            return Ranking(self._pow2(ids, views), "load_fallback", matched[best])
-        return Ranking(order, "prefix", matched[best])
+            return Ranking(self._pow2(ids, views), "load_fallback", matched)
+        return Ranking(order, "prefix" if pool[best] else "tier", matched)
+
+    def _tier_blocks(self, v: ReplicaView, hashes: Sequence[bytes], start: int) -> int:
+        t = self.tiers.get(v.tier_id) if v.tier_id is not None else None
+        return 0 if t is None else t.continues(hashes, start)
 
 
 def short_hashes(hashes: Iterable[bytes]) -> list[bytes]:
