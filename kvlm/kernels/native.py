@@ -259,6 +259,7 @@ class NativeOps:
     hadamard: Any
     decode_lora_create: Any  # a LoRA adapter's plan for decode_step (model/fused_decode.py)
     decode_lora_free: Any
+    expert_qmatmul: Any  # mixture-of-experts: a projection of every chosen expert in one call (model/moe.py)
 
 
 @functools.cache
@@ -271,7 +272,8 @@ def ops() -> NativeOps | None:
                      ns.paged_decode_attention.default, ns.paged_attention.default, ns.decode_plan_create.default,
                      ns.decode_plan_free.default, ns.decode_step.default, ns.rms_norm.default,
                      ns.silu_mul.default, ns.rope.default, ns.gelu_tanh_mul.default, ns.kv_quantize.default,
-                     ns.hadamard.default, ns.decode_lora_create.default, ns.decode_lora_free.default)
+                     ns.hadamard.default, ns.decode_lora_create.default, ns.decode_lora_free.default,
+                     ns.expert_qmatmul.default)
 
 
 @functools.cache

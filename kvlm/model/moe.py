@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from kvlm.config import ModelConfig
-from kvlm.kernels import ExpertStack, QuantTensor, qmatmul
+from kvlm.kernels import ExpertStack, QuantTensor, expert_qmatmul, qmatmul
 from kvlm.kernels.elementwise import silu_mul
 
 
@@ -95,6 +95,21 @@ class Experts(nn.Module):
         g, u = (_mm(x, self.weight(n, e)) for n in ("gate_proj", "up_proj"))
         return _mm(silu_mul(torch.cat((g, u), dim=-1)), self.weight("down_proj", e))
 
+    def grouped(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Rows x (R, hidden) grouped by expert in ascending id, counts[e] rows of expert e -> (R, hidden),
+        each group through its expert. Stored blocks: one `expert_qmatmul` per projection (each row the
+        bits of `forward` on its expert alone); dense parameters: `forward` per expert."""
+        if len(self.stacks) == len(_PROJECTIONS):
+            g, u = (expert_qmatmul(x, self.stacks[n], counts) for n in ("gate_proj", "up_proj"))
+            return expert_qmatmul(silu_mul(torch.cat((g, u), dim=-1)), self.stacks["down_proj"], counts)
+        out = torch.empty_like(x)
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                out[start:start + n] = self.forward(e, x[start:start + n]).to(x.dtype)
+                start += n
+        return out
+
     def extra_repr(self) -> str:
         kinds = ", ".join(f"{n}:{self.stacks[n].qtype.name}" if n in self.stacks else f"{n}:dense"
                           for n in _PROJECTIONS)
@@ -130,14 +145,9 @@ class MoEMLP(nn.Module):
         ids, weights = _combine_order(ids, weights)
         flat = ids.reshape(-1)  # (T * k,): pair j is token j // k's (j % k)-th expert by id
         order = torch.argsort(flat, stable=True)  # pairs grouped by expert
-        counts = torch.bincount(flat, minlength=self.experts.num_experts)
+        counts = torch.bincount(flat, minlength=self.experts.num_experts).tolist()
         y = x.new_empty(T * k, x.shape[1])
-        start = 0
-        for e, n in enumerate(counts.tolist()):
-            if n:
-                pairs = order[start:start + n]
-                y[pairs] = self.experts(e, x[pairs // k]).to(y.dtype)
-                start += n
+        y[order] = self.experts.grouped(x[order // k], counts).to(y.dtype)
         y = y.view(T, k, -1) * weights.to(y.dtype).unsqueeze(-1)
         out = torch.zeros_like(x)
         for r in range(k):  # ascending expert id, from zero: the same additions for a token in any batch
