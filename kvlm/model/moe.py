@@ -136,6 +136,10 @@ class MoEMLP(nn.Module):
         self.top_k, self.renormalize = config.num_experts_per_tok, config.norm_topk_prob
         self.gate = Router(h, config.num_experts, bias=False)
         self.experts = Experts(config.num_experts, h, config.moe_intermediate_size)
+        # Expert-load counters, off (None) unless a benchmark turns them on (`count_expert_load`): rows
+        # routed to each expert, and over the calls (steps) the experts touched, which the step reads.
+        self.load: torch.Tensor | None = None
+        self.calls = self.touched = 0
 
     def forward(self, x: torch.Tensor, lora: object = None) -> torch.Tensor:
         # lora: the decoder layer passes its step's LoRARows to every MLP; the engine refuses adapters on MoE
@@ -145,7 +149,11 @@ class MoEMLP(nn.Module):
         ids, weights = _combine_order(ids, weights)
         flat = ids.reshape(-1)  # (T * k,): pair j is token j // k's (j % k)-th expert by id
         order = torch.argsort(flat, stable=True)  # pairs grouped by expert
-        counts = torch.bincount(flat, minlength=self.experts.num_experts).tolist()
+        counts_t = torch.bincount(flat, minlength=self.experts.num_experts)
+        if self.load is not None:
+            self.load += counts_t
+            self.calls, self.touched = self.calls + 1, self.touched + int((counts_t > 0).sum())
+        counts = counts_t.tolist()
         y = x.new_empty(T * k, x.shape[1])
         y[order] = self.experts.grouped(x[order // k], counts).to(y.dtype)
         y = y.view(T, k, -1) * weights.to(y.dtype).unsqueeze(-1)
@@ -153,6 +161,15 @@ class MoEMLP(nn.Module):
         for r in range(k):  # ascending expert id, from zero: the same additions for a token in any batch
             out = out + y[:, r]
         return out
+
+
+def count_expert_load(model: nn.Module, on: bool = True) -> list[MoEMLP]:
+    """Turn the expert-load counters of every routed layer of `model` on (zeroed) or off; returns the layers."""
+    layers = [m for m in model.modules() if isinstance(m, MoEMLP)]
+    for m in layers:
+        m.load = torch.zeros(m.experts.num_experts, dtype=torch.int64) if on else None
+        m.calls = m.touched = 0
+    return layers
 
 
 def moe_reference(x: torch.Tensor, router: torch.Tensor, gate: list[torch.Tensor], up: list[torch.Tensor],
