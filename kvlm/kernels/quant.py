@@ -109,9 +109,11 @@ def qmatmul(x: torch.Tensor, w: QuantTensor, out: torch.Tensor | None = None) ->
     return y if x.dim() == 2 else y.view(*x.shape[:-1], n)
 
 
-def expert_qmatmul(x: torch.Tensor, w: ExpertStack, counts: list[int]) -> torch.Tensor:
+def expert_qmatmul(x: torch.Tensor, w: ExpertStack, counts: list[int],
+                   counts_t: torch.Tensor | None = None) -> torch.Tensor:
     """Mixture-of-experts (llama.cpp's mul_mat_id): x (R, K) float32 rows grouped by expert in ascending id,
-    counts[e] rows of expert e -> (R, N), each group times its expert's weight. Natively one call: x
+    counts[e] rows of expert e -> (R, N), each group times its expert's weight (`counts_t`: the same counts
+    as an (E,) int64 tensor, if the caller has it). Natively one call: x
     quantized once and the threads split over (expert, column panel) items, each row with the bits
     `qmatmul(rows, w.expert(e))` gives it (the same kernel, whose outputs do not depend on M or the
     split). Without the native path (or above the row kernels' limits): a `qmatmul` per expert."""
@@ -131,7 +133,9 @@ def expert_qmatmul(x: torch.Tensor, w: ExpertStack, counts: list[int]) -> torch.
         return out
     ops, isa = nat
     out = torch.empty(m, n, dtype=torch.float32)
-    ops.expert_qmatmul(x2, w.data, torch.tensor(counts, dtype=torch.int64), _TYPE_IDS[w.qtype], k, isa, int8, out)
+    if counts_t is None:
+        counts_t = torch.tensor(counts, dtype=torch.int64)
+    ops.expert_qmatmul(x2, w.data, counts_t, _TYPE_IDS[w.qtype], k, isa, int8, out)
     return out
 
 

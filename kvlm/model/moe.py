@@ -95,13 +95,14 @@ class Experts(nn.Module):
         g, u = (_mm(x, self.weight(n, e)) for n in ("gate_proj", "up_proj"))
         return _mm(silu_mul(torch.cat((g, u), dim=-1)), self.weight("down_proj", e))
 
-    def grouped(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    def grouped(self, x: torch.Tensor, counts: list[int], counts_t: torch.Tensor | None = None) -> torch.Tensor:
         """Rows x (R, hidden) grouped by expert in ascending id, counts[e] rows of expert e -> (R, hidden),
         each group through its expert. Stored blocks: one `expert_qmatmul` per projection (each row the
-        bits of `forward` on its expert alone); dense parameters: `forward` per expert."""
+        bits of `forward` on its expert alone; `counts_t`: the counts as an (E,) int64 tensor, if the caller
+        has it); dense parameters: `forward` per expert."""
         if len(self.stacks) == len(_PROJECTIONS):
-            g, u = (expert_qmatmul(x, self.stacks[n], counts) for n in ("gate_proj", "up_proj"))
-            return expert_qmatmul(silu_mul(torch.cat((g, u), dim=-1)), self.stacks["down_proj"], counts)
+            g, u = (expert_qmatmul(x, self.stacks[n], counts, counts_t) for n in ("gate_proj", "up_proj"))
+            return expert_qmatmul(silu_mul(torch.cat((g, u), dim=-1)), self.stacks["down_proj"], counts, counts_t)
         out = torch.empty_like(x)
         start = 0
         for e, n in enumerate(counts):
@@ -155,7 +156,7 @@ class MoEMLP(nn.Module):
             self.calls, self.touched = self.calls + 1, self.touched + int((counts_t > 0).sum())
         counts = counts_t.tolist()
         y = x.new_empty(T * k, x.shape[1])
-        y[order] = self.experts.grouped(x[order // k], counts).to(y.dtype)
+        y[order] = self.experts.grouped(x[order // k], counts, counts_t).to(y.dtype)
         y = y.view(T, k, -1) * weights.to(y.dtype).unsqueeze(-1)
         out = torch.zeros_like(x)
         for r in range(k):  # ascending expert id, from zero: the same additions for a token in any batch
