@@ -113,7 +113,7 @@ def plot(d: dict[str, Any], path: str) -> str:
     ax1b = ax1.twinx()
     ax1b.plot(bs, [r["bytes_per_token"] / 2**20 for r in d["rows"]], "s--", color="tab:orange")
     ax1b.set_ylabel("weight MiB read per token", color="tab:orange")
-    ax1.set_title(f"{d['active_parameters'] / 1e6:,.0f}M active of {d['total_parameters'] / 1e6:,.0f}M, "
+    ax1.set_title(f"{d['active_parameters'] / 1e6:.4g}M active of {d['total_parameters'] / 1e6:.4g}M parameters, "
                   f"{d['threads']} threads", fontsize=9)
     load = d["expert_load"]
     ax2.bar(range(len(load)), load)
