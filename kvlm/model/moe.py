@@ -10,9 +10,10 @@ Experts (`Experts`). Each of gate_proj, up_proj (E, I, hidden) and down_proj (E,
 as the file stores it: an `ExpertStack` of blocks in the file's format (a view of the memory-mapped GGUF
 file; an expert no token has chosen was never read and costs no resident memory), or a dense 3-D
 parameter (the non-native dense path). A step's (token, expert) pairs are grouped by expert, and each
-expert's rows go once through the same row-invariant kernel the dense layers use for that format
-(`kernels.qmatmul`, llama.cpp's mul_mat_id idea): one matrix product per chosen expert per step, whatever
-the number of tokens that chose it.
+expert's rows go once through the same row-invariant kernel the dense layers use for that format:
+natively one `kernels.expert_qmatmul` call per projection for all chosen experts (llama.cpp's
+mul_mat_id: x quantized once, the threads split over experts and column panels), whatever the number of
+tokens that chose each.
 
 Exactness. Every kernel computes each output row by a fixed arithmetic of that row alone; the gather and
 scatter only move rows; a token's k expert outputs are summed in ascending expert id, starting from zero,
