@@ -13,7 +13,7 @@ import importlib
 BENCH_HELP = "benchmarks (each ends with one JSON line)"
 # In the order `kvlm bench --help` lists them.
 COMMANDS = ("decode", "throughput", "waste", "invariance", "latency", "compare", "quality", "prefix", "serve",
-            "kernels", "structured", "long", "kv", "spec", "tier", "lora")
+            "kernels", "structured", "long", "kv", "spec", "tier", "lora", "moe")
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:

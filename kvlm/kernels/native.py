@@ -260,6 +260,7 @@ class NativeOps:
     decode_lora_create: Any  # a LoRA adapter's plan for decode_step (model/fused_decode.py)
     decode_lora_free: Any
     lora_b_add: Any  # a LoRA adapter's B product (kvlm/lora/rows.py; the fused step's too)
+    expert_qmatmul: Any  # mixture-of-experts: a projection of every chosen expert in one call (model/moe.py)
 
 
 @functools.cache
@@ -273,7 +274,7 @@ def ops() -> NativeOps | None:
                      ns.decode_plan_free.default, ns.decode_step.default, ns.rms_norm.default,
                      ns.silu_mul.default, ns.rope.default, ns.gelu_tanh_mul.default, ns.kv_quantize.default,
                      ns.hadamard.default, ns.decode_lora_create.default, ns.decode_lora_free.default,
-                     ns.lora_b_add.default)
+                     ns.lora_b_add.default, ns.expert_qmatmul.default)
 
 
 @functools.cache

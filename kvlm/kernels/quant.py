@@ -38,7 +38,7 @@ import torch
 
 from kvlm.kernels import native
 from kvlm.kernels.backend import INT8_ACT_TYPES, INT8_ISAS, NATIVE_TYPES, native_isa
-from kvlm.kernels.quant_tensor import QuantTensor
+from kvlm.kernels.quant_tensor import ExpertStack, QuantTensor
 from kvlm.kernels.reference import dequantize_ref, qmatmul_ref
 
 _TYPE_IDS = {t: int(t) for t in NATIVE_TYPES}  # ggml type id, as the C++ side takes it
@@ -107,6 +107,36 @@ def qmatmul(x: torch.Tensor, w: QuantTensor, out: torch.Tensor | None = None) ->
         if out is not None:
             y = out.view(m, n).copy_(y)
     return y if x.dim() == 2 else y.view(*x.shape[:-1], n)
+
+
+def expert_qmatmul(x: torch.Tensor, w: ExpertStack, counts: list[int],
+                   counts_t: torch.Tensor | None = None) -> torch.Tensor:
+    """Mixture-of-experts (llama.cpp's mul_mat_id): x (R, K) float32 rows grouped by expert in ascending id,
+    counts[e] rows of expert e -> (R, N), each group times its expert's weight (`counts_t`: the same counts
+    as an (E,) int64 tensor, if the caller has it). Natively one call: x
+    quantized once and the threads split over (expert, column panel) items, each row with the bits
+    `qmatmul(rows, w.expert(e))` gives it (the same kernel, whose outputs do not depend on M or the
+    split). Without the native path (or above the row kernels' limits): a `qmatmul` per expert."""
+    _, n, k = w.shape
+    nat = _native(w.expert(0), x.is_cpu)
+    x2 = x.float().contiguous()
+    m = x2.shape[0]
+    int8 = nat is not None and w.qtype in INT8_ACT_TYPES and native.ISAS[nat[1]] in INT8_ISAS \
+        and native.int8_activations()
+    if nat is None or w.data.stride(2) != 1 or m > (INT8_ROW_MAX_ROWS if int8 else GEMV_MAX_ROWS):
+        out = torch.empty(m, n, dtype=torch.float32)
+        start = 0
+        for e, c in enumerate(counts):
+            if c:
+                qmatmul(x2[start:start + c], w.expert(e), out=out[start:start + c])
+                start += c
+        return out
+    ops, isa = nat
+    out = torch.empty(m, n, dtype=torch.float32)
+    if counts_t is None:
+        counts_t = torch.tensor(counts, dtype=torch.int64)
+    ops.expert_qmatmul(x2, w.data, counts_t, _TYPE_IDS[w.qtype], k, isa, int8, out)
+    return out
 
 
 def _tiled_matmul(x: torch.Tensor, w: QuantTensor, ops: native.NativeOps, isa: int) -> torch.Tensor:

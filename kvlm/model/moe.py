@@ -10,9 +10,10 @@ Experts (`Experts`). Each of gate_proj, up_proj (E, I, hidden) and down_proj (E,
 as the file stores it: an `ExpertStack` of blocks in the file's format (a view of the memory-mapped GGUF
 file; an expert no token has chosen was never read and costs no resident memory), or a dense 3-D
 parameter (the non-native dense path). A step's (token, expert) pairs are grouped by expert, and each
-expert's rows go once through the same row-invariant kernel the dense layers use for that format
-(`kernels.qmatmul`, llama.cpp's mul_mat_id idea): one matrix product per chosen expert per step, whatever
-the number of tokens that chose it.
+expert's rows go once through the same row-invariant kernel the dense layers use for that format:
+natively one `kernels.expert_qmatmul` call per projection for all chosen experts (llama.cpp's
+mul_mat_id: x quantized once, the threads split over experts and column panels), whatever the number of
+tokens that chose each.
 
 Exactness. Every kernel computes each output row by a fixed arithmetic of that row alone; the gather and
 scatter only move rows; a token's k expert outputs are summed in ascending expert id, starting from zero,
@@ -31,7 +32,7 @@ import torch
 from torch import nn
 
 from kvlm.config import ModelConfig
-from kvlm.kernels import ExpertStack, QuantTensor, qmatmul
+from kvlm.kernels import ExpertStack, QuantTensor, expert_qmatmul, qmatmul
 from kvlm.kernels.elementwise import silu_mul
 
 
@@ -95,6 +96,22 @@ class Experts(nn.Module):
         g, u = (_mm(x, self.weight(n, e)) for n in ("gate_proj", "up_proj"))
         return _mm(silu_mul(torch.cat((g, u), dim=-1)), self.weight("down_proj", e))
 
+    def grouped(self, x: torch.Tensor, counts: list[int], counts_t: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows x (R, hidden) grouped by expert in ascending id, counts[e] rows of expert e -> (R, hidden),
+        each group through its expert. Stored blocks: one `expert_qmatmul` per projection (each row the
+        bits of `forward` on its expert alone; `counts_t`: the counts as an (E,) int64 tensor, if the caller
+        has it); dense parameters: `forward` per expert."""
+        if len(self.stacks) == len(_PROJECTIONS):
+            g, u = (expert_qmatmul(x, self.stacks[n], counts, counts_t) for n in ("gate_proj", "up_proj"))
+            return expert_qmatmul(silu_mul(torch.cat((g, u), dim=-1)), self.stacks["down_proj"], counts, counts_t)
+        out = torch.empty_like(x)
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                out[start:start + n] = self.forward(e, x[start:start + n]).to(x.dtype)
+                start += n
+        return out
+
     def extra_repr(self) -> str:
         kinds = ", ".join(f"{n}:{self.stacks[n].qtype.name}" if n in self.stacks else f"{n}:dense"
                           for n in _PROJECTIONS)
@@ -121,6 +138,10 @@ class MoEMLP(nn.Module):
         self.top_k, self.renormalize = config.num_experts_per_tok, config.norm_topk_prob
         self.gate = Router(h, config.num_experts, bias=False)
         self.experts = Experts(config.num_experts, h, config.moe_intermediate_size)
+        # Expert-load counters, off (None) unless a benchmark turns them on (`count_expert_load`): rows
+        # routed to each expert, and over the calls (steps) the experts touched, which the step reads.
+        self.load: torch.Tensor | None = None
+        self.calls = self.touched = 0
 
     def forward(self, x: torch.Tensor, lora: object = None) -> torch.Tensor:
         # lora: the decoder layer passes its step's LoRARows to every MLP; the engine refuses adapters on MoE
@@ -130,19 +151,27 @@ class MoEMLP(nn.Module):
         ids, weights = _combine_order(ids, weights)
         flat = ids.reshape(-1)  # (T * k,): pair j is token j // k's (j % k)-th expert by id
         order = torch.argsort(flat, stable=True)  # pairs grouped by expert
-        counts = torch.bincount(flat, minlength=self.experts.num_experts)
+        counts_t = torch.bincount(flat, minlength=self.experts.num_experts)
+        if self.load is not None:
+            self.load += counts_t
+            self.calls, self.touched = self.calls + 1, self.touched + int((counts_t > 0).sum())
+        counts = counts_t.tolist()
         y = x.new_empty(T * k, x.shape[1])
-        start = 0
-        for e, n in enumerate(counts.tolist()):
-            if n:
-                pairs = order[start:start + n]
-                y[pairs] = self.experts(e, x[pairs // k]).to(y.dtype)
-                start += n
+        y[order] = self.experts.grouped(x[order // k], counts, counts_t).to(y.dtype)
         y = y.view(T, k, -1) * weights.to(y.dtype).unsqueeze(-1)
         out = torch.zeros_like(x)
         for r in range(k):  # ascending expert id, from zero: the same additions for a token in any batch
             out = out + y[:, r]
         return out
+
+
+def count_expert_load(model: nn.Module, on: bool = True) -> list[MoEMLP]:
+    """Turn the expert-load counters of every routed layer of `model` on (zeroed) or off; returns the layers."""
+    layers = [m for m in model.modules() if isinstance(m, MoEMLP)]
+    for m in layers:
+        m.load = torch.zeros(m.experts.num_experts, dtype=torch.int64) if on else None
+        m.calls = m.touched = 0
+    return layers
 
 
 def moe_reference(x: torch.Tensor, router: torch.Tensor, gate: list[torch.Tensor], up: list[torch.Tensor],

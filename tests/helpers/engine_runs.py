@@ -77,17 +77,18 @@ def assert_identical(a: tuple[dict, dict], b: tuple[dict, dict], what: str) -> N
             assert torch.equal(x, y), f"{what}: prompt {i}, step {k}: max |diff| {float((x - y).abs().max()):.3g}"
 
 
-def assert_engine_equivalences(path: Path, name: str, params: SamplingParams) -> tuple[Engine, tuple[dict, dict],
-                                                                                       list[list[int]]]:
+def assert_engine_equivalences(path: Path, name: str, params: SamplingParams,
+                               **extra: object) -> tuple[Engine, tuple[dict, dict], list[list[int]]]:
     """The bit-exact engine equivalences on one model (block size 4, four prompts sharing a 20-token prefix):
     cache vs none, chunked vs whole, alone vs batch, prefix hit vs miss, preempted vs not, 1 vs 2 threads.
-    Returns the reference engine, its result and the prompts (for a family's own further checks)."""
+    `extra`: EngineConfig fields every engine gets (an int8 cache, a bounded one). Returns the reference
+    engine, its result and the prompts (for a family's own further checks)."""
     from typing import Any
 
     from kvlm import EngineConfig
 
     def engine(**cfg: Any) -> Engine:
-        return Engine(path, EngineConfig(block_size=4, **cfg), quiet=True)
+        return Engine(path, EngineConfig(block_size=4, **{**extra, **cfg}), quiet=True)
 
     shared = random_prompts(1, 31, lo=20, hi=20)[0]
     prompts = [shared + tail for tail in random_prompts(4, 32, lo=2, hi=14)]

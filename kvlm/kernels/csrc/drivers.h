@@ -27,6 +27,13 @@ const KvlmKernels* table(int64_t isa);
 bool matmul(const KvlmKernels* t, int qtype, const uint8_t* w, int64_t rs, int64_t K, int64_t N, const float* x,
             int64_t M, float* y, int64_t ldy, int act);
 
+// Mixture-of-experts (llama.cpp's mul_mat_id): y (R, N) = x (R, K) rows grouped by expert in ascending id
+// (counts[e] rows each), each group times W_e.T (W_e at w + e * es, rows rs apart); x quantized once for
+// ACT_INT8. Threads split over (expert, column panel) items; each row has the bits `matmul` gives it on
+// its expert alone.
+bool expert_matmul(const KvlmKernels* t, int qtype, const uint8_t* w, int64_t es, int64_t rs, int64_t K, int64_t N,
+                   const int64_t* counts, int64_t E, const float* x, int64_t R, float* y, int act);
+
 // Whether `matmul` with ACT_INT8 runs the int8 kernel for this type here (else it uses float32 activations).
 bool has_int8(const KvlmKernels* t, int qtype);
 

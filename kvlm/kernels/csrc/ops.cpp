@@ -128,6 +128,38 @@ bool matmul(const KvlmKernels* t, int qtype, const uint8_t* w, int64_t rs, int64
     return ok;
 }
 
+// Mixture-of-experts, llama.cpp's mul_mat_id: y (R, N) = each expert's rows of x (R, K) times that expert's
+// W_e.T, the rows grouped by expert in ascending id (counts[e] rows each), W_e at w + e * es, its rows rs
+// apart. x is quantized once (ACT_INT8); one parallel loop over (expert, 16-column panel) items, so the
+// threads split over experts and columns together. An output's arithmetic is the dense kernel's for that
+// row (fixed per row and column, whatever M, the panel or the thread), so each row has the bits of
+// `matmul` on that expert alone.
+bool expert_matmul(const KvlmKernels* t, int qtype, const uint8_t* w, int64_t es, int64_t rs, int64_t K, int64_t N,
+                   const int64_t* counts, int64_t E, const float* x, int64_t R, float* y, int act) {
+    std::vector<int64_t> ex, off;  // the experts with rows, and where their rows start
+    for (int64_t e = 0, r = 0; e < E; r += counts[e], ++e)
+        if (counts[e] > 0) ex.push_back(e), off.push_back(r);
+    const bool i8 = act == ACT_INT8 && has_int8(t, qtype) && K % 32 == 0;
+    const ActQ a = i8 ? quantize_x(t, x, R, K) : ActQ{};
+    const int64_t nb = K / 32, panels = (N + 15) / 16, items = (int64_t)ex.size() * panels;
+    const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, K * std::max<int64_t>(1, R)) / 16);
+    std::atomic<bool> ok{true};
+    at::parallel_for(0, items, grain, [&](int64_t i0, int64_t i1) {
+        for (int64_t i = i0; i < i1;) {  // a run of one expert's panels: one kernel call
+            const int64_t j = i / panels, p0 = i % panels, p1 = std::min(panels, p0 + (i1 - i));
+            const int64_t e = ex[j], r0 = off[j], m = counts[e];
+            const uint8_t* we = w + e * es;
+            const int64_t n0 = 16 * p0, n1 = std::min(N, 16 * p1);
+            const int rc = i8 ? t->gemv_i8(qtype, we, rs, K, a.q + r0 * K, a.d + 8 * r0 * nb, a.s + r0 * nb,
+                                           a.i + r0 * nb, m, y + r0 * N, N, n0, n1)
+                              : t->gemv(qtype, we, rs, K, x + r0 * K, m, y + r0 * N, N, n0, n1);
+            if (rc) ok = false;
+            i += p1 - p0;
+        }
+    });
+    return ok;
+}
+
 // Work items of ATTN_CHUNK tokens per row tile (a constant: chunk boundaries, hence every sum's order,
 // depend on the row's context length only), all in one parallel loop; see KvlmPagedAttn for the tiles and
 // the combine. The plan (row order, tiles, items) and the partial states live in this thread's buffers,
@@ -288,6 +320,36 @@ void qmatmul_i8(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64_t
     TORCH_CHECK(ok, "kvlm kernels: no int8-activation kernel for ggml type ", qtype);
 }
 
+// Mixture-of-experts: out (R, N) = x (R, K) rows grouped by expert (counts (E,) int64, ascending id), each
+// group times its expert's weight; w (E, N, row_bytes) uint8, an expert stack as the GGUF stores it.
+// int8: quantize x per 32-element block first (as qmatmul_i8), else float32 activations (as qmatmul).
+void expert_qmatmul(const at::Tensor& x, const at::Tensor& w, const at::Tensor& counts, int64_t qtype, int64_t K,
+                    int64_t isa, bool int8, const at::Tensor& out) {
+    TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kByte && w.dim() == 3 && w.stride(2) == 1,
+                "expert weights must be a CPU uint8 (E, N, row_bytes) tensor with contiguous rows");
+    TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous() &&
+                    x.size(1) == K, "x must be a contiguous float32 (R, K) CPU tensor");
+    TORCH_CHECK(counts.device().is_cpu() && counts.scalar_type() == at::kLong && counts.dim() == 1 &&
+                    counts.is_contiguous() && counts.size(0) == w.size(0), "counts must be (E,) int64");
+    TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.dim() == 2 &&
+                    out.size(0) == x.size(0) && out.size(1) == w.size(1), "out must be a contiguous float32 (R, N)");
+    const int64_t* c = counts.const_data_ptr<int64_t>();
+    int64_t total = 0;
+    for (int64_t e = 0; e < counts.size(0); ++e) {
+        TORCH_CHECK(c[e] >= 0, "counts must be non-negative");
+        total += c[e];
+    }
+    TORCH_CHECK(total == x.size(0), "counts must sum to the rows of x");
+    const KvlmKernels* t = table(isa);
+    if (int8)
+        TORCH_CHECK(K % 32 == 0 && kvlm::has_int8(t, static_cast<int>(qtype)),
+                    "kvlm kernels: no int8-activation kernel for ggml type ", qtype, " on this ISA path");
+    const bool ok = kvlm::expert_matmul(t, static_cast<int>(qtype), w.const_data_ptr<uint8_t>(), w.stride(0),
+                                        w.stride(1), K, w.size(1), c, w.size(0), x.const_data_ptr<float>(), x.size(0),
+                                        out.mutable_data_ptr<float>(), int8 ? kvlm::ACT_INT8 : kvlm::ACT_F32);
+    TORCH_CHECK(ok, "kvlm kernels: no kernel for ggml type ", qtype);
+}
+
 // out (M, K) = x fake-quantized as the int8 kernels see it: q * d per 32-element block (K % 32 == 0).
 // For many rows, "fake-quantize x, dequantize a weight tile, BLAS" gives the int8 kernels' numerics
 // up to the float32 summation order.
@@ -433,6 +495,8 @@ TORCH_LIBRARY(kvlm_kernels, m) {
     m.def("isa_available(int isa) -> bool", &kvlm::isa_available);
     m.def("qmatmul(Tensor x, Tensor w, int qtype, int K, int isa, Tensor(a!) out) -> ()", &qmatmul);
     m.def("qmatmul_i8(Tensor x, Tensor w, int qtype, int K, int isa, Tensor(a!) out) -> ()", &qmatmul_i8);
+    m.def("expert_qmatmul(Tensor x, Tensor w, Tensor counts, int qtype, int K, int isa, bool int8, Tensor(a!) out) -> ()",
+          &expert_qmatmul);
     m.def("fake_quantize_act(Tensor x, int isa, Tensor(a!) out) -> ()", &fake_quantize_act);
     m.def("dequantize(Tensor w, int qtype, int K, int isa, Tensor(a!) out) -> ()", &dequantize);
     m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
