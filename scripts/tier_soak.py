@@ -27,9 +27,6 @@ import time
 
 LAYERS, BS, HEADS, ROW = 4, 16, 2, 64
 VOCAB = 1000
-HEADER = {"model_fingerprint": "tier-soak", "dtype": "float16", "kv_dtype": "float16",
-          "block_size": str(BS), "kv_layout": json.dumps({"layout": "paged", "layers": LAYERS, "kv_heads": HEADS,
-                                                          "head_dim": ROW}), "k_center": "none"}
 BLOCK_BYTES = 2 * LAYERS * BS * HEADS * ROW * 2  # K and V, float16 (the file adds its header and token ids)
 
 
@@ -55,8 +52,10 @@ def worker(a: argparse.Namespace) -> int:
     from kvlm.kv_cache import snapshot
     from kvlm.kv_cache.tier import KVTier
 
-    tier = KVTier(a.dir, a.bound_blocks * (BLOCK_BYTES + 1024), {"format": snapshot.FORMAT, **HEADER}, VOCAB,
-                  BLOCK_BYTES)
+    # the engine's own header for a base-model float16 cache (model "tier-soak"), so a new snapshot field
+    # reaches the soak as it reaches the engine
+    header = snapshot.snapshot_header("tier-soak", "float16", torch.float16, BS, LAYERS, HEADS, ROW)
+    tier = KVTier(a.dir, a.bound_blocks * (BLOCK_BYTES + 1024), header, VOCAB, BLOCK_BYTES)
     rng = random.Random(a.seed)
     end = time.monotonic() + a.duration
     loads = lookups = offered = bad = 0
