@@ -91,7 +91,7 @@ class Speculator:
             if not self.drafts_allowed(req):
                 continue
             if req.draft_depth is None:
-                req.draft_depth = DraftDepth(self.k_max)
+                req.draft_depth = DraftDepth()
             limit = min(self.k_max, cap, self._room(req))
             if limit > 0:
                 allowed.append((req, req.draft_depth, limit))

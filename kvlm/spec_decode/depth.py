@@ -41,7 +41,6 @@ MAX_PAUSE = 256
 class DraftDepth:
     """One request's acceptance estimate and probe state (the engine's Speculator keeps one per request)."""
 
-    k_max: int
     accepted: float = PRIOR_ACCEPTED  # decayed count of accepted drafts (from the prior's)
     trials: float = PRIOR_TRIALS  # decayed count of drafts the target judged (those up to the first rejected one)
     misses: int = 0  # verifications in a row with nothing accepted

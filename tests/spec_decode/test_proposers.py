@@ -68,7 +68,7 @@ def test_plan_drafts_where_they_raise_tokens_per_row_time() -> None:
 
 
 def test_depth_estimate_follows_acceptance_and_probes_back_off() -> None:
-    d = DraftDepth(k_max=4)
+    d = DraftDepth()
     assert d.p == 0.5  # the prior
     for _ in range(5):
         d.record(4, 4)
@@ -77,7 +77,7 @@ def test_depth_estimate_follows_acceptance_and_probes_back_off() -> None:
         d.record(2, 0)
     assert d.p < 0.3  # recent drafts weigh most
     # a request the plan leaves out probes after `pause` idle steps; a failed probe doubles the pause
-    d = DraftDepth(k_max=4)
+    d = DraftDepth()
     assert [d.probe() for _ in range(PAUSE + 1)] == [False] * PAUSE + [True]
     d.record(1, 0)
     assert d.pause == 2 * PAUSE and not d.probing
@@ -92,7 +92,7 @@ def test_depth_estimate_follows_acceptance_and_probes_back_off() -> None:
 
 
 def test_depth_without_the_cost_rule_pauses_failing_requests() -> None:
-    d = DraftDepth(k_max=4)
+    d = DraftDepth()
     for _ in range(MISSES):
         assert not d.paused()
         d.record(4, 0)
