@@ -136,6 +136,10 @@ def _build_and_load() -> None:
         with open(build_dir.parent / f"{key}.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # one builder per machine; the others wait, then load
             if not lib.exists():
+                # torch's cpp_extension takes its own `lock` file in build_dir and waits forever while one
+                # exists; a build killed midway leaves it behind. Under our flock no other builder runs,
+                # so such a file is stale and would only hang this build.
+                (build_dir / "lock").unlink(missing_ok=True)
                 _compile(name, build_dir)
     torch.ops.load_library(str(lib))
     _write_stamp(key)

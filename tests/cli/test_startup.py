@@ -171,3 +171,27 @@ def test_release_unused_drops_only_unused_pages_of_the_file(tmp_path: Path) -> N
     assert np.array_equal(mapped, data)  # released pages read back from the file
     assert int(other.sum()) == 1 << 20
     assert release_unused(tmp_path / "not-mapped.bin", [keep]) == 0
+
+
+def test_a_killed_build_does_not_hang_the_next(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch's cpp_extension waits forever while its `lock` file exists in the build folder, and a build killed
+    midway leaves one. Under kvlm's own flock no other builder runs, so the next build removes it first."""
+    from kvlm.kernels import native
+
+    monkeypatch.setenv("KVLM_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(native, "_cached_key", lambda: None)
+    monkeypatch.setattr(native, "_build_key", lambda: "k1")
+    build_dir = native._ext_root() / "k1"
+    build_dir.mkdir(parents=True)
+    (build_dir / "lock").write_text("")  # what a SIGKILLed build leaves
+    seen: list[bool] = []
+
+    def compile_(name: str, where: Path) -> None:  # stands in for the minute-long compiler run
+        seen.append((where / "lock").exists())
+        (where / f"{name}.so").write_bytes(b"")
+
+    monkeypatch.setattr(native, "_compile", compile_)
+    monkeypatch.setattr(native.torch.ops, "load_library", lambda path: None)
+    native._build_and_load()
+    assert seen == [False]
+    assert native._library("k1").exists()
