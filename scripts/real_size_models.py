@@ -17,9 +17,13 @@ router `ffn_gate_inp` (F32, as llama-quantize keeps it) and the experts stacked 
 are written one at a time (the 7B file never sits in memory). Without `--llama-python`, Q8_0 and Q4_0 files
 are written directly with gguf's own quantizer (llama.cpp's recipes such as Q4_K_M need llama.cpp);
 `--layers N` writes only the first N layers (same shapes: a quick, smaller file for per-layer speed).
+`--safetensors` writes instead a Hugging Face folder `<config>.bf16/` (config.json, bf16 model.safetensors,
+tokenizer.json and tokenizer_config.json from the default model's GGUF) for dense configurations: what a
+user downloads from a hub, for the in-width bf16 path against GGUF files.
 Usage:
   PYTHONPATH=. python scripts/real_size_models.py --config llama-3.2-1b --llama-python PATH/TO/llama-venv/bin/python
   PYTHONPATH=. python scripts/real_size_models.py --config olmoe-1b-7b --types Q4_0
+  PYTHONPATH=. python scripts/real_size_models.py --config llama-3.2-1b --safetensors
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import argparse
 import subprocess
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -146,6 +150,61 @@ def write_f16(cfg: Config, name: str, vocab_src: Path, dst: Path, seed: int = 0,
     writer.close()
 
 
+def write_bf16_folder(cfg: Config, name: str, vocab_src: Path, dst: Path, seed: int = 0) -> None:
+    """The random-weight model of dense `cfg` as an HF folder in bf16 (LlamaForCausalLM's names), with the
+    default model's tokenizer and chat template. Written to a temporary folder, then renamed."""
+    import json
+    import shutil
+
+    import torch
+    from safetensors.torch import save_file
+
+    from kvlm.loader.gguf import read_gguf
+    from kvlm.tokenizer.cache import gguf_tokenizer
+
+    if cfg.experts:
+        sys.exit(f"{name}: --safetensors writes dense configurations only")
+    _, fields = read_gguf(vocab_src)
+    tok = gguf_tokenizer(vocab_src, fields)
+    vocab, head_dim, kv = tok.vocab_size, cfg.hidden // cfg.heads, cfg.kv_heads * cfg.hidden // cfg.heads
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return (torch.randn(shape, generator=gen) * 0.02).bfloat16()
+
+    state = {"model.embed_tokens.weight": rand(vocab, cfg.hidden),
+             "model.norm.weight": torch.ones(cfg.hidden, dtype=torch.bfloat16)}
+    for i in range(cfg.layers):
+        pre = f"model.layers.{i}."
+        for n, shape in (("self_attn.q_proj", (cfg.hidden, cfg.hidden)), ("self_attn.k_proj", (kv, cfg.hidden)),
+                         ("self_attn.v_proj", (kv, cfg.hidden)), ("self_attn.o_proj", (cfg.hidden, cfg.hidden)),
+                         ("mlp.gate_proj", (cfg.ffn, cfg.hidden)), ("mlp.up_proj", (cfg.ffn, cfg.hidden)),
+                         ("mlp.down_proj", (cfg.hidden, cfg.ffn))):
+            state[pre + n + ".weight"] = rand(*shape)
+        for n in ("input_layernorm", "post_attention_layernorm"):
+            state[pre + n + ".weight"] = torch.ones(cfg.hidden, dtype=torch.bfloat16)
+    if not cfg.tied:
+        state["lm_head.weight"] = rand(vocab, cfg.hidden)
+    tmp = dst.with_name(dst.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    del state
+    (tmp / "config.json").write_text(json.dumps({
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": vocab,
+        "hidden_size": cfg.hidden, "intermediate_size": cfg.ffn, "num_hidden_layers": cfg.layers,
+        "num_attention_heads": cfg.heads, "num_key_value_heads": cfg.kv_heads, "head_dim": head_dim,
+        "max_position_embeddings": CONTEXT, "rms_norm_eps": 1e-5, "rope_theta": cfg.rope_theta,
+        "tie_word_embeddings": cfg.tied, "bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id,
+        "torch_dtype": "bfloat16"}, indent=1))
+    tok._backend.save(str(tmp / "tokenizer.json"))
+    (tmp / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": tok.bos_token, "eos_token": tok.eos_token, "add_bos_token": tok.add_bos_token,
+         "chat_template": tok.chat_template}))
+    shutil.rmtree(dst, ignore_errors=True)
+    tmp.rename(dst)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", nargs="+", default=["llama-3.2-1b"], choices=sorted(CONFIGS))
@@ -155,6 +214,7 @@ def main() -> None:
     p.add_argument("--layers", type=int, help="write only the first N layers (default: all)")
     p.add_argument("--force", action="store_true", help="remake files that exist")
     p.add_argument("--keep-f16", action="store_true", help="keep the F16 file after quantizing")
+    p.add_argument("--safetensors", action="store_true", help="write a bf16 Hugging Face folder instead of GGUF")
     a = p.parse_args()
     from kvlm.bench.common import DEFAULT_MODEL
     from kvlm.loader import resolve_model
@@ -164,6 +224,13 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     for cname in a.config:
         name = cname if a.layers is None else f"{cname}-{a.layers}L"
+        if a.safetensors:
+            cfg = CONFIGS[cname] if a.layers is None else replace(CONFIGS[cname], layers=a.layers)
+            dst = out / f"{name}.bf16"
+            if a.force or not (dst / "model.safetensors").exists():
+                write_bf16_folder(cfg, name, src, dst)
+            print(f"{dst}: {(dst / 'model.safetensors').stat().st_size / 2**20:.0f} MiB, bf16 safetensors")
+            continue
         f16 = out / f"{name}.F16.gguf"
         todo = [t for t in a.types if a.force or not (out / f"{name}.{t}.gguf").exists()]
         if not a.llama_python:

@@ -35,7 +35,10 @@ def _gguf_file(path: Path) -> Path | None:
 def load_checkpoint(path: str | os.PathLike,
                     quantized: bool = False) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
     """Read a .gguf file or an HF folder (already resolved to a local path). quantized: GGUF weights
-    stay in their block formats as `kernels.QuantTensor` views of the mapped file (see loader.gguf)."""
+    stay in their block formats as `kernels.QuantTensor` views of the mapped file (see loader.gguf), and a
+    folder's BF16/F16/F32 matrices in their width likewise (see loader.safetensors)."""
+    import torch
+
     p = Path(path)
     if not p.exists():
         raise ModelLoadError(f"{p}: no such model file or folder")
@@ -53,9 +56,12 @@ def load_checkpoint(path: str | os.PathLike,
             from kvlm.loader.safetensors import load_hf_dir
             from kvlm.tokenizer.tokenizer import Tokenizer
 
-            config, state = load_hf_dir(p)
-            if quantized:  # 2-D weights on the native row kernel (fixed order per output: row-invariant)
-                state = {k: f32_blocks(v) if v.ndim in (2, 3) else v for k, v in state.items()}
+            # quantized: 2-D BF16/F16/F32 weights stay in their width, views of the mapped shards; the rest
+            # (3-D expert stacks) as float32 blocks. Both go to the native row kernel (a fixed order per output).
+            config, state = load_hf_dir(p, in_width=quantized)
+            if quantized:
+                state = {k: f32_blocks(v) if isinstance(v, torch.Tensor) and v.ndim in (2, 3) else v
+                         for k, v in state.items()}
             tokenizer = Tokenizer.from_hf_dir(p)
     except TokenizerError as e:
         raise ModelLoadError(f"{p}: bad tokenizer: {e}") from None

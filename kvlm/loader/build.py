@@ -76,6 +76,8 @@ def load_model(path: Path, max_model_len: int | None, dtype: torch.dtype, device
             setattr(model, name, table.float())
     if device.type == "cpu":
         model.to_input_major()
-    if quantized:  # pages of the mapped file read at load but never by the model: out of RSS
-        release_unused(path, weight_ranges(model))
+    if quantized:  # pages of the mapped file(s) read at load but never by the model: out of RSS
+        used = weight_ranges(model)
+        for f in [path] if path.is_file() else [*path.glob("*.gguf"), *path.glob("*.safetensors")]:
+            release_unused(f, used)
     return LoadedModel(model, config, tokenizer, n_ctx, backend)
