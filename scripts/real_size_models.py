@@ -15,7 +15,7 @@ Mixture-of-experts configurations (`olmoe-1b-7b`: OLMoE-1B-7B's shapes, hidden 2
 top 8, expert ffn 1024) write llama.cpp's `olmoe` architecture: q/k norms over the whole projection, the
 router `ffn_gate_inp` (F32, as llama-quantize keeps it) and the experts stacked in 3-D `ffn_*_exps`. Tensors
 are written one at a time (the 7B file never sits in memory). Without `--llama-python`, Q8_0 and Q4_0 files
-are written directly with gguf's own quantizer (llama.cpp's recipes such as Q4_K_M need llama.cpp);
+(and BF16) are written directly with gguf's own quantizer (llama.cpp's recipes such as Q4_K_M need llama.cpp);
 `--layers N` writes only the first N layers (same shapes: a quick, smaller file for per-layer speed).
 `--safetensors` writes instead a Hugging Face folder `<config>.bf16/` (config.json, bf16 model.safetensors,
 tokenizer.json and tokenizer_config.json from the default model's GGUF) for dense configurations: what a
@@ -64,6 +64,7 @@ CONFIGS = {
     "olmoe-1b-7b": Config(hidden=2048, layers=16, heads=16, kv_heads=16, ffn=1024, tied=False, rope_theta=10000.0,
                           experts=64, experts_used=8, arch="olmoe"),
 }
+DIRECT = {"Q8_0", "Q4_0", "BF16"}  # formats gguf's own quantizer writes (BF16: what llama.cpp's converter keeps)
 CONTEXT = 8192  # the files' context length: enough for decode at 2,048 of context and long prompts
 
 
@@ -210,7 +211,7 @@ def main() -> None:
     p.add_argument("--config", nargs="+", default=["llama-3.2-1b"], choices=sorted(CONFIGS))
     p.add_argument("--llama-python", help="an interpreter that can import llama_cpp (without it: Q8_0 / Q4_0 "
                    "written directly by gguf's quantizer)")
-    p.add_argument("--types", nargs="+", default=["Q4_K_M", "Q4_0"], choices=sorted(FTYPES))
+    p.add_argument("--types", nargs="+", default=["Q4_K_M", "Q4_0"], choices=sorted([*FTYPES, *DIRECT]))
     p.add_argument("--layers", type=int, help="write only the first N layers (default: all)")
     p.add_argument("--force", action="store_true", help="remake files that exist")
     p.add_argument("--keep-f16", action="store_true", help="keep the F16 file after quantizing")
@@ -233,9 +234,9 @@ def main() -> None:
             continue
         f16 = out / f"{name}.F16.gguf"
         todo = [t for t in a.types if a.force or not (out / f"{name}.{t}.gguf").exists()]
-        if not a.llama_python:
-            if set(a.types) - {"Q8_0", "Q4_0"}:
-                sys.exit("without --llama-python only Q8_0 and Q4_0 can be written (gguf's quantizer)")
+        if not a.llama_python or set(a.types) <= DIRECT:
+            if set(a.types) - DIRECT:
+                sys.exit(f"without --llama-python only {', '.join(sorted(DIRECT))} can be written (gguf's quantizer)")
             for t in todo:
                 write_f16(CONFIGS[cname], name, src, out / f"{name}.{t}.gguf", layers=a.layers, qtype=t)
             for t in a.types:
