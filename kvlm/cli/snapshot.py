@@ -13,6 +13,8 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from kvlm.args import add_engine_args, engine_kwargs_from_args
+from kvlm.cli.lora import add_lora_flag, load_lora_flags
+from kvlm.errors import ParameterError
 
 if TYPE_CHECKING:
     from kvlm.engine.engine import Engine
@@ -37,13 +39,16 @@ def load_prefix_snapshot(engine: Engine, path: str | None, quiet: bool = False) 
 def cmd_cache_save(a: argparse.Namespace) -> int:
     from kvlm.llm import LLM
 
+    if len(a.lora) > 1:
+        raise ParameterError("lora", "--lora: a snapshot holds one adapter's K/V: give --lora once")
     llm = LLM(a.model, quiet=a.quiet, **engine_kwargs_from_args(a))
+    lora = (load_lora_flags(llm.llm_engine, a.lora, a.quiet) or [None])[0]
     prompt: Any = a.prompt
     if a.chat:
         prompt = {"prompt_token_ids": llm.render_chat([{"role": "system", "content": a.prompt}],
                                                       add_generation_prompt=False)}
-    info = llm.save_prefix(prompt, a.file)
-    print(json.dumps({"file": info.path, "tokens": info.num_tokens, "blocks": info.num_blocks}))
+    info = llm.save_prefix(prompt, a.file, lora=lora)
+    print(json.dumps({"file": info.path, "tokens": info.num_tokens, "blocks": info.num_blocks, "lora": lora}))
     return 0
 
 
@@ -55,5 +60,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("prompt", help="the prefix to save (text)")
     s.add_argument("file", help="output .safetensors file")
     s.add_argument("--chat", action="store_true", help="save the prompt rendered as a chat system message")
+    add_lora_flag(s, "the K/V are computed under it and the file records it (at most one; load the snapshot "
+                     "with the same adapter loaded)")
     add_engine_args(s)
     s.set_defaults(func=cmd_cache_save)

@@ -34,7 +34,7 @@ from kvlm.loader.gguf import (
     read_gguf,
     unpermute_rope,
 )
-from kvlm.lora.adapter import TARGETS, LoRAAdapter, LoRAPart, build_adapter
+from kvlm.lora.adapter import ATTENTION_MODULES, TARGETS, LoRAAdapter, LoRAPart, build_adapter
 
 # PEFT tensor names: the HF module path, then lora_A / lora_B (an adapter name may sit before `.weight`).
 _PEFT_RE = re.compile(r"^(?:.*\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
@@ -118,7 +118,7 @@ def _peft_parts(name: str, folder: Path, config: ModelConfig) -> dict[tuple[int,
 
 def _pattern(patterns: dict[str, Any], layer: int, module: str, default: float) -> float:
     """PEFT's alpha_pattern: a key matches a module path ending in it (or a regex over the path)."""
-    block = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+    block = "self_attn" if module in ATTENTION_MODULES else "mlp"
     path = f"model.layers.{layer}.{block}.{module}"
     for key, value in patterns.items():
         if re.fullmatch(rf"(.*\.)?{key}", path) or path.endswith(key):

@@ -9,7 +9,9 @@ the same way at load: `A` is the parts' A matrices one after another (sum of ran
 product for every targeted part. B is kept per part, transposed and times its scale (`bt`, the parts' (r, n)
 matrices packed one after another, with `spans`: each part's rank columns r0:r0+r of A's product and output
 rows o0:o0+n of the stacked projection): the stacked B would be block diagonal, and at rank 16 its zeros
-were a third of the adapter's bytes, all read every decode step.
+were a third of the adapter's bytes, all read every decode step. An adapter on a fused projection (Phi-3's
+`qkv_proj`, `gate_up_proj`) has one A, and its B is split by rows into the parts, every span reading all r
+columns of A's product: the same two kernels, the same bits as the parts' own adapters with that A.
 
 This module knows the base only through `ModelConfig`; reading files is `kvlm.loader.lora`'s.
 """
@@ -26,11 +28,15 @@ from kvlm.errors import LoRAError
 from kvlm.kernels.ggml_types import GGMLQuantizationType
 from kvlm.kernels.quant_tensor import QuantTensor
 
-# HF module names an adapter may target, and the model's (stacked) projection each lives in.
+# HF module names an adapter may target, and the model's (stacked) projection each lives in. Phi-3's
+# checkpoints store q/k/v and gate/up fused (`qkv_proj`, `gate_up_proj`), so its PEFT adapters target those:
+# one A for the fused projection, one B whose rows are the parts' rows one after another.
 TARGETS = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "o_proj": "o_proj",
-           "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "down_proj": "down_proj"}
+           "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "down_proj": "down_proj",
+           "qkv_proj": "qkv_proj", "gate_up_proj": "gate_up_proj"}
 _STACK_ORDER = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
                 "gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj")  # under self_attn; the rest under mlp
 
 
 def module_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -41,11 +47,31 @@ def module_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
             "gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}
 
 
+def _shape(shapes: dict[str, tuple[int, int]], module: str) -> tuple[int, int]:
+    """(out, in) of a targetable module, the fused ones (Phi-3's qkv_proj, gate_up_proj) included."""
+    if module in _STACK_ORDER:  # a fused projection: its parts' rows one after another
+        parts = _STACK_ORDER[module]
+        return sum(shapes[m][0] for m in parts), shapes[parts[0]][1]
+    return shapes[module]
+
+
 def f32_rows(w: torch.Tensor) -> QuantTensor:
-    """A float32 (N, K) matrix as an F32 `QuantTensor`: multiplied by the native row kernel (`qmatmul`),
-    whose every output row has the same bits in any batch (the base's dense weights take the same path)."""
-    w = w.float().contiguous()
-    return QuantTensor(w.view(torch.uint8).reshape(w.shape[0], -1), GGMLQuantizationType.F32, (w.shape[0], w.shape[1]))
+    """A float32 or bfloat16 (N, K) matrix as an F32 / BF16 `QuantTensor`: multiplied by the native row kernel
+    (`qmatmul`), whose every output row has the same bits in any batch (the base's dense weights take the same
+    path), and the same bits in both formats on the same values (BF16 widens each weight exactly first)."""
+    w = w.contiguous() if w.dtype == torch.bfloat16 else w.float().contiguous()
+    qtype = GGMLQuantizationType.BF16 if w.dtype == torch.bfloat16 else GGMLQuantizationType.F32
+    return QuantTensor(w.view(torch.uint8).reshape(w.shape[0], -1), qtype, (w.shape[0], w.shape[1]))
+
+
+def compact(w: torch.Tensor) -> torch.Tensor:
+    """float32 `w` as bfloat16 where bfloat16 holds every value exactly (an adapter trained or saved in
+    bfloat16, its scale a power of two), else `w`. The kernels widen bfloat16 to float32 exactly before each
+    multiply, so the bits are the float32 ones; a decode step, which reads every weight of the adapter once,
+    then reads half the bytes (at rank 16 on all projections of SmolLM2-135M, ~20 MB a token as float32 next
+    to the base's ~97 MB)."""
+    h = w.to(torch.bfloat16)
+    return h if torch.equal(h.float(), w) else w
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,8 +85,9 @@ class LoRAPart:
 
 @dataclass(frozen=True, slots=True)
 class StackedLoRA:
-    """An adapter's weights on one stacked projection of one layer: A (R, in) as F32 rows; per targeted part
-    its scaled B transposed, packed (`bt`, float32), and `spans` (P, 4) int64: r0, r, o0, n of each part."""
+    """An adapter's weights on one stacked projection of one layer: A (R, in) as F32 or BF16 rows; per targeted
+    part its scaled B transposed, packed (`bt`, float32, or bfloat16 where that is exact: `compact`), and
+    `spans` (P, 4) int64: r0, r, o0, n of each part."""
 
     a: QuantTensor
     bt: torch.Tensor
@@ -102,7 +129,7 @@ def build_adapter(name: str, adapter_id: int, path: str, parts: dict[tuple[int, 
                             f"(supported: {', '.join(TARGETS)})")
         if not 0 <= layer < config.num_hidden_layers:
             raise LoRAError(f"{where}: the base model has {config.num_hidden_layers} layers")
-        out, inp = shapes[module]
+        out, inp = _shape(shapes, module)
         r = p.a.shape[0]
         if p.a.dim() != 2 or p.b.dim() != 2 or p.b.shape[1] != r:
             raise LoRAError(f"{where}: lora_A {tuple(p.a.shape)} and lora_B {tuple(p.b.shape)} do not share a rank")
@@ -114,25 +141,32 @@ def build_adapter(name: str, adapter_id: int, path: str, parts: dict[tuple[int, 
         if not (torch.isfinite(p.a).all() and torch.isfinite(p.b).all()):
             raise LoRAError(f"{where}: non-finite values")
         ranks.add(r)
+        if module != TARGETS[module] and (layer, TARGETS[module]) in parts:
+            raise LoRAError(f"{where}: the adapter targets both the fused {TARGETS[module]} and its part {module}")
     weights: dict[tuple[int, str], StackedLoRA] = {}
     digest = hashlib.sha256(f"{scale!r}".encode())
     for layer in range(config.num_hidden_layers):
         for stacked, members in _STACK_ORDER.items():
-            present = [(m, parts[layer, m]) for m in members if (layer, m) in parts]
+            fused = parts.get((layer, stacked)) if len(members) > 1 else None
+            if fused is not None:  # one A; B split by rows into the parts, each reading all r columns
+                present = [(m, LoRAPart(fused.a, b, fused.scale))
+                           for m, b in zip(members, fused.b.split([shapes[m][0] for m in members]))]
+            else:
+                present = [(m, parts[layer, m]) for m in members if (layer, m) in parts]
             if not present:
                 continue
-            a = torch.cat([p.a.float() for _, p in present])  # (R, in)
+            a = fused.a.float() if fused is not None else torch.cat([p.a.float() for _, p in present])  # (R, in)
             bts, spans, r0 = [], [], 0
             for m, p in present:
                 o0 = sum(shapes[x][0] for x in members[: members.index(m)])
                 r = p.a.shape[0]
                 bts.append((p.b.float() * (p.scale * scale)).T.contiguous().reshape(-1))  # (r, n), row-major
-                spans.append((r0, r, o0, shapes[m][0]))
+                spans.append((0 if fused is not None else r0, r, o0, shapes[m][0]))
                 r0 += r
             bt, sp = torch.cat(bts), torch.tensor(spans, dtype=torch.int64)
             for t in (a, bt, sp):
                 digest.update(f"{layer}.{stacked}{tuple(t.shape)}".encode())
                 digest.update(t.numpy().tobytes())
-            weights[layer, stacked] = StackedLoRA(f32_rows(a), bt, sp)
+            weights[layer, stacked] = StackedLoRA(f32_rows(compact(a)), compact(bt), sp)
     targets = tuple(m for m in TARGETS if any(k[1] == m for k in parts))
     return LoRAAdapter(name, adapter_id, path, scale, max(ranks), targets, weights, key=digest.hexdigest())

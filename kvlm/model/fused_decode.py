@@ -33,6 +33,7 @@ import torch
 from kvlm.attention.metadata import AttentionMetadata, PagedRows
 from kvlm.kernels import native
 from kvlm.kernels.backend import Backend, kernel_path
+from kvlm.kernels.ggml_types import GGMLQuantizationType
 from kvlm.kernels.kv_quant import KVQuantFormat
 from kvlm.kernels.paged_attention import KV_DTYPES
 from kvlm.kv_cache.storage import PagedKVCache
@@ -40,6 +41,7 @@ from kvlm.lora.adapter import LoRAAdapter
 from kvlm.lora.rows import LoRARows
 from kvlm.model.quant_layers import QuantLinear
 
+BF16 = GGMLQuantizationType.BF16
 # Seconds per part of a profiled step, in decode.cpp's order.
 PROFILE_PARTS = ("elementwise", "matmul", "kv_write", "attention", "other")
 
@@ -155,7 +157,8 @@ class FusedDecoder:
             for layer in range(len(self.model.model.layers)):
                 for module in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
                     w = adapter.on(layer, module)
-                    tensors += ([self._none] * 3 if w is None else [w.a.data.view(torch.float32), w.bt, w.spans])
+                    a = None if w is None else w.a.data.view(torch.bfloat16 if w.a.qtype == BF16 else torch.float32)
+                    tensors += ([self._none] * 3 if w is None else [a, w.bt, w.spans])
             plan = self._loras[adapter.id] = self._ops.decode_lora_create(tensors, len(self.model.model.layers))
         return plan
 

@@ -188,6 +188,32 @@ def test_row_result_independent_of_batch_and_threads(qtype: T, isa: str) -> None
         torch.set_num_threads(before)
 
 
+def test_lora_kernels_bfloat16_equals_float32_on_the_same_values(isa: str) -> None:
+    """LoRA's two products on an adapter bfloat16 holds exactly (`kvlm.lora.adapter.compact`): A on BF16 rows
+    == A on F32 rows, one row of x (four weight rows at a time, then the rest; a row tail past the last 32)
+    == that row in a batch; B (`lora_b_add`) with B^T in bfloat16 == float32 == the reference, bit for bit."""
+    from kvlm.kernels.elementwise import lora_b_add
+    from kvlm.kernels.reference import lora_b_add_ref
+    from kvlm.lora.adapter import compact, f32_rows
+
+    g = torch.Generator().manual_seed(11)
+    a = torch.randn(19, 72, generator=g).bfloat16().float()  # 19 rows: 4 x 4 + 3; 72 = 2 x 32 + a tail of 8
+    assert compact(a).dtype == torch.bfloat16 and compact(a + 1e-3).dtype == torch.float32
+    x = torch.randn(3, 72, generator=g)
+    a32, a16 = f32_rows(a), f32_rows(compact(a))
+    assert a16.qtype == T.BF16
+    batch = qmatmul(x, a32)
+    for i in range(3):
+        assert torch.equal(qmatmul(x[i:i + 1], a32), batch[i:i + 1])
+        assert torch.equal(qmatmul(x[i:i + 1], a16), batch[i:i + 1])
+    spans = torch.tensor([[0, 8, 0, 40], [8, 11, 40, 24]])  # two parts: ranks 8 and 11, outputs 40 and 24
+    bt = (torch.randn(8 * 40 + 11 * 24, generator=g) * 0.5).bfloat16().float()
+    y0 = torch.randn(3, 64, generator=g)
+    want = lora_b_add_ref(batch, bt, spans, y0.clone())
+    for b in (bt, compact(bt)):
+        assert torch.equal(lora_b_add(batch, b, spans, y0.clone()), want), b.dtype
+
+
 def test_reference_path_forced(force_isa) -> None:
     force_isa("reference")
     w = random_blocks(T.Q4_1, 10, 64, seed=7)

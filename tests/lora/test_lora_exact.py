@@ -141,3 +141,70 @@ def test_snapshots_record_the_adapter(files: tuple[Path, dict[str, Path]], tmp_p
     run_engine(bare, [prompt], one, requests=reqs)  # ...and never the base's
     assert reqs[0].metrics.num_cached_tokens == 0
     assert bare.load_prefix(tmp_path / "base.kv").num_tokens == 64  # base snapshots as before
+
+
+def test_cli_cache_save_under_an_adapter(files: tuple[Path, dict[str, Path]], tmp_path: Path,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """`kvlm cache save --lora NAME=PATH[:SCALE]` writes the snapshot `save_prefix(..., lora=NAME)` writes: it
+    records the adapter and loads only where that adapter is loaded; two --lora are one line."""
+    import json
+
+    from safetensors import safe_open
+
+    from kvlm.cli.main import main
+
+    base, adapters = files
+    path = tmp_path / "b.kv"
+    text = "a prefix long enough for a few blocks under the adapter"
+    assert main(["-q", "cache", "save", str(base), text, str(path), "--block-size", "4",
+                 "--lora", f"b={adapters['b']}:0.5"]) == 0
+    doc = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert doc["lora"] == "b" and doc["blocks"] > 0
+    eng = _engine(files, block_size=4)
+    with safe_open(str(path), framework="pt") as f:
+        assert json.loads(f.metadata()["lora"]) == {"name": "b", "key": eng.loras.get("b").key}
+    assert eng.load_prefix(path).num_blocks == doc["blocks"]
+    assert main(["-q", "cache", "save", str(base), text, str(path), "--lora", f"a={adapters['a']}",
+                 "--lora", f"b={adapters['b']}"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "kvlm: error: --lora: a snapshot holds one adapter's K/V: give --lora once"]
+
+
+def test_bfloat16_adapter_is_kept_compact_with_the_float32_bits(files: tuple[Path, dict[str, Path]], tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """An adapter whose values bfloat16 holds exactly (saved in bfloat16; scale alpha / r = 2) is kept in
+    bfloat16, half the bytes a decode step reads, and gives the bits the same values give as float32: fused
+    step == module path == float32 weights, in a batch with other adapters == alone."""
+    import torch
+    from tiny_lora import ALL_TARGETS, peft_model, save_peft
+
+    import kvlm.lora.adapter as adapter_mod
+    from kvlm.kernels.ggml_types import GGMLQuantizationType
+
+    need_native()
+    pm = peft_model(CFG, STATE, ALL_TARGETS, r=8, alpha=16.0, seed=20)
+    with torch.no_grad():
+        for name, p in pm.named_parameters():
+            if "lora_" in name:
+                p.copy_(p.bfloat16().float())
+    folder = save_peft(pm, tmp_path / "d")
+
+    def engine(fused: bool = True) -> Engine:
+        eng = _engine(files)
+        eng.load_lora("d", folder)
+        if not fused:
+            eng.runner.fused = None
+        return eng
+
+    prompts, loras = random_prompts(4, seed=31), ["d", None, "b", "d"]
+    eng = engine()
+    w = eng.loras.get("d").on(0, "qkv_proj")
+    assert w.a.qtype == GGMLQuantizationType.BF16 and w.bt.dtype == torch.bfloat16
+    got = run_engine(eng, prompts, GREEDY, loras=loras)
+    assert_identical(got, run_engine(engine(fused=False), prompts, GREEDY, loras=loras), "bf16: fused vs modules")
+    assert_identical(({0: got[0][3]}, {0: got[1][3]}), run_engine(engine(), prompts[3:], GREEDY, loras=["d"]),
+                     "bf16 adapter: batch vs alone")
+    monkeypatch.setattr(adapter_mod, "compact", lambda w: w)  # the same values kept in float32
+    f32 = engine()
+    assert f32.loras.get("d").on(0, "qkv_proj").bt.dtype == torch.float32
+    assert_identical(run_engine(f32, prompts, GREEDY, loras=loras), got, "bf16 vs float32 weights")

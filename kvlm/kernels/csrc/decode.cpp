@@ -34,6 +34,7 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <omp.h>
 #include <type_traits>
 #include <unordered_map>
 #include <vector>
@@ -191,13 +192,15 @@ void decode_plan_free(int64_t id) {
     plans.erase(id);
 }
 
-// A LoRA adapter for the fused step: per layer and projection (qkv, o, gate_up, down), A (r, k) float32,
-// and per targeted part its scaled B transposed (packed, with spans {r0, r, o0, n}; kvlm/lora/adapter.py),
-// or none (a == nullptr).
+// A LoRA adapter for the fused step: per layer and projection (qkv, o, gate_up, down), A (r, k) float32 or
+// bfloat16 rows, and per targeted part its scaled B transposed (packed, with spans {r0, r, o0, n};
+// kvlm/lora/adapter.py), float32 or bfloat16 (where bfloat16 holds the values exactly), or none (a == nullptr).
 struct LoraMat {
-    const float *a = nullptr, *bt = nullptr;
+    const void *a = nullptr, *bt = nullptr;
     const int64_t* spans = nullptr;
     int64_t r = 0, k = 0, parts = 0, widest = 0;
+    int a_type = T_F32;  // the row kernel's format of A: T_F32 or T_BF16 (same bits on the same values)
+    bool bt16 = false;   // B^T in bfloat16 (lora_b_add_bf16)
 };
 enum { L_QKV = 0, L_O, L_GATE_UP, L_DOWN, L_MODULES };
 struct Lora {
@@ -219,11 +222,14 @@ int64_t decode_lora_create(at::TensorList tensors, int64_t layers) {
             const at::Tensor& bt = tensors[(l * L_MODULES + m) * 3 + 1];
             const at::Tensor& sp = tensors[(l * L_MODULES + m) * 3 + 2];
             if (!a.numel()) continue;
-            TORCH_CHECK(a.device().is_cpu() && bt.device().is_cpu() && sp.device().is_cpu() &&
-                            a.scalar_type() == at::kFloat && bt.scalar_type() == at::kFloat &&
-                            sp.scalar_type() == at::kLong && a.dim() == 2 && sp.dim() == 2 && sp.size(1) == 4 &&
-                            a.is_contiguous() && bt.is_contiguous() && sp.is_contiguous(),
-                        "kvlm decode: LoRA A (r, k), B^T and spans (P, 4) must be contiguous float32 / int64");
+            auto f32_or_bf16 = [](const at::Tensor& x) {
+                return x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16;
+            };
+            TORCH_CHECK(a.device().is_cpu() && bt.device().is_cpu() && sp.device().is_cpu() && f32_or_bf16(a) &&
+                            f32_or_bf16(bt) && sp.scalar_type() == at::kLong && a.dim() == 2 && sp.dim() == 2 &&
+                            sp.size(1) == 4 && a.is_contiguous() && bt.is_contiguous() && sp.is_contiguous(),
+                        "kvlm decode: LoRA A (r, k), B^T (float32 or bfloat16) and spans (P, 4, int64) must be "
+                        "contiguous");
             const int64_t* s = sp.const_data_ptr<int64_t>();
             int64_t total = 0, widest = 0;
             for (int64_t p = 0; p < sp.size(0); p++) {
@@ -234,8 +240,9 @@ int64_t decode_lora_create(at::TensorList tensors, int64_t layers) {
             }
             TORCH_CHECK(bt.numel() == total, "kvlm decode: LoRA B^T does not match its spans");
             lo->keep.insert(lo->keep.end(), {a, bt, sp});
-            lo->layers[l][m] = {a.const_data_ptr<float>(), bt.const_data_ptr<float>(), s, a.size(0), a.size(1),
-                                sp.size(0), widest};
+            lo->layers[l][m] = {a.const_data_ptr(), bt.const_data_ptr(), s, a.size(0), a.size(1), sp.size(0), widest,
+                                a.scalar_type() == at::kBFloat16 ? T_BF16 : T_F32,
+                                bt.scalar_type() == at::kBFloat16};
         }
     std::lock_guard<std::mutex> g(plans_mu);
     loras[next_lora] = std::move(lo);
@@ -248,31 +255,71 @@ void decode_lora_free(int64_t id) {
 }
 
 // y (B, n) += B_b (A_b x_b) for each row b whose adapter (rows[b], null: none) adapts projection m of layer l:
-// x (B, k). A's product is the F32 row kernel's (its rows' bits do not depend on M or on which rows share a
-// call), B's is lora_b_add (elementwise.h, lane by lane): the module path's kernels (kvlm/lora/rows.py), so
-// the same bits. Each is split across the threads (A by its rows, B by output columns), so the low-rank
-// product is not a serial tail after the threaded base matmul; no split changes a bit.
+// x (B, k). A's product is the row kernel's (t->gemv, what kvlm::matmul runs for T_F32 / T_BF16: its rows'
+// bits do not depend on M or on which rows share a call), B's is lora_b_add (elementwise.h, lane by lane): the module
+// path's kernels (kvlm/lora/rows.py), so the same bits. One parallel region per projection: the threads split
+// every adapted row's A rows, meet at a barrier (B needs all of A's product), then split B's output columns
+// in 16-column panels. No split changes a bit; one fork and join per projection instead of one per product
+// (a decode step at batch 1 runs 120 of these, each a few microseconds of work).
 void apply_lora(const KvlmKernels* t, const std::vector<const Lora*>& rows, int64_t l, int m, const float* x,
                 float* y, int64_t n, std::vector<float>& tmp) {
-    for (size_t b = 0; b < rows.size(); b++) {
-        if (!rows[b]) continue;
-        const LoraMat& w = rows[b]->layers[l][m];
-        if (!w.a) continue;
-        if (tmp.size() < static_cast<size_t>(w.r)) tmp.resize(w.r);
-        float* tr = tmp.data();
-        std::atomic<bool> ok{true};
-        at::parallel_for(0, w.r, 8, [&](int64_t r0, int64_t r1) {
-            if (!kvlm::matmul(t, T_F32, reinterpret_cast<const uint8_t*>(w.a + r0 * w.k), w.k * 4, w.k, r1 - r0,
-                              x + b * w.k, 1, tr + r0, w.r, kvlm::ACT_F32))
+    struct Job {
+        int64_t b, t0;  // the row, and where its A product starts in tmp
+        const LoraMat* w;
+    };
+    thread_local std::vector<Job> this_threads_jobs;  // reused: no allocation per call
+    std::vector<Job>& jobs = this_threads_jobs;  // a reference, so the lambdas on other threads read this one
+    jobs.clear();
+    int64_t R = 0;
+    for (size_t b = 0; b < rows.size(); b++)
+        if (rows[b] && rows[b]->layers[l][m].a) {
+            jobs.push_back({static_cast<int64_t>(b), R, &rows[b]->layers[l][m]});
+            R += rows[b]->layers[l][m].r;
+        }
+    if (jobs.empty()) return;
+    if (tmp.size() < static_cast<size_t>(R)) tmp.resize(R);
+    float* tr = tmp.data();
+    const int64_t panels = (n + 15) / 16;
+    std::atomic<bool> ok{true};
+    // thread `id` of `nth`: its share of the A rows (all jobs' rows in one range), then of B's panels
+    auto a_part = [&](int64_t id, int64_t nth) {
+        const int64_t i0 = R * id / nth, i1 = R * (id + 1) / nth;
+        for (const Job& j : jobs) {
+            const int64_t r0 = std::max(i0, j.t0) - j.t0, r1 = std::min(i1, j.t0 + j.w->r) - j.t0;
+            const int64_t row_bytes = j.w->k * (j.w->a_type == T_BF16 ? 2 : 4);
+            if (r0 < r1 && t->gemv(j.w->a_type, static_cast<const uint8_t*>(j.w->a), row_bytes, j.w->k,
+                                   x + j.b * j.w->k, 1, tr + j.t0, j.w->r, r0, r1))
                 ok = false;
-        });
-        TORCH_CHECK(ok, "kvlm decode: LoRA matmul failed");
-        at::parallel_for(0, n, 256, [&](int64_t c0, int64_t c1) {
-            thread_local std::vector<float> u;
-            if (u.size() < static_cast<size_t>(c1 - c0)) u.resize(c1 - c0);
-            kvlm::lora_b_add(tr, w.bt, w.spans, w.parts, y + b * n, u.data(), c0, c1);
-        });
+        }
+    };
+    auto b_part = [&](int64_t id, int64_t nth) {
+        const int64_t c0 = 16 * (panels * id / nth), c1 = std::min(n, 16 * (panels * (id + 1) / nth));
+        if (c0 >= c1) return;
+        thread_local std::vector<float> u;
+        if (u.size() < static_cast<size_t>(c1 - c0)) u.resize(c1 - c0);
+        for (const Job& j : jobs) {
+            if (j.w->bt16)
+                kvlm::lora_b_add_bf16(tr + j.t0, static_cast<const uint16_t*>(j.w->bt), j.w->spans, j.w->parts,
+                                      y + j.b * n, u.data(), c0, c1);
+            else
+                kvlm::lora_b_add(tr + j.t0, static_cast<const float*>(j.w->bt), j.w->spans, j.w->parts, y + j.b * n,
+                                 u.data(), c0, c1);
+        }
+    };
+    const int nt = at::in_parallel_region() ? 1 : at::get_num_threads();
+    if (nt <= 1) {
+        a_part(0, 1);
+        b_part(0, 1);
+    } else {
+#pragma omp parallel num_threads(nt)
+        {
+            const int64_t id = omp_get_thread_num(), nth = omp_get_num_threads();
+            a_part(id, nth);
+#pragma omp barrier
+            b_part(id, nth);
+        }
     }
+    TORCH_CHECK(ok, "kvlm decode: LoRA matmul failed");
 }
 
 enum { T_NORM = 0, T_MATMUL, T_KV_WRITE, T_ATTENTION, T_OTHER, T_PARTS };

@@ -102,25 +102,33 @@ void gelu_tanh_mul(const float* g, const float* u, float* a, int64_t n) { gated_
 // LoRA's B product as r axpys over B's transposed rows (B's rank is small, 8 to 64: a dot product per output
 // value would spend more on its horizontal sum than on the products). fp-contract=off: no clone fuses the
 // multiply and the add (GCC would in C++ mode), so every clone has the same bits as the PyTorch reference's
-// separate multiply and add.
-__attribute__((target_clones("avx512f", "avx2", "default"), optimize("fp-contract=off")))
-void lora_b_add(const float* t, const float* bt, const int64_t* spans, int64_t P, float* y, float* u, int64_t c0,
-                int64_t c1) {
+// separate multiply and add. B^T in float32 or bfloat16 (an adapter whose values bfloat16 holds exactly,
+// kvlm/lora/adapter.py: widening is exact, so both give the same bits, and the bfloat16 copy is half the bytes).
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+static inline __attribute__((always_inline)) float widen(float b) { return b; }
+static inline __attribute__((always_inline)) float widen(uint16_t b) {
+    return __builtin_bit_cast(float, static_cast<uint32_t>(b) << 16);
+}
+
+template <class B>
+static inline __attribute__((always_inline)) void lora_b_add_t(const float* t, const B* bt, const int64_t* spans,
+                                                               int64_t P, float* y, float* u, int64_t c0, int64_t c1) {
     for (int64_t p = 0; p < P; p++) {
         const int64_t r0 = spans[4 * p], r = spans[4 * p + 1], o0 = spans[4 * p + 2], n = spans[4 * p + 3];
-        const float* b = bt;
+        const B* b = bt;
         bt += r * n;
         const int64_t i0 = std::max(c0, o0) - o0, i1 = std::min(c1, o0 + n) - o0;  // this part's columns here
         if (r == 0 || i0 >= i1) continue;
         const int64_t w = i1 - i0;
         const float t0 = t[r0];
-        const float* b0 = b + i0;
-        for (int64_t i = 0; i < w; i++) u[i] = t0 * b0[i];
+        const B* b0 = b + i0;
+        for (int64_t i = 0; i < w; i++) u[i] = t0 * widen(b0[i]);
         for (int64_t j = 1; j < r; j++) {
             const float tj = t[r0 + j];
-            const float* bj = b + j * n + i0;
+            const B* bj = b + j * n + i0;
             for (int64_t i = 0; i < w; i++) {
-                const float v = tj * bj[i];
+                const float v = tj * widen(bj[i]);
                 u[i] = u[i] + v;
             }
         }
@@ -128,6 +136,19 @@ void lora_b_add(const float* t, const float* bt, const int64_t* spans, int64_t P
         for (int64_t i = 0; i < w; i++) yo[i] += u[i];
     }
 }
+
+__attribute__((target_clones("avx512f", "avx2", "default")))
+void lora_b_add(const float* t, const float* bt, const int64_t* spans, int64_t P, float* y, float* u, int64_t c0,
+                int64_t c1) {
+    lora_b_add_t(t, bt, spans, P, y, u, c0, c1);
+}
+
+__attribute__((target_clones("avx512f", "avx2", "default")))
+void lora_b_add_bf16(const float* t, const uint16_t* bt, const int64_t* spans, int64_t P, float* y, float* u,
+                     int64_t c0, int64_t c1) {
+    lora_b_add_t(t, bt, spans, P, y, u, c0, c1);
+}
+#pragma GCC pop_options
 
 }  // namespace kvlm
 
@@ -137,6 +158,7 @@ using kvlm::rmsnorm;
 using kvlm::rope;
 using kvlm::gelu_tanh_mul;
 using kvlm::lora_b_add;
+using kvlm::lora_b_add_bf16;
 using kvlm::silu_mul;
 
 // ---- The same functions as torch ops (torch.ops.kvlm_kernels.*), for kernels/elementwise.py -------
@@ -200,8 +222,9 @@ void rope_op(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, 
 void lora_b_add_op(const at::Tensor& t, const at::Tensor& bt, const at::Tensor& spans, const at::Tensor& y) {
     TORCH_CHECK(spans.device().is_cpu() && spans.scalar_type() == at::kLong && spans.dim() == 2 && spans.size(1) == 4 &&
                     spans.is_contiguous(), "kvlm lora_b_add: spans must be contiguous int64 (P, 4)");
-    TORCH_CHECK(bt.device().is_cpu() && bt.scalar_type() == at::kFloat && bt.is_contiguous(),
-                "kvlm lora_b_add: bt must be contiguous float32");
+    const bool bf16 = bt.scalar_type() == at::kBFloat16;
+    TORCH_CHECK(bt.device().is_cpu() && (bt.scalar_type() == at::kFloat || bf16) && bt.is_contiguous(),
+                "kvlm lora_b_add: bt must be contiguous float32 or bfloat16");
     const int64_t P = spans.size(0), R = t.size(1), N = y.size(1);
     const int64_t* sp = spans.const_data_ptr<int64_t>();
     int64_t total = 0, widest = 0;
@@ -218,9 +241,14 @@ void lora_b_add_op(const at::Tensor& t, const at::Tensor& bt, const at::Tensor& 
     TORCH_CHECK(y.size(0) == t.size(0), "kvlm lora_b_add: t and y rows differ");
     at::parallel_for(0, y.size(0), std::max<int64_t>(1, 65536 / std::max<int64_t>(1, R * N)), [&](int64_t a, int64_t b) {
         std::vector<float> u(widest);
-        for (int64_t row = a; row < b; row++)
-            lora_b_add(t.const_data_ptr<float>() + row * t.stride(0), bt.const_data_ptr<float>(), sp, P,
-                       y.mutable_data_ptr<float>() + row * y.stride(0), u.data(), 0, N);
+        for (int64_t row = a; row < b; row++) {
+            const float* tr = t.const_data_ptr<float>() + row * t.stride(0);
+            float* yr = y.mutable_data_ptr<float>() + row * y.stride(0);
+            if (bf16)
+                lora_b_add_bf16(tr, static_cast<const uint16_t*>(bt.const_data_ptr()), sp, P, yr, u.data(), 0, N);
+            else
+                lora_b_add(tr, bt.const_data_ptr<float>(), sp, P, yr, u.data(), 0, N);
+        }
     });
 }
 

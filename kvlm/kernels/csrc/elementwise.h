@@ -31,5 +31,9 @@ void gelu_tanh_mul(const float* g, const float* u, float* a, int64_t n);
 // column split.
 void lora_b_add(const float* t, const float* bt, const int64_t* spans, int64_t P, float* y, float* u, int64_t c0,
                 int64_t c1);
+// The same with B^T in bfloat16 (each value widened to float32 exactly before its multiply): the same bits as
+// lora_b_add on those values in float32, half the bytes read.
+void lora_b_add_bf16(const float* t, const uint16_t* bt, const int64_t* spans, int64_t P, float* y, float* u,
+                     int64_t c0, int64_t c1);
 
 }  // namespace kvlm

@@ -325,6 +325,34 @@ KVLM_INLINE void row_dot(const uint8_t* row, int64_t K, const float* x, int64_t 
     for (int i = 0; i < MT; i++) y[i * ldy] = hsum(acc[i]);
 }
 
+// One row of x against NR weight rows of a dense format at once: each output is row_dot<F, 1>'s (the same
+// FMAs into the same lanes in the same order, the same tree), but the NR accumulators are independent
+// chains, so a short matrix (a LoRA A, r x K) is not bound by one chain's FMA latency.
+template <class F, int NR>
+KVLM_INLINE void rows_dot(const uint8_t* w, int64_t rs, int64_t K, const float* x, float* y) {
+    static_assert(F::DENSE, "dense formats only");
+    v16 acc[NR];
+    for (int j = 0; j < NR; j++) acc[j] = (v16){};
+    const int64_t nb = K / F::BE;
+    for (int64_t b = 0; b < nb; b++) {
+        const float* xb = x + b * F::BE;
+        for (int s = 0; s < F::BE / 32; s++) {
+            const v16 x0 = ld(xb + 32 * s), x1 = ld(xb + 32 * s + 16);
+            for (int j = 0; j < NR; j++) {
+                v16 w0, w1;
+                F::step(w + j * rs + b * F::BB, s, w0, w1);
+                acc[j] += w0 * x0;
+                acc[j] += w1 * x1;
+            }
+        }
+    }
+    for (int64_t k = nb * F::BE; k < K; k++) {
+        const int lane = (int)((k - nb * F::BE) % 16);
+        for (int j = 0; j < NR; j++) acc[j][lane] += F::elem(w + j * rs, k) * x[k];
+    }
+    for (int j = 0; j < NR; j++) y[j] = hsum(acc[j]);
+}
+
 // Rows of x per decoded block: AVX-512 has 32 vector registers (8 accumulators fit), AVX2 16.
 #if defined(KVLM_AVX512)
 constexpr int64_t MT_MAX = 8;
@@ -335,6 +363,9 @@ constexpr int64_t MT_MAX = 4;
 template <class F>
 void gemv_t(const uint8_t* w, int64_t rs, int64_t K, const float* x, int64_t M, float* y, int64_t ldy,
             int64_t n0, int64_t n1) {
+    if constexpr (F::DENSE)
+        if (M == 1)  // one row of x (a decode step, a LoRA A product): four weight rows at a time, same bits
+            for (; n0 + 4 <= n1; n0 += 4) rows_dot<F, 4>(w + n0 * rs, rs, K, x, y + n0);
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t* row = w + n * rs;
         int64_t m = 0;
