@@ -385,6 +385,8 @@ class EngineConfig:
             raise bad("kv_tier_dtype", "must be int8 or None (the KV cache's own format)")
         if self.kv_tier_dtype is not None and self.kv_tier_dir is None:
             raise bad("kv_tier_dtype", "needs kv_tier_dir (a KV tier to store)")
+        if self.kv_tier_dtype == "int8" and self.kv_cache_dtype_name == "int4":  # (refused before the model loads)
+            raise bad("kv_tier_dtype", "is for a float KV cache (an int4 cache's blocks go to the tier as stored)")
         for name in ("enable_kv_cache", "adaptive_threads", "kv_tier_write_through"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "must be true or false")
