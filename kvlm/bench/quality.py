@@ -309,7 +309,7 @@ def _gates(doc: dict[str, Any]) -> dict[str, bool]:
 
 def print_table(d: dict[str, Any]) -> None:
     print(f"{d['model']}: {d['windows']} windows of {d['context']} tokens, scored on the second half; {d['text']}")
-    print(f"{'engine':10} {'dtype':8} {'KV':16} {'B/token':>8} {'ppl':>9} {'Δppl':>8} {'±se':>7} {'mean KLD':>10} "
+    print(f"{'engine':10} {'dtype':8} {'KV':18} {'B/token':>8} {'ppl':>9} {'Δppl':>8} {'±se':>7} {'mean KLD':>10} "
           f"{'p99 KLD':>10} {'top-1':>7}  against")
     for r in d["rows"]:
         kv = r["kv_cache_dtype"] + (f"+{r['kv_tier_dtype']} tier" if "kv_tier_dtype" in r else "")
@@ -327,7 +327,7 @@ def _print_row(engine: str, dtype: str, kv: str, r: dict[str, Any], against: str
     kld = f"{r['mean_kld']:.2e}" if "mean_kld" in r else ""
     p99 = f"{r['p99_kld']:.2e}" if "p99_kld" in r else ""
     top = f"{100 * r['top1_agreement']:.2f}%" if "top1_agreement" in r else ""
-    print(f"{engine:10} {dtype:8} {kv:16} {r['bytes_per_token']:8} {r['ppl']:9.4f} {delta:>8} {se:>7} {kld:>10} "
+    print(f"{engine:10} {dtype:8} {kv:18} {r['bytes_per_token']:8} {r['ppl']:9.4f} {delta:>8} {se:>7} {kld:>10} "
           f"{p99:>10} {top:>7}  {against}")
 
 
