@@ -45,12 +45,12 @@ class PoolTier:
         # are never stored again, so a file always holds one round trip of computed K/V (tier_codec.py),
         # not a round trip of a round trip. A block reused since (its hash changed) is stored as usual.
         self.lossy = tier.codec is not None and not tier.codec.lossless
-        self.loaded: dict[int, bytes | None] = {}
+        self.loaded: dict[int, bytes | None] = {}  # (bounded by the pool's blocks)
 
     # -- down -------------------------------------------------------------------------------------------
     def _offer(self, b: int) -> None:
         name, tokens = self.bm.block_hash[b], self.bm.block_tokens[b]
-        if self.lossy and b in self.loaded and self.loaded[b] == name:
+        if self.lossy and name is not None and self.loaded.get(b) == name:
             return  # came from the tier (and is still that block)
         if name is None or tokens is None or not self.tier.writable or self.tier.has(name):
             return
