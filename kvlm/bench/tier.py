@@ -138,9 +138,14 @@ def print_table(d: dict[str, Any]) -> None:
         kinds = "   ".join(f"{k}: {r[k]['n']} {s(r[k]['ttft_p50_s'])}" for k in KINDS)
         print(f"{name:<9}{r['prefilled_tokens']:>11}{r['tier_tokens']:>10}{s(r['ttft_p50_s']):>10}"
               f"{s(r['ttft_p95_s']):>8}   {kinds}")
+    # a ratio or a rate with nothing behind it (no tier hit, no miss) is "not measured", never 0
     rec, load = d["recompute_tokens_per_s"], d["tier_load_tokens_per_s"]
-    print(f"tier load {load or 0:.0f} tok/s ({d['tier_load_mb_per_s'] or 0:.0f} MB/s) vs recompute {rec or 0:.0f} "
-          f"tok/s; TTFT p50 tier hit vs miss: {d['ttft_p50_speedup_tier_hit_vs_miss'] or 0:.1f}x")
+    speedup = d["ttft_p50_speedup_tier_hit_vs_miss"]
+    load_s = "not measured (no tier hits)" if load is None else \
+        f"{load:.0f} tok/s ({d['tier_load_mb_per_s']:.0f} MB/s)"
+    rec_s = "not measured (no misses)" if rec is None else f"{rec:.0f} tok/s"
+    speedup_s = "not measured (no tier hits or no misses)" if speedup is None else f"{speedup:.1f}x"
+    print(f"tier load {load_s} vs recompute {rec_s}; TTFT p50 tier hit vs miss: {speedup_s}")
 
 
 def plot(d: dict[str, Any], path: str) -> str | None:

@@ -13,6 +13,8 @@ File layout (safetensors, so loading never unpickles anything):
            num_tokens; crc32 of the tensors' bytes (a flipped byte in the data is caught, not served);
            lora: "none" (absent: "none"), or the LoRA adapter the K/V were computed under, as JSON
            {"name", "key"} (`LoRAAdapter.key`, a digest of its weights and scale: `lora_identity`).
+           A KV tier's one-block files (`tier.py`) add tier_hash and tier_dtype (the tensors' format when
+           it differs from kv_dtype's: int8 codes of a float pool, `tier_codec.py`).
 
 The functions work on a block manager, a paged cache and the header this engine expects
 (`snapshot_header`); they know nothing of the engine. `load_prefix` checks everything before it touches
@@ -238,12 +240,14 @@ def read_snapshot_meta(path: str | os.PathLike, header: dict[str, str], vocab_si
         if data is None and not os.path.exists(path):  # safetensors names a missing file its own way
             raise SnapshotError(f"{path}: no such file") from None
         raise SnapshotError(f"{path}: corrupt or truncated snapshot ({str(e).splitlines()[0]})") from None
-    for key, label in (("model_fingerprint", "model"), ("dtype", "dtype"), ("kv_dtype", "KV cache dtype"),
-                       ("block_size", "block size"), ("kv_layout", "KV layout"), ("k_center", "K center"),
-                       ("lora", "LoRA adapter")):
+    checks = [("model_fingerprint", "model"), ("dtype", "dtype"), ("kv_dtype", "KV cache dtype"),
+              ("block_size", "block size"), ("kv_layout", "KV layout"), ("k_center", "K center"),
+              ("lora", "LoRA adapter")] + [("tier_dtype", "KV tier dtype")] * ("tier_dtype" in header)
+    for key, label in checks:
         # a snapshot without k_center (written before centering existed) holds uncentered keys; without
-        # lora (written before adapters existed), the base's K/V
-        got = meta.get(key, "none" if key in ("k_center", "lora") else None)
+        # lora (written before adapters existed), the base's K/V; a tier file without tier_dtype (written
+        # before `--kv-tier-dtype` existed), the pool's own format
+        got = meta.get(key, {"k_center": "none", "lora": "none", "tier_dtype": meta.get("kv_dtype")}.get(key))
         if key == "lora" and _lora_key(got) == _lora_key(header[key]):
             continue  # an adapter is the same by its weights and scale, whatever name it is loaded under
         if got != header[key]:
@@ -252,7 +256,7 @@ def read_snapshot_meta(path: str | os.PathLike, header: dict[str, str], vocab_si
                 got, exp = got[:12], exp[:12]
             raise SnapshotError(f"{path}: snapshot is for another {label} ({got}; this engine: {exp})")
     bs, lay = int(header["block_size"]), json.loads(header["kv_layout"])
-    name = header["kv_dtype"]
+    name = header.get("tier_dtype", header["kv_dtype"])  # what the tensors hold (a KV tier file: tier_codec.py)
     row, kv_dtype = stored_row(FORMATS[name] if name in FORMATS else getattr(torch, name), lay["head_dim"])
     nblk, group_of = ids.numel() // bs, lay.get("layer_group", [0] * lay["layers"])
     firsts = [0] + _group_firsts(nblk, groups)

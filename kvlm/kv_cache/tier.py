@@ -8,7 +8,9 @@ then enter the prefix cache as if computed (`Engine` does the wiring, `kv_cache/
 
 File = a one-block KV snapshot (`kv_cache/snapshot.py`'s format and header, so the same validation: model
 fingerprint, dtype, KV dtype, block size, layout, K center, crc32 over K/V and token ids), stored in the
-pool's own format (raw codes and scales for int8 / int4), so a load is a copy; plus `tier_hash`, the
+pool's own format (raw codes and scales for int8 / int4), so a load is a copy, or, for a float pool with
+`--kv-tier-dtype int8`, as int8 rows (`tier_codec.py`: lossy, quantized by the writer thread, dequantized
+on load); plus `tier_dtype`, which of the two, and `tier_hash`, the
 block's chain hash, which must equal the file name and the hash the reader expects, and whose tokens must
 equal the reader's. The chain hash covers every earlier token and the engine's hash root (model, dtype,
 KV format, K center, block size), so a file names one prefix's K/V only.
@@ -46,6 +48,7 @@ import torch
 
 from kvlm.errors import SnapshotError
 from kvlm.kv_cache.snapshot import checksum, read_snapshot_meta
+from kvlm.kv_cache.tier_codec import TierCodec
 
 log = logging.getLogger("kvlm")
 
@@ -96,15 +99,20 @@ class KVTier:
     """A directory of one-block snapshots named by chain hash (see the module docstring)."""
 
     def __init__(self, directory: str | os.PathLike, max_bytes: int, header: dict[str, str], vocab_size: int,
-                 block_bytes: int) -> None:
+                 block_bytes: int, codec: TierCodec | None = None) -> None:
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
         st = self.dir.stat()  # names the directory across processes on one machine (the router groups by it)
-        self._start(f"{os.uname().nodename}:{st.st_dev}:{st.st_ino}", max_bytes, header, vocab_size, block_bytes)
+        self._start(f"{os.uname().nodename}:{st.st_dev}:{st.st_ino}", max_bytes, header, vocab_size, block_bytes,
+                    codec)
 
-    def _start(self, tier_id: str, max_bytes: int, header: dict[str, str], vocab_size: int, block_bytes: int) -> None:
+    def _start(self, tier_id: str, max_bytes: int, header: dict[str, str], vocab_size: int, block_bytes: int,
+               codec: TierCodec | None) -> None:
         self.tier_id = tier_id
-        self.max_bytes, self.header, self.vocab_size = max_bytes, header, vocab_size
+        self.max_bytes, self.vocab_size = max_bytes, vocab_size
+        # codec: the files' K/V format (tier_codec.py; None: as handed in), recorded in every file's header
+        self.codec = codec
+        self.header = header if codec is None else {**header, "tier_dtype": codec.tier_dtype}
         self.stats = TierStats()
         self.writable = True
         self._warned_corrupt = False
@@ -181,10 +189,12 @@ class KVTier:
         from safetensors.torch import save
 
         ts = item.tensors
+        k, v = ts["k"], ts["v"]
+        if self.codec is not None:  # int8 rows of a float pool's K/V: quantized here, off the engine thread
+            k, v = self.codec.encode(k), self.codec.encode(v)
         meta = {**self.header, "num_tokens": str(ts["token_ids"].numel()),
-                "crc32": checksum(ts["k"], ts["v"], ts["token_ids"]), "tier_hash": item.name.hex()}
-        return save({"k": ts["k"].contiguous(), "v": ts["v"].contiguous(), "token_ids": ts["token_ids"]},
-                    metadata=meta)
+                "crc32": checksum(k, v, ts["token_ids"]), "tier_hash": item.name.hex()}
+        return save({"k": k.contiguous(), "v": v.contiguous(), "token_ids": ts["token_ids"]}, metadata=meta)
 
     def _write(self, item: _Pending) -> None:
         final = self.path(item.name)
@@ -269,7 +279,8 @@ class KVTier:
     def load_run(self, names: list[bytes], tokens: list[tuple[int, ...]]) -> tuple[torch.Tensor, torch.Tensor]:
         """Read the files of `names` in order, each checked against this engine's header and `tokens` (the
         block's token ids); stops at the first missing or invalid one (an invalid one is removed).
-        Returns K and V (layers, n, block_size, kv_heads, row) for the n blocks read (n may be 0)."""
+        Returns K and V (layers, n, block_size, kv_heads, row) in the pool's format (decoded from the files'
+        by the codec) for the n blocks read (n may be 0)."""
         t0 = time.perf_counter()
         ks, vs, nbytes = [], [], 0
         for name, toks in zip(names, tokens):
@@ -288,12 +299,13 @@ class KVTier:
             ks.append(kv["k"])
             vs.append(kv["v"])
             nbytes += size
+        k, v = (torch.cat(ks, dim=1), torch.cat(vs, dim=1)) if ks else (torch.empty(0), torch.empty(0))
+        if ks and self.codec is not None:
+            k, v = self.codec.decode(k), self.codec.decode(v)
         self.stats.load_s += time.perf_counter() - t0
         self.stats.hit_blocks += len(ks)
         self.stats.hit_bytes += nbytes
-        if not ks:
-            return torch.empty(0), torch.empty(0)
-        return torch.cat(ks, dim=1), torch.cat(vs, dim=1)
+        return k, v
 
     def _read(self, name: bytes) -> tuple[list[int], dict[str, torch.Tensor], dict[str, str], int]:
         """(token ids, K/V, metadata, bytes) of a block's file, validated; SnapshotError when missing or bad."""

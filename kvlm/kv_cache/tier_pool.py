@@ -10,6 +10,8 @@
   writes them into fresh blocks and registers them as cached-free blocks, exactly as `load_prefix` loads
   a snapshot. The scheduler's admission then finds them as an ordinary prefix hit: those tokens are not
   prefilled, and the read's time is part of the request's time to first token.
+* Format: the files hold the pool's own bytes, or int8 rows of a float pool's (`--kv-tier-dtype int8`,
+  `tier_codec.py`); a block loaded from such a lossy tier is never stored again (`loaded`).
 
 Only full-attention models (no sliding layer groups) and unbounded requests use the tier: a bounded
 request's blocks past its first eviction are named by its policy, not by the prefix, and a sliding
@@ -20,11 +22,14 @@ only wires the result in. Plain Python over the block manager, the paged cache a
 
 from __future__ import annotations
 
+import json
+
 from kvlm.config import EngineConfig
 from kvlm.errors import ParameterError
 from kvlm.kv_cache.block_manager import EVICTED, BlockManager
 from kvlm.kv_cache.storage import PagedKVCache
 from kvlm.kv_cache.tier import KVTier
+from kvlm.kv_cache.tier_codec import make_codec
 from kvlm.kv_cache.tier_ray import SCHEME, RayTier
 from kvlm.request import Request
 from kvlm.sampling_params import SamplingParams
@@ -36,10 +41,17 @@ class PoolTier:
     def __init__(self, bm: BlockManager, cache: PagedKVCache, tier: KVTier, write_through: bool = False) -> None:
         self.bm, self.cache, self.tier, self.write_through_on = bm, cache, tier, write_through
         bm.on_evict = self.on_evict
+        # A lossy tier (int8 files of a float pool): the blocks loaded from it, by block id -> chain hash,
+        # are never stored again, so a file always holds one round trip of computed K/V (tier_codec.py),
+        # not a round trip of a round trip. A block reused since (its hash changed) is stored as usual.
+        self.lossy = tier.codec is not None and not tier.codec.lossless
+        self.loaded: dict[int, bytes | None] = {}  # (bounded by the pool's blocks)
 
     # -- down -------------------------------------------------------------------------------------------
     def _offer(self, b: int) -> None:
         name, tokens = self.bm.block_hash[b], self.bm.block_tokens[b]
+        if self.lossy and name is not None and self.loaded.get(b) == name:
+            return  # came from the tier (and is still that block)
         if name is None or tokens is None or not self.tier.writable or self.tier.has(name):
             return
         k, v = self.cache.read_blocks([b])  # (layers, 1, block_size, kv_heads, row): a copy
@@ -48,6 +60,7 @@ class PoolTier:
     def on_evict(self, b: int) -> None:
         """`b`, a cached block, is about to be reused for other K/V: keep its bytes on disk."""
         self._offer(b)
+        self.loaded.pop(b, None)
 
     def write_through(self, req: Request) -> None:
         """`req` is finishing: offer its registered prompt blocks (write-through; no-op when it is off)."""
@@ -89,6 +102,8 @@ class PoolTier:
         self.cache.write_blocks(holder.block_table[k:], kk, vv, first_position=k * bs)
         holder.num_computed_tokens = (k + m) * bs
         bm.cache_full_blocks(holder)
+        if self.lossy:
+            self.loaded.update((b, bm.block_hash[b]) for b in holder.block_table[k:])
         bm.free(holder)  # cached-free, most recently used: the admission right after takes them
         return m * bs
 
@@ -115,15 +130,19 @@ def make_pool_tier(cfg: EngineConfig, bm: BlockManager, cache: object, sliding_g
     if why is not None:
         raise ParameterError("kv_tier_dir", f"--kv-tier-dir needs {why}")
     assert cfg.kv_tier_dir is not None and isinstance(cache, PagedKVCache)
+    try:
+        codec = make_codec(header["kv_dtype"], cfg.kv_tier_dtype, json.loads(header["kv_layout"])["head_dim"])
+    except ValueError as e:
+        raise ParameterError("kv_tier_dtype", str(e)) from None
     block = kv_bytes_per_token * cfg.block_size
     if cfg.kv_tier_bytes < 2 * block:
         raise ParameterError("kv_tier_bytes", f"--kv-tier-bytes {cfg.kv_tier_bytes} holds less than two KV blocks "
                                               f"({block} bytes each) of this model")
     try:
         if cfg.kv_tier_dir.startswith(SCHEME):  # a Ray actor shared by a cluster's replicas (tier_ray.py)
-            tier: KVTier = RayTier(cfg.kv_tier_dir, cfg.kv_tier_bytes, header, vocab_size, block)
+            tier: KVTier = RayTier(cfg.kv_tier_dir, cfg.kv_tier_bytes, header, vocab_size, block, codec)
         else:
-            tier = KVTier(cfg.kv_tier_dir, cfg.kv_tier_bytes, header, vocab_size, block)
+            tier = KVTier(cfg.kv_tier_dir, cfg.kv_tier_bytes, header, vocab_size, block, codec)
     except OSError as e:
         raise ParameterError("kv_tier_dir", f"--kv-tier-dir {cfg.kv_tier_dir}: {e.strerror or e}") from None
     return PoolTier(bm, cache, tier, cfg.kv_tier_write_through)

@@ -27,6 +27,7 @@ import torch
 from kvlm.errors import SnapshotError
 from kvlm.kv_cache.snapshot import read_snapshot_meta
 from kvlm.kv_cache.tier import KVTier, _Pending
+from kvlm.kv_cache.tier_codec import TierCodec
 
 SCHEME = "ray://"
 NAMESPACE = "kvlm"
@@ -86,7 +87,8 @@ class RayTier(KVTier):
     """A `KVTier` over the named actor of `url` (ray://NAME); needs Ray connected (a replica, or
     `ray.init` before the engine starts)."""
 
-    def __init__(self, url: str, max_bytes: int, header: dict[str, str], vocab_size: int, block_bytes: int) -> None:
+    def __init__(self, url: str, max_bytes: int, header: dict[str, str], vocab_size: int, block_bytes: int,
+                 codec: TierCodec | None = None) -> None:
         import ray
 
         name = url.removeprefix(SCHEME).strip("/") or "default"
@@ -100,7 +102,7 @@ class RayTier(KVTier):
         self._known: OrderedDict[bytes, None] = OrderedDict()
         self._fetched: dict[bytes, bytes | None] = {}
         gcs = ray.get_runtime_context().gcs_address
-        self._start(f"{SCHEME}{name}@{gcs}", max_bytes, header, vocab_size, block_bytes)
+        self._start(f"{SCHEME}{name}@{gcs}", max_bytes, header, vocab_size, block_bytes, codec)
 
     def _call(self, method: str, *args: Any) -> Any:
         import ray

@@ -108,3 +108,17 @@ def test_bad_input(model: Path, text: Path, tmp_path: Path) -> None:
         quality.run(str(model), context=64, text=str(short), kv_cache_dtypes=("int8",), dtypes=("auto",))
     with pytest.raises(ValueError, match="even number"):
         quality.run(str(model), context=63, text=str(text))
+
+
+def test_float_cache_over_an_int8_tier(model: Path, text: Path) -> None:
+    """--kv-tier-dtype int8: each float cache also runs with the window's first half loaded from an int8 tier,
+    scored against that cache alone: close (the round trip's error), not equal, and every row's tokens."""
+    d = quality.run(str(model), threads=2, context=64, chunks=2, chunk=16, kv_cache_dtypes=("float16", "int8"),
+                    dtypes=("float32",), text=str(text), kv_tier_dtype="int8")
+    tier = {r["kv_cache_dtype"]: r for r in d["rows"] if r.get("kv_tier_dtype") == "int8"}
+    assert set(tier) == {"float32", "float16"}  # not int8: its blocks go to a tier as stored
+    for kv, r in tier.items():
+        assert r["against"] == {"dtype": "float32", "kv_cache_dtype": kv} and r["tokens"] == 62
+        assert 0 < r["mean_kld"] < 1e-2 and r["top1_agreement"] > 0.9
+        assert r["tier_bytes_per_token"] < r["bytes_per_token"]
+    assert set(d["gates"]) == {"int8_mean_kld_le_1e-3 (--dtype float32)", "int8_ppl_within_0.5% (--dtype float32)"}

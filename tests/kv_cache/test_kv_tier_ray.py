@@ -80,3 +80,19 @@ def test_a_new_engine_starts_warm_from_the_ray_store(model: Path, ray_local, cap
     check_same(got[:3], ref[1])
     assert ray_local.get(tier.actor.lookup.remote(names)) == 0  # it is gone from the store
     ray_local.kill(tier.actor)
+
+
+def test_int8_tier_in_the_ray_store(model: Path, ray_local) -> None:  # noqa: F811
+    """`--kv-tier-dtype int8` over the Ray store: the actor holds int8 files (1/3.8 of float32's bytes
+    here), and a new engine loads them as the directory tier would (the round trip's bits: tested in
+    test_kv_tier_int8.py); an engine expecting the pool's own format refuses them."""
+    url = f"ray://test-{uuid.uuid4().hex[:8]}"
+    a = LLM(model, block_size=BS, kv_tier_dir=url, kv_tier_write_through=True, kv_tier_dtype="int8")
+    run(a, PROMPTS[2])
+    a.llm_engine.flush_kv_tier()
+    b = LLM(model, block_size=BS, kv_tier_dir=url, kv_tier_dtype="int8")
+    got = run(b, PROMPTS[2])
+    assert got[3].num_tier_tokens == 40 and b.llm_engine.tier.tier.stats.corrupt_files == 0
+    assert b.llm_engine.tier.tier.stats.hit_bytes < 10 * BS * b.llm_engine.kv_bytes_per_token / 2
+    c = LLM(model, block_size=BS, kv_tier_dir=url)
+    assert run(c, PROMPTS[2])[3].num_tier_tokens == 0 and c.llm_engine.tier.tier.stats.corrupt_files == 1

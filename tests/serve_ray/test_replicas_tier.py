@@ -2,8 +2,10 @@
 total, not once per replica, counted from each replica's own figures (`/metrics`, by replica and source).
 
 Round-robin routing sends a document's second request to the other replica, whose pool never saw it: only
-the shared tier (write-through, which sharing turns on) spares that prefill. The router's scoring of tier
-hits is tested without Ray in test_routing.py.
+the shared tier (write-through, which sharing turns on) spares that prefill. And the prefix router, live:
+a document that is in the shared tier and in neither replica's pool is routed by the replicas' own tier
+reports (decision "tier" in /metrics) and loaded, not prefilled. The scoring itself is tested without Ray
+in test_routing.py.
 """
 
 from __future__ import annotations
@@ -39,6 +41,51 @@ def by_replica(server: ServerProcess, name: str, source: str) -> dict[str, float
         if labels.get("source", source) == source:
             out[labels["replica"]] = float(m.group(2))
     return out
+
+
+def tier_decisions(server: ServerProcess) -> float:
+    return server.metrics().get('kvlm:router_decisions_total{decision="tier"}', 0.0)
+
+
+def test_router_decides_tier_for_a_document_only_in_the_shared_tier(smollm2_gguf, tmp_path):
+    """The tier is filled before the server starts (another process, as a restart would leave it), so the
+    replicas' pools are empty: only their tier reports can rank one above the other."""
+    need("ray")
+    from kvlm import LLM, SamplingParams
+
+    tier = tmp_path / "tier"
+    writer = LLM(smollm2_gguf, max_model_len=1024, kv_tier_dir=str(tier), kv_tier_write_through=True)
+    ids = writer.tokenizer.encode(document(5), add_special_tokens=False)
+    writer.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+    writer.llm_engine.flush_kv_tier()
+    blocks = tier_files(tier)
+    assert blocks == len(ids) // BLOCK and blocks >= 8
+    del writer
+    with ServerProcess(smollm2_gguf, "--replicas", "2", "--threads", "1", "--router", "prefix",
+                       "--served-model-name", "smollm2-135m", "--max-model-len", "1024", "--kv-cache-memory", "64MiB",
+                       "--kv-tier-dir", str(tier), "--kv-tier-bytes", "1GiB", startup_timeout=240) as server:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # both replicas have reported their tier (every 0.5 s)
+            sizes = [v for k, v in server.metrics().items() if k.startswith("kvlm:kv_tier_size_bytes{")]
+            if len(sizes) == 2 and min(sizes) > 0:
+                break
+            time.sleep(0.2)
+        assert len(sizes) == 2 and min(sizes) > 0, sizes
+        assert tier_decisions(server) == 0
+        r = httpx.post(server.url + "/v1/completions", timeout=300,
+                       json={"model": "smollm2-135m", "prompt": ids, "max_tokens": 2, "temperature": 0})
+        assert r.status_code == 200, r.text
+        want = min(blocks, (len(ids) - 1) // BLOCK) * BLOCK  # the last token always runs
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # the replica's counters arrive with its next report
+            from_tier = by_replica(server, "kvlm:prefix_cache_source_tokens", "tier")
+            if sum(from_tier.values()) >= want:
+                break
+            time.sleep(0.2)
+        assert tier_decisions(server) == 1, server.metrics()
+        assert sorted(from_tier.values()) == [0.0, float(want)], from_tier
+        miss = by_replica(server, "kvlm:prefix_cache_source_tokens", "miss")
+        assert sum(miss.values()) == len(ids) - want
 
 
 def test_two_replicas_sharing_a_tier_prefill_each_document_once(smollm2_gguf, tmp_path):
