@@ -65,7 +65,8 @@ T* grow(std::vector<T>& v, int64_t n) {
 bool moe_mlp(const KvlmKernels* t, const MoeLayer& m, const float* x, int64_t T, float* out, int act) {
     const int64_t E = m.E, k = m.k, H = m.H, I = m.I, R = T * k;
     if (T == 0) return true;
-    // logits (T, E) | w (T, k) | rows (R, H): x gathered by expert, later the down outputs | gu (R, 2I) | a (R, I)
+    // logits (T, E) | w (T, k) | rows (R, H): x gathered by expert (float32 gate / up), the down outputs |
+    // gu (R, 2I) | a (R, I)
     thread_local std::vector<float> logits_v, w_v, rows_v, gu_v, a_v;
     thread_local std::vector<int32_t> ids_v;
     thread_local std::vector<int64_t> counts_v, next_v, pos_v;
@@ -98,12 +99,37 @@ bool moe_mlp(const KvlmKernels* t, const MoeLayer& m, const float* x, int64_t T,
         for (int64_t e = 0; e < E; e++) m.stats[e] += counts[e], touched += counts[e] > 0;
         m.stats[E] += 1, m.stats[E + 1] += touched;
     }
-    at::parallel_for(0, R, std::max<int64_t>(1, 16384 / H), [&](int64_t r0, int64_t r1) {
-        for (int64_t r = r0; r < r1; r++) std::memcpy(rows + pos[r] * H, x + (r / k) * H, sizeof(float) * H);
-    });
     const ExpertProj gate_up[2] = {{m.gate.qtype, m.gate.w, m.gate.es, m.gate.rs, I, gu, 2 * I},
                                    {m.up.qtype, m.up.w, m.up.es, m.up.rs, I, gu + I, 2 * I}};
-    if (!expert_matmul_multi(t, gate_up, 2, H, counts, E, rows, nullptr, R, act)) return false;
+    if (act == ACT_INT8 && has_int8(t, m.gate.qtype) && has_int8(t, m.up.qtype) && H % 32 == 0) {
+        // int8 gate and up: quantize the T tokens' rows once (not their k copies; quantize_act is row by
+        // row, so a row's codes are the same either way) and gather the codes into expert order.
+        thread_local std::vector<int8_t> gq_v;
+        thread_local std::vector<float> gd_v, gs_v;
+        thread_local std::vector<int32_t> gi_v;
+        const int64_t nb = H / 32;
+        int8_t* gq = grow(gq_v, R * H);
+        float* gd = grow(gd_v, R * nb * 8);
+        float* gs = grow(gs_v, R * nb);
+        int32_t* gi = grow(gi_v, R * nb);
+        const ActQ xq = quantize_x(t, x, T, H);
+        at::parallel_for(0, R, std::max<int64_t>(1, 16384 / H), [&](int64_t r0, int64_t r1) {
+            for (int64_t r = r0; r < r1; r++) {
+                const int64_t src = r / k, dst = pos[r];
+                std::memcpy(gq + dst * H, xq.q + src * H, H);
+                std::memcpy(gd + dst * nb * 8, xq.d + src * nb * 8, sizeof(float) * nb * 8);
+                std::memcpy(gs + dst * nb, xq.s + src * nb, sizeof(float) * nb);
+                std::memcpy(gi + dst * nb, xq.i + src * nb, sizeof(int32_t) * nb);
+            }
+        });
+        const ActQ g{gq, gd, gs, gi};
+        if (!expert_matmul_multi(t, gate_up, 2, H, counts, E, nullptr, &g, R, act)) return false;
+    } else {
+        at::parallel_for(0, R, std::max<int64_t>(1, 16384 / H), [&](int64_t r0, int64_t r1) {
+            for (int64_t r = r0; r < r1; r++) std::memcpy(rows + pos[r] * H, x + (r / k) * H, sizeof(float) * H);
+        });
+        if (!expert_matmul_multi(t, gate_up, 2, H, counts, E, rows, nullptr, R, act)) return false;
+    }
     at::parallel_for(0, R, std::max<int64_t>(1, 16384 / I), [&](int64_t r0, int64_t r1) {
         for (int64_t r = r0; r < r1; r++) silu_mul(gu + r * 2 * I, gu + r * 2 * I + I, a + r * I, I);
     });
