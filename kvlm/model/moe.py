@@ -10,8 +10,8 @@ Experts (`Experts`). Each of gate_proj, up_proj (E, I, hidden) and down_proj (E,
 as the file stores it: an `ExpertStack` of blocks in the file's format (a view of the memory-mapped GGUF
 file; an expert no token has chosen was never read and costs no resident memory), or a dense 3-D
 parameter (the non-native dense path). A step's (token, expert) pairs are grouped by expert, and each
-expert's rows go once through the same row-invariant kernel the dense layers use for that format:
-natively one `kernels.expert_qmatmul` call per projection for all chosen experts (llama.cpp's
+expert's rows go once through the same row-invariant kernel the dense layers use for that format: on
+the PyTorch path below, one `kernels.expert_qmatmul` call per projection for all chosen experts (llama.cpp's
 mul_mat_id: x quantized once, the threads split over experts and column panels), whatever the number of
 tokens that chose each.
 
@@ -19,8 +19,8 @@ Natively (`MoEMLP.native_args`: a router and experts on native kernels, float32 
 is one call, `moe_mlp` (csrc/moe.cpp): router matmul, softmax (the native exp, as SiLU's) and top-k per
 row, the pairs grouped by expert, gate and up in one grouped call on x quantized once, SiLU x up, down,
 the weighted sum; the fused decode step (csrc/decode.cpp) calls the same function, so decode and prefill
-give a token the same bits. `route` / `Experts.grouped` below are the PyTorch path (no extension, dense
-experts) and, with `moe_reference`, the definition the native call is tested against.
+give a token the same bits. `route` / `Experts.grouped` below are the PyTorch path (no extension, a dense
+router or dense experts) and, with `moe_reference`, the definition the native call is tested against.
 
 Exactness. Every kernel computes each output row by a fixed arithmetic of that row alone; the gather and
 scatter only move rows; a token's k expert outputs are summed in ascending expert id, starting from zero,
