@@ -190,8 +190,9 @@ def test_grouped_experts_match_the_reference_and_are_row_invariant(kind: str, qt
 
 
 def test_native_route_matches_route_and_breaks_ties_by_id() -> None:
-    """The native routing (moe.cpp: its own softmax, a strict-greater top-k scan) picks `route`'s experts in
-    `route`'s order, ties by expert id, and its weights agree to float32 rounding."""
+    """The native routing (moe.cpp: its own softmax, a strict-greater top-k scan of the logits) picks `route`'s
+    experts in `route`'s order, ties by expert id, and its weights agree to float32 rounding; logits spread so
+    wide that probabilities underflow still rank by logit."""
     need_native()
     from kvlm.kernels import native
 
@@ -212,6 +213,9 @@ def test_native_route_matches_route_and_breaks_ties_by_id() -> None:
         want_ids, want_w = route(x, k, renormalize)
         assert torch.equal(ids, want_ids), k
         torch.testing.assert_close(w, want_w, rtol=1e-6, atol=1e-7)
+    wide = x * 100  # e^(l - max) underflows for most experts: the choice still follows the logits
+    ids, _ = native_route(wide, 8, False)
+    assert torch.equal(ids, torch.sort(wide, dim=-1, descending=True, stable=True).indices[:, :8])
 
 
 @pytest.mark.parametrize("qtype", [None, "Q8_0"])  # the PyTorch path; the native block

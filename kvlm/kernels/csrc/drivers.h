@@ -81,8 +81,8 @@ struct MoeLayer {
     int64_t* stats;
 };
 
-// One token's routing from its router logits (E,): softmax (elementwise.h), the top k by probability with
-// ties by ascending expert id, the k weights divided by their sum (in that order) where renorm. ids and w
+// One token's routing from its router logits (E,): softmax (elementwise.h), the top k by logit (the
+// probabilities' order) with ties by ascending expert id, the k weights divided by their sum (in that order) where renorm. ids and w
 // (k,) in that order (by descending probability).
 void moe_route(const float* logits, int64_t E, int64_t k, bool renorm, int32_t* ids, float* w);
 

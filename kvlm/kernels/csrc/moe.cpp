@@ -22,10 +22,13 @@ void moe_route(const float* logits, int64_t E, int64_t k, bool renorm, int32_t* 
     if ((int64_t)p.size() < E) p.resize(E), taken.resize(E);
     softmax(logits, p.data(), E);
     std::fill(taken.begin(), taken.begin() + E, 0);
-    for (int64_t j = 0; j < k; j++) {  // the largest p not taken; a tie keeps the lower id (strict >)
+    // The largest logit not taken (the order of the probabilities, without their rounding: the native exp
+    // clamps below e^-87.3, which would tie experts whose probabilities torch still tells apart); a tie
+    // keeps the lower id (strict >).
+    for (int64_t j = 0; j < k; j++) {
         int64_t best = -1;
         for (int64_t e = 0; e < E; e++)
-            if (!taken[e] && (best < 0 || p[e] > p[best])) best = e;
+            if (!taken[e] && (best < 0 || logits[e] > logits[best])) best = e;
         taken[best] = 1;
         ids[j] = static_cast<int32_t>(best);
         w[j] = p[best];
