@@ -42,17 +42,14 @@ from kvlm.config import ModelConfig
 from kvlm.kernels import ExpertStack, QuantTensor, expert_qmatmul, kernel_path, native, qmatmul
 from kvlm.kernels.backend import native_isa
 from kvlm.kernels.elementwise import silu_mul
+from kvlm.kernels.reference import moe_route_ref
 
 
 def route(logits: torch.Tensor, k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits (T, E) -> (expert ids (T, k) int64, weights (T, k) float32), by descending
-    probability, ties by ascending expert id."""
-    probs = torch.softmax(logits.float(), dim=-1)
-    top, ids = torch.sort(probs, dim=-1, descending=True, stable=True)  # stable: equal p keep id order
-    top, ids = top[:, :k], ids[:, :k]
-    if renormalize:
-        top = top / top.sum(dim=-1, keepdim=True)
-    return ids, top
+    probability, ties by ascending expert id: the PyTorch path's routing, `reference.moe_route_ref` (the
+    definition the native `moe_route` is tested against)."""
+    return moe_route_ref(logits, k, renormalize)
 
 
 def _combine_order(ids: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
