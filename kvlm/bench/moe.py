@@ -71,7 +71,6 @@ def run(model: str, threads: int = 2, batches: tuple[int, ...] = (1, 4, 16), max
                      "bytes_per_token": step_bytes / b, "gb_per_s": step_bytes * steps / dt / 1e9})
         log(f"batch {b:3d}: {rows[-1]['tokens_per_s']:8.1f} tok/s, {rows[-1]['experts_touched_per_layer']:.1f} "
             f"experts touched per layer and step")
-    count_expert_load(eng.model, on=False)
     bw = memory_bandwidth()
     for r in rows:
         r["fraction_of_bandwidth"] = r["gb_per_s"] * 1e9 / bw

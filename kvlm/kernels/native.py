@@ -49,7 +49,7 @@ PATHS = (*ISAS, "reference")
 ENV_ISA = "KVLM_KERNEL_ISA"
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = ("ops.cpp", "decode.cpp", "elementwise.cpp", "kv_quant.cpp", "token_mask.cpp", "argmax.cpp",
+_SOURCES = ("ops.cpp", "decode.cpp", "moe.cpp", "elementwise.cpp", "kv_quant.cpp", "token_mask.cpp", "argmax.cpp",
             "isa_scalar.cpp", "isa_avx2.cpp", "isa_avx512.cpp", "isa_avx512_vnni.cpp", "isa_neon.cpp",
             "isa_neon_dotprod.cpp")
 _HEADERS = ("kernels.h", "kernels_impl.h", "kernels_int8.h", "kernels_int8_panel.h", "kernels_int8_avx2.h",
@@ -265,6 +265,8 @@ class NativeOps:
     decode_lora_free: Any
     lora_b_add: Any  # a LoRA adapter's B product (kvlm/lora/rows.py; the fused step's too)
     expert_qmatmul: Any  # mixture-of-experts: a projection of every chosen expert in one call (model/moe.py)
+    moe_mlp: Any  # a routed MLP (router, top-k, experts, weighted sum) in one call (model/moe.py, csrc/moe.cpp)
+    moe_route: Any  # the routing alone (router logits -> top-k ids and weights)
 
 
 @functools.cache
@@ -278,7 +280,7 @@ def ops() -> NativeOps | None:
                      ns.decode_plan_free.default, ns.decode_step.default, ns.rms_norm.default,
                      ns.silu_mul.default, ns.rope.default, ns.gelu_tanh_mul.default, ns.kv_quantize.default,
                      ns.hadamard.default, ns.decode_lora_create.default, ns.decode_lora_free.default,
-                     ns.lora_b_add.default, ns.expert_qmatmul.default)
+                     ns.lora_b_add.default, ns.expert_qmatmul.default, ns.moe_mlp.default, ns.moe_route.default)
 
 
 @functools.cache

@@ -145,6 +145,18 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     return torch.nn.functional.rms_norm(x, weight.shape, weight, eps)
 
 
+def moe_route_ref(logits: torch.Tensor, k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mixture-of-experts routing, what `moe_route` (csrc/moe.cpp, with its native softmax) computes: router
+    logits (T, E) -> (expert ids (T, k) int64, weights (T, k) float32): softmax in float32, the top k by
+    descending probability, ties by ascending expert id (a stable sort), divided by their sum if renormalize."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    top, ids = torch.sort(probs, dim=-1, descending=True, stable=True)  # stable: equal p keep id order
+    top, ids = top[:, :k], ids[:, :k]
+    if renormalize:
+        top = top / top.sum(dim=-1, keepdim=True)
+    return ids, top
+
+
 def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
     """(..., 2I) -> silu(first half) * second half."""
     gate, up = gate_up.chunk(2, dim=-1)

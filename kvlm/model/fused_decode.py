@@ -6,6 +6,11 @@ arithmetic on a 2-core CPU. `FusedDecoder` binds a loaded model once (pointers t
 quantized projections and its RoPE tables: a "plan" on the C++ side) and then runs a decode step as
 `embedding (Python) -> decode_step (C++: every layer + final norm) -> lm_head (Python)`.
 
+Mixture-of-experts layers (Qwen3-MoE, OLMoE, Mixtral) run here too: their routed MLP is `moe_mlp`
+(csrc/moe.cpp), the one native function the module path's `MoEMLP` calls as well, given the router, the
+expert stacks and the layer's expert-load counters (`MoEMLP.stats`, added to in place); OLMoE's q/k norms
+over the whole projection are one rmsnorm over q and one over k, as the module path's.
+
 It applies where the module path would run the same kernels: CPU, float32 activations, every projection
 a `QuantLinear` on a native kernel path (no dense fallback), a paged KV cache (float32, float16 or
 bfloat16; the step rounds K/V into it as the module path's index_copy_ does; or int8 / int4, which the
@@ -39,6 +44,7 @@ from kvlm.kernels.paged_attention import KV_DTYPES
 from kvlm.kv_cache.storage import PagedKVCache
 from kvlm.lora.adapter import LoRAAdapter
 from kvlm.lora.rows import LoRARows
+from kvlm.model.moe import MoEMLP
 from kvlm.model.quant_layers import QuantLinear
 
 BF16 = GGMLQuantizationType.BF16
@@ -68,12 +74,17 @@ def _eligible(model: torch.nn.Module, kv_cache: object, backend: Backend) -> str
         return "the cache is not a paged pool the native step reads"
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+        moe = isinstance(mlp, MoEMLP)
+        if moe and mlp.native_args() is None:
+            return "a mixture-of-experts layer's router or experts are not on native kernels"
+        for lin in (attn.qkv_proj, attn.o_proj) if moe else (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
+                                                            mlp.down_proj):
             if not isinstance(lin, QuantLinear) or any(d is not None for d in lin.dense_t):
                 return "a projection is not quantized on a native kernel"
             if any(kernel_path(p.qtype) == "reference" for p in lin.parts):
                 return "a projection format has no native kernel"
-        if attn.o_proj.bias is not None or mlp.gate_up_proj.bias is not None or mlp.down_proj.bias is not None:
+        if attn.o_proj.bias is not None or (not moe and (mlp.gate_up_proj.bias is not None
+                                                         or mlp.down_proj.bias is not None)):
             return "bias outside q/k/v"
     return None
 
@@ -131,7 +142,9 @@ class FusedDecoder:
         for layer in model.model.layers:
             attn = layer.self_attn
             bias = attn.qkv_proj.bias
-            spec.append((1 if bias is not None else 0) | (2 if attn.qk_norm else 0) | (0 if attn.use_rope else 4))
+            moe = isinstance(layer.mlp, MoEMLP)
+            spec.append((1 if bias is not None else 0) | (2 if attn.qk_norm else 0) | (0 if attn.use_rope else 4)
+                        | (8 if attn.qk_norm_full else 0) | (16 if moe else 0))
             tensors += [layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach()]
             if attn.qk_norm:
                 tensors += [attn.q_norm.weight.detach(), attn.k_norm.weight.detach()]
@@ -139,8 +152,18 @@ class FusedDecoder:
             if bias is not None:
                 tensors.append(bias.detach().float().contiguous())
             _linear_spec(attn.o_proj, spec, tensors)
-            _linear_spec(layer.mlp.gate_up_proj, spec, tensors)
-            _linear_spec(layer.mlp.down_proj, spec, tensors)
+            if moe:  # spec: router type, E, k, renorm, I, then each stack's type; router, stacks, counters
+                mlp = layer.mlp
+                router, rtype, gate, up, down, types = mlp.native_args()
+                spec += [rtype, mlp.experts.num_experts, mlp.top_k, int(mlp.renormalize), mlp.experts.inter]
+                tensors.append(router)
+                for qtype, stack in zip(types, (gate, up, down)):
+                    spec.append(qtype)
+                    tensors.append(stack)
+                tensors.append(mlp.stats)
+            else:
+                _linear_spec(layer.mlp.gate_up_proj, spec, tensors)
+                _linear_spec(layer.mlp.down_proj, spec, tensors)
         # the module path's attention scale and residual multiplier, as float32 (what its ops compute with)
         scalars = torch.tensor([model.model.layers[0].self_attn.attn.scale, cfg.residual_multiplier],
                                dtype=torch.float32)

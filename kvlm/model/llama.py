@@ -324,12 +324,9 @@ class LlamaForCausalLM(nn.Module):
         """Why the fused native decode step (model/fused_decode.py, csrc/decode.cpp) cannot compute this
         model as its layers do (None: it can). The native step implements the whole Llama layer as this
         module does: q/k/v bias, q/k norms, RoPE on rotary_dim values of each head or on none (NoPE layers),
-        any RoPE tables and attention factor, the attention scale, the embedding and residual multipliers;
-        not routed experts or q/k norms over the whole projection."""
-        if self.config.num_experts:
-            return "a mixture-of-experts MLP (routed experts run on the module path)"
-        if self.config.qk_norm_full:
-            return "q/k norms over the whole projection"
+        any RoPE tables and attention factor, the attention scale, the embedding and residual multipliers,
+        q/k norms over the whole projection (OLMoE) and routed experts (csrc/moe.cpp, where their weights are
+        on native kernels: `fused_decode._eligible` checks)."""
         return None
 
     def set_rope(self, inv_freq: torch.Tensor) -> None:

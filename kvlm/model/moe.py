@@ -10,10 +10,17 @@ Experts (`Experts`). Each of gate_proj, up_proj (E, I, hidden) and down_proj (E,
 as the file stores it: an `ExpertStack` of blocks in the file's format (a view of the memory-mapped GGUF
 file; an expert no token has chosen was never read and costs no resident memory), or a dense 3-D
 parameter (the non-native dense path). A step's (token, expert) pairs are grouped by expert, and each
-expert's rows go once through the same row-invariant kernel the dense layers use for that format:
-natively one `kernels.expert_qmatmul` call per projection for all chosen experts (llama.cpp's
+expert's rows go once through the same row-invariant kernel the dense layers use for that format: on
+the PyTorch path below, one `kernels.expert_qmatmul` call per projection for all chosen experts (llama.cpp's
 mul_mat_id: x quantized once, the threads split over experts and column panels), whatever the number of
 tokens that chose each.
+
+Natively (`MoEMLP.native_args`: a router and experts on native kernels, float32 CPU rows) the whole block
+is one call, `moe_mlp` (csrc/moe.cpp): router matmul, softmax (the native exp, as SiLU's) and top-k per
+row, the pairs grouped by expert, gate and up in one grouped call on x quantized once, SiLU x up, down,
+the weighted sum; the fused decode step (csrc/decode.cpp) calls the same function, so decode and prefill
+give a token the same bits. `route` / `Experts.grouped` below are the PyTorch path (no extension, a dense
+router or dense experts) and, with `moe_reference`, the definition the native call is tested against.
 
 Exactness. Every kernel computes each output row by a fixed arithmetic of that row alone; the gather and
 scatter only move rows; a token's k expert outputs are summed in ascending expert id, starting from zero,
@@ -32,19 +39,17 @@ import torch
 from torch import nn
 
 from kvlm.config import ModelConfig
-from kvlm.kernels import ExpertStack, QuantTensor, expert_qmatmul, qmatmul
+from kvlm.kernels import ExpertStack, QuantTensor, expert_qmatmul, kernel_path, native, qmatmul
+from kvlm.kernels.backend import native_isa
 from kvlm.kernels.elementwise import silu_mul
+from kvlm.kernels.reference import moe_route_ref
 
 
 def route(logits: torch.Tensor, k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits (T, E) -> (expert ids (T, k) int64, weights (T, k) float32), by descending
-    probability, ties by ascending expert id."""
-    probs = torch.softmax(logits.float(), dim=-1)
-    top, ids = torch.sort(probs, dim=-1, descending=True, stable=True)  # stable: equal p keep id order
-    top, ids = top[:, :k], ids[:, :k]
-    if renormalize:
-        top = top / top.sum(dim=-1, keepdim=True)
-    return ids, top
+    probability, ties by ascending expert id: the PyTorch path's routing, `reference.moe_route_ref` (the
+    definition the native `moe_route` is tested against)."""
+    return moe_route_ref(logits, k, renormalize)
 
 
 def _combine_order(ids: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -138,23 +143,61 @@ class MoEMLP(nn.Module):
         self.top_k, self.renormalize = config.num_experts_per_tok, config.norm_topk_prob
         self.gate = Router(h, config.num_experts, bias=False)
         self.experts = Experts(config.num_experts, h, config.moe_intermediate_size)
-        # Expert-load counters, off (None) unless a benchmark turns them on (`count_expert_load`): rows
-        # routed to each expert, and over the calls (steps) the experts touched, which the step reads.
-        self.load: torch.Tensor | None = None
-        self.calls = self.touched = 0
+        # Expert-load counters, always kept (E + 2 integer adds a step; the native call and the fused decode
+        # step add to this tensor in place): rows routed to each expert, calls (steps), and over the calls the
+        # experts touched, which the step reads. `count_expert_load` zeroes them. On the CPU even while the
+        # engine builds the model on the meta device.
+        self.stats = torch.zeros(config.num_experts + 2, dtype=torch.int64, device="cpu")
+
+    @property
+    def load(self) -> torch.Tensor:
+        """(E,) int64: rows routed to each expert since the counters were zeroed."""
+        return self.stats[:-2]
+
+    @property
+    def calls(self) -> int:
+        return int(self.stats[-2])
+
+    @property
+    def touched(self) -> int:
+        return int(self.stats[-1])
+
+    def native_args(self) -> tuple | None:
+        """The weights as `moe_mlp` (csrc/moe.cpp) takes them: (router blocks, router type, gate, up and down
+        stacks, their types), or None where the block cannot run natively (a dense router or dense experts,
+        a format without a native kernel, the extension missing)."""
+        g, ex = self.gate, self.experts
+        # the router as a QuantLinear (model/quant_layers.py, which imports this module: read by its fields)
+        parts, dense = getattr(g, "parts", None), getattr(g, "dense_t", None)
+        if native_isa() is None or len(ex.stacks) != len(_PROJECTIONS) or parts is None or dense is None:
+            return None
+        if len(parts) != 1 or g.bias is not None or any(d is not None for d in dense):
+            return None
+        stacks = [ex.stacks[n] for n in _PROJECTIONS]
+        if any(kernel_path(t.qtype) == "reference" for t in [parts[0], *stacks]) \
+                or any(t.data.stride(2) != 1 for t in stacks) or parts[0].data.stride(1) != 1:
+            return None
+        return (parts[0].data, int(parts[0].qtype), *(t.data for t in stacks), [int(t.qtype) for t in stacks])
 
     def forward(self, x: torch.Tensor, lora: object = None) -> torch.Tensor:
         # lora: the decoder layer passes its step's LoRARows to every MLP; the engine refuses adapters on MoE
         # models (Engine.load_lora), so it is always None here.
+        args = self.native_args() if native_isa(x) is not None and x.dim() == 2 else None
+        if args is not None:
+            x2 = x.contiguous()
+            out = torch.empty_like(x2)
+            native.ops().moe_mlp(x2, *args, self.top_k, self.renormalize, native.isa_id(native_isa()),
+                                 native.int8_activations(), self.stats, out)
+            return out
         T, k = x.shape[0], self.top_k
         ids, weights = route(self.gate(x), k, self.renormalize)
         ids, weights = _combine_order(ids, weights)
         flat = ids.reshape(-1)  # (T * k,): pair j is token j // k's (j % k)-th expert by id
         order = torch.argsort(flat, stable=True)  # pairs grouped by expert
         counts_t = torch.bincount(flat, minlength=self.experts.num_experts)
-        if self.load is not None:
-            self.load += counts_t
-            self.calls, self.touched = self.calls + 1, self.touched + int((counts_t > 0).sum())
+        E = self.experts.num_experts
+        self.stats[:E] += counts_t.cpu()
+        self.stats[E:] += torch.tensor([1, int((counts_t > 0).sum())])
         counts = counts_t.tolist()
         y = x.new_empty(T * k, x.shape[1])
         y[order] = self.experts.grouped(x[order // k], counts, counts_t).to(y.dtype)
@@ -165,12 +208,12 @@ class MoEMLP(nn.Module):
         return out
 
 
-def count_expert_load(model: nn.Module, on: bool = True) -> list[MoEMLP]:
-    """Turn the expert-load counters of every routed layer of `model` on (zeroed) or off; returns the layers."""
+def count_expert_load(model: nn.Module) -> list[MoEMLP]:
+    """Zero the expert-load counters of every routed layer of `model` (in place: the fused decode step holds
+    pointers to them); returns the layers."""
     layers = [m for m in model.modules() if isinstance(m, MoEMLP)]
     for m in layers:
-        m.load = torch.zeros(m.experts.num_experts, dtype=torch.int64) if on else None
-        m.calls = m.touched = 0
+        m.stats.zero_()
     return layers
 
 

@@ -5,9 +5,10 @@
   and it writes the same K/V bits; a sequence's result is bit-identical alone and inside the batch.
 * Through the engine, on tiny quantized GGUFs of the llama, qwen2 (q/k/v bias), qwen3 (q/k norm), phi3
   (fused q/k/v and gate/up tensors, LongRoPE's scaled cos / sin), Phi-4-mini (RoPE on half of each head),
-  smollm3 (a layer without RoPE) and granite (multipliers) families, and a head_dim of 96 (whose
-  attention scale 96 ** -0.5 rounds differently from 1 / sqrtf(96)): the same greedy tokens and the same
-  logits bits with and without fusion.
+  smollm3 (a layer without RoPE) and granite (multipliers) families, a head_dim of 96 (whose
+  attention scale 96 ** -0.5 rounds differently from 1 / sqrtf(96)), and the mixture-of-experts
+  Qwen3-MoE (Q8_0), OLMoE (Q4_0: q/k norms over the whole projection) and Mixtral (Q4_K experts)
+  (tests/helpers/tiny_moe.py): the same greedy tokens and the same logits bits with and without fusion.
 * Where it must not run (float32 reference path, contiguous cache, KVLM_FUSED_DECODE=0) the runner
   keeps the module path.
 """
@@ -21,6 +22,7 @@ import torch
 from deps import need_native
 from engine_runs import random_prompts, run_engine
 from tiny_models import longrope, tiny_config, write_tiny_gguf
+from tiny_moe import moe_config, moe_state_dict, write_moe_gguf
 
 from kvlm import EngineConfig
 from kvlm.attention.metadata import AttentionMetadata, StepKind
@@ -36,10 +38,25 @@ def _native() -> None:
 
 FAMILIES = {"llama": {}, "qwen2": {"attention_bias": True}, "qwen3": {}, "phi3": {}, "smollm3": {}, "granite": {},
             "phi4mini": {"partial_rotary_factor": 0.5, "rope_scaling": longrope(8, 64)}, "llama-d96": {"head_dim": 96}}
+# mixture of experts: family -> the weight format the test writes (routed MLPs run csrc/moe.cpp in both paths)
+MOE = {"qwen3_moe": "Q8_0", "olmoe": "Q4_0", "mixtral": "Q4_K"}
 
 
-@pytest.fixture(scope="module", params=list(FAMILIES))
+@pytest.fixture(scope="module", params=[*FAMILIES, *MOE])
 def family_gguf(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    if request.param in MOE:
+        fmt = MOE[request.param]
+        root = tmp_path_factory.mktemp("fused-moe")
+        if fmt.endswith("_K"):  # rows of whole 256-value super-blocks; gguf cannot quantize K-quants
+            import gguf
+            from quantize import synthetic_quantize
+
+            cfg = moe_config(request.param, hidden_size=256, head_dim=64, intermediate_size=256)
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(gguf.quants, "quantize", synthetic_quantize)
+                return write_moe_gguf(root / "tiny.gguf", cfg, moe_state_dict(cfg), tensor_type=fmt)
+        cfg = moe_config(request.param)
+        return write_moe_gguf(root / "tiny.gguf", cfg, moe_state_dict(cfg), tensor_type=fmt)
     model_type = {"phi4mini": "phi3", "llama-d96": "llama"}.get(request.param, request.param)
     cfg = tiny_config(model_type, tie_word_embeddings=False, **FAMILIES[request.param])
     return write_tiny_gguf(tmp_path_factory.mktemp("fused") / f"tiny-{request.param}.gguf", cfg, tensor_type="Q8_0")

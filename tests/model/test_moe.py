@@ -1,5 +1,7 @@
 """Mixture-of-experts models (Qwen3-MoE, OLMoE, Mixtral) against Hugging Face transformers, from both formats,
-and the routed MLP (model/moe.py) against its pure-PyTorch definition.
+and the routed MLP (model/moe.py) against its pure-PyTorch definition: the native one-call block
+(csrc/moe.cpp, `moe_mlp`: router, native softmax and top-k, grouped experts) as the engine runs it, and
+the PyTorch path (dense experts).
 
 Each family is a tiny random model the test writes as a GGUF file (llama.cpp's names: the router
 `ffn_gate_inp`, the experts stacked in 3-D `ffn_*_exps`, `expert_count` / `expert_used_count`, Mixtral as arch
@@ -17,7 +19,7 @@ from typing import Any
 
 import pytest
 import torch
-from deps import need
+from deps import need, need_native
 from engine_runs import random_prompts, run_engine
 from tiny_moe import hf_moe_model, moe_config, moe_state_dict, write_moe_gguf, write_moe_hf_dir
 
@@ -187,9 +189,42 @@ def test_grouped_experts_match_the_reference_and_are_row_invariant(kind: str, qt
             assert torch.equal(mlp(x[rows]), out[rows]), rows
 
 
-def test_router_tie_picks_the_lowest_expert_ids() -> None:
+def test_native_route_matches_route_and_breaks_ties_by_id() -> None:
+    """The native routing (moe.cpp: its own softmax, a strict-greater top-k scan of the logits) picks `route`'s
+    experts in `route`'s order, ties by expert id, and its weights agree to float32 rounding; logits spread so
+    wide that probabilities underflow still rank by logit."""
+    need_native()
+    from kvlm.kernels import native
+
+    ops = native.ops()
+
+    def native_route(logits: torch.Tensor, k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        ids, w = torch.empty(logits.shape[0], k, dtype=torch.int64), torch.empty(logits.shape[0], k)
+        ops.moe_route(logits.contiguous(), k, renormalize, ids, w)
+        return ids, w
+
+    logits = torch.tensor([[1.0, 2.0, 2.0, 0.0], [3.0, 3.0, 3.0, 3.0], [0.0, 5.0, 1.0, 5.0]])
+    ids, w = native_route(logits, 2, True)
+    assert ids.tolist() == [[1, 2], [0, 1], [1, 3]] and torch.equal(w, torch.full((3, 2), 0.5))
+    assert native_route(logits, 3, False)[0].tolist() == [[1, 2, 0], [0, 1, 2], [1, 3, 2]]
+    x = torch.randn(64, 40, generator=torch.Generator().manual_seed(3)) * 3
+    for k, renormalize in ((8, False), (2, True), (40, True)):
+        ids, w = native_route(x, k, renormalize)
+        want_ids, want_w = route(x, k, renormalize)
+        assert torch.equal(ids, want_ids), k
+        torch.testing.assert_close(w, want_w, rtol=1e-6, atol=1e-7)
+    wide = x * 100  # e^(l - max) underflows for most experts: the choice still follows the logits
+    ids, _ = native_route(wide, 8, False)
+    assert torch.equal(ids, torch.sort(wide, dim=-1, descending=True, stable=True).indices[:, :8])
+
+
+@pytest.mark.parametrize("qtype", [None, "Q8_0"])  # the PyTorch path; the native block
+def test_router_tie_picks_the_lowest_expert_ids(qtype: str | None) -> None:
     """A router of zeros ties every expert: each token takes experts 0..k-1 with equal weights."""
-    mlp, w = _block("olmoe", zero_router=True)
+    if qtype is not None:
+        need_native()
+    mlp, w = _block("olmoe", qtype, zero_router=True)
+    assert (mlp.native_args() is not None) == (qtype is not None)
     x = torch.randn(5, 64, generator=torch.Generator().manual_seed(6))
     ids, weights = route(mlp.gate(x), mlp.top_k, mlp.renormalize)
     assert ids.tolist() == [[0, 1, 2, 3]] * 5 and torch.all(weights == 1 / 8)

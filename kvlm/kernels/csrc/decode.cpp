@@ -7,6 +7,10 @@
 //   paged cache -> attn = paged attention(q) -> x += attn @ Wo.T -> h = rmsnorm(x)
 //   -> gu = h @ Wgate_up.T -> a = silu(gate) * up -> x += a @ Wdown.T
 //
+// A mixture-of-experts layer runs kvlm::moe_mlp (moe.cpp: router, top-k, grouped experts, weighted sum) in
+// place of the last line's matmuls, the function the module path's torch op runs too; OLMoE's q/k norms
+// over the whole projection (all heads at once) are one rmsnorm each over q and over k.
+//
 // then the final rmsnorm. Rows whose request runs under a LoRA adapter (a plan of its own,
 // decode_lora_create) get, after each projection's base output, y += B (A h): A on the F32 row kernel, B by
 // lora_b_add (elementwise.h), as the module path's LoRARows.apply adds it (kvlm/lora/rows.py).
@@ -87,7 +91,10 @@ struct Linear {
 struct Layer {
     const float *in_norm = nullptr, *post_norm = nullptr, *q_norm = nullptr, *k_norm = nullptr;
     Linear qkv, o, gate_up, down;
-    bool rope = true;  // false: a layer without position encoding (SmolLM3's NoPE layers)
+    bool rope = true;      // false: a layer without position encoding (SmolLM3's NoPE layers)
+    bool qk_full = false;  // q/k norms over the whole q (nh * D) and k (kvh * D), not per head (OLMoE)
+    bool moe = false;      // a routed MLP (moe_l) in place of gate_up / down
+    kvlm::MoeLayer moe_l{};
 };
 
 struct Plan {
@@ -159,20 +166,46 @@ int64_t decode_plan_create(at::TensorList tensors, at::IntArrayRef spec, double 
     };
     for (int64_t l = 0; l < L; l++) {
         Layer ly;
-        const int64_t flags = next_i();  // 1: q/k/v bias, 2: q/k norms, 4: no RoPE
+        // 1: q/k/v bias, 2: q/k norms, 4: no RoPE, 8: the q/k norms span all heads, 16: routed experts
+        const int64_t flags = next_i();
         ly.rope = !(flags & 4);
+        ly.qk_full = flags & 8;
         ly.in_norm = f32_ptr(next_t(), H, "input norm");
         ly.post_norm = f32_ptr(next_t(), H, "post-attention norm");
         if (flags & 2) {
-            ly.q_norm = f32_ptr(next_t(), D, "q norm");
-            ly.k_norm = f32_ptr(next_t(), D, "k norm");
+            ly.q_norm = f32_ptr(next_t(), ly.qk_full ? p->nh * D : D, "q norm");
+            ly.k_norm = f32_ptr(next_t(), ly.qk_full ? p->kvh * D : D, "k norm");
         }
         const int64_t nqkv = (p->nh + 2 * p->kvh) * D;
         linear(ly.qkv, nqkv, H);
         if (flags & 1) ly.qkv.bias = f32_ptr(next_t(), nqkv, "qkv bias");
         linear(ly.o, H, p->nh * D);
-        linear(ly.gate_up, 2 * p->inter, H);
-        linear(ly.down, H, p->inter);
+        if (flags & 16) {  // spec: router type, E, k, renorm, I, gate/up/down types; router, stacks, stats
+            ly.moe = true;
+            kvlm::MoeLayer& m = ly.moe_l;
+            m.router_qtype = static_cast<int>(next_i());
+            m.E = next_i(), m.k = next_i(), m.renorm = next_i() != 0, m.I = next_i(), m.H = H;
+            const at::Tensor& router = next_t();
+            TORCH_CHECK(router.device().is_cpu() && router.scalar_type() == at::kByte && router.dim() == 2 &&
+                            router.size(0) == m.E && router.stride(1) == 1 && m.k >= 1 && m.k <= m.E,
+                        "kvlm decode: router must be uint8 (E, row_bytes) rows, 1 <= k <= E");
+            m.router = router.const_data_ptr<uint8_t>(), m.router_rs = router.stride(0);
+            for (kvlm::MoeWeight* mw : {&m.gate, &m.up, &m.down}) {
+                const int qtype = static_cast<int>(next_i());
+                const at::Tensor& w = next_t();
+                const int64_t n = mw == &m.down ? H : m.I;
+                TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kByte && w.dim() == 3 && w.size(0) == m.E &&
+                                w.size(1) == n && w.stride(2) == 1, "kvlm decode: expert stacks must be uint8 (E, n, row_bytes)");
+                *mw = {qtype, w.const_data_ptr<uint8_t>(), w.stride(0), w.stride(1)};
+            }
+            const at::Tensor& stats = next_t();
+            TORCH_CHECK(stats.scalar_type() == at::kLong && stats.is_contiguous() && stats.numel() == m.E + 2,
+                        "kvlm decode: expert stats must be contiguous int64 (E + 2,)");
+            m.stats = stats.mutable_data_ptr<int64_t>();
+        } else {
+            linear(ly.gate_up, 2 * p->inter, H);
+            linear(ly.down, H, p->inter);
+        }
         p->layers.push_back(std::move(ly));
     }
     p->final_norm = f32_ptr(next_t(), H, "final norm");
@@ -475,7 +508,8 @@ void decode_step(int64_t plan_id, const at::Tensor& x, const at::Tensor& positio
 
     const int64_t nqkv = (nh + 2 * kvh) * D;
     // Scratch: residual (B, H) | h (B, H) | qkv (B, nqkv) | q (B, nh, D) | attn (B, nh * D) | gu (B, 2I) | a (B, I)
-    const size_t need = static_cast<size_t>(B * (2 * H + nqkv + 2 * nh * D + 3 * I));
+    // | mo (B, H): a routed MLP's output
+    const size_t need = static_cast<size_t>(B * (3 * H + nqkv + 2 * nh * D + 3 * I));
     if (p.scratch.size() < need) p.scratch.resize(need);
     float* xr = p.scratch.data();
     float* h = xr + B * H;
@@ -484,6 +518,7 @@ void decode_step(int64_t plan_id, const at::Tensor& x, const at::Tensor& positio
     float* attn = q + B * nh * D;
     float* gu = attn + B * nh * D;
     float* a = gu + B * 2 * I;
+    float* mo = a + B * I;
     std::memcpy(xr, x.const_data_ptr<float>(), sizeof(float) * B * H);
     const float scale = p.attn_scale, r = p.resid;
     const int64_t RD = p.rd;
@@ -498,8 +533,12 @@ void decode_step(int64_t plan_id, const at::Tensor& x, const at::Tensor& positio
         tm.lap(T_MATMUL);
         for (int64_t b = 0; b < B; b++) {
             float* row = qkv + b * nqkv;  // [q (nh, D) | k (kvh, D) | v (kvh, D)]
-            if (ly.q_norm)
+            if (ly.q_norm && ly.qk_full) {
+                rmsnorm(row, ly.q_norm, row, nh * D, p.eps);
+                rmsnorm(row + nh * D, ly.k_norm, row + nh * D, kvh * D, p.eps);
+            } else if (ly.q_norm) {
                 for (int64_t i = 0; i < nh + kvh; i++) rmsnorm(row + i * D, i < nh ? ly.q_norm : ly.k_norm, row + i * D, D, p.eps);
+            }
             const float* c = p.cos + pos[b] * RD;
             const float* s = p.sin + pos[b] * RD;
             if (ly.rope)  // the first RD values of each head, as the module path rotates a contiguous copy of them
@@ -534,6 +573,13 @@ void decode_step(int64_t plan_id, const at::Tensor& x, const at::Tensor& positio
         residual_add(xr, h, B * H, r);
         for (int64_t b = 0; b < B; b++) rmsnorm(xr + b * H, ly.post_norm, h + b * H, H, p.eps);
         tm.lap(T_NORM);
+        if (ly.moe) {
+            TORCH_CHECK(kvlm::moe_mlp(t, ly.moe_l, h, B, mo, p.act), "kvlm decode: no kernel for an expert type");
+            tm.lap(T_MATMUL);
+            residual_add(xr, mo, B * H, r);
+            tm.lap(T_NORM);
+            continue;
+        }
         run_linear(t, ly.gate_up, h, B, gu, p.act);
         if (!lora_rows.empty()) apply_lora(t, lora_rows, l, L_GATE_UP, h, gu, 2 * I, lora_tmp);
         tm.lap(T_MATMUL);

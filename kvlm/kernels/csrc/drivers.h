@@ -27,12 +27,71 @@ const KvlmKernels* table(int64_t isa);
 bool matmul(const KvlmKernels* t, int qtype, const uint8_t* w, int64_t rs, int64_t K, int64_t N, const float* x,
             int64_t M, float* y, int64_t ldy, int act);
 
+// x (M, K) quantized to int8 per 32-element block (quantize_act): q (M, K) int8, d (M, K/32, 8) expanded
+// scales, s (M, K/32) block sums d * sum(q), i (M, K/32) sum(q). quantize_x fills this thread's buffers
+// (grown to the largest call, kept): valid until its next call on the same thread.
+struct ActQ {
+    const int8_t* q;
+    const float* d;
+    const float* s;
+    const int32_t* i;
+};
+ActQ quantize_x(const KvlmKernels* t, const float* x, int64_t M, int64_t K);
+
+// One projection of a mixture-of-experts layer for expert_matmul_multi: expert e's (N, K) weight at
+// w + e * es, rows rs apart, in ggml type qtype; its output rows go to y, ldy floats apart.
+struct ExpertProj {
+    int qtype;
+    const uint8_t* w;
+    int64_t es, rs, N;
+    float* y;
+    int64_t ldy;
+};
+
+// Mixture-of-experts (llama.cpp's mul_mat_id) for 1 or 2 projections reading the same rows x (R, K) grouped
+// by expert in ascending id (counts[e] rows each): x quantized once (ACT_INT8; a: x already quantized, or
+// null), one parallel loop over (projection, expert, column panel) items. Each row has the bits `matmul`
+// gives it on its expert alone.
+bool expert_matmul_multi(const KvlmKernels* t, const ExpertProj* proj, int np, int64_t K, const int64_t* counts,
+                         int64_t E, const float* x, const ActQ* a, int64_t R, int act);
+
 // Mixture-of-experts (llama.cpp's mul_mat_id): y (R, N) = x (R, K) rows grouped by expert in ascending id
 // (counts[e] rows each), each group times W_e.T (W_e at w + e * es, rows rs apart); x quantized once for
 // ACT_INT8. Threads split over (expert, column panel) items; each row has the bits `matmul` gives it on
 // its expert alone.
 bool expert_matmul(const KvlmKernels* t, int qtype, const uint8_t* w, int64_t es, int64_t rs, int64_t K, int64_t N,
                    const int64_t* counts, int64_t E, const float* x, int64_t R, float* y, int act);
+
+// A mixture-of-experts MLP (moe.cpp): the router's (E, H) rows at router, router_rs apart, in ggml type
+// router_qtype; the experts' gate and up (E, I, H) and down (E, H, I) stacks as the GGUF stores them (expert
+// e's rows at w + e * es, rs apart); the top k of E per token, renormalised where renorm. stats: null, or
+// (E + 2) int64 counters the call adds to: rows routed to each expert, calls, experts touched.
+struct MoeWeight {
+    int qtype;
+    const uint8_t* w;
+    int64_t es, rs;
+};
+struct MoeLayer {
+    int router_qtype;
+    const uint8_t* router;
+    int64_t router_rs;
+    MoeWeight gate, up, down;
+    int64_t E, k, H, I;
+    bool renorm;
+    int64_t* stats;
+};
+
+// One token's routing from its router logits (E,): softmax (elementwise.h), the top k by logit (the
+// probabilities' order) with ties by ascending expert id, the k weights divided by their sum (in that order) where renorm. ids and w
+// (k,) in that order (by descending probability).
+void moe_route(const float* logits, int64_t E, int64_t k, bool renorm, int32_t* ids, float* w);
+
+// out (T, H) = the routed MLP of rows x (T, H): router logits (matmul), moe_route per row, the (token,
+// expert) pairs grouped by expert (tokens in order within one), gate and up in one expert_matmul_multi on x
+// quantized once, silu(gate) * up, down, and each token's k outputs times their weights summed in ascending
+// expert id from zero (a multiply, then an add). Every step is a function of the row alone: a token's bits
+// do not depend on T, its neighbours or the thread split. Returns false for a type without a kernel.
+bool moe_mlp(const KvlmKernels* t, const MoeLayer& m, const float* x, int64_t T, float* out, int act);
 
 // Whether `matmul` with ACT_INT8 runs the int8 kernel for this type here (else it uses float32 activations).
 bool has_int8(const KvlmKernels* t, int qtype);

@@ -99,6 +99,26 @@ void silu_mul(const float* g, const float* u, float* a, int64_t n) { gated_mul<S
 __attribute__((target_clones("avx512f", "avx2", "default")))
 void gelu_tanh_mul(const float* g, const float* u, float* a, int64_t n) { gated_mul<GeluTanh>(g, u, a, n); }
 
+// exp(x - max) 16 lanes at a time (the tail through a padded copy), then the sum and the division in
+// scalar order.
+__attribute__((target_clones("avx512f", "avx2", "default")))
+void softmax(const float* x, float* p, int64_t n) {
+    if (n <= 0) return;
+    float m = x[0];
+    for (int64_t i = 1; i < n; i++) m = x[i] > m ? x[i] : m;
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) *(v16fu*)(p + i) = exp16(*(const v16fu*)(x + i) - m);
+    if (i < n) {
+        v16f v = {};
+        std::memcpy(&v, x + i, sizeof(float) * (n - i));
+        const v16f e = exp16(v - m);
+        std::memcpy(p + i, &e, sizeof(float) * (n - i));
+    }
+    float s = 0.0f;
+    for (int64_t j = 0; j < n; j++) s += p[j];
+    for (int64_t j = 0; j < n; j++) p[j] = p[j] / s;
+}
+
 // LoRA's B product as r axpys over B's transposed rows (B's rank is small, 8 to 64: a dot product per output
 // value would spend more on its horizontal sum than on the products). fp-contract=off: no clone fuses the
 // multiply and the add (GCC would in C++ mode), so every clone has the same bits as the PyTorch reference's

@@ -22,6 +22,10 @@ void silu_mul(const float* g, const float* u, float* a, int64_t n);
 // a[i] = gelu_tanh(g[i]) * u[i] = g / (1 + exp(-2 sqrt(2/pi) (g + 0.044715 g^3))) * u (Gemma's GeGLU).
 void gelu_tanh_mul(const float* g, const float* u, float* a, int64_t n);
 
+// p[i] = exp(x[i] - max x) / sum_j exp(x[j] - max x) over n floats (exp as silu_mul's, the sum in increasing
+// j): a mixture-of-experts router's probabilities (moe.cpp). p may be x.
+void softmax(const float* x, float* p, int64_t n);
+
 // A LoRA adapter's B product on one row, added to the base output y after it is complete (kvlm/lora/):
 // for each of the P parts (spans: P x {r0, r, o0, n}, bt: the parts' B transposed, (r, n) each, packed one
 // after another), u = sum_j t[r0 + j] * bt_p[j, :] in increasing j (u = t0 * b0, then u = u + tj * bj: a

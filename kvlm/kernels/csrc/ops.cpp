@@ -78,19 +78,9 @@ bool has_int8(const KvlmKernels* t, int qtype) {
                                      qtype == T_Q5_1 || qtype == T_Q4_K || qtype == T_Q5_K || qtype == T_Q6_K);
 }
 
-namespace {
-
-// x (M, K) quantized per 32-element block (quantize_act, rows in parallel) into this thread's buffers:
-// q (M, K) int8, d (M, K/32, 8) expanded scales, s (M, K/32) block sums d * sum(q), i (M, K/32) sum(q).
-// The buffers grow to the largest call and stay, so steady-state calls allocate nothing; they are valid
-// until the next call.
-struct ActQ {
-    const int8_t* q;
-    const float* d;
-    const float* s;
-    const int32_t* i;
-};
-
+// x (M, K) quantized per 32-element block (quantize_act, rows in parallel) into this thread's buffers
+// (drivers.h, ActQ). The buffers grow to the largest call and stay, so steady-state calls allocate
+// nothing; they are valid until the next call on this thread.
 ActQ quantize_x(const KvlmKernels* t, const float* x, int64_t M, int64_t K) {
     thread_local std::vector<int8_t> xq;
     thread_local std::vector<float> xd, xs;
@@ -106,8 +96,6 @@ ActQ quantize_x(const KvlmKernels* t, const float* x, int64_t M, int64_t K) {
     });
     return {q, d, s, i};
 }
-
-}  // namespace
 
 bool matmul(const KvlmKernels* t, int qtype, const uint8_t* w, int64_t rs, int64_t K, int64_t N, const float* x,
             int64_t M, float* y, int64_t ldy, int act) {
@@ -128,36 +116,56 @@ bool matmul(const KvlmKernels* t, int qtype, const uint8_t* w, int64_t rs, int64
     return ok;
 }
 
-// Mixture-of-experts, llama.cpp's mul_mat_id: y (R, N) = each expert's rows of x (R, K) times that expert's
-// W_e.T, the rows grouped by expert in ascending id (counts[e] rows each), W_e at w + e * es, its rows rs
-// apart. x is quantized once (ACT_INT8); one parallel loop over (expert, 16-column panel) items, so the
-// threads split over experts and columns together. An output's arithmetic is the dense kernel's for that
-// row (fixed per row and column, whatever M, the panel or the thread), so each row has the bits of
-// `matmul` on that expert alone.
-bool expert_matmul(const KvlmKernels* t, int qtype, const uint8_t* w, int64_t es, int64_t rs, int64_t K, int64_t N,
-                   const int64_t* counts, int64_t E, const float* x, int64_t R, float* y, int act) {
-    std::vector<int64_t> ex, off;  // the experts with rows, and where their rows start
+// Mixture-of-experts, llama.cpp's mul_mat_id, for np projections that read the same rows x (R, K) (gate and
+// up): projection j's y_j (R, ldy_j)[:, 0:N_j] = each expert's rows of x times that expert's W_e.T, the rows
+// grouped by expert in ascending id (counts[e] rows each), W_e at w + e * es, its rows rs apart. x is
+// quantized once for every int8 projection (ACT_INT8; `a`, if given, is x already quantized); one parallel
+// loop over (projection, expert, 16-column panel) items, so the threads split over projections, experts and
+// columns together. An output's arithmetic is the dense kernel's for that row (fixed per row and column,
+// whatever M, the panel or the thread), so each row has the bits of `matmul` on that expert alone.
+bool expert_matmul_multi(const KvlmKernels* t, const ExpertProj* proj, int np, int64_t K, const int64_t* counts,
+                         int64_t E, const float* x, const ActQ* a, int64_t R, int act) {
+    thread_local std::vector<int64_t> ex, off, first;  // the experts with rows, where their rows start; items
+    ex.clear(), off.clear(), first.clear();
     for (int64_t e = 0, r = 0; e < E; r += counts[e], ++e)
         if (counts[e] > 0) ex.push_back(e), off.push_back(r);
-    const bool i8 = act == ACT_INT8 && has_int8(t, qtype) && K % 32 == 0;
-    const ActQ a = i8 ? quantize_x(t, x, R, K) : ActQ{};
-    const int64_t nb = K / 32, panels = (N + 15) / 16, items = (int64_t)ex.size() * panels;
+    bool i8[2], any8 = false;
+    TORCH_CHECK(np >= 1 && np <= 2, "kvlm expert matmul: 1 or 2 projections");
+    for (int j = 0; j < np; j++) any8 |= (i8[j] = act == ACT_INT8 && has_int8(t, proj[j].qtype) && K % 32 == 0);
+    ActQ q{};
+    if (any8) q = a ? *a : quantize_x(t, x, R, K);
+    const int64_t nb = K / 32, nex = (int64_t)ex.size();
+    int64_t items = 0;
+    for (int j = 0; j < np; j++) first.push_back(items), items += nex * ((proj[j].N + 15) / 16);
+    first.push_back(items);
     const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, K * std::max<int64_t>(1, R)) / 16);
     std::atomic<bool> ok{true};
+    const int64_t* fi = first.data();  // (a thread_local's name would mean each worker's own vector)
+    const int64_t *exs = ex.data(), *offs = off.data();
     at::parallel_for(0, items, grain, [&](int64_t i0, int64_t i1) {
-        for (int64_t i = i0; i < i1;) {  // a run of one expert's panels: one kernel call
-            const int64_t j = i / panels, p0 = i % panels, p1 = std::min(panels, p0 + (i1 - i));
-            const int64_t e = ex[j], r0 = off[j], m = counts[e];
-            const uint8_t* we = w + e * es;
-            const int64_t n0 = 16 * p0, n1 = std::min(N, 16 * p1);
-            const int rc = i8 ? t->gemv_i8(qtype, we, rs, K, a.q + r0 * K, a.d + 8 * r0 * nb, a.s + r0 * nb,
-                                           a.i + r0 * nb, m, y + r0 * N, N, n0, n1)
-                              : t->gemv(qtype, we, rs, K, x + r0 * K, m, y + r0 * N, N, n0, n1);
+        for (int64_t i = i0; i < i1;) {  // a run of one projection's, one expert's panels: one kernel call
+            int j = 0;
+            while (i >= fi[j + 1]) j++;
+            const ExpertProj& p = proj[j];
+            const int64_t panels = (p.N + 15) / 16, li = i - fi[j], end = std::min(i1, fi[j + 1]) - fi[j];
+            const int64_t g = li / panels, p0 = li % panels, p1 = std::min(panels, p0 + (end - li));
+            const int64_t e = exs[g], r0 = offs[g], m = counts[e];
+            const uint8_t* we = p.w + e * p.es;
+            const int64_t n0 = 16 * p0, n1 = std::min(p.N, 16 * p1);
+            const int rc = i8[j] ? t->gemv_i8(p.qtype, we, p.rs, K, q.q + r0 * K, q.d + 8 * r0 * nb, q.s + r0 * nb,
+                                              q.i + r0 * nb, m, p.y + r0 * p.ldy, p.ldy, n0, n1)
+                                 : t->gemv(p.qtype, we, p.rs, K, x + r0 * K, m, p.y + r0 * p.ldy, p.ldy, n0, n1);
             if (rc) ok = false;
             i += p1 - p0;
         }
     });
     return ok;
+}
+
+bool expert_matmul(const KvlmKernels* t, int qtype, const uint8_t* w, int64_t es, int64_t rs, int64_t K, int64_t N,
+                   const int64_t* counts, int64_t E, const float* x, int64_t R, float* y, int act) {
+    const ExpertProj p{qtype, w, es, rs, N, y, N};
+    return expert_matmul_multi(t, &p, 1, K, counts, E, x, nullptr, R, act);
 }
 
 // Work items of ATTN_CHUNK tokens per row tile (a constant: chunk boundaries, hence every sum's order,

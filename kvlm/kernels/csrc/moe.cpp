@@ -1,0 +1,215 @@
+// The routed MLP of mixture-of-experts models in one native call (drivers.h, moe_mlp): router, top-k, the
+// grouped expert matmuls and the weighted sum. The module path (kvlm/model/moe.py, torch op moe_mlp) and the
+// fused decode step (decode.cpp) both run this function, so a token's routed-MLP bits are the same whichever
+// path computes it, and, every step being row by row, in any batch, chunk or thread split.
+// Intermediates live in this thread's buffers, grown to the largest call and kept.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "drivers.h"
+#include "elementwise.h"
+
+namespace kvlm {
+
+void moe_route(const float* logits, int64_t E, int64_t k, bool renorm, int32_t* ids, float* w) {
+    thread_local std::vector<float> p;
+    thread_local std::vector<char> taken;
+    if ((int64_t)p.size() < E) p.resize(E), taken.resize(E);
+    softmax(logits, p.data(), E);
+    std::fill(taken.begin(), taken.begin() + E, 0);
+    // The largest logit not taken (the order of the probabilities, without their rounding: the native exp
+    // clamps below e^-87.3, which would tie experts whose probabilities torch still tells apart); a tie
+    // keeps the lower id (strict >).
+    for (int64_t j = 0; j < k; j++) {
+        int64_t best = -1;
+        for (int64_t e = 0; e < E; e++)
+            if (!taken[e] && (best < 0 || logits[e] > logits[best])) best = e;
+        taken[best] = 1;
+        ids[j] = static_cast<int32_t>(best);
+        w[j] = p[best];
+    }
+    if (renorm) {
+        float s = 0.0f;
+        for (int64_t j = 0; j < k; j++) s += w[j];
+        for (int64_t j = 0; j < k; j++) w[j] = w[j] / s;
+    }
+}
+
+namespace {
+
+// o (n) = 0 + y_0 * w_0 + y_1 * w_1 + ...: each product rounded, then added (never fused, as the module
+// path's `out + y * w`), in the order given (ascending expert id).
+__attribute__((optimize("fp-contract=off")))
+void combine_row(const float* ys, const int64_t* pos, const float* w, int64_t k, int64_t n, float* o) {
+    for (int64_t i = 0; i < n; i++) o[i] = 0.0f;
+    for (int64_t j = 0; j < k; j++) {
+        const float* y = ys + pos[j] * n;
+        const float wj = w[j];
+        for (int64_t i = 0; i < n; i++) {
+            const float v = y[i] * wj;
+            o[i] = o[i] + v;
+        }
+    }
+}
+
+template <typename T>
+T* grow(std::vector<T>& v, int64_t n) {
+    if ((int64_t)v.size() < n) v.resize(n);
+    return v.data();
+}
+
+}  // namespace
+
+bool moe_mlp(const KvlmKernels* t, const MoeLayer& m, const float* x, int64_t T, float* out, int act) {
+    const int64_t E = m.E, k = m.k, H = m.H, I = m.I, R = T * k;
+    if (T == 0) return true;
+    // logits (T, E) | w (T, k) | rows (R, H): x gathered by expert (float32 gate / up), the down outputs |
+    // gu (R, 2I) | a (R, I)
+    thread_local std::vector<float> logits_v, w_v, rows_v, gu_v, a_v;
+    thread_local std::vector<int32_t> ids_v;
+    thread_local std::vector<int64_t> counts_v, next_v, pos_v;
+    float* logits = grow(logits_v, T * E);
+    float* w = grow(w_v, R);
+    float* rows = grow(rows_v, R * H);
+    float* gu = grow(gu_v, R * 2 * I);
+    float* a = grow(a_v, R * I);
+    int32_t* ids = grow(ids_v, R);
+    int64_t* counts = grow(counts_v, E);
+    int64_t* next = grow(next_v, E);
+    int64_t* pos = grow(pos_v, R);
+    if (!matmul(t, m.router_qtype, m.router, m.router_rs, H, E, x, T, logits, E, act)) return false;
+    at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+        for (int64_t r = t0; r < t1; r++) {
+            int32_t* id = ids + r * k;
+            float* wr = w + r * k;
+            moe_route(logits + r * E, E, k, m.renorm, id, wr);
+            for (int64_t j = 1; j < k; j++)  // the pairs by ascending id: the order the outputs are summed in
+                for (int64_t i = j; i > 0 && id[i - 1] > id[i]; i--) std::swap(id[i - 1], id[i]), std::swap(wr[i - 1], wr[i]);
+        }
+    });
+    // Pair r (token r / k) goes to grouped row pos[r]: experts in ascending id, tokens in order within one.
+    std::fill(counts, counts + E, 0);
+    for (int64_t r = 0; r < R; r++) counts[ids[r]]++;
+    for (int64_t e = 0, acc = 0; e < E; acc += counts[e], e++) next[e] = acc;
+    for (int64_t r = 0; r < R; r++) pos[r] = next[ids[r]]++;
+    if (m.stats) {
+        int64_t touched = 0;
+        for (int64_t e = 0; e < E; e++) m.stats[e] += counts[e], touched += counts[e] > 0;
+        m.stats[E] += 1, m.stats[E + 1] += touched;
+    }
+    const ExpertProj gate_up[2] = {{m.gate.qtype, m.gate.w, m.gate.es, m.gate.rs, I, gu, 2 * I},
+                                   {m.up.qtype, m.up.w, m.up.es, m.up.rs, I, gu + I, 2 * I}};
+    if (act == ACT_INT8 && has_int8(t, m.gate.qtype) && has_int8(t, m.up.qtype) && H % 32 == 0) {
+        // int8 gate and up: quantize the T tokens' rows once (not their k copies; quantize_act is row by
+        // row, so a row's codes are the same either way) and gather the codes into expert order.
+        thread_local std::vector<int8_t> gq_v;
+        thread_local std::vector<float> gd_v, gs_v;
+        thread_local std::vector<int32_t> gi_v;
+        const int64_t nb = H / 32;
+        int8_t* gq = grow(gq_v, R * H);
+        float* gd = grow(gd_v, R * nb * 8);
+        float* gs = grow(gs_v, R * nb);
+        int32_t* gi = grow(gi_v, R * nb);
+        const ActQ xq = quantize_x(t, x, T, H);
+        at::parallel_for(0, R, std::max<int64_t>(1, 16384 / H), [&](int64_t r0, int64_t r1) {
+            for (int64_t r = r0; r < r1; r++) {
+                const int64_t src = r / k, dst = pos[r];
+                std::memcpy(gq + dst * H, xq.q + src * H, H);
+                std::memcpy(gd + dst * nb * 8, xq.d + src * nb * 8, sizeof(float) * nb * 8);
+                std::memcpy(gs + dst * nb, xq.s + src * nb, sizeof(float) * nb);
+                std::memcpy(gi + dst * nb, xq.i + src * nb, sizeof(int32_t) * nb);
+            }
+        });
+        const ActQ g{gq, gd, gs, gi};
+        if (!expert_matmul_multi(t, gate_up, 2, H, counts, E, nullptr, &g, R, act)) return false;
+    } else {
+        at::parallel_for(0, R, std::max<int64_t>(1, 16384 / H), [&](int64_t r0, int64_t r1) {
+            for (int64_t r = r0; r < r1; r++) std::memcpy(rows + pos[r] * H, x + (r / k) * H, sizeof(float) * H);
+        });
+        if (!expert_matmul_multi(t, gate_up, 2, H, counts, E, rows, nullptr, R, act)) return false;
+    }
+    at::parallel_for(0, R, std::max<int64_t>(1, 16384 / I), [&](int64_t r0, int64_t r1) {
+        for (int64_t r = r0; r < r1; r++) silu_mul(gu + r * 2 * I, gu + r * 2 * I + I, a + r * I, I);
+    });
+    const ExpertProj down{m.down.qtype, m.down.w, m.down.es, m.down.rs, H, rows, H};  // rows: x is done with
+    if (!expert_matmul_multi(t, &down, 1, I, counts, E, a, nullptr, R, act)) return false;
+    at::parallel_for(0, T, std::max<int64_t>(1, 8192 / (H * k)), [&](int64_t t0, int64_t t1) {
+        for (int64_t r = t0; r < t1; r++) combine_row(rows, pos + r * k, w + r * k, k, H, out + r * H);
+    });
+    return true;
+}
+
+}  // namespace kvlm
+
+namespace {
+
+void check_stack(const at::Tensor& w, int64_t E, int64_t N, const char* what) {
+    TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kByte && w.dim() == 3 && w.stride(2) == 1 &&
+                    w.size(0) == E && w.size(1) == N,
+                "kvlm moe_mlp: ", what, " must be a CPU uint8 (", E, ", ", N, ", row_bytes) stack with contiguous rows");
+}
+
+// out (T, H) = the routed MLP of x (T, H) float32 (kvlm::moe_mlp). router (E, row_bytes) uint8 blocks of
+// router_qtype; gate, up (E, I, row_bytes) and down (E, H, row_bytes) uint8 stacks of qtypes[0..2]; stats
+// empty or (E + 2,) int64 counters (added to).
+void moe_mlp_op(const at::Tensor& x, const at::Tensor& router, int64_t router_qtype, const at::Tensor& gate,
+                const at::Tensor& up, const at::Tensor& down, at::IntArrayRef qtypes, int64_t k, bool renorm,
+                int64_t isa, bool int8, const at::Tensor& stats, const at::Tensor& out) {
+    TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(),
+                "kvlm moe_mlp: x must be a contiguous float32 (T, H) CPU tensor");
+    const int64_t T = x.size(0), H = x.size(1);
+    TORCH_CHECK(router.device().is_cpu() && router.scalar_type() == at::kByte && router.dim() == 2 &&
+                    router.stride(1) == 1, "kvlm moe_mlp: router must be a CPU uint8 (E, row_bytes) tensor");
+    const int64_t E = router.size(0), I = gate.dim() == 3 ? gate.size(1) : -1;
+    check_stack(gate, E, I, "gate");
+    check_stack(up, E, I, "up");
+    check_stack(down, E, H, "down");
+    TORCH_CHECK(qtypes.size() == 3 && k >= 1 && k <= E, "kvlm moe_mlp: 3 expert types and 1 <= k <= E");
+    TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.sizes() == x.sizes(),
+                "kvlm moe_mlp: out must be a contiguous float32 (T, H) tensor");
+    int64_t* st = nullptr;
+    if (stats.numel()) {
+        TORCH_CHECK(stats.scalar_type() == at::kLong && stats.is_contiguous() && stats.numel() == E + 2,
+                    "kvlm moe_mlp: stats must be contiguous int64 (E + 2,)");
+        st = stats.mutable_data_ptr<int64_t>();
+    }
+    auto wt = [&](const at::Tensor& w, int64_t q) {
+        return kvlm::MoeWeight{static_cast<int>(q), w.const_data_ptr<uint8_t>(), w.stride(0), w.stride(1)};
+    };
+    const kvlm::MoeLayer m{static_cast<int>(router_qtype), router.const_data_ptr<uint8_t>(), router.stride(0),
+                           wt(gate, qtypes[0]), wt(up, qtypes[1]), wt(down, qtypes[2]), E, k, H, I, renorm, st};
+    TORCH_CHECK(kvlm::moe_mlp(kvlm::table(isa), m, x.const_data_ptr<float>(), T, out.mutable_data_ptr<float>(),
+                              int8 ? kvlm::ACT_INT8 : kvlm::ACT_F32),
+                "kvlm moe_mlp: no kernel for a weight type");
+}
+
+// ids (T, k) int64, weights (T, k) float32 = each row of logits (T, E) routed (kvlm::moe_route), by
+// descending probability.
+void moe_route_op(const at::Tensor& logits, int64_t k, bool renorm, const at::Tensor& ids, const at::Tensor& weights) {
+    TORCH_CHECK(logits.device().is_cpu() && logits.scalar_type() == at::kFloat && logits.dim() == 2 &&
+                    logits.is_contiguous(), "kvlm moe_route: logits must be contiguous float32 (T, E)");
+    const int64_t T = logits.size(0), E = logits.size(1);
+    TORCH_CHECK(k >= 1 && k <= E, "kvlm moe_route: need 1 <= k <= E");
+    TORCH_CHECK(ids.scalar_type() == at::kLong && ids.is_contiguous() && ids.dim() == 2 && ids.size(0) == T &&
+                    ids.size(1) == k && weights.scalar_type() == at::kFloat && weights.is_contiguous() &&
+                    weights.sizes() == ids.sizes(), "kvlm moe_route: ids (T, k) int64 and weights (T, k) float32");
+    std::vector<int32_t> id(k);
+    for (int64_t r = 0; r < T; r++) {
+        kvlm::moe_route(logits.const_data_ptr<float>() + r * E, E, k, renorm, id.data(),
+                        weights.mutable_data_ptr<float>() + r * k);
+        for (int64_t j = 0; j < k; j++) ids.mutable_data_ptr<int64_t>()[r * k + j] = id[j];
+    }
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kvlm_kernels, m) {
+    m.def("moe_mlp(Tensor x, Tensor router, int router_qtype, Tensor gate, Tensor up, Tensor down, int[] qtypes, "
+          "int k, bool renorm, int isa, bool int8, Tensor(a!) stats, Tensor(b!) out) -> ()", &moe_mlp_op);
+    m.def("moe_route(Tensor logits, int k, bool renorm, Tensor(a!) ids, Tensor(b!) weights) -> ()", &moe_route_op);
+}
