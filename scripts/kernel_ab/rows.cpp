@@ -20,22 +20,15 @@
 
 #include <immintrin.h>
 
-#include "kernels.h"
+#include "formats.h"
 extern "C" const KvlmKernels* kvlm_old(void);
 extern "C" const KvlmKernels* kvlm_new(void);
 
-struct Fmt { const char* name; int qt, be, bb; std::vector<int> halves; };
-static Fmt FMTS[] = {
-    {"Q4_0", T_Q4_0, 32, 18, {0}},       {"Q4_1", T_Q4_1, 32, 20, {0, 2}},      {"Q8_0", T_Q8_0, 32, 34, {0}},
-    {"Q5_0", T_Q5_0, 32, 22, {0}},       {"Q5_1", T_Q5_1, 32, 24, {0, 2}},      {"Q4_K", T_Q4_K, 256, 144, {0, 2}},
-    {"Q5_K", T_Q5_K, 256, 176, {0, 2}},  {"Q6_K", T_Q6_K, 256, 210, {208}}};
-static std::mt19937 rng(1);
 static double cpu_s() {
     timespec t;
     clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &t);
     return t.tv_sec + 1e-9 * t.tv_nsec;
 }
-__attribute__((target("f16c"))) static uint16_t half(float f) { return _cvtss_sh(f, 0); }
 
 int main(int argc, char** argv) {
     if (argc < 7) { fprintf(stderr, "usage: rows FMT N K THREADS HOT ROUNDS M...\n"); return 2; }
@@ -48,12 +41,7 @@ int main(int argc, char** argv) {
     for (auto& g : FMTS) if (!strcmp(g.name, argv[1])) f = &g;
     if (!f || Ms.empty()) { fprintf(stderr, "unknown format %s or no M\n", argv[1]); return 2; }
     const int64_t rs = K / f->be * f->bb, bytes = N * rs, nb = K / 32;
-    std::vector<uint8_t> w0(bytes + 64);
-    for (auto& b : w0) b = (uint8_t)rng();
-    std::uniform_real_distribution<float> u(-0.05f, 0.05f);
-    for (int64_t n = 0; n < N; n++)
-        for (int64_t b = 0; b < K / f->be; b++)
-            for (int h : f->halves) { uint16_t v = half(u(rng)); memcpy(&w0[n * rs + b * f->bb + h], &v, 2); }
+    const std::vector<uint8_t> w0 = make_w(*f, N, K);
     const int copies = hot ? 1 : (int)std::max<int64_t>(2, (256ll << 20) / bytes);
     std::vector<std::vector<uint8_t>> ws(copies, w0);
     const int64_t MX = *std::max_element(Ms.begin(), Ms.end());

@@ -12,14 +12,8 @@ ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 W=$(mktemp -d); trap 'rm -rf "$W"' EXIT
 if [ -d "$OLD/kvlm/kernels/csrc" ]; then OLDDIR=$(cd "$OLD" && pwd)/kvlm/kernels/csrc
 else git -C "$ROOT" archive "$OLD" kvlm/kernels/csrc | tar -x -C "$W"; OLDDIR=$W/kvlm/kernels/csrc; fi
-UNIT="$ROOT/kvlm/kernels/csrc/isa_$(echo "${KVLM_AB_ISA:-avx512-vnni}" | tr - _).cpp"
-[ -f "$UNIT" ] || { echo "rows.sh: no unit $UNIT" >&2; exit 2; }
-HEAD=$(grep -E '^#(pragma GCC target|define KVLM_(AVX|VNNI))' "$UNIT")
-for side in old new; do
-  dir=$([ $side = old ] && echo "$OLDDIR" || echo "$ROOT/kvlm/kernels/csrc")
-  printf '%s\n#define KVLM_ISA_FN kvlm_%s\n#include "%s/kernels_impl.h"\n' "$HEAD" "$side" "$dir" > "$W/$side.cpp"
-done
-FL="-O3 -std=c++20 -fopenmp -Wno-psabi -fno-math-errno"
+. "$(dirname "$0")/units.sh"
+write_units "$OLDDIR" "$ROOT/kvlm/kernels/csrc" "${KVLM_AB_ISA:-avx512-vnni}" "$W"
 # KVLM_AB_CACHE=dir: keep both objects there (old-ISA.o, new-ISA.o) and reuse them: repeated runs of one
 # pair of trees (a measurement script) compile once. Delete the folder when either tree changes.
 C=${KVLM_AB_CACHE:-}; ISA=${KVLM_AB_ISA:-avx512-vnni}
