@@ -21,8 +21,8 @@
 // Few rows of x (M <= FLY_ROWS2, decode): x's 16 bytes are broadcast to both lanes, each row's 4 partial
 // sums per z added up by sum_rows8 (no transpose), the unit used at once: 8 weight rows stream side by
 // side, the panel after next prefetched a slice per block. More rows (prefill): each unit is transposed
-// once (v[j] lane c = row c's elements 4j .. 4j + 3) into a per-thread buffer, and tiles of ROW_TILE2
-// rows of x run against it with x's 4 bytes broadcast: 8 maddubs + 1 to 8 madd per 256 products.
+// once (v[j] lane c = row c's elements 4j .. 4j + 3) into a per-thread buffer (its fill prefetching the
+// panel after next the same way), and tiles of ROW_TILE2 rows of x run against it with x's 4 bytes broadcast: 8 maddubs + 1 to 8 madd per 256 products.
 
 namespace {
 
