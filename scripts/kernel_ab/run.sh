@@ -10,15 +10,8 @@ OLD=$1; shift
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 W=$(mktemp -d); trap 'rm -rf "$W"' EXIT
 git -C "$ROOT" archive "$OLD" kvlm/kernels/csrc | tar -x -C "$W"
-# The unit's head as kvlm/kernels/csrc/isa_<ISA>.cpp has it: its target pragma and ISA defines.
-UNIT="$ROOT/kvlm/kernels/csrc/isa_$(echo "${KVLM_AB_ISA:-avx2}" | tr - _).cpp"
-[ -f "$UNIT" ] || { echo "run.sh: no unit $UNIT" >&2; exit 2; }
-HEAD=$(grep -E '^#(pragma GCC target|define KVLM_(AVX|VNNI))' "$UNIT")
-for side in old new; do
-  dir=$([ $side = old ] && echo "$W/kvlm/kernels/csrc" || echo "$ROOT/kvlm/kernels/csrc")
-  printf '%s\n#define KVLM_ISA_FN kvlm_%s\n#include "%s/kernels_impl.h"\n' "$HEAD" "$side" "$dir" > "$W/$side.cpp"
-done
-FL="-O3 -std=c++20 -fopenmp -Wno-psabi -fno-math-errno"
+. "$(dirname "$0")/units.sh"
+write_units "$W/kvlm/kernels/csrc" "$ROOT/kvlm/kernels/csrc" "${KVLM_AB_ISA:-avx2}" "$W"
 g++ $FL -c "$W/old.cpp" -o "$W/old.o" & g++ $FL -c "$W/new.cpp" -o "$W/new.o"; wait
 g++ $FL -mf16c -I"$ROOT/kvlm/kernels/csrc" "$(dirname "$0")/ab.cpp" "$W/old.o" "$W/new.o" -o "$W/ab"
 if [ $# -eq 0 ]; then

@@ -479,16 +479,23 @@ def test_int8_kernel_is_its_contract_bit_for_bit(qtype: T, isa: str) -> None:
     """Every int8 path (AVX2, AVX-512, AVX-512 VNNI) computes the same bits: the order contract that
     `qmatmul_int8_contract` spells out in numpy (exact integer unit sums, then one float32 fma per
     32-element block, mins likewise), here for M = 9 (a tile of 4 rows, its remainder) and M = 3 (weights
-    used in place), N = 37 (panels and a tail), a K with a tail past the last 8 blocks, the edge rows."""
+    used in place), N = 37 (panels and a tail), a K with a tail past the last 8 blocks, the edge rows.
+    Then every M of a multi-row decode step (speculative verification: k + 1 rows; a small batch), 1 to 9,
+    16 and 17, from the first row and from row 5 (the edge rows elsewhere in the tile): each of the few-row
+    and many-row work orders on its boundaries must be the contract too."""
     if isa not in INT8_ISAS:
         pytest.skip("the int8-activation kernel exists on the AVX2 and AVX-512 paths")
     k = 768 if qtype in SUPER else 544
     w = random_blocks(qtype, 37, k, seed=31)
-    x = int8_activation_cases(k, m=9, huge=huge(qtype))
-    want = qmatmul_int8_contract(x, w)
-    assert torch.isfinite(want).all()
-    assert torch.equal(qmatmul(x, w).view(torch.int32), want.view(torch.int32))
-    assert torch.equal(qmatmul(x[:3], w).view(torch.int32), want[:3].view(torch.int32))
+    x = int8_activation_cases(k, m=22, huge=huge(qtype))
+    want = qmatmul_int8_contract(x, w).view(torch.int32)
+    assert torch.isfinite(want.view(torch.float32)).all()
+    assert torch.equal(qmatmul(x[:9], w).view(torch.int32), want[:9])
+    assert torch.equal(qmatmul(x[:3], w).view(torch.int32), want[:3])
+    for m in (1, 2, 4, 5, 6, 7, 8, 16, 17):
+        for r0 in (0, 5):
+            got = qmatmul(x[r0:r0 + m], w).view(torch.int32)
+            assert torch.equal(got, want[r0:r0 + m]), f"M={m} from row {r0}"
 
 
 @pytest.mark.parametrize("qtype", INT8_FORMATS, ids=lambda t: t.name)

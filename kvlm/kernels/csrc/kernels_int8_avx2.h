@@ -21,8 +21,8 @@
 // Few rows of x (M <= FLY_ROWS2, decode): x's 16 bytes are broadcast to both lanes, each row's 4 partial
 // sums per z added up by sum_rows8 (no transpose), the unit used at once: 8 weight rows stream side by
 // side, the panel after next prefetched a slice per block. More rows (prefill): each unit is transposed
-// once (v[j] lane c = row c's elements 4j .. 4j + 3) into a per-thread buffer, and tiles of ROW_TILE2
-// rows of x run against it with x's 4 bytes broadcast: 8 maddubs + 1 to 8 madd per 256 products.
+// once (v[j] lane c = row c's elements 4j .. 4j + 3) into a per-thread buffer (its fill prefetching the
+// panel after next the same way), and tiles of ROW_TILE2 rows of x run against it with x's 4 bytes broadcast: 8 maddubs + 1 to 8 madd per 256 products.
 
 namespace {
 
@@ -384,10 +384,10 @@ void gemm_avx2_t(const uint8_t* w, int64_t rs, int64_t K, const int8_t* xq, cons
     const int32_t* l16 = F::Q6 ? lo16_sums(a, M) : nullptr;
     if (F::Q6 && l16 == nullptr) return;
     Panel8* buf = M > FLY_ROWS2 ? thread_buffer<Panel8>(a.nb) : nullptr;
-    if (buf == nullptr)  // the first PF_PANELS panels; the panel loop prefetches PF_PANELS ahead from there on
-        for (const uint8_t* p = (const uint8_t*)((uintptr_t)(w + n0 * rs) & ~(uintptr_t)63);
-             p < w + (n1 < n0 + 8 * PF_PANELS ? n1 : n0 + 8 * PF_PANELS) * rs; p += 64)
-            _mm_prefetch((const char*)p, _MM_HINT_T1);
+    // the first PF_PANELS panels; the panel loop prefetches PF_PANELS ahead from there on, in both modes
+    for (const uint8_t* p = (const uint8_t*)((uintptr_t)(w + n0 * rs) & ~(uintptr_t)63);
+         p < w + (n1 < n0 + 8 * PF_PANELS ? n1 : n0 + 8 * PF_PANELS) * rs; p += 64)
+        _mm_prefetch((const char*)p, _MM_HINT_T1);
     for (int64_t n = n0; n < n1; n += 8) {
         const int live = n1 - n < 8 ? (int)(n1 - n) : 8;
         const uint8_t* rows[8];
@@ -417,6 +417,9 @@ void gemm_avx2_t(const uint8_t* w, int64_t rs, int64_t K, const int8_t* xq, cons
         Unit8 u;
         u.mw = _mm256_setzero_ps(), u.sl = u.sh = _mm256_setzero_si256();
         for (int64_t b = 0; b < a.nb / F::SUB; b++) {
+            // As fly8: without it the 8 interleaved weight rows stream at the hardware prefetcher's pace,
+            // and 5 to 8 rows (a speculative step's k + 1, a small batch) cost 2x 4 rows from memory.
+            prefetch_slice8(ahead, end, b, 8 * F::BB);
             head8<QT>(rows, hofs, b * F::BB, &h);
             for (int s = 0; s < F::SUB; s++) {
                 unit8<QT>(rows, hofs, b * F::BB, s, h, &u);

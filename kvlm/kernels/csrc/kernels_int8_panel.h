@@ -254,7 +254,7 @@ void gemm_i8_t(const uint8_t* w, int64_t rs, int64_t K, const int8_t* xq, const 
                const int32_t* xi, int64_t M, float* y, int64_t ldy, int64_t n0, int64_t n1) {
     const ActRows a{xq, xd, xs, xi, K, K / 32};
     PanelBlock* buf = M > FLY_ROWS ? thread_buffer<PanelBlock>(a.nb) : nullptr;
-    if (M <= FLY_ROWS) prefetch_first_panels(w, rs, n0, n1);
+    prefetch_first_panels(w, rs, n0, n1);  // then two panels ahead (panel_fly, or panel_tile's first tile)
     for (int64_t n = n0; n < n1; n += 16) {
         const uint8_t* rows[16];
         __m512i hv;
