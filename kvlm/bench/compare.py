@@ -7,7 +7,10 @@ llama-cpp-python, and optionally Hugging Face transformers (float32, `--hf`).
 llama.cpp runs in a separate process with its own interpreter (`--llama-python`, default: this one if
 it can import llama_cpp), by `llama_cpp_worker.py`, which needs only the standard library and
 llama_cpp: the peer usually lives in its own virtual environment (docs/benchmarks.md says how to
-build it). Flash attention is on, n_threads = n_threads_batch = `--threads`.
+build it). Flash attention is on, n_threads = n_threads_batch = `--threads`. `--llama-lib DIR` loads
+llama.cpp's libraries from DIR instead (LLAMA_CPP_LIB_PATH), e.g. a build for AVX2 from
+scripts/build_llama_cpp.sh, so an AVX-512 machine can time `KVLM_KERNEL_ISA=avx2` against an AVX2 peer;
+the peer's column names the ISA its build reports (llama_print_system_info).
 
 Measured, round-robin over `--repeats` rounds so every engine sees the same machine load, best kept:
 * prefill: a random `--prompt-len` (512) token prompt on a fresh context, tokens / time to first token;
@@ -27,6 +30,8 @@ import argparse
 import gc
 import importlib.util
 import json
+import os
+import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -76,11 +81,11 @@ print(json.dumps({"wall_s": time.perf_counter() - t, "rc": os.waitstatus_to_exit
 """
 
 
-def run_timed(cmd: list[str], timeout: float = 900.0) -> tuple[float, int]:
+def run_timed(cmd: list[str], timeout: float = 900.0, env: dict[str, str] | None = None) -> tuple[float, int]:
     """(wall seconds, peak RSS bytes) of `cmd` run to completion in a fresh process (stdout discarded);
     RuntimeError with its last stderr line if it fails."""
     p = subprocess.run([sys.executable, "-c", _LAUNCHER, *cmd], capture_output=True, text=True, timeout=timeout,
-                       check=False)
+                       check=False, env=env)
     try:
         r = json.loads(p.stdout.strip().splitlines()[-1])
     except (IndexError, json.JSONDecodeError):
@@ -109,20 +114,43 @@ class _Kvlm:
                                    for ids, gen in spec["contexts"]]}
 
 
-class _LlamaCpp:
-    """llama.cpp in a child process per round (llama_cpp_worker.py under `python`)."""
+_PROBE = ("import llama_cpp; print(llama_cpp.__version__); "
+          "f = getattr(llama_cpp, 'llama_print_system_info', None); print((f() if f else b'').decode())")
 
-    def __init__(self, python: str, path: Path) -> None:
-        self.python, self.path = python, path
-        probe = subprocess.run([python, "-c", "import llama_cpp; print(llama_cpp.__version__)"],
-                               capture_output=True, text=True, timeout=120, check=False)
+
+def llama_env(lib: str | None) -> dict[str, str] | None:
+    """The peer's environment: with `lib` (a folder of libllama.so and its ggml libraries, e.g. llama.cpp
+    built for AVX2 by scripts/build_llama_cpp.sh), llama-cpp-python loads those instead of its own."""
+    return None if lib is None else {**os.environ, "LLAMA_CPP_LIB_PATH": str(Path(lib).resolve())}
+
+
+def llama_isa(system_info: str) -> str:
+    """The best x86/ARM vector ISA llama.cpp says it was built with ("CPU : AVX2 = 1 | AVX512 = 0 | ...")."""
+    on = set(re.findall(r"(\w+) = 1", system_info))
+    if "AVX512" in on:
+        return "avx512-vnni" if "AVX512_VNNI" in on else "avx512"
+    for isa, name in (("AVX2", "avx2"), ("DOTPROD", "neon-dotprod"), ("NEON", "neon")):
+        if isa in on:
+            return name
+    return "unknown"
+
+
+class _LlamaCpp:
+    """llama.cpp in a child process per round (llama_cpp_worker.py under `python`, with `env`)."""
+
+    def __init__(self, python: str, path: Path, env: dict[str, str] | None = None) -> None:
+        self.python, self.path, self.env = python, path, env
+        probe = subprocess.run([python, "-c", _PROBE], capture_output=True, text=True, timeout=120, check=False,
+                               env=env)
         if probe.returncode != 0:
-            raise ImportError(f"{python} cannot import llama_cpp")
-        self.version = probe.stdout.strip()
+            raise ImportError(f"{python} cannot import llama_cpp"
+                              + (f" with LLAMA_CPP_LIB_PATH={env['LLAMA_CPP_LIB_PATH']}" if env else ""))
+        self.version, _, info = probe.stdout.strip().partition("\n")
+        self.isa = llama_isa(info)
 
     def measure(self, spec: dict[str, Any]) -> dict[str, Any]:
         p = subprocess.run([self.python, str(WORKER), "measure", str(self.path)], input=json.dumps(spec),
-                           capture_output=True, text=True, timeout=1800, check=False)
+                           capture_output=True, text=True, timeout=1800, check=False, env=self.env)
         if p.returncode != 0:
             raise RuntimeError((p.stderr.strip().splitlines() or [f"exit {p.returncode}"])[-1])
         return json.loads(p.stdout.strip().splitlines()[-1])
@@ -182,7 +210,8 @@ class _Lineup:
 
 
 def _lineup(model: str, path: Path, threads: int, max_len: int, kv_cache_dtype: str, llama_python: str | None,
-            llama_cpp: bool, hf: bool, log: Callable[[str], None], reference: bool = True) -> _Lineup:
+            llama_cpp: bool, hf: bool, log: Callable[[str], None], reference: bool = True,
+            llama_lib: str | None = None) -> _Lineup:
     """kvlm (auto and float32) in this process, then each peer that is asked for and can run."""
     line = _Lineup(log)
     line.add("kvlm", _Kvlm(model, threads, max_len, "auto", kv_cache_dtype))
@@ -198,8 +227,9 @@ def _lineup(model: str, path: Path, threads: int, max_len: int, kv_cache_dtype: 
         line.skip("llama_cpp", f"{path.name} is not a GGUF file")
     else:
         try:
-            peer = _LlamaCpp(llama_python, path)
-            line.add("llama_cpp", peer, version=peer.version)
+            peer = _LlamaCpp(llama_python, path, llama_env(llama_lib))
+            line.add("llama_cpp", peer, version=peer.version, isa=peer.isa)
+            line.results["llama_cpp"]["name"] = f"llama.cpp (llama-cpp-python, {peer.isa})"
         except (ImportError, OSError, subprocess.SubprocessError) as e:
             line.skip("llama_cpp", f"{type(e).__name__}: {e}")
     if hf:
@@ -239,15 +269,16 @@ def _measure_rounds(line: _Lineup, spec: dict[str, Any], repeats: int, threads: 
 
 
 def _whole_rounds(line: _Lineup, path: Path, threads: int, chat_text: str, gen_tokens: int,
-                  llama_python: str | None, kv_cache_dtype: str, repeats: int) -> None:
+                  llama_python: str | None, kv_cache_dtype: str, repeats: int, llama_lib: str | None = None) -> None:
     """Each engine as a cold process (load + chat prompt + gen_tokens + exit): min wall time, max peak RSS."""
     whole = ("kvlm", "kvlm_float32", "llama_cpp")
     results = line.results
     for r in range(repeats):
         for key in [k for k in whole if k in line.engines]:
             try:
+                env = llama_env(llama_lib) if key == "llama_cpp" else None
                 wall, rss = run_timed(_whole_cmd(key, path, threads, chat_text, gen_tokens, llama_python,
-                                                 kv_cache_dtype))
+                                                 kv_cache_dtype), env=env)
             except (RuntimeError, OSError) as e:
                 if key.startswith("kvlm"):
                     raise
@@ -265,7 +296,7 @@ def run(model: str = DEFAULT_MODEL, threads: int = 2, prompt_len: int = 512, dec
         gen_tokens: int = 128, contexts: tuple[int, ...] = (128, 512, 1024, 2048), context_gen: int = 32,
         repeats: int = 2, llama_python: str | None = None, llama_cpp: bool = True, hf: bool = False,
         whole: bool = True, log: Callable[[str], None] = log, kv_cache_dtype: str = "auto",
-        reference: bool = True) -> dict[str, Any]:
+        reference: bool = True, llama_lib: str | None = None) -> dict[str, Any]:
     import torch
 
     from kvlm.loader import resolve_model
@@ -274,7 +305,8 @@ def run(model: str = DEFAULT_MODEL, threads: int = 2, prompt_len: int = 512, dec
     path = resolve_model(model, quiet=True)
     max_len = max(prompt_len + 1, decode_prompt_len + gen_tokens, max(contexts, default=0) + context_gen) + 8
     llama_python = llama_python or default_llama_python()
-    line = _lineup(model, path, threads, max_len, kv_cache_dtype, llama_python, llama_cpp, hf, log, reference)
+    line = _lineup(model, path, threads, max_len, kv_cache_dtype, llama_python, llama_cpp, hf, log, reference,
+                   llama_lib)
     vocab = line.engines["kvlm"].llm.llm_engine.model_config.vocab_size
     spec = {"threads": threads, "n_ctx": max_len, "gen_tokens": gen_tokens,
             "prefill_ids": prompt_ids(vocab, prompt_len), "decode_ids": prompt_ids(vocab, decode_prompt_len, seed=1),
@@ -283,7 +315,7 @@ def run(model: str = DEFAULT_MODEL, threads: int = 2, prompt_len: int = 512, dec
     chat_text = line.engines["kvlm"].llm.tokenizer.apply_chat_template(CHAT)
     _measure_rounds(line, spec, repeats, threads)
     if whole:
-        _whole_rounds(line, path, threads, chat_text, gen_tokens, llama_python, kv_cache_dtype, repeats)
+        _whole_rounds(line, path, threads, chat_text, gen_tokens, llama_python, kv_cache_dtype, repeats, llama_lib)
 
     _ratios(line.results)
     doc = run_header("compare", model, threads)
@@ -364,6 +396,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--llama-python", default=None,
                    help="interpreter with llama-cpp-python installed (default: this one, if it has it)")
+    p.add_argument("--llama-lib", metavar="DIR", default=None,
+                   help="llama.cpp libraries to load instead of llama-cpp-python's own (libllama.so and its "
+                        "ggml libraries, e.g. an AVX2 build from scripts/build_llama_cpp.sh)")
     p.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp")
     p.add_argument("--hf", action="store_true", help="also run Hugging Face transformers (float32)")
     p.add_argument("--no-whole-process", action="store_true", help="skip the whole-process runs")
@@ -378,10 +413,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
 def run_args(a: argparse.Namespace) -> dict[str, Any]:
     if a.llama_python is not None and not Path(a.llama_python).exists():
         raise ValueError(f"--llama-python: no such file {a.llama_python}")
+    if a.llama_lib is not None and not (Path(a.llama_lib) / "libllama.so").exists():
+        raise ValueError(f"--llama-lib: no libllama.so in {a.llama_lib}")
     kw = dict(threads=a.threads, prompt_len=a.prompt_len, decode_prompt_len=a.decode_prompt_len,
               gen_tokens=a.gen_tokens, contexts=tuple(a.contexts), context_gen=a.context_gen, repeats=a.repeats,
               llama_python=a.llama_python, llama_cpp=not a.no_llama_cpp, hf=a.hf, whole=not a.no_whole_process,
-              kv_cache_dtype=a.kv_cache_dtype, reference=not a.no_reference)
+              kv_cache_dtype=a.kv_cache_dtype, reference=not a.no_reference, llama_lib=a.llama_lib)
     return run_files(a.gguf, run, **kw) if a.gguf else run(a.model, **kw)
 
 

@@ -214,12 +214,16 @@ import json, os
 __version__ = "fake"
 
 
+def llama_print_system_info():
+    return b"CPU : SSE3 = 1 | AVX = 1 | AVX2 = 1 | F16C = 1 | FMA = 1 | BMI2 = 1 | AVX512 = 0 | OPENMP = 1 |"
+
+
 class Llama:
     # Stands in for llama_cpp.Llama in the worker process: logs how the bench drives it.
     def __init__(self, model_path, **kw):
         self.log = open(os.environ["FAKE_LLAMA_LOG"], "a")
         self.n_tokens = 0
-        self._write({"init": model_path, "kw": kw})
+        self._write({"init": model_path, "kw": kw, "lib": os.environ.get("LLAMA_CPP_LIB_PATH")})
 
     def _write(self, d):
         self.log.write(json.dumps(d) + "\\n")
@@ -273,7 +277,8 @@ def test_compare_runs_llama_cpp_in_its_own_process(tiny_gguf: Path, tmp_path: Pa
         assert r["prefill_tokens_per_s"] > 0 and r["decode_tokens_per_s"] > 0
         assert [c["context"] for c in r["context_decode"]] == [12, 24]
         assert r["whole_process_s"] > 0 and r["peak_rss_bytes"] > 1 << 20
-    assert e["llama_cpp"]["version"] == "fake"
+    assert e["llama_cpp"]["version"] == "fake" and e["llama_cpp"]["isa"] == "avx2"
+    assert e["llama_cpp"]["name"] == "llama.cpp (llama-cpp-python, avx2)"
     if has_hf:
         hf = e["hf"]
         assert hf["status"] == "ok", hf
@@ -287,7 +292,7 @@ def test_compare_runs_llama_cpp_in_its_own_process(tiny_gguf: Path, tmp_path: Pa
     inits = [c for c in calls if "init" in c]
     assert len(inits) == 2  # one measuring process, one whole-process run
     assert all(c["init"] == str(tiny_gguf) and c["kw"]["n_threads"] == 2 and c["kw"]["n_threads_batch"] == 2
-               and c["kw"]["flash_attn"] for c in inits)
+               and c["kw"]["flash_attn"] and c["lib"] is None for c in inits)
     evals = [tuple(c["eval"]) for c in calls if "eval" in c]
     assert (0, 16) in evals and (0, 24) in evals  # prefill and a context: the whole prompt on a fresh context
     assert (8, 1) in evals and (24, 1) in evals  # decode: one token at a time after the prompt
@@ -301,6 +306,41 @@ def test_compare_runs_llama_cpp_in_its_own_process(tiny_gguf: Path, tmp_path: Pa
                                  "--context-gen", "3", "--no-whole-process", "--llama-python", "/bin/false"])
     assert d["engines"]["llama_cpp"]["status"] == "skipped" and "llama_cpp" in d["engines"]["llama_cpp"]["reason"]
     assert "skipped" in table and "kvlm / kvlm (--dtype float32" in table
+
+
+def test_compare_loads_llama_cpp_libraries_from_llama_lib(tiny_gguf: Path, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """`--llama-lib DIR`: every llama.cpp process (the measuring one and the whole-process run) gets
+    LLAMA_CPP_LIB_PATH=DIR, which makes llama-cpp-python load a llama.cpp built for another ISA; a folder
+    without libllama.so is one readable error."""
+    (tmp_path / "fake" / "llama_cpp").mkdir(parents=True)
+    (tmp_path / "fake" / "llama_cpp" / "__init__.py").write_text(FAKE_LLAMA_CPP)
+    lib = tmp_path / "avx2-lib"
+    lib.mkdir()
+    (lib / "libllama.so").write_bytes(b"")
+    log = tmp_path / "llama.log"
+    monkeypatch.setenv("FAKE_LLAMA_LOG", str(log))
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path / 'fake'}:{Path(__file__).parents[2]}")
+    d, _ = cli_json(capsys, ["-q", "bench", "compare", str(tiny_gguf), "--prompt-len", "16", "--decode-prompt-len",
+                             "8", "--gen-tokens", "4", "--repeats", "1", "--contexts", "12", "--context-gen", "3",
+                             "--no-reference", "--llama-python", sys.executable, "--llama-lib", str(lib)])
+    assert d["engines"]["llama_cpp"]["status"] == "ok" and d["engines"]["llama_cpp"]["isa"] == "avx2"
+    inits = [json.loads(x) for x in log.read_text().splitlines() if '"init"' in x]
+    assert len(inits) == 2 and all(c["lib"] == str(lib.resolve()) for c in inits)
+
+    assert main(["-q", "bench", "compare", str(tiny_gguf), "--llama-lib", str(tmp_path)]) == 2
+    assert "--llama-lib: no libllama.so in" in capsys.readouterr().err
+
+
+def test_llama_isa_reads_the_build_s_system_info() -> None:
+    from kvlm.bench.compare import llama_isa
+
+    assert llama_isa("CPU : SSE3 = 1 | AVX2 = 1 | AVX512 = 1 | AVX512_VNNI = 1 | OPENMP = 1 |") == "avx512-vnni"
+    assert llama_isa("CPU : AVX2 = 1 | AVX512 = 1 | AVX512_VNNI = 0 |") == "avx512"
+    assert llama_isa("CPU : AVX = 1 | AVX2 = 1 | AVX512 = 0 |") == "avx2"
+    assert llama_isa("CPU : NEON = 1 | ARM_FMA = 1 | DOTPROD = 1 |") == "neon-dotprod"
+    assert llama_isa("") == "unknown"
 
 
 def test_compare_several_files_in_one_run(tiny_gguf: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
