@@ -11,6 +11,9 @@ the same for random weights of the same shapes and formats. For each `--config`:
 Files go to $KVLM_HOME/real-size/ (`<config>.<type>.gguf`); files that exist are kept (`--force` remakes
 them); the F16 file is deleted after quantizing unless `--keep-f16`. Prints each file's path, size and
 tensor types.
+Dense configurations: Llama-3.2-1B/3B and Llama-3.1-8B (`llama`), Qwen2.5-1.5B/7B (`qwen2`, q/k/v bias) and
+Phi-4-mini (`phi3`: q/k/v and gate/up stored fused, RoPE on 3/4 of each head; without LongRoPE's factor
+tensors, which change no shape or cost).
 Mixture-of-experts configurations (`olmoe-1b-7b`: OLMoE-1B-7B's shapes, hidden 2048, 16 layers, 64 experts,
 top 8, expert ffn 1024) write llama.cpp's `olmoe` architecture: q/k norms over the whole projection, the
 router `ffn_gate_inp` (F32, as llama-quantize keeps it) and the experts stacked in 3-D `ffn_*_exps`. Tensors
@@ -54,13 +57,20 @@ class Config:
     rope_theta: float = 500000.0
     experts: int = 0  # mixture of experts: `experts` of ffn `ffn` each, the top `experts_used` per token
     experts_used: int = 0
-    arch: str = "llama"
+    arch: str = "llama"  # GGUF architecture: llama, qwen2 (q/k/v bias), phi3 (fused qkv and gate_up), olmoe
+    rotary: float = 1.0  # the fraction of each head RoPE rotates (Phi-4-mini: 3/4)
 
 
 CONFIGS = {
     "llama-3.2-1b": Config(hidden=2048, layers=16, heads=32, kv_heads=8, ffn=8192, tied=True),
     "llama-3.2-3b": Config(hidden=3072, layers=28, heads=24, kv_heads=8, ffn=8192, tied=True),
     "llama-3.1-8b": Config(hidden=4096, layers=32, heads=32, kv_heads=8, ffn=14336, tied=False),
+    "qwen2.5-1.5b": Config(hidden=1536, layers=28, heads=12, kv_heads=2, ffn=8960, tied=True, rope_theta=1e6,
+                           arch="qwen2"),
+    "qwen2.5-7b": Config(hidden=3584, layers=28, heads=28, kv_heads=4, ffn=18944, tied=False, rope_theta=1e6,
+                         arch="qwen2"),
+    "phi-4-mini": Config(hidden=3072, layers=32, heads=24, kv_heads=8, ffn=8192, tied=True, rope_theta=10000.0,
+                         arch="phi3", rotary=0.75),
     "olmoe-1b-7b": Config(hidden=2048, layers=16, heads=16, kv_heads=16, ffn=1024, tied=False, rope_theta=10000.0,
                           experts=64, experts_used=8, arch="olmoe"),
 }
@@ -95,7 +105,7 @@ def write_f16(cfg: Config, name: str, vocab_src: Path, dst: Path, seed: int = 0,
     writer.add_feed_forward_length(cfg.ffn)
     writer.add_head_count(cfg.heads)
     writer.add_head_count_kv(cfg.kv_heads)
-    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_dimension_count(int(head_dim * cfg.rotary))
     writer.add_rope_freq_base(cfg.rope_theta)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_vocab_size(vocab)
@@ -118,9 +128,17 @@ def write_f16(cfg: Config, name: str, vocab_src: Path, dst: Path, seed: int = 0,
     plan: list[tuple[str, tuple[int, ...], Callable[[], np.ndarray]]] = [
         ("token_embd.weight", (vocab, cfg.hidden), lambda: rand(vocab, cfg.hidden))]
     for i in range(n_layers):
-        mats = [("attn_q", (cfg.hidden, cfg.hidden)), ("attn_k", (kv, cfg.hidden)), ("attn_v", (kv, cfg.hidden)),
-                ("attn_output", (cfg.hidden, cfg.hidden))]
-        if cfg.experts:
+        if cfg.arch == "phi3":  # q/k/v stacked in one tensor, gate and up in `ffn_up` (llama.cpp's phi3 names)
+            mats = [("attn_qkv", (cfg.hidden + 2 * kv, cfg.hidden)), ("attn_output", (cfg.hidden, cfg.hidden))]
+        else:
+            mats = [("attn_q", (cfg.hidden, cfg.hidden)), ("attn_k", (kv, cfg.hidden)),
+                    ("attn_v", (kv, cfg.hidden)), ("attn_output", (cfg.hidden, cfg.hidden))]
+        if cfg.arch == "qwen2":
+            plan += [(f"blk.{i}.attn_{n}.bias", (rows,), lambda rows=rows: rng.standard_normal(
+                rows, dtype=np.float32) * 0.02) for n, rows in (("q", cfg.hidden), ("k", kv), ("v", kv))]
+        if cfg.arch == "phi3":
+            mats += [("ffn_up", (2 * cfg.ffn, cfg.hidden)), ("ffn_down", (cfg.hidden, cfg.ffn))]
+        elif cfg.experts:
             mats += [("ffn_gate_exps", (cfg.experts, cfg.ffn, cfg.hidden)),
                      ("ffn_up_exps", (cfg.experts, cfg.ffn, cfg.hidden)),
                      ("ffn_down_exps", (cfg.experts, cfg.hidden, cfg.ffn))]
@@ -175,13 +193,21 @@ def write_bf16_folder(cfg: Config, name: str, vocab_src: Path, dst: Path, seed: 
 
     state = {"model.embed_tokens.weight": rand(vocab, cfg.hidden),
              "model.norm.weight": torch.ones(cfg.hidden, dtype=torch.bfloat16)}
+    if cfg.arch == "phi3":  # Phi3ForCausalLM's fused q/k/v and gate/up
+        mats = [("self_attn.qkv_proj", (cfg.hidden + 2 * kv, cfg.hidden)),
+                ("mlp.gate_up_proj", (2 * cfg.ffn, cfg.hidden))]
+    else:
+        mats = [("self_attn.q_proj", (cfg.hidden, cfg.hidden)), ("self_attn.k_proj", (kv, cfg.hidden)),
+                ("self_attn.v_proj", (kv, cfg.hidden)), ("mlp.gate_proj", (cfg.ffn, cfg.hidden)),
+                ("mlp.up_proj", (cfg.ffn, cfg.hidden))]
+    mats += [("self_attn.o_proj", (cfg.hidden, cfg.hidden)), ("mlp.down_proj", (cfg.hidden, cfg.ffn))]
     for i in range(cfg.layers):
         pre = f"model.layers.{i}."
-        for n, shape in (("self_attn.q_proj", (cfg.hidden, cfg.hidden)), ("self_attn.k_proj", (kv, cfg.hidden)),
-                         ("self_attn.v_proj", (kv, cfg.hidden)), ("self_attn.o_proj", (cfg.hidden, cfg.hidden)),
-                         ("mlp.gate_proj", (cfg.ffn, cfg.hidden)), ("mlp.up_proj", (cfg.ffn, cfg.hidden)),
-                         ("mlp.down_proj", (cfg.hidden, cfg.ffn))):
+        for n, shape in mats:
             state[pre + n + ".weight"] = rand(*shape)
+        if cfg.arch == "qwen2":  # Qwen2ForCausalLM: q/k/v with bias
+            for n, rows in (("q", cfg.hidden), ("k", kv), ("v", kv)):
+                state[pre + f"self_attn.{n}_proj.bias"] = rand(rows)
         for n in ("input_layernorm", "post_attention_layernorm"):
             state[pre + n + ".weight"] = torch.ones(cfg.hidden, dtype=torch.bfloat16)
     if not cfg.tied:
@@ -191,8 +217,11 @@ def write_bf16_folder(cfg: Config, name: str, vocab_src: Path, dst: Path, seed: 
     tmp.mkdir(parents=True)
     save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     del state
+    model_type, arch_name = {"qwen2": ("qwen2", "Qwen2ForCausalLM"), "phi3": ("phi3", "Phi3ForCausalLM")}.get(
+        cfg.arch, ("llama", "LlamaForCausalLM"))
+    extra = {"partial_rotary_factor": cfg.rotary} if cfg.rotary != 1.0 else {}
     (tmp / "config.json").write_text(json.dumps({
-        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": vocab,
+        "model_type": model_type, "architectures": [arch_name], "vocab_size": vocab, **extra,
         "hidden_size": cfg.hidden, "intermediate_size": cfg.ffn, "num_hidden_layers": cfg.layers,
         "num_attention_heads": cfg.heads, "num_key_value_heads": cfg.kv_heads, "head_dim": head_dim,
         "max_position_embeddings": CONTEXT, "rms_norm_eps": 1e-5, "rope_theta": cfg.rope_theta,
