@@ -188,6 +188,10 @@ void check_f32_rows(const at::Tensor& t, int64_t n, const char* what) {
                     t.stride(1) == 1, "kvlm ", what, ": expected float32 (rows, ", n, ") with contiguous rows");
 }
 
+// Rows per task of the row-wise ops below: at least ~32k floats, so a decode step's few rows stay on the
+// calling thread, and a prefill's rows split over the threads (a row's bits do not depend on the split).
+int64_t row_grain(int64_t n) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(1, n)); }
+
 // out (T, n) = rmsnorm of each row of x (T, n) with weight w (n,).
 void rms_norm_op(const at::Tensor& x, const at::Tensor& w, double eps, const at::Tensor& out) {
     const int64_t n = w.numel();
@@ -196,9 +200,11 @@ void rms_norm_op(const at::Tensor& x, const at::Tensor& w, double eps, const at:
     TORCH_CHECK(out.size(0) == x.size(0), "kvlm rms_norm: out rows differ");
     TORCH_CHECK(w.scalar_type() == at::kFloat && w.is_contiguous(), "kvlm rms_norm: weight must be contiguous float32");
     const float* wp = w.const_data_ptr<float>();
-    for (int64_t r = 0; r < x.size(0); r++)
-        rmsnorm(x.const_data_ptr<float>() + r * x.stride(0), wp, out.mutable_data_ptr<float>() + r * out.stride(0), n,
-                static_cast<float>(eps));
+    at::parallel_for(0, x.size(0), row_grain(n), [&](int64_t r0, int64_t r1) {
+        for (int64_t r = r0; r < r1; r++)
+            rmsnorm(x.const_data_ptr<float>() + r * x.stride(0), wp, out.mutable_data_ptr<float>() + r * out.stride(0),
+                    n, static_cast<float>(eps));
+    });
 }
 
 // out (T, I) = f(gu[:, :I], gu[:, I:]) row by row for gu (T, 2I): f is silu_mul or gelu_tanh_mul.
@@ -208,10 +214,12 @@ void gated_op(const at::Tensor& gu, const at::Tensor& out, void (*f)(const float
     check_f32_rows(gu, 2 * I, name);
     check_f32_rows(out, I, name);
     TORCH_CHECK(out.size(0) == gu.size(0), "kvlm ", name, ": out rows differ");
-    for (int64_t r = 0; r < gu.size(0); r++) {
-        const float* g = gu.const_data_ptr<float>() + r * gu.stride(0);
-        f(g, g + I, out.mutable_data_ptr<float>() + r * out.stride(0), I);
-    }
+    at::parallel_for(0, gu.size(0), row_grain(I), [&](int64_t r0, int64_t r1) {
+        for (int64_t r = r0; r < r1; r++) {
+            const float* g = gu.const_data_ptr<float>() + r * gu.stride(0);
+            f(g, g + I, out.mutable_data_ptr<float>() + r * out.stride(0), I);
+        }
+    });
 }
 
 void silu_mul_op(const at::Tensor& gu, const at::Tensor& out) { gated_op(gu, out, silu_mul, "silu_mul"); }
@@ -230,12 +238,15 @@ void rope_op(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, 
     check_f32_rows(sin, D, "rope sin");
     TORCH_CHECK(cos.size(0) == T && sin.size(0) == T && out.is_contiguous() && out.sizes() == x.sizes() &&
                     out.scalar_type() == at::kFloat, "kvlm rope: inconsistent shapes");
-    for (int64_t t = 0; t < T; t++) {
-        float* o = out.mutable_data_ptr<float>() + t * H * D;
-        std::memcpy(o, x.const_data_ptr<float>() + t * x.stride(0), sizeof(float) * H * D);
-        for (int64_t h = 0; h < H; h++)
-            rope(o + h * D, cos.const_data_ptr<float>() + t * cos.stride(0), sin.const_data_ptr<float>() + t * sin.stride(0), D);
-    }
+    at::parallel_for(0, T, row_grain(H * D), [&](int64_t t0, int64_t t1) {
+        for (int64_t t = t0; t < t1; t++) {
+            float* o = out.mutable_data_ptr<float>() + t * H * D;
+            std::memcpy(o, x.const_data_ptr<float>() + t * x.stride(0), sizeof(float) * H * D);
+            for (int64_t h = 0; h < H; h++)
+                rope(o + h * D, cos.const_data_ptr<float>() + t * cos.stride(0),
+                     sin.const_data_ptr<float>() + t * sin.stride(0), D);
+        }
+    });
 }
 
 // y (T, N) += each row's LoRA B product (lora_b_add) of t (T, R); bt float32 (sum of r * n,), spans int64 (P, 4).

@@ -278,41 +278,54 @@ KVLM_INLINE void prep8(const Unit8& u, Panel8* p) {
     p->dw = u.dw, p->mw = u.mw, p->sl = u.sl, p->sh = u.sh;
 }
 
-// Unit ib of rows m0 .. m0 + MT - 1 against the prepared panel: x's 4 bytes broadcast per v[j], G
-// products summed in int16, then widened.
-template <int QT, int MT>
-KVLM_INLINE void tile_unit8(const Panel8& p, const ActRows& a, const int32_t* l16, int64_t m0, int64_t ib, __m256* acc) {
+// Unit ib of rows m0 .. m0 + MT - 1 against NP prepared panels side by side (p[q]: panel q's unit ib; NP = 2:
+// 16 output columns, each broadcast of x serving 2 maddubs): x's 4 bytes broadcast per v[j], G products summed
+// in int16, then widened. acc[i * NP + q]: row m0 + i, panel q.
+template <int QT, int MT, int NP>
+KVLM_INLINE void tile_unit8(const Panel8* const* p, const ActRows& a, const int32_t* l16, int64_t m0, int64_t ib,
+                            __m256* acc) {
     using F = F2<QT>;
     const __m256i ones = _mm256_set1_epi16(1);
-    __m256i lo[MT], hi[MT];
-    for (int i = 0; i < MT; i++) {
-        lo[i] = init_lo8<QT>(a, l16, (m0 + i) * a.nb + ib);
-        if constexpr (F::Q6) hi[i] = init_hi8(a, l16, (m0 + i) * a.nb + ib);
-    }
+    __m256i lo[MT * NP], hi[MT * NP];
+    for (int i = 0; i < MT; i++)
+        for (int q = 0; q < NP; q++) {
+            lo[i * NP + q] = init_lo8<QT>(a, l16, (m0 + i) * a.nb + ib);
+            if constexpr (F::Q6) hi[i * NP + q] = init_hi8(a, l16, (m0 + i) * a.nb + ib);
+        }
     const int8_t* xb = a.xq + m0 * a.K + 32 * ib;
     for (int j0 = 0; j0 < 8; j0 += F::G) {
-        __m256i s16[MT];
+        __m256i s16[MT * NP];
+#pragma GCC unroll 8
         for (int j = j0; j < j0 + F::G; j++) {
-            const __m256i w = F::SIGNED ? _mm256_abs_epi8(p.v[j]) : p.v[j];
+            __m256i w[NP];
+            for (int q = 0; q < NP; q++) w[q] = F::SIGNED ? _mm256_abs_epi8(p[q]->v[j]) : p[q]->v[j];
             for (int i = 0; i < MT; i++) {
                 int32_t q4;
                 memcpy(&q4, xb + i * a.K + 4 * j, 4);
-                __m256i x = _mm256_set1_epi32(q4);
-                if constexpr (F::SIGNED) x = _mm256_sign_epi8(x, p.v[j]);
-                const __m256i d = _mm256_maddubs_epi16(w, x);
-                s16[i] = j == j0 ? d : _mm256_add_epi16(s16[i], d);
+                const __m256i x = _mm256_set1_epi32(q4);
+                for (int q = 0; q < NP; q++) {
+                    const __m256i d = _mm256_maddubs_epi16(w[q], F::SIGNED ? _mm256_sign_epi8(x, p[q]->v[j]) : x);
+                    __m256i& t = s16[i * NP + q];
+                    t = j == j0 ? d : _mm256_add_epi16(t, d);
+                    // Keeps GCC from re-associating the int16 sums into a tree that computes all the
+                    // products first and spills most of them (1.3x slower at M = 512; the sum is the same).
+                    __asm__("" : "+x"(t));
+                }
             }
         }
-        for (int i = 0; i < MT; i++) {
-            __m256i* t = F::Q6 && j0 >= 4 ? hi + i : lo + i;
-            *t = _mm256_add_epi32(*t, _mm256_madd_epi16(s16[i], ones));
+        for (int k = 0; k < MT * NP; k++) {
+            __m256i* t = F::Q6 && j0 >= 4 ? hi + k : lo + k;
+            *t = _mm256_add_epi32(*t, _mm256_madd_epi16(s16[k], ones));
         }
     }
-    for (int i = 0; i < MT; i++) {
-        __m256i isum = lo[i];
-        if constexpr (F::Q6) isum = _mm256_add_epi32(_mm256_mullo_epi32(lo[i], p.sl), _mm256_mullo_epi32(hi[i], p.sh));
-        finish8(isum, p.dw, a, (m0 + i) * a.nb + ib, acc + i);
-    }
+    for (int i = 0; i < MT; i++)
+        for (int q = 0; q < NP; q++) {
+            const int k = i * NP + q;
+            __m256i isum = lo[k];
+            if constexpr (F::Q6)
+                isum = _mm256_add_epi32(_mm256_mullo_epi32(lo[k], p[q]->sl), _mm256_mullo_epi32(hi[k], p[q]->sh));
+            finish8(isum, p[q]->dw, a, (m0 + i) * a.nb + ib, acc + k);
+        }
 }
 
 // Row i's 8 outputs (live of them: a tail panel's extra lanes are dropped) at y + i * ldy.
@@ -339,7 +352,13 @@ KVLM_INLINE void prefetch_slice8(const uint8_t* ahead, const uint8_t* end, int64
 }
 
 constexpr int64_t FLY_ROWS2 = 4;  // up to this many rows of x: units used in place, else the panel buffer
-constexpr int64_t ROW_TILE2 = 4;  // rows per pass over the buffer
+// Rows per pass over the buffer, with NP panels side by side.
+template <int NP>
+constexpr int64_t ROW_TILE2 = 4;
+// Panels side by side in the many-row mode: 2 (1.25x to 1.35x at M = 512 on Q4_0 / Q4_K against 1); Q6_K and
+// Q8_0 1 (their two int32 sums, or x signed per panel, spill: 0.94x to 0.98x with 2).
+template <int QT>
+constexpr int PANELS2 = QT == T_Q6_K || QT == T_Q8_0 ? 1 : 2;
 constexpr int64_t PF_PANELS = 2;  // decode prefetches the panel this many ahead (1, 4, 8: measured alike)
 
 // Few rows: every unit decoded and used at once, for MT rows of x.
@@ -363,17 +382,43 @@ void fly8(const uint8_t* const* rows, __m256i hofs, const uint8_t* ahead, const 
     store8<QT, MT>(acc, mn, y, ldy, live);
 }
 
-// Rows m0 .. m0 + MT - 1 against the prepared panel (the min terms in their own pass: the same fma
-// sequence as direct8's, with fewer registers live in the integer loop).
-template <int QT, int MT>
-void tile8(const Panel8* buf, const ActRows& a, const int32_t* l16, int64_t m0, float* y, int64_t ldy, int live) {
-    __m256 acc[MT], mn[MT];
-    for (int i = 0; i < MT; i++) acc[i] = mn[i] = _mm256_setzero_ps();
-    for (int64_t ib = 0; ib < a.nb; ib++) tile_unit8<QT, MT>(buf[ib], a, l16, m0, ib, acc);
+// Rows m0 .. m0 + MT - 1 against NP prepared panels (buf + q * nb: panel q, its outputs at y + 8 q, live[q]
+// of them), the min terms in their own pass: the same fma sequence per output as direct8's, with fewer
+// registers live in the integer loop.
+template <int QT, int MT, int NP>
+void tile8(const Panel8* buf, const ActRows& a, const int32_t* l16, int64_t m0, float* y, int64_t ldy, const int* live) {
+    __m256 acc[MT * NP], mn[MT * NP];
+    for (int k = 0; k < MT * NP; k++) acc[k] = mn[k] = _mm256_setzero_ps();
+    for (int64_t ib = 0; ib < a.nb; ib++) {
+        const Panel8* p[NP];
+        for (int q = 0; q < NP; q++) p[q] = buf + q * a.nb + ib;
+        tile_unit8<QT, MT, NP>(p, a, l16, m0, ib, acc);
+    }
     if constexpr (F2<QT>::MIN)
-        for (int64_t ib = 0; ib < a.nb; ib++)
-            for (int i = 0; i < MT; i++) mn[i] = _mm256_fmadd_ps(buf[ib].mw, _mm256_set1_ps(a.xs[(m0 + i) * a.nb + ib]), mn[i]);
-    store8<QT, MT>(acc, mn, y + m0 * ldy, ldy, live);
+        for (int q = 0; q < NP; q++)
+            for (int64_t ib = 0; ib < a.nb; ib++)
+                for (int i = 0; i < MT; i++)
+                    mn[i * NP + q] = _mm256_fmadd_ps(buf[q * a.nb + ib].mw, _mm256_set1_ps(a.xs[(m0 + i) * a.nb + ib]),
+                                                     mn[i * NP + q]);
+    for (int q = 0; q < NP; q++) {
+        __m256 aq[MT], mq[MT];
+        for (int i = 0; i < MT; i++) aq[i] = acc[i * NP + q], mq[i] = mn[i * NP + q];
+        store8<QT, MT>(aq, mq, y + m0 * ldy + 8 * q, ldy, live[q]);
+    }
+}
+
+// All M rows against NP prepared panels: tiles of ROW_TILE2<NP> rows, then the rest.
+template <int QT, int NP>
+void tiles8(const Panel8* buf, const ActRows& a, const int32_t* l16, int64_t M, float* y, int64_t ldy, const int* live) {
+    constexpr int64_t T = ROW_TILE2<NP>;
+    int64_t m = 0;
+    for (; m + T <= M; m += T) tile8<QT, T, NP>(buf, a, l16, m, y, ldy, live);
+    switch (M - m) {
+        case 1: tile8<QT, 1, NP>(buf, a, l16, m, y, ldy, live); break;
+        case 2: tile8<QT, 2, NP>(buf, a, l16, m, y, ldy, live); break;
+        case 3: if constexpr (T > 3) tile8<QT, 3, NP>(buf, a, l16, m, y, ldy, live); break;
+        default: break;
+    }
 }
 
 template <int QT>
@@ -383,7 +428,9 @@ void gemm_avx2_t(const uint8_t* w, int64_t rs, int64_t K, const int8_t* xq, cons
     const ActRows a{xq, xd, xs, xi, K, K / 32};
     const int32_t* l16 = F::Q6 ? lo16_sums(a, M) : nullptr;
     if (F::Q6 && l16 == nullptr) return;
-    Panel8* buf = M > FLY_ROWS2 ? thread_buffer<Panel8>(a.nb) : nullptr;
+    // many rows: up to PANELS2 panels (8 columns each) transposed side by side, then every row against them
+    Panel8* buf = M > FLY_ROWS2 ? thread_buffer<Panel8>(PANELS2<QT> * a.nb) : nullptr;
+    int filled = 0, lives[2];
     // the first PF_PANELS panels; the panel loop prefetches PF_PANELS ahead from there on, in both modes
     for (const uint8_t* p = (const uint8_t*)((uintptr_t)(w + n0 * rs) & ~(uintptr_t)63);
          p < w + (n1 < n0 + 8 * PF_PANELS ? n1 : n0 + 8 * PF_PANELS) * rs; p += 64)
@@ -413,6 +460,7 @@ void gemm_avx2_t(const uint8_t* w, int64_t rs, int64_t K, const int8_t* xq, cons
             }
             continue;
         }
+        Panel8* pb = buf + filled * a.nb;
         Head8 h;
         Unit8 u;
         u.mw = _mm256_setzero_ps(), u.sl = u.sh = _mm256_setzero_si256();
@@ -423,16 +471,15 @@ void gemm_avx2_t(const uint8_t* w, int64_t rs, int64_t K, const int8_t* xq, cons
             head8<QT>(rows, hofs, b * F::BB, &h);
             for (int s = 0; s < F::SUB; s++) {
                 unit8<QT>(rows, hofs, b * F::BB, s, h, &u);
-                prep8(u, buf + b * F::SUB + s);
+                prep8(u, pb + b * F::SUB + s);
             }
         }
-        int64_t m = 0;
-        for (; m + ROW_TILE2 <= M; m += ROW_TILE2) tile8<QT, ROW_TILE2>(buf, a, l16, m, yp, ldy, live);
-        switch (M - m) {
-            case 1: tile8<QT, 1>(buf, a, l16, m, yp, ldy, live); break;
-            case 2: tile8<QT, 2>(buf, a, l16, m, yp, ldy, live); break;
-            case 3: tile8<QT, 3>(buf, a, l16, m, yp, ldy, live); break;
-            default: break;
+        lives[filled++] = live;
+        if (filled == PANELS2<QT> || n + 8 >= n1) {  // the panels at y + n - 8 (filled - 1) onwards
+            float* yf = yp - 8 * (filled - 1);
+            if (filled == 2) tiles8<QT, 2>(buf, a, l16, M, yf, ldy, lives);
+            else tiles8<QT, 1>(buf, a, l16, M, yf, ldy, lives);
+            filled = 0;
         }
     }
 }
