@@ -414,12 +414,15 @@ KVLM_INLINE void tile_dot(const uint8_t* w, int64_t rs, int64_t K, const float* 
         for (int j = 0; j < NR; j++) y[i * ldy + j] = hsum(acc[i][j]);
 }
 
-// Register blocks (x rows, weight rows): AVX-512 6 x 4 (24 accumulators of 32 registers); AVX2 2 x 2 (each v16
-// is two ymm: 8 accumulator registers of 16). A panel of PANEL_ROWS weight rows (bf16 at K = 2048: 64 KB)
-// stays in L2 while every block of x rows passes over it.
+// Register blocks (x rows, weight rows): AVX-512 6 x 4 (24 accumulators of 32 registers). A panel of
+// PANEL_ROWS weight rows (bf16 at K = 2048: 64 KB) stays in L2 while every block of x rows passes over it.
+// AVX-512 only: a 2 x 2 block on AVX2 (each v16 two ymm) ran 1.7x slower than row_dot there (GCC 12, M = 64),
+// so the other paths keep row_dot (the same bits either way).
 #if defined(KVLM_AVX512)
+constexpr bool DENSE_TILES = true;
 constexpr int TILE_MR = 6, TILE_NR = 4;
 #else
+constexpr bool DENSE_TILES = false;
 constexpr int TILE_MR = 2, TILE_NR = 2;
 #endif
 constexpr int64_t PANEL_ROWS = 16;
@@ -458,7 +461,7 @@ void gemv_t(const uint8_t* w, int64_t rs, int64_t K, const float* x, int64_t M, 
     if constexpr (F::DENSE)
         if (M == 1)  // one row of x (a decode step, a LoRA A product): four weight rows at a time, same bits
             for (; n0 + DENSE_NR <= n1; n0 += DENSE_NR) rows_dot<F, DENSE_NR>(w + n0 * rs, rs, K, x, y + n0);
-    if constexpr (F::DENSE)
+    if constexpr (F::DENSE && DENSE_TILES)
         if (M >= TILE_MR) return dense_panels<F>(w, rs, K, x, M, y, ldy, n0, n1);
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t* row = w + n * rs;
