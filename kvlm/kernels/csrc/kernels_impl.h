@@ -580,17 +580,7 @@ struct KvF32 {
 struct KvF16 {
     typedef uint16_t T;
     static constexpr int64_t head(int64_t D) { return D; }
-    KVLM_INLINE v16 load(const T* p, int64_t e) {
-        p += e;
-#if defined(KVLM_AVX512)
-        return (v16)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
-#elif defined(KVLM_AVX2)
-        return join16<v16>(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)),
-                           _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 8))));
-#else
-        return half_to_float(__builtin_convertvector(*(const h16u*)p, u16v));
-#endif
-    }
+    KVLM_INLINE v16 load(const T* p, int64_t e) { return FmtF16::ld16((const uint8_t*)(p + e)); }
 #if defined(KVLM_AVX2)
     KVLM_INLINE v8 load8(const T* p, int64_t e) {
         return (v8)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + e)));
@@ -600,13 +590,7 @@ struct KvF16 {
 struct KvBF16 {
     typedef uint16_t T;
     static constexpr int64_t head(int64_t D) { return D; }
-    KVLM_INLINE v16 load(const T* p, int64_t e) {
-        p += e;
-        u16v u = __builtin_convertvector(*(const h16u*)p, u16v) << 16;
-        v16 r;
-        memcpy(&r, &u, sizeof r);
-        return r;
-    }
+    KVLM_INLINE v16 load(const T* p, int64_t e) { return FmtBF16::ld16((const uint8_t*)(p + e)); }
 #if defined(KVLM_AVX2)
     KVLM_INLINE v8 load8(const T* p, int64_t e) {  // the same bits: each u16 widened, shifted into the high half
         p += e;
