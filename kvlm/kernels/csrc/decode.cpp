@@ -38,6 +38,7 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <thread>
 #include <omp.h>
 #include <type_traits>
 #include <unordered_map>
@@ -292,11 +293,12 @@ void decode_lora_free(int64_t id) {
 // what kvlm::matmul runs for T_F32 / T_BF16: its rows' bits do not depend on M or on which rows share a call),
 // B's is lora_b_add (elementwise.h, lane by lane): the module path's kernels (kvlm/lora/rows.py), so the same
 // bits. The whole projection is one parallel region, the adapter adding no fork of its own: the threads split
-// every adapted row's A rows, meet at a barrier (B needs all of A's product), then each computes the base
-// output of its 16-column panels (the kernel kvlm::matmul calls on the same panels, x quantized once before the
-// region as matmul quantizes it), its bias, and B's add on those same columns, so a value's add follows its
-// base product on the same thread and needs no second barrier. No split changes a bit. Returns false when no
-// row adapts this projection (the caller runs run_linear).
+// every adapted row's A rows and say so (a counter), then each computes the base output of its 16-column
+// panels (the kernel kvlm::matmul calls on the same panels, x quantized once before the region as matmul
+// quantizes it) and its bias, and only then waits for every thread's A rows (B needs all of A's product; by
+// then they are long done, so the wait is a check, where a barrier right after A would hold each thread for
+// the slowest) before B's add on its own columns: a value's add follows its base product on the same thread.
+// No split changes a bit. Returns false when no row adapts this projection (the caller runs run_linear).
 bool linear_lora(const KvlmKernels* t, const Linear& lin, const std::vector<const Lora*>& rows, int64_t l, int m,
                  const float* x, int64_t B, float* y, int act, std::vector<float>& tmp) {
     struct Job {
@@ -333,7 +335,9 @@ bool linear_lora(const KvlmKernels* t, const Linear& lin, const std::vector<cons
                 ok = false;
         }
     };
-    // then its panels' columns [c0, c1): the base product of every row, the bias, each adapted row's B
+    // then its panels' columns [c0, c1): the base product of every row and the bias; after `a_done` reaches
+    // nth (every thread's A rows written), each adapted row's B
+    std::atomic<int> a_done{0};
     auto out_part = [&](int64_t id, int64_t nth) {
         const int64_t c0 = 16 * (panels * id / nth), c1 = std::min(n, 16 * (panels * (id + 1) / nth));
         if (c0 >= c1) return;
@@ -351,6 +355,8 @@ bool linear_lora(const KvlmKernels* t, const Linear& lin, const std::vector<cons
         if (lin.bias)
             for (int64_t b = 0; b < B; b++)
                 for (int64_t i = c0; i < c1; i++) y[b * n + i] += lin.bias[i];
+        for (int spins = 0; a_done.load(std::memory_order_acquire) < nth; spins++)
+            if (spins > 64) std::this_thread::yield();  // a thread still in its A rows (descheduled?)
         thread_local std::vector<float> u;
         if (u.size() < static_cast<size_t>(c1 - c0)) u.resize(c1 - c0);
         for (const Job& j : jobs) {
@@ -365,13 +371,14 @@ bool linear_lora(const KvlmKernels* t, const Linear& lin, const std::vector<cons
     const int nt = at::in_parallel_region() ? 1 : at::get_num_threads();
     if (nt <= 1) {
         a_part(0, 1);
+        a_done = 1;
         out_part(0, 1);
     } else {
 #pragma omp parallel num_threads(nt)
         {
             const int64_t id = omp_get_thread_num(), nth = omp_get_num_threads();
             a_part(id, nth);
-#pragma omp barrier
+            a_done.fetch_add(1, std::memory_order_release);  // this thread's A rows are in tmp
             out_part(id, nth);
         }
     }
