@@ -80,6 +80,26 @@ def test_fused_decode_applies_adapters_as_the_module_path(files: tuple[Path, dic
                      run_engine(modules, prompts[2:3], GREEDY, loras=["b"]), "reloaded adapter")
 
 
+def test_fused_decode_with_adapters_same_bits_on_1_and_2_threads(files: tuple[Path, dict[str, Path]]) -> None:
+    """An adapted projection is one parallel region (base panels, A rows, B columns split across the threads):
+    the split moves no bit."""
+    import torch
+
+    need_native()
+    prompts = random_prompts(4, seed=8)
+    loras = ["b", "a", None, "c"]
+    before = torch.get_num_threads()
+    try:
+        runs = []
+        for n in (1, 2):
+            eng = _engine(files, num_threads=n, adaptive_threads=False)
+            assert eng.runner.fused is not None and torch.get_num_threads() == n
+            runs.append(run_engine(eng, prompts, GREEDY, loras=loras))
+    finally:
+        torch.set_num_threads(before)
+    assert_identical(runs[0], runs[1], "1 vs 2 threads")
+
+
 def test_prefix_cache_never_shares_blocks_between_adapters(files: tuple[Path, dict[str, Path]]) -> None:
     eng = _engine(files, block_size=16)
     prompt = random_prompts(1, seed=9, lo=70, hi=70)[0]

@@ -38,6 +38,7 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <thread>
 #include <omp.h>
 #include <type_traits>
 #include <unordered_map>
@@ -287,15 +288,19 @@ void decode_lora_free(int64_t id) {
     loras.erase(id);
 }
 
-// y (B, n) += B_b (A_b x_b) for each row b whose adapter (rows[b], null: none) adapts projection m of layer l:
-// x (B, k). A's product is the row kernel's (t->gemv, what kvlm::matmul runs for T_F32 / T_BF16: its rows'
-// bits do not depend on M or on which rows share a call), B's is lora_b_add (elementwise.h, lane by lane): the module
-// path's kernels (kvlm/lora/rows.py), so the same bits. One parallel region per projection: the threads split
-// every adapted row's A rows, meet at a barrier (B needs all of A's product), then split B's output columns
-// in 16-column panels. No split changes a bit; one fork and join per projection instead of one per product
-// (a decode step at batch 1 runs 120 of these, each a few microseconds of work).
-void apply_lora(const KvlmKernels* t, const std::vector<const Lora*>& rows, int64_t l, int m, const float* x,
-                float* y, int64_t n, std::vector<float>& tmp) {
+// y (B, n) = x @ W.T (+ bias) for projection m of layer l (run_linear's products), then += B_b (A_b x_b) for
+// each row b whose adapter (rows[b], null: none) adapts it: x (B, k). A's product is the row kernel's (t->gemv,
+// what kvlm::matmul runs for T_F32 / T_BF16: its rows' bits do not depend on M or on which rows share a call),
+// B's is lora_b_add (elementwise.h, lane by lane): the module path's kernels (kvlm/lora/rows.py), so the same
+// bits. The whole projection is one parallel region, the adapter adding no fork of its own: the threads split
+// every adapted row's A rows and say so (a counter), then each computes the base output of its 16-column
+// panels (the kernel kvlm::matmul calls on the same panels, x quantized once before the region as matmul
+// quantizes it) and its bias, and only then waits for every thread's A rows (B needs all of A's product; by
+// then they are long done, so the wait is a check, where a barrier right after A would hold each thread for
+// the slowest) before B's add on its own columns: a value's add follows its base product on the same thread.
+// No split changes a bit. Returns false when no row adapts this projection (the caller runs run_linear).
+bool linear_lora(const KvlmKernels* t, const Linear& lin, const std::vector<const Lora*>& rows, int64_t l, int m,
+                 const float* x, int64_t B, float* y, int act, std::vector<float>& tmp) {
     struct Job {
         int64_t b, t0;  // the row, and where its A product starts in tmp
         const LoraMat* w;
@@ -309,12 +314,17 @@ void apply_lora(const KvlmKernels* t, const std::vector<const Lora*>& rows, int6
             jobs.push_back({static_cast<int64_t>(b), R, &rows[b]->layers[l][m]});
             R += rows[b]->layers[l][m].r;
         }
-    if (jobs.empty()) return;
+    if (jobs.empty()) return false;
     if (tmp.size() < static_cast<size_t>(R)) tmp.resize(R);
     float* tr = tmp.data();
+    const int64_t n = lin.n, K = lin.k;
+    // matmul's choice per part: int8 activations where the table has them for the type
+    bool any8 = false;
+    for (const Part& p : lin.parts) any8 |= act == kvlm::ACT_INT8 && kvlm::has_int8(t, p.qtype) && K % 32 == 0;
+    const kvlm::ActQ q8 = any8 ? kvlm::quantize_x(t, x, B, K) : kvlm::ActQ{};
     const int64_t panels = (n + 15) / 16;
     std::atomic<bool> ok{true};
-    // thread `id` of `nth`: its share of the A rows (all jobs' rows in one range), then of B's panels
+    // thread `id` of `nth`: its share of the A rows (all jobs' rows in one range)
     auto a_part = [&](int64_t id, int64_t nth) {
         const int64_t i0 = R * id / nth, i1 = R * (id + 1) / nth;
         for (const Job& j : jobs) {
@@ -325,9 +335,28 @@ void apply_lora(const KvlmKernels* t, const std::vector<const Lora*>& rows, int6
                 ok = false;
         }
     };
-    auto b_part = [&](int64_t id, int64_t nth) {
+    // then its panels' columns [c0, c1): the base product of every row and the bias; after `a_done` reaches
+    // nth (every thread's A rows written), each adapted row's B
+    std::atomic<int> a_done{0};
+    auto out_part = [&](int64_t id, int64_t nth) {
         const int64_t c0 = 16 * (panels * id / nth), c1 = std::min(n, 16 * (panels * (id + 1) / nth));
         if (c0 >= c1) return;
+        int64_t off = 0;
+        for (const Part& p : lin.parts) {
+            const int64_t lo = std::max(c0, off) - off, hi = std::min(c1, off + p.n) - off;
+            if (lo < hi) {
+                const bool i8 = act == kvlm::ACT_INT8 && kvlm::has_int8(t, p.qtype) && K % 32 == 0;
+                const int bad = i8 ? t->gemv_i8(p.qtype, p.w, p.rs, K, q8.q, q8.d, q8.s, q8.i, B, y + off, n, lo, hi)
+                                   : t->gemv(p.qtype, p.w, p.rs, K, x, B, y + off, n, lo, hi);
+                if (bad) ok = false;
+            }
+            off += p.n;
+        }
+        if (lin.bias)
+            for (int64_t b = 0; b < B; b++)
+                for (int64_t i = c0; i < c1; i++) y[b * n + i] += lin.bias[i];
+        for (int spins = 0; a_done.load(std::memory_order_acquire) < nth; spins++)
+            if (spins > 64) std::this_thread::yield();  // a thread still in its A rows (descheduled?)
         thread_local std::vector<float> u;
         if (u.size() < static_cast<size_t>(c1 - c0)) u.resize(c1 - c0);
         for (const Job& j : jobs) {
@@ -342,17 +371,19 @@ void apply_lora(const KvlmKernels* t, const std::vector<const Lora*>& rows, int6
     const int nt = at::in_parallel_region() ? 1 : at::get_num_threads();
     if (nt <= 1) {
         a_part(0, 1);
-        b_part(0, 1);
+        a_done = 1;
+        out_part(0, 1);
     } else {
 #pragma omp parallel num_threads(nt)
         {
             const int64_t id = omp_get_thread_num(), nth = omp_get_num_threads();
             a_part(id, nth);
-#pragma omp barrier
-            b_part(id, nth);
+            a_done.fetch_add(1, std::memory_order_release);  // this thread's A rows are in tmp
+            out_part(id, nth);
         }
     }
-    TORCH_CHECK(ok, "kvlm decode: LoRA matmul failed");
+    TORCH_CHECK(ok, "kvlm decode: LoRA projection failed (no kernel for a weight type)");
+    return true;
 }
 
 enum { T_NORM = 0, T_MATMUL, T_KV_WRITE, T_ATTENTION, T_OTHER, T_PARTS };
@@ -528,8 +559,8 @@ void decode_step(int64_t plan_id, const at::Tensor& x, const at::Tensor& positio
         const Layer& ly = p.layers[l];
         for (int64_t b = 0; b < B; b++) rmsnorm(xr + b * H, ly.in_norm, h + b * H, H, p.eps);
         tm.lap(T_NORM);
-        run_linear(t, ly.qkv, h, B, qkv, p.act);
-        if (!lora_rows.empty()) apply_lora(t, lora_rows, l, L_QKV, h, qkv, nqkv, lora_tmp);
+        if (lora_rows.empty() || !linear_lora(t, ly.qkv, lora_rows, l, L_QKV, h, B, qkv, p.act, lora_tmp))
+            run_linear(t, ly.qkv, h, B, qkv, p.act);
         tm.lap(T_MATMUL);
         for (int64_t b = 0; b < B; b++) {
             float* row = qkv + b * nqkv;  // [q (nh, D) | k (kvh, D) | v (kvh, D)]
@@ -567,8 +598,8 @@ void decode_step(int64_t plan_id, const at::Tensor& x, const at::Tensor& positio
         if (rotated)
             kvlm::hadamard_rows(attn, B * nh, D);
         tm.lap(T_ATTENTION);
-        run_linear(t, ly.o, attn, B, h, p.act);
-        if (!lora_rows.empty()) apply_lora(t, lora_rows, l, L_O, attn, h, H, lora_tmp);
+        if (lora_rows.empty() || !linear_lora(t, ly.o, lora_rows, l, L_O, attn, B, h, p.act, lora_tmp))
+            run_linear(t, ly.o, attn, B, h, p.act);
         tm.lap(T_MATMUL);
         residual_add(xr, h, B * H, r);
         for (int64_t b = 0; b < B; b++) rmsnorm(xr + b * H, ly.post_norm, h + b * H, H, p.eps);
@@ -580,13 +611,13 @@ void decode_step(int64_t plan_id, const at::Tensor& x, const at::Tensor& positio
             tm.lap(T_NORM);
             continue;
         }
-        run_linear(t, ly.gate_up, h, B, gu, p.act);
-        if (!lora_rows.empty()) apply_lora(t, lora_rows, l, L_GATE_UP, h, gu, 2 * I, lora_tmp);
+        if (lora_rows.empty() || !linear_lora(t, ly.gate_up, lora_rows, l, L_GATE_UP, h, B, gu, p.act, lora_tmp))
+            run_linear(t, ly.gate_up, h, B, gu, p.act);
         tm.lap(T_MATMUL);
         for (int64_t b = 0; b < B; b++) silu_mul(gu + b * 2 * I, gu + b * 2 * I + I, a + b * I, I);
         tm.lap(T_NORM);
-        run_linear(t, ly.down, a, B, h, p.act);
-        if (!lora_rows.empty()) apply_lora(t, lora_rows, l, L_DOWN, a, h, H, lora_tmp);
+        if (lora_rows.empty() || !linear_lora(t, ly.down, lora_rows, l, L_DOWN, a, B, h, p.act, lora_tmp))
+            run_linear(t, ly.down, a, B, h, p.act);
         tm.lap(T_MATMUL);
         residual_add(xr, h, B * H, r);
         tm.lap(T_NORM);

@@ -144,7 +144,25 @@ static inline __attribute__((always_inline)) void lora_b_add_t(const float* t, c
         const float t0 = t[r0];
         const B* b0 = b + i0;
         for (int64_t i = 0; i < w; i++) u[i] = t0 * widen(b0[i]);
-        for (int64_t j = 1; j < r; j++) {
+        int64_t j = 1;
+        // four terms per pass over u (the same adds in the same order: u + t1 b1, then + t2 b2, ...): a quarter
+        // of u's loads and stores, and four rows of B^T streaming at once
+        for (; j + 4 <= r; j += 4) {
+            const float ta = t[r0 + j], tb = t[r0 + j + 1], tc = t[r0 + j + 2], td = t[r0 + j + 3];
+            const B* ba = b + j * n + i0;
+            const B* bb = ba + n;
+            const B* bc = bb + n;
+            const B* bd = bc + n;
+            for (int64_t i = 0; i < w; i++) {
+                float v = u[i];
+                v = v + ta * widen(ba[i]);
+                v = v + tb * widen(bb[i]);
+                v = v + tc * widen(bc[i]);
+                v = v + td * widen(bd[i]);
+                u[i] = v;
+            }
+        }
+        for (; j < r; j++) {
             const float tj = t[r0 + j];
             const B* bj = b + j * n + i0;
             for (int64_t i = 0; i < w; i++) {
