@@ -86,3 +86,20 @@ def test_x86_int8_kernels_are_the_contract_natively(tmp_path: Path) -> None:
         pytest.skip("this CPU lacks AVX2 (the program was built; the portable unit runs in the qemu tests)")
     out = _run([str(exe), "quick"])
     assert out.count("checks") == 8, out
+
+
+def test_extension_sources_compile_for_aarch64() -> None:
+    """Every extension source (ops, drivers, argmax, ...) compiles for aarch64 with torch's headers (syntax only:
+    no aarch64 torch to link here), so the extension builds on ARM, not only the kernel units above."""
+    import sysconfig
+
+    from torch.utils import cpp_extension
+
+    from kvlm.kernels import native
+
+    cxx = _need(CROSS)
+    includes = [f"-I{p}" for p in (*cpp_extension.include_paths(), sysconfig.get_paths()["include"], str(CSRC))]
+    for source in native._SOURCES:
+        cmd = [cxx, "-std=c++20", "-fopenmp", "-fsyntax-only", "-Wno-psabi", *includes, str(CSRC / source)]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
+        assert done.returncode == 0, f"{source} does not compile for aarch64:\n{done.stderr[-3000:]}"
