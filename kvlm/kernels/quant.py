@@ -20,7 +20,7 @@ Paths by row count M:
   decode, prefill chunks); on AVX-512 it computes 16 output columns per vector (csrc/kernels_int8_panel.h
   and kernels_kquant.h: weights used in place for up to 4 rows of x, a transposed panel buffer for more),
   on AVX2 (csrc/kernels_int8_avx2.h) 8 per vector, the same way, and on NEON and the scalar path
-  (csrc/kernels_int8_portable.h) a weight row at a time, all on the same contract (every path gives
+  (csrc/kernels_int8_portable.h) 4 weight rows at a time, all on the same contract (every path gives
   the same bits, `reference.qmatmul_int8_contract`); each output's arithmetic is fixed, so
   a row's result is bit-identical alone, in a batch or in a prefill chunk. Above the limit: fake-quantize x (the
   same int8 values), dequantize a weight tile, BLAS: the same numerics up to the float32 summation order.

@@ -1,9 +1,10 @@
 """The NEON int8 kernels on the x86 kernels' contract, bit for bit, under user-mode emulation.
 
-No ARM machine runs this suite, so `tests/kernels/arm/contract_test.cpp` (every int8 format, M = 1, 3, 8, 64,
-panel tails, split column ranges, against a scalar reference of the contract) is cross-compiled from the
-extension's own unit sources (`isa_neon.cpp`: smull + sadalp; `isa_neon_dotprod.cpp`: sdot, built for
-armv8.2-a+dotprod) and run under `qemu-aarch64`; each binary also checks the portable unit. The same
+No ARM machine runs this suite, so `tests/kernels/arm/contract_test.cpp` (every int8 format, M = 1, 2, 3, 8,
+64, weight-group and row tails, split column ranges, against a scalar reference of the contract) is cross-compiled
+from the extension's own unit sources (`isa_neon.cpp`: smull + sadalp; `isa_neon_dotprod.cpp`: sdot, built for
+armv8.2-a+dotprod; `isa_neon_i8mm.cpp`: smmla 2 x 2 tiles) and run under `qemu-aarch64 -cpu max`; each binary
+also checks the portable unit. The same
 program built natively checks the x86 units this CPU runs. Needs Debian's `g++-aarch64-linux-gnu` and
 `qemu-user` (.ci/run installs them): skipped without them, a failure under CI=true.
 """
@@ -25,7 +26,10 @@ CROSS, QEMU, SYSROOT = "aarch64-linux-gnu-g++", "qemu-aarch64", "/usr/aarch64-li
 FLAGS = ["-O3", "-std=c++20", "-fno-math-errno", "-Wno-psabi", "-Wall", "-Werror", f"-I{CSRC}"]
 
 # (unit, its source, -march for the cross build)
-ARM_UNITS = [("neon", "isa_neon.cpp", "armv8-a"), ("neon_dotprod", "isa_neon_dotprod.cpp", "armv8.2-a+dotprod")]
+# (the i8mm unit sets its own target pragma, so it is built for the base armv8.2-a as the extension builds it;
+# qemu's `-cpu max` has sdot and i8mm, so the smmla tiles really run)
+ARM_UNITS = [("neon", "isa_neon.cpp", "armv8-a"), ("neon_dotprod", "isa_neon_dotprod.cpp", "armv8.2-a+dotprod"),
+             ("neon_i8mm", "isa_neon_i8mm.cpp", "armv8.2-a")]
 
 
 def _need(tool: str) -> str:
@@ -58,7 +62,12 @@ def test_neon_int8_kernels_are_the_contract_under_qemu(unit: str, source: str, m
     cxx, qemu = _need(CROSS), _need(QEMU)
     exe = tmp_path / f"contract_{unit}"
     _build(cxx, unit, source, [f"-march={march}"], exe)
-    out = _run([qemu, "-L", SYSROOT, str(exe), "quick"])
+    if unit == "neon_i8mm":  # the tiles are compiled to smmla, not folded into another path
+        objdump = shutil.which("aarch64-linux-gnu-objdump")
+        if objdump is not None:
+            asm = subprocess.run([objdump, "-d", str(exe)], capture_output=True, text=True, timeout=300, check=False)
+            assert "smmla" in asm.stdout, "the i8mm unit has no smmla instruction"
+    out = _run([qemu, "-cpu", "max", "-L", SYSROOT, str(exe), "quick"])
     assert out.count("checks") == 8, out
 
 
@@ -77,3 +86,20 @@ def test_x86_int8_kernels_are_the_contract_natively(tmp_path: Path) -> None:
         pytest.skip("this CPU lacks AVX2 (the program was built; the portable unit runs in the qemu tests)")
     out = _run([str(exe), "quick"])
     assert out.count("checks") == 8, out
+
+
+def test_extension_sources_compile_for_aarch64() -> None:
+    """Every extension source (ops, drivers, argmax, ...) compiles for aarch64 with torch's headers (syntax only:
+    no aarch64 torch to link here), so the extension builds on ARM, not only the kernel units above."""
+    import sysconfig
+
+    from torch.utils import cpp_extension
+
+    from kvlm.kernels import native
+
+    cxx = _need(CROSS)
+    includes = [f"-I{p}" for p in (*cpp_extension.include_paths(), sysconfig.get_paths()["include"], str(CSRC))]
+    for source in native._SOURCES:
+        cmd = [cxx, "-std=c++20", "-fopenmp", "-fsyntax-only", "-Wno-psabi", *includes, str(CSRC / source)]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
+        assert done.returncode == 0, f"{source} does not compile for aarch64:\n{done.stderr[-3000:]}"

@@ -9,7 +9,10 @@
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#if defined(__x86_64__) || defined(__i386__)
+#define KVLM_ARGMAX_X86 1
 #include <immintrin.h>
+#endif
 
 #include <cstdint>
 #include <limits>
@@ -25,7 +28,7 @@ int64_t first_from(const float* x, int64_t i, int64_t V, float best, bool nan) {
 
 // The vector passes' scalar ends: the largest of n lane maxima and of x[i..V) (the tail), and whether
 // the tail holds a NaN (ORed into *nan).
-float reduce_tail(const float* lanes, int n, const float* x, int64_t i, int64_t V, bool* nan) {
+[[maybe_unused]] float reduce_tail(const float* lanes, int n, const float* x, int64_t i, int64_t V, bool* nan) {
     float best = -std::numeric_limits<float>::infinity();
     for (int k = 0; k < n; k++) best = lanes[k] > best ? lanes[k] : best;
     for (; i < V; i++) {
@@ -44,6 +47,8 @@ int64_t argmax_scalar(const float* x, int64_t V) {
     }
     return first_from(x, 0, V, best, nan);
 }
+
+#if defined(KVLM_ARGMAX_X86)  // the vector passes; other CPUs (aarch64) take the scalar one
 
 __attribute__((target("avx2"))) int64_t argmax_avx2(const float* x, int64_t V) {
     const float ninf = -std::numeric_limits<float>::infinity();
@@ -109,8 +114,11 @@ __attribute__((target("avx512f"))) int64_t argmax_avx512(const float* x, int64_t
     return first_from(x, j, V, best, nan);
 }
 
+#endif
+
 // x (B, V) float32 with contiguous rows (any row stride), V >= 1; out (B,) int64 contiguous; isa as in
-// drivers.h (0 scalar, 1 AVX2, 2 and 3 AVX-512: the caller passes one this CPU has).
+// drivers.h (0 scalar, 1 AVX2, 2 and 3 AVX-512: the caller passes one this CPU has; the aarch64 ids 4-6
+// take the scalar pass).
 void argmax_rows(const at::Tensor& x, const at::Tensor& out, int64_t isa) {
     TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1 &&
                     x.size(1) > 0,
@@ -118,10 +126,17 @@ void argmax_rows(const at::Tensor& x, const at::Tensor& out, int64_t isa) {
     TORCH_CHECK(out.device().is_cpu() && out.scalar_type() == at::kLong && out.dim() == 1 && out.is_contiguous() &&
                     out.size(0) == x.size(0),
                 "argmax_rows: out must be a contiguous (B,) int64 CPU tensor");
-    TORCH_CHECK(isa >= 0 && isa <= 3, "argmax_rows: isa must be 0..3");
-    TORCH_CHECK(isa == 0 || (isa == 1 ? __builtin_cpu_supports("avx2") : __builtin_cpu_supports("avx512f")),
+    TORCH_CHECK(isa >= 0 && isa <= 6, "argmax_rows: isa must be 0..6");
+#if defined(KVLM_ARGMAX_X86)
+    TORCH_CHECK(isa == 0 || isa > 3 || (isa == 1 ? __builtin_cpu_supports("avx2") : __builtin_cpu_supports("avx512f")),
                 "argmax_rows: this CPU lacks the requested ISA");
-    int64_t (*row)(const float*, int64_t) = isa >= 2 ? argmax_avx512 : isa == 1 ? argmax_avx2 : argmax_scalar;
+    int64_t (*row)(const float*, int64_t) = isa > 3    ? argmax_scalar
+                                             : isa >= 2 ? argmax_avx512
+                                             : isa == 1 ? argmax_avx2
+                                                        : argmax_scalar;
+#else
+    int64_t (*row)(const float*, int64_t) = argmax_scalar;
+#endif
     const int64_t B = x.size(0), V = x.size(1), ld = x.stride(0);
     const float* base = x.const_data_ptr<float>();
     int64_t* o = out.mutable_data_ptr<int64_t>();

@@ -10,12 +10,13 @@
 namespace kvlm {
 
 constexpr int64_t ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AVX512_VNNI = 3;  // AVX-512 + vpdpbusd
-constexpr int64_t ISA_NEON = 4, ISA_NEON_DOTPROD = 5;  // aarch64: NEON, NEON + sdot (ids are not an order across arches)
+constexpr int64_t ISA_NEON = 4, ISA_NEON_DOTPROD = 5, ISA_NEON_I8MM = 6;  // aarch64: NEON, + sdot, + sdot and smmla
+// (the ids are not an order across arches)
 constexpr int ACT_F32 = 0, ACT_INT8 = 1;  // activation mode of a matmul
 
 int64_t best_isa();
 // Whether this CPU runs `isa`'s table: scalar everywhere; on x86 the x86 ids up to the best; on aarch64 neon
-// and, where the CPU has sdot, neon-dotprod.
+// and, where the CPU has sdot, neon-dotprod, and where it also has i8mm, neon-i8mm.
 bool isa_available(int64_t isa);
 // The table of `isa` (throws a c10::Error if this CPU lacks it).
 const KvlmKernels* table(int64_t isa);

@@ -94,5 +94,6 @@ const KvlmKernels* kvlm_kernels_avx512(void);
 const KvlmKernels* kvlm_kernels_avx512_vnni(void);  // AVX-512 + VNNI: vpdpbusd in the int8 kernels
 const KvlmKernels* kvlm_kernels_neon(void);          // aarch64 only: NEON (smull + sadalp in the int8 kernels)
 const KvlmKernels* kvlm_kernels_neon_dotprod(void);  // aarch64 only: NEON + sdot
+const KvlmKernels* kvlm_kernels_neon_i8mm(void);     // aarch64 only: NEON + sdot + smmla (i8mm)
 
 }

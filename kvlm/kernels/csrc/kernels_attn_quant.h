@@ -47,7 +47,13 @@ struct KvQ4 {
         const uint8_t* g = p + (e >> 5) * GB;
         const i16v b = widen(g + 2);
         const i16v c = (e & 16) ? (b >> 4) : (b & 15);
+#if defined(__clang__)  // no variable __builtin_shuffle: the same table lookup lane by lane
+        v16 t;
+        for (int i = 0; i < 16; i++) t[i] = kvlm::Q4_LEVELS[c[i]];
+        return t * splat(f16(g));
+#else
         return __builtin_shuffle(ld(kvlm::Q4_LEVELS), c) * splat(f16(g));
+#endif
     }
 #if defined(KVLM_AVX2)
     KVLM_INLINE v8 load8(const T* p, int64_t e) {  // e % 8 == 0: bytes (e & 8) .. + 7, low or high nibbles

@@ -1,5 +1,5 @@
-// Int8 activations without x86 vectors: the portable unit (plain C++) and the ARM NEON units (`sdot`
-// where __ARM_FEATURE_DOTPROD, else `smull` + `sadalp`), every format (Q4_0, Q4_1, Q8_0, Q5_0, Q5_1,
+// Int8 activations without x86 vectors: the portable unit (plain C++) and the ARM NEON units (`smmla`
+// where KVLM_I8MM, `sdot` where KVLM_DOTPROD, else `smull` + `sadalp`), every format (Q4_0, Q4_1, Q8_0, Q5_0, Q5_1,
 // Q4_K, Q5_K, Q6_K), on the AVX-512 contract (kernels_int8_panel.h, kernels_kquant.h): the same bits
 // as the AVX2 and AVX-512 kernels. Included by kernels_int8.h on the units without AVX2.
 //
@@ -12,8 +12,8 @@
 // sequence: acc = fma(float(isum) * dw, xd, acc) over ib in order, mn = fma(mw, xs, mn), y = acc + mn.
 // The weight offsets enter w itself, not a -8 / -16 / -32 * sum(q) term: integers, so the same isum.
 //
-// Work order: a weight row at a time (decoded into a per-thread buffer of K / 32 units), every row of
-// x against it. No column panels yet (docs/kernels.md: NEON, not measured on ARM hardware).
+// Work order (below): 4 weight rows in flight, each x block reused across them, tiles of 2 rows of x
+// (smmla on the i8mm unit: 2 rows of x times 2 weight rows per instruction). Not measured on ARM hardware.
 // (arm_neon.h and math.h: included by kernels_impl.h, outside the anonymous namespace.)
 
 // One unit of a weight row: signed weights and factors (sl, sh: Q6_K's sub-scales, else 1).
@@ -85,51 +85,169 @@ KVLM_INLINE void decode_block(const uint8_t* b, PUnit* u) {
     }
 }
 
-// The exact integer sums of elements 0..15 and 16..31 of w . q.
-KVLM_INLINE void dot32(const int8_t* w, const int8_t* q, int32_t* lo, int32_t* hi) {
-#if defined(KVLM_NEON)
-    const int8x16_t w0 = vld1q_s8(w), w1 = vld1q_s8(w + 16), q0 = vld1q_s8(q), q1 = vld1q_s8(q + 16);
-#if defined(KVLM_DOTPROD)
-    *lo = vaddvq_s32(vdotq_s32(vdupq_n_s32(0), w0, q0));
-    *hi = vaddvq_s32(vdotq_s32(vdupq_n_s32(0), w1, q1));
-#else
-    const int32x4_t l = vpadalq_s16(vpaddlq_s16(vmull_s8(vget_low_s8(w0), vget_low_s8(q0))),
-                                    vmull_high_s8(w0, q0));
-    const int32x4_t h = vpadalq_s16(vpaddlq_s16(vmull_s8(vget_low_s8(w1), vget_low_s8(q1))),
-                                    vmull_high_s8(w1, q1));
-    *lo = vaddvq_s32(l), *hi = vaddvq_s32(h);
-#endif
-#else
-    int32_t a = 0, b = 0;
-    for (int e = 0; e < 16; e++) a += (int32_t)w[e] * q[e], b += (int32_t)w[e + 16] * q[e + 16];
-    *lo = a, *hi = b;
-#endif
+// ---- Work order: PNR weight rows in flight, a tile of MR rows of x against them ----------------------
+// A group of PNR = 4 weight rows is decoded once into this thread's buffer (row r's units at u[r * nb ..];
+// rows past the matrix's end are zero units, computed and not stored), with their factors gathered per
+// unit index (PGroup: lane r = row r). Then for each tile of MR rows of x (2, the tail 1) the units go
+// in order ib = 0 .. nb-1: one x block is loaded once and reused across the 4 rows, the 4 rows' integer
+// sums land in one int32x4 (lane = row), and the float sequence runs on 4 lanes at once. Every output
+// keeps the contract's own sequence (its isum, then fma over ib in order): the lanes never mix, so the
+// bits are those of a row at a time whatever M, the tile or the split.
+constexpr int PNR = 4;
+struct PGroup {
+    float dw[PNR], mw[PNR];
+    int32_t sl[PNR], sh[PNR];
+};
+
+template <int QT>
+KVLM_INLINE void decode_group(const uint8_t* w, int64_t rs, int64_t n, int nr, int64_t nb, PUnit* u, PGroup* g) {
+    constexpr int SUB = PFmt<QT>::BE / 32;
+    for (int r = 0; r < PNR; r++) {
+        PUnit* ur = u + r * nb;
+        if (r >= nr) {
+            memset((void*)ur, 0, nb * sizeof(PUnit));  // w = 0, dw = mw = 0, sl = sh = 0
+            continue;
+        }
+        const uint8_t* row = w + (n + r) * rs;
+        for (int64_t b = 0; b < nb / SUB; b++) decode_block<QT>(row + b * PFmt<QT>::BB, ur + b * SUB);
+    }
+    for (int64_t ib = 0; ib < nb; ib++)
+        for (int r = 0; r < PNR; r++) {
+            const PUnit& p = u[r * nb + ib];
+            g[ib].dw[r] = p.dw, g[ib].mw[r] = p.mw, g[ib].sl[r] = p.sl, g[ib].sh[r] = p.sh;
+        }
 }
 
-// Rows [n0, n1) of W against the M rows of x: a weight row decoded once, every row of x against it.
+#if defined(KVLM_NEON)
+
+// Lane j of the sum of the four rows' partial vectors: [sum a, sum b, sum c, sum d] (exact integers).
+KVLM_INLINE int32x4_t rowsum4(int32x4_t a, int32x4_t b, int32x4_t c, int32x4_t d) {
+    return vpaddq_s32(vpaddq_s32(a, b), vpaddq_s32(c, d));
+}
+// Partial int32 sums of 16 products w[e] q[e] (their lanes add up to the exact dot product).
+KVLM_INLINE int32x4_t dot16(int8x16_t w, int8x16_t q) {
+#if defined(KVLM_DOTPROD)
+    return vdotq_s32(vdupq_n_s32(0), w, q);
+#else
+    return vpadalq_s16(vpaddlq_s16(vmull_s8(vget_low_s8(w), vget_low_s8(q))), vmull_high_s8(w, q));
+#endif
+}
+template <int QT>
+KVLM_INLINE int32x4_t combine(int32x4_t lo, int32x4_t hi, const PGroup& g) {
+    if constexpr (QT == T_Q6_K) return vmlaq_s32(vmulq_s32(vld1q_s32(g.sl), lo), vld1q_s32(g.sh), hi);
+    return vaddq_s32(lo, hi);
+}
+
+#if defined(KVLM_I8MM)
+KVLM_INLINE int8x16_t zip_lo(int8x16_t a, int8x16_t b) {  // [a 0..7, b 0..7]
+    return vreinterpretq_s8_s64(vzip1q_s64(vreinterpretq_s64_s8(a), vreinterpretq_s64_s8(b)));
+}
+KVLM_INLINE int8x16_t zip_hi(int8x16_t a, int8x16_t b) {  // [a 8..15, b 8..15]
+    return vreinterpretq_s8_s64(vzip2q_s64(vreinterpretq_s64_s8(a), vreinterpretq_s64_s8(b)));
+}
+#endif
+
+// isum[m] (lane r = weight row r) of unit ib for the MR rows of x at q[m].
+template <int QT, int MR>
+KVLM_INLINE void isums(const PUnit* u, int64_t nb, const PGroup& g, const int8_t* const* q, int32x4_t* isum) {
+#if defined(KVLM_I8MM)
+    if constexpr (MR == 2) {
+        // smmla: (2 x 8 int8 of x rows) times (8 x 2 of two weight rows) -> 2 x 2 int32, lanes
+        // [m0 r, m0 r', m1 r, m1 r']; two per 16 elements, one pair of weight rows at a time.
+        const int8x16_t a0 = vld1q_s8(q[0]), a1 = vld1q_s8(q[0] + 16), b0 = vld1q_s8(q[1]), b1 = vld1q_s8(q[1] + 16);
+        const int8x16_t x0 = zip_lo(a0, b0), x1 = zip_hi(a0, b0), x2 = zip_lo(a1, b1), x3 = zip_hi(a1, b1);
+        int32x4_t lo[2], hi[2];
+        for (int p = 0; p < 2; p++) {
+            const int8_t* wa = u[(2 * p) * nb].w;
+            const int8_t* wb = u[(2 * p + 1) * nb].w;
+            const int8x16_t c0 = vld1q_s8(wa), c1 = vld1q_s8(wa + 16), d0 = vld1q_s8(wb), d1 = vld1q_s8(wb + 16);
+            const int32x4_t z = vdupq_n_s32(0);
+            lo[p] = vmmlaq_s32(vmmlaq_s32(z, x0, zip_lo(c0, d0)), x1, zip_hi(c0, d0));
+            hi[p] = vmmlaq_s32(vmmlaq_s32(z, x2, zip_lo(c1, d1)), x3, zip_hi(c1, d1));
+        }
+        isum[0] = combine<QT>(vcombine_s32(vget_low_s32(lo[0]), vget_low_s32(lo[1])),
+                              vcombine_s32(vget_low_s32(hi[0]), vget_low_s32(hi[1])), g);
+        isum[1] = combine<QT>(vcombine_s32(vget_high_s32(lo[0]), vget_high_s32(lo[1])),
+                              vcombine_s32(vget_high_s32(hi[0]), vget_high_s32(hi[1])), g);
+        return;
+    }
+#endif
+    int8x16_t w0[PNR], w1[PNR];
+    for (int r = 0; r < PNR; r++) w0[r] = vld1q_s8(u[r * nb].w), w1[r] = vld1q_s8(u[r * nb].w + 16);
+    for (int m = 0; m < MR; m++) {
+        const int8x16_t q0 = vld1q_s8(q[m]), q1 = vld1q_s8(q[m] + 16);
+        const int32x4_t lo = rowsum4(dot16(w0[0], q0), dot16(w0[1], q0), dot16(w0[2], q0), dot16(w0[3], q0));
+        const int32x4_t hi = rowsum4(dot16(w1[0], q1), dot16(w1[1], q1), dot16(w1[2], q1), dot16(w1[3], q1));
+        isum[m] = combine<QT>(lo, hi, g);
+    }
+}
+
+// Rows m0 .. m0+MR-1 of x against the group's 4 weight rows: y[m][n + r] for r < nr.
+template <int QT, int MR>
+KVLM_INLINE void tile(const PUnit* u, const PGroup* g, int64_t nb, int64_t K, const int8_t* xq, const float* xd,
+                      const float* xs, int64_t m0, float* y, int64_t ldy, int64_t n, int nr) {
+    float32x4_t acc[MR], mn[MR];
+    const int8_t* q[MR];
+    for (int m = 0; m < MR; m++) acc[m] = mn[m] = vdupq_n_f32(0.0f), q[m] = xq + (m0 + m) * K;
+    for (int64_t ib = 0; ib < nb; ib++) {
+        int32x4_t isum[MR];
+        isums<QT, MR>(u + ib, nb, g[ib], q, isum);
+        const float32x4_t dw = vld1q_f32(g[ib].dw);
+        for (int m = 0; m < MR; m++) {
+            const float32x4_t f = vmulq_f32(vcvtq_f32_s32(isum[m]), dw);  // rounded on its own, then one fma
+            acc[m] = vfmaq_f32(acc[m], f, vdupq_n_f32(xd[8 * ((m0 + m) * nb + ib)]));
+            if constexpr (PFmt<QT>::MIN)
+                mn[m] = vfmaq_f32(mn[m], vld1q_f32(g[ib].mw), vdupq_n_f32(xs[(m0 + m) * nb + ib]));
+            q[m] += 32;
+        }
+    }
+    for (int m = 0; m < MR; m++) {
+        float out[PNR];
+        vst1q_f32(out, PFmt<QT>::MIN ? vaddq_f32(acc[m], mn[m]) : acc[m]);
+        for (int r = 0; r < nr; r++) y[(m0 + m) * ldy + n + r] = out[r];
+    }
+}
+
+#else  // plain C++: the same order, lane by lane
+
+template <int QT, int MR>
+KVLM_INLINE void tile(const PUnit* u, const PGroup* g, int64_t nb, int64_t K, const int8_t* xq, const float* xd,
+                      const float* xs, int64_t m0, float* y, int64_t ldy, int64_t n, int nr) {
+    float acc[MR][PNR] = {}, mn[MR][PNR] = {};
+    for (int64_t ib = 0; ib < nb; ib++)
+        for (int m = 0; m < MR; m++) {
+            const int8_t* q = xq + (m0 + m) * K + 32 * ib;
+            const float d = xd[8 * ((m0 + m) * nb + ib)];
+            for (int r = 0; r < PNR; r++) {
+                const int8_t* w = u[r * nb + ib].w;
+                int32_t lo = 0, hi = 0;
+                for (int e = 0; e < 16; e++) lo += (int32_t)w[e] * q[e], hi += (int32_t)w[e + 16] * q[e + 16];
+                const int32_t isum = QT == T_Q6_K ? g[ib].sl[r] * lo + g[ib].sh[r] * hi : lo + hi;
+                const float f = (float)isum * g[ib].dw[r];  // rounded on its own, then one fma
+                acc[m][r] = fmaf(f, d, acc[m][r]);
+                if constexpr (PFmt<QT>::MIN) mn[m][r] = fmaf(g[ib].mw[r], xs[(m0 + m) * nb + ib], mn[m][r]);
+            }
+        }
+    for (int m = 0; m < MR; m++)
+        for (int r = 0; r < nr; r++) y[(m0 + m) * ldy + n + r] = PFmt<QT>::MIN ? acc[m][r] + mn[m][r] : acc[m][r];
+}
+
+#endif
+
+// Rows [n0, n1) of W against the M rows of x: groups of 4 weight rows, tiles of 2 rows of x (then 1).
 template <int QT>
 void gemm_port_t(const uint8_t* w, int64_t rs, int64_t K, const int8_t* xq, const float* xd, const float* xs,
                  const int32_t* xi, int64_t M, float* y, int64_t ldy, int64_t n0, int64_t n1) {
     (void)xi;
-    constexpr int SUB = PFmt<QT>::BE / 32;
     const int64_t nb = K / 32;
-    PUnit* u = thread_buffer<PUnit>(nb);
-    if (u == nullptr) return;
-    for (int64_t n = n0; n < n1; n++) {
-        const uint8_t* row = w + n * rs;
-        for (int64_t b = 0; b < nb / SUB; b++) decode_block<QT>(row + b * PFmt<QT>::BB, u + b * SUB);
-        for (int64_t m = 0; m < M; m++) {
-            const int8_t* q = xq + m * K;
-            float acc = 0.0f, mn = 0.0f;
-            for (int64_t ib = 0; ib < nb; ib++) {
-                int32_t lo, hi;
-                dot32(u[ib].w, q + 32 * ib, &lo, &hi);
-                const int32_t isum = QT == T_Q6_K ? u[ib].sl * lo + u[ib].sh * hi : lo + hi;
-                const float f = (float)isum * u[ib].dw;  // rounded on its own, then one fma
-                acc = fmaf(f, xd[8 * (m * nb + ib)], acc);
-                if constexpr (PFmt<QT>::MIN) mn = fmaf(u[ib].mw, xs[m * nb + ib], mn);
-            }
-            y[m * ldy + n] = PFmt<QT>::MIN ? acc + mn : acc;
-        }
+    PUnit* u = thread_buffer<PUnit>(PNR * nb);
+    PGroup* g = thread_buffer<PGroup>(nb);
+    if (u == nullptr || g == nullptr) return;
+    for (int64_t n = n0; n < n1; n += PNR) {
+        const int nr = (int)(n1 - n < PNR ? n1 - n : PNR);
+        decode_group<QT>(w, rs, n, nr, nb, u, g);
+        int64_t m = 0;
+        for (; m + 2 <= M; m += 2) tile<QT, 2>(u, g, nb, K, xq, xd, xs, m, y, ldy, n, nr);
+        if (m < M) tile<QT, 1>(u, g, nb, K, xq, xd, xs, m, y, ldy, n, nr);
     }
 }

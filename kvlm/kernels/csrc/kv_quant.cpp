@@ -51,7 +51,13 @@ KVQ_INLINE v16q stage_in(v16q x) {
                       8 ^ H, 9 ^ H, 10 ^ H, 11 ^ H, 12 ^ H, 13 ^ H, 14 ^ H, 15 ^ H};
     const i16q hi = {0 & H, 1 & H, 2 & H, 3 & H, 4 & H, 5 & H, 6 & H, 7 & H,
                      8 & H, 9 & H, 10 & H, 11 & H, 12 & H, 13 & H, 14 & H, 15 & H};
+#if defined(__clang__)  // clang has no __builtin_shuffle; the same constant permutation
+    (void)idx;
+    const v16q p = __builtin_shufflevector(x, x, 0 ^ H, 1 ^ H, 2 ^ H, 3 ^ H, 4 ^ H, 5 ^ H, 6 ^ H, 7 ^ H, 8 ^ H,
+                                           9 ^ H, 10 ^ H, 11 ^ H, 12 ^ H, 13 ^ H, 14 ^ H, 15 ^ H);
+#else
     const v16q p = __builtin_shuffle(x, idx);
+#endif
     return hi != 0 ? p - x : x + p;
 }
 
@@ -88,8 +94,13 @@ typedef int64_t i8d __attribute__((vector_size(64)));
 // order: halves added, 32 -> 16 -> 8 (whole vectors), then 8 -> 4 -> 2 -> 1 inside one vector.
 KVQ_INLINE double tree_sum(const v8d* p) {
     v8d t = (p[0] + p[2]) + (p[1] + p[3]);  // element i < 16: e[i] + e[i + 16]; then i < 8: + the i + 8 one
+#if defined(__clang__)  // clang: __builtin_shufflevector with the same constant lanes
+    t = t + __builtin_shufflevector(t, t, 4, 5, 6, 7, 4, 5, 6, 7);
+    t = t + __builtin_shufflevector(t, t, 2, 3, 2, 3, 2, 3, 2, 3);
+#else
     t = t + __builtin_shuffle(t, (i8d){4, 5, 6, 7, 4, 5, 6, 7});
     t = t + __builtin_shuffle(t, (i8d){2, 3, 2, 3, 2, 3, 2, 3});
+#endif
     return t[0] + t[1];
 }
 

@@ -16,6 +16,9 @@
 #if defined(__aarch64__) && defined(__linux__)
 #include <sys/auxv.h>  // getauxval: the CPU's feature bits
 #endif
+#if defined(__aarch64__) && defined(__APPLE__)
+#include <sys/sysctl.h>  // sysctlbyname: the CPU's features on macOS
+#endif
 
 namespace kvlm {
 
@@ -26,6 +29,18 @@ bool cpu_has_dotprod() {
     return true;
 #elif defined(__linux__)
     return (getauxval(AT_HWCAP) & (1UL << 20)) != 0;  // HWCAP_ASIMDDP
+#else
+    return false;
+#endif
+}
+// smmla: Linux reports it as HWCAP2_I8MM; macOS as the sysctl hw.optional.arm.FEAT_I8MM (M2 and later).
+bool cpu_has_i8mm() {
+#if defined(__APPLE__)
+    int on = 0;
+    size_t size = sizeof on;
+    return sysctlbyname("hw.optional.arm.FEAT_I8MM", &on, &size, nullptr, 0) == 0 && on != 0;
+#elif defined(__linux__)
+    return (getauxval(AT_HWCAP2) & (1UL << 13)) != 0;  // HWCAP2_I8MM
 #else
     return false;
 #endif
@@ -43,7 +58,8 @@ int64_t best_isa() {
         return ISA_AVX2;
     return ISA_SCALAR;
 #elif defined(__aarch64__)
-    return cpu_has_dotprod() ? ISA_NEON_DOTPROD : ISA_NEON;
+    if (!cpu_has_dotprod()) return ISA_NEON;
+    return cpu_has_i8mm() ? ISA_NEON_I8MM : ISA_NEON_DOTPROD;
 #else
     return ISA_SCALAR;
 #endif
@@ -54,7 +70,7 @@ bool isa_available(int64_t isa) {
 #if defined(__x86_64__) || defined(__i386__)
     return isa >= ISA_AVX2 && isa <= ISA_AVX512_VNNI && isa <= best_isa();
 #elif defined(__aarch64__)
-    return isa == ISA_NEON || (isa == ISA_NEON_DOTPROD && best_isa() == ISA_NEON_DOTPROD);
+    return isa == ISA_NEON || (isa >= ISA_NEON_DOTPROD && isa <= ISA_NEON_I8MM && isa <= best_isa());
 #else
     return false;
 #endif
@@ -67,6 +83,7 @@ const KvlmKernels* table(int64_t isa) {
     if (isa == ISA_AVX512) return kvlm_kernels_avx512();
     if (isa == ISA_AVX2) return kvlm_kernels_avx2();
 #elif defined(__aarch64__)
+    if (isa == ISA_NEON_I8MM) return kvlm_kernels_neon_i8mm();
     if (isa == ISA_NEON_DOTPROD) return kvlm_kernels_neon_dotprod();
     if (isa == ISA_NEON) return kvlm_kernels_neon();
 #endif

@@ -5,9 +5,9 @@
 //     x quantized per 32: d = amax / 127, q = round_even(x * (1 / d)), s = d * sum(q)
 //     isum_ib = exact sum of the unit's integer weights (offsets, Q6_K's sub-scales included) times q
 //     acc = fma(float(isum_ib) * dw_ib, xd_ib, acc) over ib in order; mn = fma(mw_ib, xs_ib, mn); y = acc + mn
-// Every format, M = 1, 3, 8, 64, several (N, K) with panel tails, whole calls and calls split over
+// Every format, M = 1, 2, 3, 8, 64, several (N, K) with panel tails, whole calls and calls split over
 // column ranges (as threads split them). Built natively on x86 (AVX2 / AVX-512 units, where the CPU
-// runs them) and cross-compiled for aarch64 (NEON, NEON + dotprod) to run under qemu-aarch64:
+// runs them) and cross-compiled for aarch64 (NEON, NEON + dotprod, NEON + i8mm) to run under qemu-aarch64:
 // tests/kernels/test_arm_contract.py. Prints one line per unit and format; exit 1 on any difference.
 //   usage: contract_test [quick]
 #include <math.h>
@@ -208,7 +208,7 @@ static int check(const char* unit, const KvlmKernels* t, const Fmt& f, int64_t M
 int main(int argc, char** argv) {
     const bool quick = argc > 1 && strcmp(argv[1], "quick") == 0;
     struct Shape { int64_t M, N, K, Kk; };  // Kk: K for the 256-element K-quants
-    std::vector<Shape> shapes = {{1, 37, 544, 768}, {3, 37, 544, 768}, {8, 67, 576, 768}, {64, 23, 576, 512},
+    std::vector<Shape> shapes = {{1, 37, 544, 768}, {2, 38, 544, 768}, {3, 37, 544, 768}, {8, 67, 576, 768}, {64, 23, 576, 512},
                                  {1, 1536, 576, 768}, {3, 576, 1536, 1536}};
     if (!quick) shapes.push_back({8, 1536, 576, 768}), shapes.push_back({1, 17, 32, 256});
     const KvlmKernels* units[2] = {UNIT_FN(), kvlm_kernels_scalar()};
