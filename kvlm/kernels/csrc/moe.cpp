@@ -84,9 +84,10 @@ struct MoeBuffers {
 };
 thread_local MoeBuffers buf;
 
-// The most bytes of buffers one pass may use (at least one token's): 64 MiB is 334 OLMoE-1B-7B tokens
-// (200 KB each; a 2,048-token step took 420 MB in one pass). moe_buffers changes it (tests).
-std::atomic<int64_t> moe_budget{int64_t{64} << 20};
+// The most bytes of buffers one pass may use (at least one token's): 128 MiB is 598 OLMoE-1B-7B tokens
+// (224 KB each by token_bytes), so a 512-token prefill stays one pass and a 2,048-token step (420 MB in
+// one pass before) takes 4 of 512. moe_buffers changes it (tests).
+std::atomic<int64_t> moe_budget{int64_t{128} << 20};
 
 // The buffer bytes a pass needs per token: the sizes moe_pass grows buf to, and quantize_x's codes and
 // scales (ops.cpp) of x and of the down projection's input (10 floats per 32 codes).
