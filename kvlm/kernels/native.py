@@ -267,6 +267,7 @@ class NativeOps:
     expert_qmatmul: Any  # mixture-of-experts: a projection of every chosen expert in one call (model/moe.py)
     moe_mlp: Any  # a routed MLP (router, top-k, experts, weighted sum) in one call (model/moe.py, csrc/moe.cpp)
     moe_route: Any  # the routing alone (router logits -> top-k ids and weights)
+    moe_buffers: Any  # moe_mlp's work-buffer budget per pass and the bytes this thread's buffers hold (tests)
 
 
 @functools.cache
@@ -280,7 +281,8 @@ def ops() -> NativeOps | None:
                      ns.decode_plan_free.default, ns.decode_step.default, ns.rms_norm.default,
                      ns.silu_mul.default, ns.rope.default, ns.gelu_tanh_mul.default, ns.kv_quantize.default,
                      ns.hadamard.default, ns.decode_lora_create.default, ns.decode_lora_free.default,
-                     ns.lora_b_add.default, ns.expert_qmatmul.default, ns.moe_mlp.default, ns.moe_route.default)
+                     ns.lora_b_add.default, ns.expert_qmatmul.default, ns.moe_mlp.default, ns.moe_route.default,
+                     ns.moe_buffers.default)
 
 
 @functools.cache

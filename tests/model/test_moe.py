@@ -189,6 +189,32 @@ def test_grouped_experts_match_the_reference_and_are_row_invariant(kind: str, qt
             assert torch.equal(mlp(x[rows]), out[rows]), rows
 
 
+@pytest.mark.parametrize("qtype", ["F32", "Q4_0"])  # float32 and int8 activations
+def test_big_steps_run_in_passes_with_the_same_bits_and_bounded_buffers(qtype: str) -> None:
+    """A step whose `moe_mlp` work buffers would pass the budget (128 MiB; here lowered) runs in passes of
+    whole tokens: every row has the bits of the step in one pass, the counters count the step once, and
+    this thread's buffers hold at most the budget (they only grew to the largest step before)."""
+    need_native()
+    from kvlm.kernels import native
+
+    ops = native.ops()
+    mlp, _ = _block("olmoe", qtype)
+    x = torch.randn(203, 64, generator=torch.Generator().manual_seed(7))
+    try:
+        with torch.inference_mode():
+            ops.moe_buffers(0, True)
+            whole, stats = mlp(x), mlp.stats.clone()
+            one_pass = ops.moe_buffers(0, False)
+            for budget in (one_pass // 3, one_pass // 50, 1):  # 3 passes, about 50, one token each
+                ops.moe_buffers(budget, True)
+                mlp.stats.zero_()
+                assert torch.equal(mlp(x), whole), budget
+                assert torch.equal(mlp.stats, stats), budget
+                assert ops.moe_buffers(0, False) <= max(budget, one_pass // 203 * 2), budget
+    finally:
+        ops.moe_buffers(128 << 20, True)
+
+
 def test_native_route_matches_route_and_breaks_ties_by_id() -> None:
     """The native routing (moe.cpp: its own softmax, a strict-greater top-k scan of the logits) picks `route`'s
     experts in `route`'s order, ties by expert id, and its weights agree to float32 rounding; logits spread so

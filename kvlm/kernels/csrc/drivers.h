@@ -92,7 +92,13 @@ void moe_route(const float* logits, int64_t E, int64_t k, bool renorm, int32_t* 
 // quantized once, silu(gate) * up, down, and each token's k outputs times their weights summed in ascending
 // expert id from zero (a multiply, then an add). Every step is a function of the row alone: a token's bits
 // do not depend on T, its neighbours or the thread split. Returns false for a type without a kernel.
+// A step whose work buffers would pass the budget (moe_buffers; 128 MiB) runs in passes of near-equal token
+// counts, the same bits (rows are independent), so this thread's buffers stay within about the budget.
 bool moe_mlp(const KvlmKernels* t, const MoeLayer& m, const float* x, int64_t T, float* out, int act);
+
+// budget > 0: the bytes of work buffers one moe_mlp pass may use from now on (at least one token's);
+// release: free this thread's. Returns the bytes this thread's moe_mlp buffers hold.
+int64_t moe_buffers(int64_t budget, bool release);
 
 // Whether `matmul` with ACT_INT8 runs the int8 kernel for this type here (else it uses float32 activations).
 bool has_int8(const KvlmKernels* t, int qtype);

@@ -110,47 +110,63 @@ KVLM_INLINE void kq_head(const uint8_t* const* rows, __m512i hofs, int64_t off, 
     }
 }
 
-// Unit s of the block at `off`.
-template <int QT>
-KVLM_INLINE void kq_unit(const uint8_t* const* rows, __m512i hofs, int64_t off, int s, const KHead& h, KUnit* u) {
+// The units of the block at `off`, in ascending s: fn(s, unit) for each. Units that read the same bytes
+// share their loads (the 16 rows' bytes are gathered into load_rows' layout, the costly part of a unit at
+// few rows): Q4_K / Q5_K units 2j and 2j + 1 are the low and high nibbles of the same 32 bytes a row;
+// Q6_K's 4 units of a 128-element half (c = 0..3) share its 32 qh bytes, and c, c + 2 their ql bytes.
+// Only loads are shared: each unit's values and the order fn sees them are those of unit-by-unit reads.
+template <int QT, typename F>
+KVLM_INLINE void kq_units(const uint8_t* const* rows, __m512i hofs, int64_t off, const KHead& h, KUnit* u, F&& fn) {
     if constexpr (QT == T_Q5_0 || QT == T_Q5_1) {
         const __m512i head = _mm512_i32gather_epi32(hofs, (const void*)(rows[0] + off), 1);
         u->dw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(head));
         if constexpr (QT == T_Q5_1) u->mw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(head, 16)));
         q5_unit(rows, off, QT == T_Q5_0 ? 2 : 4, QT == T_Q5_0 ? 6 : 8, u);
+        fn(0, *u);
     } else if constexpr (QT == T_Q4_K || QT == T_Q5_K) {
-        const int64_t q = off + (QT == T_Q4_K ? 16 : 48) + 32 * (s / 2);
-        __m512i zl[4], zh[4];
-        load_rows(rows, q, zl);
-        load_rows(rows, q + 16, zh);
-        for (int a = 0; a < 4; a++) u->lo[a] = nib(zl[a], 4 * (s & 1)), u->hi[a] = nib(zh[a], 4 * (s & 1));
-        if constexpr (QT == T_Q5_K) {
-            const __m512i bit = _mm512_set1_epi8((char)(1 << s)), b4 = _mm512_set1_epi8(16);
-            for (int a = 0; a < 4; a++) {
-                u->lo[a] = _mm512_mask_add_epi8(u->lo[a], _mm512_test_epi8_mask(h.qh[a], bit), u->lo[a], b4);
-                u->hi[a] = _mm512_mask_add_epi8(u->hi[a], _mm512_test_epi8_mask(h.qh[4 + a], bit), u->hi[a], b4);
+        for (int j = 0; j < 4; j++) {
+            const int64_t q = off + (QT == T_Q4_K ? 16 : 48) + 32 * j;
+            __m512i zl[4], zh[4];
+            load_rows(rows, q, zl);
+            load_rows(rows, q + 16, zh);
+            for (int s = 2 * j; s < 2 * j + 2; s++) {
+                for (int a = 0; a < 4; a++) u->lo[a] = nib(zl[a], 4 * (s & 1)), u->hi[a] = nib(zh[a], 4 * (s & 1));
+                if constexpr (QT == T_Q5_K) {
+                    const __m512i bit = _mm512_set1_epi8((char)(1 << s)), b4 = _mm512_set1_epi8(16);
+                    for (int a = 0; a < 4; a++) {
+                        u->lo[a] = _mm512_mask_add_epi8(u->lo[a], _mm512_test_epi8_mask(h.qh[a], bit), u->lo[a], b4);
+                        u->hi[a] = _mm512_mask_add_epi8(u->hi[a], _mm512_test_epi8_mask(h.qh[4 + a], bit), u->hi[a], b4);
+                    }
+                }
+                u->dw = h.dw[s], u->mw = h.mw[s];
+                fn(s, *u);
             }
         }
-        u->dw = h.dw[s], u->mw = h.mw[s];
-    } else {  // Q6_K: sub-block s = 32 h + (c: 0..3), low bits from ql, high 2 bits from qh
-        const int hh = s / 4, c = s % 4;
-        const int64_t ql = off + 64 * hh + (c & 1) * 32, qh = off + 128 + 32 * hh;
-        __m512i l0[4], l1[4], h0[4], h1[4];
-        load_rows(rows, ql, l0);
-        load_rows(rows, ql + 16, l1);
-        load_rows(rows, qh, h0);
-        load_rows(rows, qh + 16, h1);
+    } else {  // Q6_K: sub-block s = 4 hh + c, low bits from ql, high 2 bits from qh
         const __m512i m3 = _mm512_set1_epi8(3);
-        for (int a = 0; a < 4; a++) {
-            u->lo[a] = _mm512_or_si512(nib(l0[a], (c >> 1) * 4),
-                                       _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(h0[a], 2 * c), m3), 4));
-            u->hi[a] = _mm512_or_si512(nib(l1[a], (c >> 1) * 4),
-                                       _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(h1[a], 2 * c), m3), 4));
+        for (int hh = 0; hh < 2; hh++) {
+            __m512i l[2][2][4], qh[2][4];  // l[c & 1][half]: ql bytes 64 hh + 32 (c & 1) + 16 half; qh[half]
+            for (int p = 0; p < 2; p++) {
+                load_rows(rows, off + 64 * hh + 32 * p, l[p][0]);
+                load_rows(rows, off + 64 * hh + 32 * p + 16, l[p][1]);
+            }
+            load_rows(rows, off + 128 + 32 * hh, qh[0]);
+            load_rows(rows, off + 128 + 32 * hh + 16, qh[1]);
+            for (int c = 0; c < 4; c++) {
+                const int s = 4 * hh + c;
+                for (int a = 0; a < 4; a++) {
+                    u->lo[a] = _mm512_or_si512(nib(l[c & 1][0][a], (c >> 1) * 4),
+                                               _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(qh[0][a], 2 * c), m3), 4));
+                    u->hi[a] = _mm512_or_si512(nib(l[c & 1][1][a], (c >> 1) * 4),
+                                               _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(qh[1][a], 2 * c), m3), 4));
+                }
+                const __m512i sc = h.sc[s / 2];  // scales 2s (elements 0..15) and 2s + 1 (16..31): bytes 2 (s % 2), + 1
+                u->sl = _mm512_srai_epi32(_mm512_slli_epi32(sc, 24 - 16 * (s % 2)), 24);
+                u->sh = _mm512_srai_epi32(_mm512_slli_epi32(sc, 16 - 16 * (s % 2)), 24);
+                u->dw = h.dw[0];
+                fn(s, *u);
+            }
         }
-        const __m512i sc = h.sc[s / 2];  // scales 2s (elements 0..15) and 2s + 1 (16..31): bytes 2 (s % 2), + 1
-        u->sl = _mm512_srai_epi32(_mm512_slli_epi32(sc, 24 - 16 * (s % 2)), 24);
-        u->sh = _mm512_srai_epi32(_mm512_slli_epi32(sc, 16 - 16 * (s % 2)), 24);
-        u->dw = h.dw[0];
     }
 }
 
@@ -250,10 +266,8 @@ void kq_fly(const uint8_t* const* rows, __m512i hofs, const uint8_t* ahead, cons
     for (int64_t b = 0; b < a.nb / SUB; b++) {
         prefetch_slice(ahead, end, b, 16 * BB);
         kq_head<QT>(rows, hofs, b * BB, &h);
-        for (int s = 0; s < SUB; s++) {
-            kq_unit<QT>(rows, hofs, b * BB, s, h, &u);
-            kq_direct<QT, MT>(u, a, l16, b * SUB + s, acc, mn);
-        }
+        kq_units<QT>(rows, hofs, b * BB, h, &u,
+                     [&](int s, const KUnit& v) { kq_direct<QT, MT>(v, a, l16, b * SUB + s, acc, mn); });
     }
     kq_store<QT, MT>(acc, mn, y, ldy, live);
 }
@@ -303,10 +317,7 @@ void gemm_kq_t(const uint8_t* w, int64_t rs, int64_t K, const int8_t* xq, const 
             // interleaved weight rows at the hardware prefetcher's pace (kernels_int8_avx2.h measured 2x)
             prefetch_slice(ahead, end, b, 16 * BB);
             kq_head<QT>(rows, hv, b * BB, &h);
-            for (int s = 0; s < SUB; s++) {
-                kq_unit<QT>(rows, hv, b * BB, s, h, &u);
-                kq_prep(u, buf + b * SUB + s);
-            }
+            kq_units<QT>(rows, hv, b * BB, h, &u, [&](int s, const KUnit& v) { kq_prep(v, buf + b * SUB + s); });
         }
         int64_t m = 0;
         for (; m + ROW_TILE <= M; m += ROW_TILE) kq_tile<QT, ROW_TILE>(buf, a, l16, m, yp, ldy, mask);

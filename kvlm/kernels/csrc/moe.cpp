@@ -2,12 +2,14 @@
 // grouped expert matmuls and the weighted sum. The module path (kvlm/model/moe.py, torch op moe_mlp) and the
 // fused decode step (decode.cpp) both run this function, so a token's routed-MLP bits are the same whichever
 // path computes it, and, every step being row by row, in any batch, chunk or thread split.
-// Intermediates live in this thread's buffers, grown to the largest call and kept.
+// Intermediates live in this thread's buffers, kept between calls; a step too big for moe_budget bytes of
+// them runs in passes of whole tokens (rows are independent: the same bits), so they stay bounded.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <vector>
 
@@ -63,25 +65,51 @@ T* grow(std::vector<T>& v, int64_t n) {
     return v.data();
 }
 
-}  // namespace
+template <typename T>
+int64_t held(const std::vector<T>& v) { return static_cast<int64_t>(v.capacity() * sizeof(T)); }
 
-bool moe_mlp(const KvlmKernels* t, const MoeLayer& m, const float* x, int64_t T, float* out, int act) {
+// This thread's work buffers: logits (T, E) | w (T, k) | rows (R, H): x gathered by expert (float32 gate /
+// up), the down outputs | gu (R, 2I) | a (R, I) | gq, gd, gs, gi: x's int8 codes gathered by expert; seen
+// (E,): the experts a step's passes touched (stats).
+struct MoeBuffers {
+    std::vector<float> logits, w, rows, gu, a, gd, gs;
+    std::vector<int32_t> ids, gi;
+    std::vector<int64_t> counts, next, pos;
+    std::vector<int8_t> gq;
+    std::vector<char> seen;
+    int64_t bytes() const {
+        return held(logits) + held(w) + held(rows) + held(gu) + held(a) + held(gd) + held(gs) + held(ids) +
+               held(gi) + held(counts) + held(next) + held(pos) + held(gq) + held(seen);
+    }
+};
+thread_local MoeBuffers buf;
+
+// The most bytes of buffers one pass may use (at least one token's): 128 MiB is 598 OLMoE-1B-7B tokens
+// (224 KB each by token_bytes), so a 512-token prefill stays one pass and a 2,048-token step (420 MB in
+// one pass before) takes 4 of 512. moe_buffers changes it (tests).
+std::atomic<int64_t> moe_budget{int64_t{128} << 20};
+
+// The buffer bytes a pass needs per token: the sizes moe_pass grows buf to, and quantize_x's codes and
+// scales (ops.cpp) of x and of the down projection's input (10 floats per 32 codes).
+int64_t token_bytes(const MoeLayer& m) {
+    const int64_t k = m.k, H = m.H, I = m.I, nb = H / 32;
+    return 4 * m.E + k * (4 + 4 + 8) + k * 4 * (H + 3 * I) + k * (H + 4 * nb * 10) + (H + k * I) * 9 / 4;
+}
+
+// One pass over T tokens: router, routing, grouping, experts, combine (moe_mlp's contract). Adds the rows
+// routed to each expert to stats[0..E) and marks buf.seen.
+bool moe_pass(const KvlmKernels* t, const MoeLayer& m, const float* x, int64_t T, float* out, int act) {
     const int64_t E = m.E, k = m.k, H = m.H, I = m.I, R = T * k;
-    if (T == 0) return true;
-    // logits (T, E) | w (T, k) | rows (R, H): x gathered by expert (float32 gate / up), the down outputs |
-    // gu (R, 2I) | a (R, I)
-    thread_local std::vector<float> logits_v, w_v, rows_v, gu_v, a_v;
-    thread_local std::vector<int32_t> ids_v;
-    thread_local std::vector<int64_t> counts_v, next_v, pos_v;
-    float* logits = grow(logits_v, T * E);
-    float* w = grow(w_v, R);
-    float* rows = grow(rows_v, R * H);
-    float* gu = grow(gu_v, R * 2 * I);
-    float* a = grow(a_v, R * I);
-    int32_t* ids = grow(ids_v, R);
-    int64_t* counts = grow(counts_v, E);
-    int64_t* next = grow(next_v, E);
-    int64_t* pos = grow(pos_v, R);
+    MoeBuffers& b = buf;
+    float* logits = grow(b.logits, T * E);
+    float* w = grow(b.w, R);
+    float* rows = grow(b.rows, R * H);
+    float* gu = grow(b.gu, R * 2 * I);
+    float* a = grow(b.a, R * I);
+    int32_t* ids = grow(b.ids, R);
+    int64_t* counts = grow(b.counts, E);
+    int64_t* next = grow(b.next, E);
+    int64_t* pos = grow(b.pos, R);
     if (!matmul(t, m.router_qtype, m.router, m.router_rs, H, E, x, T, logits, E, act)) return false;
     at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
         for (int64_t r = t0; r < t1; r++) {
@@ -97,24 +125,18 @@ bool moe_mlp(const KvlmKernels* t, const MoeLayer& m, const float* x, int64_t T,
     for (int64_t r = 0; r < R; r++) counts[ids[r]]++;
     for (int64_t e = 0, acc = 0; e < E; acc += counts[e], e++) next[e] = acc;
     for (int64_t r = 0; r < R; r++) pos[r] = next[ids[r]]++;
-    if (m.stats) {
-        int64_t touched = 0;
-        for (int64_t e = 0; e < E; e++) m.stats[e] += counts[e], touched += counts[e] > 0;
-        m.stats[E] += 1, m.stats[E + 1] += touched;
-    }
+    if (m.stats)
+        for (int64_t e = 0; e < E; e++) m.stats[e] += counts[e], b.seen[e] |= counts[e] > 0;
     const ExpertProj gate_up[2] = {{m.gate.qtype, m.gate.w, m.gate.es, m.gate.rs, I, gu, 2 * I},
                                    {m.up.qtype, m.up.w, m.up.es, m.up.rs, I, gu + I, 2 * I}};
     if (act == ACT_INT8 && has_int8(t, m.gate.qtype) && has_int8(t, m.up.qtype) && H % 32 == 0) {
         // int8 gate and up: quantize the T tokens' rows once (not their k copies; quantize_act is row by
         // row, so a row's codes are the same either way) and gather the codes into expert order.
-        thread_local std::vector<int8_t> gq_v;
-        thread_local std::vector<float> gd_v, gs_v;
-        thread_local std::vector<int32_t> gi_v;
         const int64_t nb = H / 32;
-        int8_t* gq = grow(gq_v, R * H);
-        float* gd = grow(gd_v, R * nb * 8);
-        float* gs = grow(gs_v, R * nb);
-        int32_t* gi = grow(gi_v, R * nb);
+        int8_t* gq = grow(b.gq, R * H);
+        float* gd = grow(b.gd, R * nb * 8);
+        float* gs = grow(b.gs, R * nb);
+        int32_t* gi = grow(b.gi, R * nb);
         const ActQ xq = quantize_x(t, x, T, H);
         at::parallel_for(0, R, std::max<int64_t>(1, 16384 / H), [&](int64_t r0, int64_t r1) {
             for (int64_t r = r0; r < r1; r++) {
@@ -141,6 +163,35 @@ bool moe_mlp(const KvlmKernels* t, const MoeLayer& m, const float* x, int64_t T,
     at::parallel_for(0, T, std::max<int64_t>(1, 8192 / (H * k)), [&](int64_t t0, int64_t t1) {
         for (int64_t r = t0; r < t1; r++) combine_row(rows, pos + r * k, w + r * k, k, H, out + r * H);
     });
+    return true;
+}
+
+}  // namespace
+
+int64_t moe_buffers(int64_t budget, bool release) {
+    if (budget > 0) moe_budget = budget;
+    if (release) buf = MoeBuffers{};
+    return buf.bytes();
+}
+
+bool moe_mlp(const KvlmKernels* t, const MoeLayer& m, const float* x, int64_t T, float* out, int act) {
+    if (T == 0) return true;
+    // n passes of near-equal size (the first T % n one token longer), each within the budget
+    const int64_t cap = std::max<int64_t>(1, moe_budget / token_bytes(m)), n = (T + cap - 1) / cap;
+    if (m.stats) {
+        char* seen = grow(buf.seen, m.E);
+        std::fill(seen, seen + m.E, 0);
+    }
+    for (int64_t i = 0, t0 = 0; i < n; i++) {
+        const int64_t len = T / n + (i < T % n ? 1 : 0);
+        if (!moe_pass(t, m, x + t0 * m.H, len, out + t0 * m.H, act)) return false;
+        t0 += len;
+    }
+    if (m.stats) {
+        int64_t touched = 0;
+        for (int64_t e = 0; e < m.E; e++) touched += buf.seen[e];
+        m.stats[m.E] += 1, m.stats[m.E + 1] += touched;
+    }
     return true;
 }
 
@@ -206,10 +257,15 @@ void moe_route_op(const at::Tensor& logits, int64_t k, bool renorm, const at::Te
     }
 }
 
+// kvlm::moe_buffers: budget > 0 sets the bytes of work buffers one moe_mlp pass may use; release frees
+// this thread's; returns the bytes this thread's buffers hold.
+int64_t moe_buffers_op(int64_t budget, bool release) { return kvlm::moe_buffers(budget, release); }
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvlm_kernels, m) {
     m.def("moe_mlp(Tensor x, Tensor router, int router_qtype, Tensor gate, Tensor up, Tensor down, int[] qtypes, "
           "int k, bool renorm, int isa, bool int8, Tensor(a!) stats, Tensor(b!) out) -> ()", &moe_mlp_op);
     m.def("moe_route(Tensor logits, int k, bool renorm, Tensor(a!) ids, Tensor(b!) weights) -> ()", &moe_route_op);
+    m.def("moe_buffers(int budget, bool release) -> int", &moe_buffers_op);
 }
