@@ -11,6 +11,7 @@ program built natively checks the x86 units this CPU runs. Needs Debian's `g++-a
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -92,6 +93,7 @@ def test_extension_sources_compile_for_aarch64() -> None:
     """Every extension source (ops, drivers, argmax, ...) compiles for aarch64 with torch's headers (syntax only:
     no aarch64 torch to link here), so the extension builds on ARM, not only the kernel units above."""
     import sysconfig
+    from concurrent.futures import ThreadPoolExecutor
 
     from torch.utils import cpp_extension
 
@@ -99,7 +101,12 @@ def test_extension_sources_compile_for_aarch64() -> None:
 
     cxx = _need(CROSS)
     includes = [f"-I{p}" for p in (*cpp_extension.include_paths(), sysconfig.get_paths()["include"], str(CSRC))]
-    for source in native._SOURCES:
+
+    def check(source: str) -> subprocess.CompletedProcess[str]:
         cmd = [cxx, "-std=c++20", "-fopenmp", "-fsyntax-only", "-Wno-psabi", *includes, str(CSRC / source)]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
-        assert done.returncode == 0, f"{source} does not compile for aarch64:\n{done.stderr[-3000:]}"
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
+
+    # one compiler per core (each source parses torch's headers: ~5 s apiece)
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        for source, done in zip(native._SOURCES, pool.map(check, native._SOURCES)):
+            assert done.returncode == 0, f"{source} does not compile for aarch64:\n{done.stderr[-3000:]}"
