@@ -37,7 +37,7 @@ _ARCH_TO_MODEL_TYPE = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2",
                        "phi3": "phi3", "smollm3": "smollm3", "granite": "granite", "gemma3": "gemma3_text",
                        "qwen3moe": "qwen3_moe", "olmoe": "olmoe"}  # Mixtral: "llama" with expert tensors
 # Architectures whose Q/K rows llama.cpp's converter permuted (its LlamaModel and subclasses: RoPE type NORM).
-_PERMUTED_QK = frozenset({"llama", "smollm3", "granite"})
+PERMUTED_QK = frozenset({"llama", "smollm3", "granite"})
 
 # The one GGUF -> HF name table. Per-layer names are under "blk.{i}." / "model.layers.{i}.".
 _GLOBAL_NAMES = {
@@ -102,6 +102,13 @@ def unpermute_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     """
     rows = w.shape[0]
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def permute_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """llama.cpp's converter's Q/K permutation (HF's halves -> interleaved pairs): `unpermute_rope`'s inverse,
+    for the files kvlm writes for llama.cpp (bench lora's GGUF LoRA)."""
+    rows = w.shape[0]
+    return w.reshape(n_heads, 2, rows // n_heads // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
 def check_header(path: Path) -> None:
@@ -372,7 +379,7 @@ def load_gguf(path: str | os.PathLike,
                 w = dequantize_tensor(t)
         except (ValueError, AssertionError) as e:
             raise ModelLoadError(f"{path}: cannot read tensor {t.name} ({str(e)[:120]})") from None
-        if arch in _PERMUTED_QK:
+        if arch in PERMUTED_QK:
             heads = (config.num_attention_heads if ".q_proj." in hf
                      else config.num_key_value_heads if ".k_proj." in hf else 0)
             if heads:

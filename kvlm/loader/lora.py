@@ -28,7 +28,7 @@ from kvlm.config import ModelConfig
 from kvlm.errors import LoRAError, ModelLoadError
 from kvlm.loader.gguf import (
     _ARCH_TO_MODEL_TYPE,
-    _PERMUTED_QK,
+    PERMUTED_QK,
     dequantize_tensor,
     gguf_to_hf_name,
     read_gguf,
@@ -160,7 +160,7 @@ def _gguf_parts(name: str, path: Path, config: ModelConfig) -> dict[tuple[int, s
         if set(slot) != {"a", "b"}:
             raise LoRAError(f"LoRA adapter {name!r}: blk.{layer} {module} has lora_{''.join(slot)} only")
         a, b = slot["a"], slot["b"]
-        if arch in _PERMUTED_QK and module in ("q_proj", "k_proj") and b.shape[0] % 2 == 0:
+        if arch in PERMUTED_QK and module in ("q_proj", "k_proj") and b.shape[0] % 2 == 0:
             heads = config.num_attention_heads if module == "q_proj" else config.num_key_value_heads
             if b.shape[0] == heads * config.head_dim:  # else build_adapter reports the shape
                 b = unpermute_rope(b, heads)
