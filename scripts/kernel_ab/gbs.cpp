@@ -17,24 +17,18 @@
 #include <random>
 #include <vector>
 
-#include "kernels.h"
-extern "C" const KvlmKernels* kvlm_old(void);
-extern "C" const KvlmKernels* kvlm_new(void);
-
-#include "formats.h"
-
-static double cpu_now() {
-  timespec t;
-  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &t);
-  return t.tv_sec + 1e-9 * t.tv_nsec;
-}
+#include "formats.h"  // the weight formats, both trees' tables, cpu_s()
 
 struct Act { std::vector<int8_t> q; std::vector<float> d, s; std::vector<int32_t> i; };
 
 // Bytes/s of reading (sum of 32-byte loads) or copying 512 MiB with th threads, best of 5.
 __attribute__((target("avx2"))) static double bandwidth(int th, bool copy) {
   const size_t n = (512ull << 20) / 32;
-  static std::vector<__m256i> src(n, _mm256_set1_epi8(1)), dst(n);
+  static __m256i *src = nullptr, *dst = nullptr;
+  if (src == nullptr) {  // once: 2 x 512 MiB, every page touched (page faults are not bandwidth)
+    src = (__m256i*)aligned_alloc(64, n * 32), dst = (__m256i*)aligned_alloc(64, n * 32);
+    memset(src, 1, n * 32), memset(dst, 0, n * 32);
+  }
   double best = 1e9;
   long long sink = 0;
   for (int r = 0; r < 5; r++) {
@@ -90,7 +84,7 @@ int main(int argc, char** argv) {
         const int side = (r + k) % 2;
         const KvlmKernels* t = T[side];
         int iters = 0;
-        const double t0 = omp_get_wtime(), c0 = cpu_now();
+        const double t0 = omp_get_wtime(), c0 = cpu_s();
         double el;
         do {
           const uint8_t* w = ws[iters % copies].data();
@@ -103,7 +97,7 @@ int main(int argc, char** argv) {
           iters++;
           el = omp_get_wtime() - t0;
         } while (el < 0.3);
-        const double per = el / iters, cpu = (cpu_now() - c0) / iters;
+        const double per = el / iters, cpu = (cpu_s() - c0) / iters;
         printf("%s %s %ldx%ld M=%ld th=%d %s: %.4f ms  %.2f GB/s  %.2f GB/s/core\n", side ? "new" : "old", f->name,
                N, K, M, th, hot ? "hot" : "cold", per * 1e3, bytes / per / 1e9, bytes / cpu / 1e9);
         fflush(stdout);

@@ -4,24 +4,16 @@
 # bandwidth at the same thread count.
 #   [KVLM_AB_ISA=avx2|avx512|avx512-vnni] [ROUNDS=5] [THREADS=2] [HOT=0] scripts/kernel_ab/gbs.sh OLD_REV|OLD_TREE [FMT N K M ...]
 # Without cases: every int8 format at M = 1 on a 1B's shapes (2048x2048, 8192x2048, 2048x8192, 49152x2048).
-# Prints per case old and new GB/s (wall; and per core of process CPU time) and new/old. Exits 1 if the
+# Prints per case old and new GB/s (wall; per core of process CPU time, median and best: on a loaded machine
+# the best CPU-time round is the least disturbed one) and new/old. Exits 1 if the
 # trees' outputs differ in any bit. KVLM_AB_CACHE=dir keeps the two compiled objects for reruns.
 set -euo pipefail
 if [ $# -lt 1 ] || [ "$1" = "--help" ] || [ "$1" = "-h" ]; then sed -n 2,8p "$0" | sed 's/^# \{0,1\}//'; exit 0; fi
 OLD=$1; shift
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 W=$(mktemp -d); trap 'rm -rf "$W"' EXIT
-if [ -d "$OLD/kvlm/kernels/csrc" ]; then OLDDIR=$(cd "$OLD" && pwd)/kvlm/kernels/csrc
-else git -C "$ROOT" archive "$OLD" kvlm/kernels/csrc | tar -x -C "$W"; OLDDIR=$W/kvlm/kernels/csrc; fi
 . "$(dirname "$0")/units.sh"
-ISA=${KVLM_AB_ISA:-avx2}; C=${KVLM_AB_CACHE:-}
-write_units "$OLDDIR" "$ROOT/kvlm/kernels/csrc" "$ISA" "$W"
-for side in old new; do
-  if [ -n "$C" ] && [ -f "$C/$side-$ISA.o" ]; then cp "$C/$side-$ISA.o" "$W/$side.o"
-  else g++ $FL -c "$W/$side.cpp" -o "$W/$side.o" & fi
-done
-wait
-if [ -n "$C" ]; then mkdir -p "$C"; for side in old new; do cp -n "$W/$side.o" "$C/$side-$ISA.o"; done; fi
+build_objects "$OLD" "$ROOT" "${KVLM_AB_ISA:-avx2}" "$W"
 g++ $FL -mf16c -I"$ROOT/kvlm/kernels/csrc" "$(dirname "$0")/gbs.cpp" "$W/old.o" "$W/new.o" -o "$W/gbs"
 if [ $# -eq 0 ]; then
   for f in Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q4_K Q5_K Q6_K; do
@@ -43,5 +35,7 @@ for line in sys.stdin:
         o, n = t[case]['old'], t[case]['new']
         og, ng = st.median(g for g, _ in o), st.median(g for g, _ in n)
         oc, nc = st.median(c for _, c in o), st.median(c for _, c in n)
-        print(f'{case:34s} old {og:6.2f} GB/s ({oc:6.2f}/core)  new {ng:6.2f} GB/s ({nc:6.2f}/core)  new/old {ng / og:.2f}x', flush=True)
+        ob, nb = max(c for _, c in o), max(c for _, c in n)
+        print(f'{case:30s} old {og:6.2f} GB/s ({oc:5.2f}/core, best {ob:5.2f})  new {ng:6.2f} GB/s ({nc:5.2f}/core, best {nb:5.2f})'
+              f'  new/old {ng / og:.2f}x (per core {nc / oc:.2f}x, best {nb / ob:.2f}x)', flush=True)
 "
