@@ -15,9 +15,6 @@
 #include <algorithm>
 #include <immintrin.h>
 #include "kernels.h"  // the current tree's (run.sh puts its csrc on the include path)
-extern "C" const KvlmKernels* kvlm_old(void);
-extern "C" const KvlmKernels* kvlm_new(void);
-
 #include "formats.h"
 
 struct Act { std::vector<int8_t> q; std::vector<float> d, s; std::vector<int32_t> i; };

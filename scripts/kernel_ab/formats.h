@@ -4,6 +4,7 @@
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
+#include <time.h>
 
 #include <random>
 #include <vector>
@@ -16,6 +17,17 @@ static Fmt FMTS[] = {
   {"Q5_0", T_Q5_0, 32, 22, {0}}, {"Q5_1", T_Q5_1, 32, 24, {0, 2}}, {"Q4_K", T_Q4_K, 256, 144, {0, 2}},
   {"Q5_K", T_Q5_K, 256, 176, {0, 2}}, {"Q6_K", T_Q6_K, 256, 210, {208}}};
 static std::mt19937 rng(1);
+
+// The two trees' kernel tables (run.sh / rows.sh / gbs.sh compile them as kvlm_old and kvlm_new).
+extern "C" const KvlmKernels* kvlm_old(void);
+extern "C" const KvlmKernels* kvlm_new(void);
+
+// Seconds of the process's CPU time (all threads): on a shared machine the scheduler's slices count less.
+static double cpu_s() {
+  timespec t;
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &t);
+  return t.tv_sec + 1e-9 * t.tv_nsec;
+}
 __attribute__((target("f16c"))) static uint16_t half(float f) { return _cvtss_sh(f, 0); }
 static std::vector<uint8_t> make_w(const Fmt& f, int64_t N, int64_t K) {
   int64_t rs = K / f.be * f.bb; std::vector<uint8_t> w(N * rs + 64);

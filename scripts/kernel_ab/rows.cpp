@@ -21,14 +21,6 @@
 #include <immintrin.h>
 
 #include "formats.h"
-extern "C" const KvlmKernels* kvlm_old(void);
-extern "C" const KvlmKernels* kvlm_new(void);
-
-static double cpu_s() {
-    timespec t;
-    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &t);
-    return t.tv_sec + 1e-9 * t.tv_nsec;
-}
 
 int main(int argc, char** argv) {
     if (argc < 7) { fprintf(stderr, "usage: rows FMT N K THREADS HOT ROUNDS M...\n"); return 2; }

@@ -10,19 +10,8 @@ if [ $# -lt 7 ] || [ "$1" = "--help" ] || [ "$1" = "-h" ]; then sed -n 2,7p "$0"
 OLD=$1; shift
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 W=$(mktemp -d); trap 'rm -rf "$W"' EXIT
-if [ -d "$OLD/kvlm/kernels/csrc" ]; then OLDDIR=$(cd "$OLD" && pwd)/kvlm/kernels/csrc
-else git -C "$ROOT" archive "$OLD" kvlm/kernels/csrc | tar -x -C "$W"; OLDDIR=$W/kvlm/kernels/csrc; fi
 . "$(dirname "$0")/units.sh"
-write_units "$OLDDIR" "$ROOT/kvlm/kernels/csrc" "${KVLM_AB_ISA:-avx512-vnni}" "$W"
-# KVLM_AB_CACHE=dir: keep both objects there (old-ISA.o, new-ISA.o) and reuse them: repeated runs of one
-# pair of trees (a measurement script) compile once. Delete the folder when either tree changes.
-C=${KVLM_AB_CACHE:-}; ISA=${KVLM_AB_ISA:-avx512-vnni}
-for side in old new; do
-  if [ -n "$C" ] && [ -f "$C/$side-$ISA.o" ]; then cp "$C/$side-$ISA.o" "$W/$side.o"
-  else g++ $FL -c "$W/$side.cpp" -o "$W/$side.o" & fi
-done
-wait
-if [ -n "$C" ]; then mkdir -p "$C"; for side in old new; do cp -n "$W/$side.o" "$C/$side-$ISA.o"; done; fi
+build_objects "$OLD" "$ROOT" "${KVLM_AB_ISA:-avx512-vnni}" "$W"  # KVLM_AB_CACHE=dir: see units.sh
 g++ $FL -mf16c -I"$ROOT/kvlm/kernels/csrc" "$(dirname "$0")/rows.cpp" "$W/old.o" "$W/new.o" -o "$W/rows"
 FMT=$1 N=$2 K=$3 TH=$4 HOT=$5; shift 5
 "$W/rows" "$FMT" "$N" "$K" "$TH" "$HOT" "${ROUNDS:-3}" "$@" | python3 -c "

@@ -12,3 +12,20 @@ write_units() {
   done
 }
 FL="-O3 -std=c++20 -fopenmp -Wno-psabi -fno-math-errno"
+
+# build_objects OLD_REV|OLD_TREE ROOT ISA DIR: DIR/old.o and DIR/new.o, OLD's and ROOT's kernels (a tree
+# folder, or a revision of ROOT's git). KVLM_AB_CACHE=dir: keep both objects there (old-ISA.o, new-ISA.o)
+# and reuse them: repeated runs of one pair of trees (a measurement script) compile once. Delete the folder
+# when either tree changes.
+build_objects() {
+  local olddir side c=${KVLM_AB_CACHE:-}
+  if [ -d "$1/kvlm/kernels/csrc" ]; then olddir=$(cd "$1" && pwd)/kvlm/kernels/csrc
+  else git -C "$2" archive "$1" kvlm/kernels/csrc | tar -x -C "$4"; olddir=$4/kvlm/kernels/csrc; fi
+  write_units "$olddir" "$2/kvlm/kernels/csrc" "$3" "$4"
+  for side in old new; do
+    if [ -n "$c" ] && [ -f "$c/$side-$3.o" ]; then cp "$c/$side-$3.o" "$4/$side.o"
+    else g++ $FL -c "$4/$side.cpp" -o "$4/$side.o" & fi
+  done
+  wait
+  if [ -n "$c" ]; then mkdir -p "$c"; for side in old new; do cp -n "$4/$side.o" "$c/$side-$3.o"; done; fi
+}

@@ -26,11 +26,14 @@
 
 namespace {
 
-// Rows a and a + 4's 16 bytes at `off` in the low and high 128-bit lanes of z[a].
+// Rows a and a + 4's 16 bytes at `off` in the low and high 128-bit lanes of z[a]: two broadcast loads and a
+// blend (pure loads and an any-pipe op, where vinserti128 takes one of Zen's two shuffle pipes, which the
+// decode loop is short of).
 KVLM_INLINE void load_rows8(const uint8_t* const* rows, int64_t off, __m256i z[4]) {
     for (int a = 0; a < 4; a++)
-        z[a] = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)(rows[a] + off))),
-                                       _mm_loadu_si128((const __m128i*)(rows[a + 4] + off)), 1);
+        z[a] = _mm256_blend_epi32(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)(rows[a] + off))),
+                                  _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)(rows[a + 4] + off))),
+                                  0xf0);
 }
 
 // 4 x 4 transpose of dwords inside each 128-bit lane: t[j] lane c = row c's dword j.
@@ -54,9 +57,22 @@ KVLM_INLINE __m256 half_lo8(__m256i v) {
     return _mm256_cvtph_ps(_mm_packus_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1)));
 }
 
-// The float16 at rows[c] + off (hi: at off + 2), lane c, in one gather of the 4 bytes at off.
-KVLM_INLINE __m256 halves8(const uint8_t* const* rows, __m256i hofs, int64_t off, bool hi) {
-    const __m256i g = _mm256_i32gather_epi32((const int*)(rows[0] + off), hofs, 1);
+// Lane c: the 4 bytes at rows[c] + off. Eight broadcast loads and seven blends: vpgatherdd took ~40% of
+// the decode loop's time on Zen 4 (a block's scales are one gather per 144 weight bytes in Q4_0).
+KVLM_INLINE __m256i dwords8(const uint8_t* const* rows, int64_t off) {
+    const auto b = [&](int c) {
+        int32_t v;
+        memcpy(&v, rows[c] + off, 4);
+        return _mm256_set1_epi32(v);
+    };
+    const __m256i a = _mm256_blend_epi32(_mm256_blend_epi32(b(0), b(1), 0x02), _mm256_blend_epi32(b(2), b(3), 0x08), 0x0c);
+    const __m256i c = _mm256_blend_epi32(_mm256_blend_epi32(b(4), b(5), 0x20), _mm256_blend_epi32(b(6), b(7), 0x80), 0xc0);
+    return _mm256_blend_epi32(a, c, 0xf0);
+}
+
+// The float16 at rows[c] + off (hi: at off + 2), lane c.
+KVLM_INLINE __m256 halves8(const uint8_t* const* rows, int64_t off, bool hi) {
+    const __m256i g = dwords8(rows, off);
     return half_lo8(hi ? _mm256_srli_epi32(g, 16) : g);
 }
 
@@ -109,7 +125,7 @@ template <int QT>
 constexpr int RAW_CHUNKS = QT == T_Q6_K ? 12 : 8;
 
 template <int QT>
-KVLM_INLINE void head8(const uint8_t* const* rows, __m256i hofs, int64_t off, Head8* h) {
+KVLM_INLINE void head8(const uint8_t* const* rows, int64_t off, Head8* h) {
     if constexpr (F2<QT>::KQUANT)
         for (int i = 0; i < RAW_CHUNKS<QT>; i++) load_rows8(rows, off + RAW_AT<QT> + 16 * i, h->raw[i]);
     if constexpr (QT == T_Q4_K || QT == T_Q5_K) {  // the same float ops as kernels_kquant.h's k4_scales
@@ -142,24 +158,25 @@ KVLM_INLINE void head8(const uint8_t* const* rows, __m256i hofs, int64_t off, He
         __m256i z[4];
         load_rows8(rows, off + 192, z);
         transpose8(z, h->sc);
-        h->dw[0] = halves8(rows, hofs, off + 206, true);  // d at 208..209: read from 206, inside the block
+        h->dw[0] = halves8(rows, off + 206, true);  // d at 208..209: read from 206, inside the block
     }
 }
 
 // Unit s of the 8 rows' block at `off`.
 template <int QT>
-KVLM_INLINE void unit8(const uint8_t* const* rows, __m256i hofs, int64_t off, int s, const Head8& h, Unit8* u) {
+KVLM_INLINE void unit8(const uint8_t* const* rows, int64_t off, int s, const Head8& h, Unit8* u) {
     (void)s;
     if constexpr (QT == T_Q4_0 || QT == T_Q4_1) {
         __m256i z[4];
         load_rows8(rows, off + I8Fmt<QT>::QOFF, z);  // byte i: element i (low nibble), i + 16 (high)
         for (int a = 0; a < 4; a++) u->lo[a] = nib8(z[a], 0), u->hi[a] = nib8(z[a], 4);
-        u->dw = halves8(rows, hofs, off, false);
-        if constexpr (QT == T_Q4_1) u->mw = halves8(rows, hofs, off, true);
+        const __m256i g = dwords8(rows, off);  // d (and Q4_1's m)
+        u->dw = half_lo8(g);
+        if constexpr (QT == T_Q4_1) u->mw = half_lo8(_mm256_srli_epi32(g, 16));
     } else if constexpr (QT == T_Q8_0) {
         load_rows8(rows, off + 2, u->lo);
         load_rows8(rows, off + 18, u->hi);
-        u->dw = halves8(rows, hofs, off, false);
+        u->dw = halves8(rows, off, false);
     } else if constexpr (QT == T_Q5_0 || QT == T_Q5_1) {
         // qh (4 bytes) at QH, nibbles at QH + 4; each lane's first dword is its row's qh, spread to bytes
         // (byte e of a lane: qh byte e / 8) and tested against bit e % 8.
@@ -174,8 +191,9 @@ KVLM_INLINE void unit8(const uint8_t* const* rows, __m256i hofs, int64_t off, in
             u->lo[a] = _mm256_or_si256(nib8(z[a], 0), bit16(_mm256_shuffle_epi8(q[a], spread_lo), bits));
             u->hi[a] = _mm256_or_si256(nib8(z[a], 4), bit16(_mm256_shuffle_epi8(q[a], spread_hi), bits));
         }
-        u->dw = halves8(rows, hofs, off, false);
-        if constexpr (QT == T_Q5_1) u->mw = halves8(rows, hofs, off, true);
+        const __m256i g = dwords8(rows, off);  // d (and Q5_1's m)
+        u->dw = half_lo8(g);
+        if constexpr (QT == T_Q5_1) u->mw = half_lo8(_mm256_srli_epi32(g, 16));
     } else if constexpr (QT == T_Q4_K || QT == T_Q5_K) {
         const __m256i *zl = h.raw[2 * (s / 2)], *zh = h.raw[2 * (s / 2) + 1];  // quant bytes 32 (s / 2) ..
         for (int a = 0; a < 4; a++) u->lo[a] = nib8(zl[a], 4 * (s & 1)), u->hi[a] = nib8(zh[a], 4 * (s & 1));
@@ -211,7 +229,9 @@ KVLM_INLINE void unit8(const uint8_t* const* rows, __m256i hofs, int64_t off, in
 template <int QT>
 KVLM_INLINE __m256i init_lo8(const ActRows& a, const int32_t* l16, int64_t r) {
     if constexpr (F2<QT>::Q6) return _mm256_set1_epi32(-32 * l16[r]);
-    else if constexpr (F2<QT>::OFF != 0) return _mm256_set1_epi32(F2<QT>::OFF * a.xi[r]);
+    else if constexpr (F2<QT>::OFF != 0)  // OFF * xi as a broadcast load and a shift (OFF = -8 or -16)
+        return _mm256_sub_epi32(_mm256_setzero_si256(),
+                                _mm256_slli_epi32(_mm256_set1_epi32(a.xi[r]), F2<QT>::OFF == -8 ? 3 : 4));
     else return _mm256_setzero_si256();
 }
 KVLM_INLINE __m256i init_hi8(const ActRows& a, const int32_t* l16, int64_t r) {
@@ -343,12 +363,16 @@ KVLM_INLINE void store8(const __m256* acc, const __m256* mn, float* y, int64_t l
     }
 }
 
-// Prefetch slice b of the range [ahead, ahead + nb * step) (up to `end`) into L2: the panel PF_PANELS
-// ahead, a slice per block, so the 8 rows read side by side arrive in time (the hardware prefetcher follows
-// few of 8 interleaved streams).
-KVLM_INLINE void prefetch_slice8(const uint8_t* ahead, const uint8_t* end, int64_t b, int64_t step) {
-    const uint8_t* p = (const uint8_t*)((uintptr_t)(ahead + b * step) & ~(uintptr_t)63);
-    for (; p < ahead + (b + 1) * step && p < end; p += 64) _mm_prefetch((const char*)p, _MM_HINT_T1);
+// Prefetch slice b of the range [ahead, ahead + nb * STEP) into L2: the panel PF_PANELS ahead, a slice per
+// block, so the 8 rows read side by side arrive in time (the hardware prefetcher follows few of 8
+// interleaved streams). A fixed ceil(STEP / 64) lines from the slice's first line cover it (the next
+// slice's first line is at most that far on) with no branch. Callers skip it once `ahead` passes the
+// range's end; the last slice's lines may reach past it: a prefetch is only a hint, it never faults.
+template <int64_t STEP>
+KVLM_INLINE void prefetch_slice8(const uint8_t* ahead, int64_t b) {
+    const uint8_t* p = (const uint8_t*)((uintptr_t)(ahead + b * STEP) & ~(uintptr_t)63);
+#pragma GCC unroll 32
+    for (int64_t l = 0; l < (STEP + 63) / 64; l++) _mm_prefetch((const char*)(p + 64 * l), _MM_HINT_T1);
 }
 
 constexpr int64_t FLY_ROWS2 = 4;  // up to this many rows of x: units used in place, else the panel buffer
@@ -363,7 +387,7 @@ constexpr int64_t PF_PANELS = 2;  // decode prefetches the panel this many ahead
 
 // Few rows: every unit decoded and used at once, for MT rows of x.
 template <int QT, int MT>
-void fly8(const uint8_t* const* rows, __m256i hofs, const uint8_t* ahead, const uint8_t* end, const ActRows& a,
+void fly8(const uint8_t* const* rows, const uint8_t* ahead, const uint8_t* end, const ActRows& a,
           const int32_t* l16, float* y, int64_t ldy, int live) {
     using F = F2<QT>;
     __m256 acc[MT], mn[MT];
@@ -372,10 +396,12 @@ void fly8(const uint8_t* const* rows, __m256i hofs, const uint8_t* ahead, const 
     Unit8 u;
     u.mw = _mm256_setzero_ps(), u.sl = u.sh = _mm256_setzero_si256();
     for (int64_t b = 0; b < a.nb / F::SUB; b++) {
-        prefetch_slice8(ahead, end, b, 8 * F::BB);
-        head8<QT>(rows, hofs, b * F::BB, &h);
+        if (ahead < end) prefetch_slice8<8 * F::BB>(ahead, b);
+        head8<QT>(rows, b * F::BB, &h);
+        // Unrolled: a K-quant unit's shift counts, raw[] chunks and branches (s & 1, Q6_K's c) become constants.
+#pragma GCC unroll 8
         for (int s = 0; s < F::SUB; s++) {
-            unit8<QT>(rows, hofs, b * F::BB, s, h, &u);
+            unit8<QT>(rows, b * F::BB, s, h, &u);
             direct8<QT, MT>(u, a, l16, b * F::SUB + s, acc, mn);
         }
     }
@@ -438,13 +464,8 @@ void gemm_avx2_t(const uint8_t* w, int64_t rs, int64_t K, const int8_t* xq, cons
     for (int64_t n = n0; n < n1; n += 8) {
         const int live = n1 - n < 8 ? (int)(n1 - n) : 8;
         const uint8_t* rows[8];
-        int32_t ofs[8];
-        for (int c = 0; c < 8; c++) {  // a tail panel's lanes past n1 repeat the last row
-            const int r = c < live ? c : live - 1;
-            rows[c] = w + (n + r) * rs;
-            ofs[c] = (int32_t)(r * rs);
-        }
-        const __m256i hofs = _mm256_loadu_si256((const __m256i*)ofs);
+        for (int c = 0; c < 8; c++)  // a tail panel's lanes past n1 repeat the last row
+            rows[c] = w + (n + (c < live ? c : live - 1)) * rs;
         float* yp = y + n;
         const uint8_t *ahead = w + (n + 8 * PF_PANELS) * rs, *end = w + n1 * rs;
         if (buf == nullptr) {  // few rows (or no buffer): 4 rows of x at a time
@@ -452,10 +473,10 @@ void gemm_avx2_t(const uint8_t* w, int64_t rs, int64_t K, const int8_t* xq, cons
                 const ActRows am{xq + m * K, xd + 8 * m * a.nb, xs + m * a.nb, xi + m * a.nb, K, a.nb};
                 const int32_t* lm = l16 ? l16 + m * a.nb : nullptr;
                 switch (M - m < FLY_ROWS2 ? M - m : FLY_ROWS2) {
-                    case 1: fly8<QT, 1>(rows, hofs, ahead, end, am, lm, yp + m * ldy, ldy, live); break;
-                    case 2: fly8<QT, 2>(rows, hofs, ahead, end, am, lm, yp + m * ldy, ldy, live); break;
-                    case 3: fly8<QT, 3>(rows, hofs, ahead, end, am, lm, yp + m * ldy, ldy, live); break;
-                    default: fly8<QT, 4>(rows, hofs, ahead, end, am, lm, yp + m * ldy, ldy, live); break;
+                    case 1: fly8<QT, 1>(rows, ahead, end, am, lm, yp + m * ldy, ldy, live); break;
+                    case 2: fly8<QT, 2>(rows, ahead, end, am, lm, yp + m * ldy, ldy, live); break;
+                    case 3: fly8<QT, 3>(rows, ahead, end, am, lm, yp + m * ldy, ldy, live); break;
+                    default: fly8<QT, 4>(rows, ahead, end, am, lm, yp + m * ldy, ldy, live); break;
                 }
             }
             continue;
@@ -467,10 +488,10 @@ void gemm_avx2_t(const uint8_t* w, int64_t rs, int64_t K, const int8_t* xq, cons
         for (int64_t b = 0; b < a.nb / F::SUB; b++) {
             // As fly8: without it the 8 interleaved weight rows stream at the hardware prefetcher's pace,
             // and 5 to 8 rows (a speculative step's k + 1, a small batch) cost 2x 4 rows from memory.
-            prefetch_slice8(ahead, end, b, 8 * F::BB);
-            head8<QT>(rows, hofs, b * F::BB, &h);
+            if (ahead < end) prefetch_slice8<8 * F::BB>(ahead, b);
+            head8<QT>(rows, b * F::BB, &h);
             for (int s = 0; s < F::SUB; s++) {
-                unit8<QT>(rows, hofs, b * F::BB, s, h, &u);
+                unit8<QT>(rows, b * F::BB, s, h, &u);
                 prep8(u, pb + b * F::SUB + s);
             }
         }

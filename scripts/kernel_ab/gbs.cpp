@@ -1,0 +1,111 @@
+// Decode kernel A/B in GB/s: two trees' int8 `gemv_i8` at M rows of x (decode: M = 1), in one process,
+// alternating which tree runs first each round, so a shared machine's load hits both alike. Built and driven
+// by gbs.sh; prints, per case, one line per round and side:
+//   old|new FMT NxK M=.. th=.. cold|hot: MS ms  GB/s (wall)  GB/s per core (process CPU time)
+// and the machine's read and copy bandwidth at this thread count (copy counts each byte read and written,
+// as `kvlm bench latency` does). GB/s are weight bytes over the call's time. cold rotates over >= 512 MiB of
+// weight copies (decode reads weights from memory); hot reuses one matrix. Threads split the output columns
+// in 16-column panels, as ops.cpp does. Exits 1 (MISMATCH) if the trees' outputs differ in any bit.
+#include <math.h>
+#include <omp.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include <algorithm>
+#include <random>
+#include <vector>
+
+#include "formats.h"  // the weight formats, both trees' tables, cpu_s()
+
+struct Act { std::vector<int8_t> q; std::vector<float> d, s; std::vector<int32_t> i; };
+
+// Bytes/s of reading (sum of 32-byte loads) or copying 512 MiB with th threads, best of 5.
+__attribute__((target("avx2"))) static double bandwidth(int th, bool copy) {
+  const size_t n = (512ull << 20) / 32;
+  static __m256i *src = nullptr, *dst = nullptr;
+  if (src == nullptr) {  // once: 2 x 512 MiB, every page touched (page faults are not bandwidth)
+    src = (__m256i*)aligned_alloc(64, n * 32), dst = (__m256i*)aligned_alloc(64, n * 32);
+    memset(src, 1, n * 32), memset(dst, 0, n * 32);
+  }
+  double best = 1e9;
+  long long sink = 0;
+  for (int r = 0; r < 5; r++) {
+    double t0 = omp_get_wtime();
+#pragma omp parallel num_threads(th) reduction(+ : sink)
+    {
+      const size_t a = n * omp_get_thread_num() / th, b = n * (omp_get_thread_num() + 1) / th;
+      __m256i s = _mm256_setzero_si256();
+      if (copy)
+        for (size_t i = a; i < b; i++) _mm256_store_si256(&dst[i], _mm256_load_si256(&src[i]));
+      else
+        for (size_t i = a; i < b; i++) s = _mm256_add_epi64(s, _mm256_load_si256(&src[i]));
+      sink += _mm256_extract_epi64(s, 0);
+    }
+    best = std::min(best, omp_get_wtime() - t0);
+  }
+  if (sink == 42) puts("");
+  return (copy ? 2.0 : 1.0) * n * 32 / best / 1e9;
+}
+
+int main(int argc, char** argv) {
+  if (argc < 8) {
+    fprintf(stderr, "usage: gbs ROUNDS THREADS HOT FMT N K M [FMT N K M ...]\n");
+    return 2;
+  }
+  const KvlmKernels* T[2] = {kvlm_old(), kvlm_new()};
+  const int rounds = atoi(argv[1]), th = atoi(argv[2]), hot = atoi(argv[3]);
+  omp_set_num_threads(th);
+  printf("bandwidth th=%d: read %.2f GB/s  copy %.2f GB/s\n", th, bandwidth(th, false), bandwidth(th, true));
+  fflush(stdout);
+  for (int c = 4; c + 3 < argc; c += 4) {
+    const char* fn = argv[c];
+    const int64_t N = atol(argv[c + 1]), K = atol(argv[c + 2]), M = atol(argv[c + 3]);
+    const Fmt* f = nullptr;
+    for (auto& g : FMTS)
+      if (!strcmp(g.name, fn)) f = &g;
+    if (!f) { fprintf(stderr, "unknown format %s\n", fn); return 2; }
+    const int64_t rs = K / f->be * f->bb, bytes = N * rs, nb = K / 32;
+    const int copies = hot ? 1 : (int)std::max<int64_t>(2, (512ll << 20) / bytes + 1);
+    std::vector<std::vector<uint8_t>> ws;
+    ws.push_back(make_w(*f, N, K));
+    for (int i = 1; i < copies; i++) ws.push_back(ws[0]);  // same bytes, other addresses: still from memory
+    std::vector<float> x(M * K);
+    std::normal_distribution<float> nd(0, 1);
+    for (auto& v : x) v = nd(rng);
+    Act a;
+    a.q.resize(M * K), a.d.resize(8 * M * nb), a.s.resize(M * nb), a.i.resize(M * nb);
+    T[0]->quantize_act(x.data(), M, K, a.q.data(), a.d.data(), a.s.data(), a.i.data());
+    std::vector<float> y[2] = {std::vector<float>(M * N), std::vector<float>(M * N)};
+    const int64_t panels = (N + 15) / 16;
+    for (int r = 0; r < rounds; r++)
+      for (int k = 0; k < 2; k++) {
+        const int side = (r + k) % 2;
+        const KvlmKernels* t = T[side];
+        int iters = 0;
+        const double t0 = omp_get_wtime(), c0 = cpu_s();
+        double el;
+        do {
+          const uint8_t* w = ws[iters % copies].data();
+#pragma omp parallel for schedule(static)
+          for (int p = 0; p < th; p++) {
+            const int64_t p0 = panels * p / th, p1 = panels * (p + 1) / th;
+            t->gemv_i8(f->qt, w, rs, K, a.q.data(), a.d.data(), a.s.data(), a.i.data(), M, y[side].data(), N,
+                       16 * p0, std::min(N, 16 * p1));
+          }
+          iters++;
+          el = omp_get_wtime() - t0;
+        } while (el < 0.3);
+        const double per = el / iters, cpu = (cpu_s() - c0) / iters;
+        printf("%s %s %ldx%ld M=%ld th=%d %s: %.4f ms  %.2f GB/s  %.2f GB/s/core\n", side ? "new" : "old", f->name,
+               N, K, M, th, hot ? "hot" : "cold", per * 1e3, bytes / per / 1e9, bytes / cpu / 1e9);
+        fflush(stdout);
+      }
+    if (memcmp(y[0].data(), y[1].data(), 4 * M * N) != 0) {
+      printf("MISMATCH %s %ldx%ld M=%ld\n", f->name, N, K, M);
+      return 1;
+    }
+  }
+  return 0;
+}
