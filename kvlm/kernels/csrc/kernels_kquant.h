@@ -272,6 +272,99 @@ void kq_fly(const uint8_t* const* rows, __m512i hofs, const uint8_t* ahead, cons
     kq_store<QT, MT>(acc, mn, y, ldy, live);
 }
 
+// Q6_K, few rows of x (decode): a weight row at a time in its own byte order, not load_rows' panel
+// layout. Why: through load_rows a Q6_K unit of 16 rows costs 12 panel loads (a load and a blend each)
+// and ~50 unpack instructions, and Q6_K ran at half Q4_K's bytes per second. In a row's own order the
+// 64 ql bytes of a 128-element half are its elements 0..63 (low nibbles) and 64..127 (high nibbles) in
+// order, and its 32 qh bytes broadcast to both 256-bit halves give their 2 top bits with one variable
+// shift per vector: a super-block is 4 zmm w[k] of 6-bit u (elements 64 k .. 64 k + 63) after ~14
+// instructions, and x's 4 zmm of the super-block are loaded once for the 16 rows. Per weight row and
+// row of x:
+//     D[k] dword t = sum over elements 64 k + 4 t .. + 3 of (u - 32) q   (started from -32 x's dword sums)
+//     G dword 4 L + k = the sum of D[k]'s 128-bit lane L = group 4 k + L (16 elements, one int8 scale)
+//     P = G * the row's scales (permuted to G's order)
+// rows r and r + 4 are merged (lanes 0 + 1 and 2 + 3 added: units 2 k and 2 k + 1) and two 4 x 4
+// transposes put unit s of the 16 rows in one vector, lane c = row c. Each isum is the int32 of kq_units'
+// sl (sum_lo - 32 q_lo) + sh (sum_hi - 32 q_hi) (integers: any order), and the float epilogue is
+// kq_finish's, unit after unit: the bits of every other path. (Q4_K / Q5_K the same way measured 0.87x
+// / 0.95x of their panel path, hot / cold, one thread: their units are cheap in the panel layout.)
+KVLM_INLINE __m512i k6_groups(const __m512i d[4]) {
+    const __m512i t0 = _mm512_add_epi32(_mm512_unpacklo_epi32(d[0], d[1]), _mm512_unpackhi_epi32(d[0], d[1]));
+    const __m512i t1 = _mm512_add_epi32(_mm512_unpacklo_epi32(d[2], d[3]), _mm512_unpackhi_epi32(d[2], d[3]));
+    return _mm512_add_epi32(_mm512_unpacklo_epi64(t0, t1), _mm512_unpackhi_epi64(t0, t1));
+}
+
+// Two 16-bit shift counts: c0 for the low 256 bits, c1 for the high.
+KVLM_INLINE __m512i k6_counts(int c0, int c1) {
+    return _mm512_inserti64x4(_mm512_set1_epi16((short)c0), _mm256_set1_epi16((short)c1), 1);
+}
+
+// One weight row's super-block at q as w[4] (above) and its scales in G's order.
+KVLM_INLINE void k6_row(const uint8_t* q, __m512i w[4], __m512i* sc) {
+    // qh to bits 4..5: elements 0..31 of a half want qh bits 0..1 (<< 4), 32..63 bits 2..3 (<< 2), 64..95
+    // bits 4..5 (as is), 96..127 bits 6..7 (>> 2); 16-bit shifts, the bytes' other bits masked off
+    const __m512i m0f = _mm512_set1_epi8(15), m30 = _mm512_set1_epi8(0x30);
+    for (int hh = 0; hh < 2; hh++) {
+        const __m512i v = _mm512_loadu_si512((const void*)(q + 64 * hh));
+        const __m512i h = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(q + 128 + 32 * hh)));
+        // (v & 15) | h': ternary logic 0xEC is (A & C) | B
+        w[2 * hh] = _mm512_ternarylogic_epi32(v, _mm512_and_si512(_mm512_sllv_epi16(h, k6_counts(4, 2)), m30), m0f, 0xEC);
+        w[2 * hh + 1] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 4),
+                                                  _mm512_and_si512(_mm512_srlv_epi16(h, k6_counts(0, 2)), m30), m0f, 0xEC);
+    }
+    const __m512i perm = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    *sc = _mm512_permutexvar_epi32(perm, _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(q + 192))));
+}
+
+constexpr int64_t K6_ROWS = 3;  // up to this many rows of x: k6_fly (at 4 its registers spill: slower)
+
+template <int MT>
+void k6_fly(const uint8_t* const* rows, __m512i hofs, const uint8_t* ahead, const uint8_t* end, const ActRows& a,
+            float* y, int64_t ldy, __mmask16 live) {
+    constexpr int64_t BB = KQ<T_Q6_K>::BB;
+    __m512 acc[MT];
+    for (int i = 0; i < MT; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < a.nb / 8; b++) {
+        prefetch_slice(ahead, end, b, 16 * BB);
+        const int64_t off = b * BB;
+        // d is at bytes 208..209: gathered from 206 so the read stays inside the block
+        const __m512i dd = _mm512_srli_epi32(_mm512_i32gather_epi32(hofs, (const void*)(rows[0] + off + 206), 1), 16);
+        const __m512 dw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dd));
+        __m512i xv[MT][4], x0[MT][4];
+        for (int i = 0; i < MT; i++)
+            for (int k = 0; k < 4; k++) {
+                xv[i][k] = _mm512_loadu_si512((const void*)(a.xq + i * a.K + 256 * b + 64 * k));
+                x0[i][k] = _mm512_sub_epi32(_mm512_setzero_si512(), dot_acc(_mm512_setzero_si512(), _mm512_set1_epi8(32), xv[i][k]));
+            }
+        __m512i R[MT][8];
+        for (int p = 0; p < 8; p++) {
+            __m512i P[MT][2];
+            for (int e = 0; e < 2; e++) {
+                __m512i w[4], sc;
+                k6_row(rows[(p < 4 ? p : p + 4) + 4 * e] + off, w, &sc);
+                for (int i = 0; i < MT; i++) {
+                    __m512i d[4];
+                    for (int k = 0; k < 4; k++) d[k] = dot_acc(x0[i][k], w[k], xv[i][k]);
+                    P[i][e] = _mm512_mullo_epi32(k6_groups(d), sc);
+                }
+            }
+            for (int i = 0; i < MT; i++)  // rows p, p + 4 (p < 4) or p + 4, p + 8: units 2k, 2k + 1 of each
+                R[i][p] = _mm512_add_epi32(_mm512_shuffle_i32x4(P[i][0], P[i][1], 0x88), _mm512_shuffle_i32x4(P[i][0], P[i][1], 0xDD));
+        }
+        for (int i = 0; i < MT; i++) {
+            __m512i t[4], u[4];
+            transpose4(R[i], t);      // t[j] lanes: rows 0..3 unit 2j, rows 0..3 unit 2j + 1, rows 4..7 2j, 2j + 1
+            transpose4(R[i] + 4, u);  // the same for rows 8..11 and 12..15
+            for (int j = 0; j < 4; j++) {
+                const int64_t ib = i * a.nb + 8 * b + 2 * j;
+                kq_finish<T_Q6_K>(_mm512_shuffle_i32x4(t[j], u[j], 0x88), dw, dw, a, ib, acc + i, acc + i);
+                kq_finish<T_Q6_K>(_mm512_shuffle_i32x4(t[j], u[j], 0xDD), dw, dw, a, ib + 1, acc + i, acc + i);
+            }
+        }
+    }
+    for (int i = 0; i < MT; i++) _mm512_mask_storeu_ps(y + i * ldy, live, acc[i]);
+}
+
 template <int QT, int MT>
 void kq_tile(const KPanel* buf, const ActRows& a, const int32_t* l16, int64_t m0, float* y, int64_t ldy,
              __mmask16 live) {
@@ -285,8 +378,9 @@ template <int QT>
 void gemm_kq_t(const uint8_t* w, int64_t rs, int64_t K, const int8_t* xq, const float* xd, const float* xs,
                const int32_t* xi, int64_t M, float* y, int64_t ldy, int64_t n0, int64_t n1) {
     const ActRows a{xq, xd, xs, xi, K, K / 32};
-    const int32_t* l16 = QT == T_Q6_K ? lo16_sums(a, M) : nullptr;
-    if (QT == T_Q6_K && l16 == nullptr) return;
+    const bool k6 = QT == T_Q6_K && M <= K6_ROWS;
+    const int32_t* l16 = QT == T_Q6_K && !k6 ? lo16_sums(a, M) : nullptr;  // (k6_fly folds them in)
+    if (QT == T_Q6_K && !k6 && l16 == nullptr) return;
     KPanel* buf = M > FLY_ROWS ? thread_buffer<KPanel>(a.nb) : nullptr;
     constexpr int64_t BB = KQ<QT>::BB, SUB = KQ<QT>::SUB;
     prefetch_first_panels(w, rs, n0, n1);  // then two panels ahead, a slice per block, in both modes
@@ -300,11 +394,19 @@ void gemm_kq_t(const uint8_t* w, int64_t rs, int64_t K, const int8_t* xq, const 
             for (int64_t m = 0; m < M; m += FLY_ROWS) {
                 const ActRows am{xq + m * K, xd + 8 * m * a.nb, xs + m * a.nb, xi + m * a.nb, K, a.nb};
                 const int32_t* lm = l16 ? l16 + m * a.nb : nullptr;
-                switch (M - m < FLY_ROWS ? M - m : FLY_ROWS) {
-                    case 1: kq_fly<QT, 1>(rows, hv, ahead, end, am, lm, yp + m * ldy, ldy, mask); break;
-                    case 2: kq_fly<QT, 2>(rows, hv, ahead, end, am, lm, yp + m * ldy, ldy, mask); break;
-                    case 3: kq_fly<QT, 3>(rows, hv, ahead, end, am, lm, yp + m * ldy, ldy, mask); break;
-                    default: kq_fly<QT, 4>(rows, hv, ahead, end, am, lm, yp + m * ldy, ldy, mask); break;
+                if (k6) {  // Q6_K: a weight row at a time
+                    switch (M) {
+                        case 1: k6_fly<1>(rows, hv, ahead, end, am, yp, ldy, mask); break;
+                        case 2: k6_fly<2>(rows, hv, ahead, end, am, yp, ldy, mask); break;
+                        default: k6_fly<3>(rows, hv, ahead, end, am, yp, ldy, mask); break;
+                    }
+                } else {
+                    switch (M - m < FLY_ROWS ? M - m : FLY_ROWS) {
+                        case 1: kq_fly<QT, 1>(rows, hv, ahead, end, am, lm, yp + m * ldy, ldy, mask); break;
+                        case 2: kq_fly<QT, 2>(rows, hv, ahead, end, am, lm, yp + m * ldy, ldy, mask); break;
+                        case 3: kq_fly<QT, 3>(rows, hv, ahead, end, am, lm, yp + m * ldy, ldy, mask); break;
+                        default: kq_fly<QT, 4>(rows, hv, ahead, end, am, lm, yp + m * ldy, ldy, mask); break;
+                    }
                 }
             }
             continue;
