@@ -189,6 +189,26 @@ def test_grouped_experts_match_the_reference_and_are_row_invariant(kind: str, qt
             assert torch.equal(mlp(x[rows]), out[rows]), rows
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_decode_sized_steps_have_the_bits_of_big_steps(threads: int) -> None:
+    """A step of up to 32 (token, expert) pairs runs its experts in one parallel region (csrc/moe.cpp
+    `experts_fused`: an expert's gate, up and down without a join, units of equal bytes, a wait where two
+    units share an expert); a bigger one in two calls. Every row has the same bits either way, at 1, 2 and
+    3 threads (3 units split experts between them)."""
+    need_native()
+    mlp, _ = _block("olmoe", "Q4_0")  # top 4 of 8, int8 activations
+    x = torch.randn(16, 64, generator=torch.Generator().manual_seed(9))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        with torch.inference_mode():
+            whole = mlp(x)  # 64 pairs: the two-call path
+            for rows in ([0], [5, 9], [1, 2, 3], [15, 0, 7, 3, 11], list(range(8))):  # 4 .. 32 pairs
+                assert torch.equal(mlp(x[rows]), whole[rows]), rows
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("qtype", ["F32", "Q4_0"])  # float32 and int8 activations
 def test_big_steps_run_in_passes_with_the_same_bits_and_bounded_buffers(qtype: str) -> None:
     """A step whose `moe_mlp` work buffers would pass the budget (128 MiB; here lowered) runs in passes of

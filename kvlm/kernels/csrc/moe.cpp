@@ -11,7 +11,12 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <thread>
 #include <vector>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>  // _mm_pause
+#endif
 
 #include "drivers.h"
 #include "elementwise.h"
@@ -69,17 +74,19 @@ template <typename T>
 int64_t held(const std::vector<T>& v) { return static_cast<int64_t>(v.capacity() * sizeof(T)); }
 
 // This thread's work buffers: logits (T, E) | w (T, k) | rows (R, H): x gathered by expert (float32 gate /
-// up), the down outputs | gu (R, 2I) | a (R, I) | gq, gd, gs, gi: x's int8 codes gathered by expert; seen
-// (E,): the experts a step's passes touched (stats).
+// up), the down outputs | gu (R, 2I) | a (R, I) | gq, gd, gs, gi: x's int8 codes gathered by expert; aq, ad,
+// as, ai: a's (experts_fused); seen (E,): the experts a step's passes touched (stats); ex, off, sync, bound:
+// experts_fused's plan.
 struct MoeBuffers {
-    std::vector<float> logits, w, rows, gu, a, gd, gs;
-    std::vector<int32_t> ids, gi;
-    std::vector<int64_t> counts, next, pos;
-    std::vector<int8_t> gq;
+    std::vector<float> logits, w, rows, gu, a, gd, gs, ad, as;
+    std::vector<int32_t> ids, gi, ai;
+    std::vector<int64_t> counts, next, pos, ex, off, sync, bound;
+    std::vector<int8_t> gq, aq;
     std::vector<char> seen;
     int64_t bytes() const {
-        return held(logits) + held(w) + held(rows) + held(gu) + held(a) + held(gd) + held(gs) + held(ids) +
-               held(gi) + held(counts) + held(next) + held(pos) + held(gq) + held(seen);
+        return held(logits) + held(w) + held(rows) + held(gu) + held(a) + held(gd) + held(gs) + held(ad) +
+               held(as) + held(ids) + held(gi) + held(ai) + held(counts) + held(next) + held(pos) + held(ex) +
+               held(off) + held(sync) + held(bound) + held(gq) + held(aq) + held(seen);
     }
 };
 thread_local MoeBuffers buf;
@@ -94,6 +101,119 @@ std::atomic<int64_t> moe_budget{int64_t{128} << 20};
 int64_t token_bytes(const MoeLayer& m) {
     const int64_t k = m.k, H = m.H, I = m.I, nb = H / 32;
     return 4 * m.E + k * (4 + 4 + 8) + k * 4 * (H + 3 * I) + k * (H + 4 * nb * 10) + (H + k * I) * 9 / 4;
+}
+
+// (token, expert) pairs up to which a pass runs its experts in one parallel region (experts_fused): decode
+// at batch 1 to 4 with top 8. Larger steps have enough rows per expert that the per-projection loops of
+// expert_matmul_multi split better.
+constexpr int64_t FUSED_ROWS = 32;
+
+void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+    _mm_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+// Few rows, every projection int8: gate, up, SiLU x up and down of the chosen experts in one parallel
+// region, without the join between gate/up and down that two expert_matmul_multi calls have (a thread that
+// finishes its gate/up panels early idles there; decode reads ~30 MB of experts a layer in ~1 ms, so a
+// join's wait and wake-up are a visible share). The items are (expert, projection, 16-column panel) in
+// expert-major order: an expert's gate panels, up panels, down panels. Each weighs the bytes its 16 weight
+// rows hold times (rows + 2) (a rough cost: reading, plus the per-row arithmetic); unit u of nt (one per
+// thread) takes the u-th nt-th of the total weight, a contiguous run of items, so at batch 1 (equal
+// experts) each of 2 threads owns 4 whole experts. An expert's down panels wait for its gate and up: the
+// unit that completes them (an atomic count of panels) computes the expert's SiLU x up rows and quantizes
+// them (quantize_act, row by row), then publishes `ready`. A unit waits only on lower units (items are in
+// expert-major order) and runs first its part of an expert it shares with the next unit, so waits are
+// short, and units run one after another (nested, 1 thread) finish too. Each output row comes from the
+// same kernel call on the same rows as in expert_matmul_multi, the activation from the same row
+// functions: the bits of moe_pass's other path.
+// g: x's codes gathered by expert (R rows, H); gu (R, 2I), a (R, I), y (R, H): as moe_pass's gu, a, rows.
+bool experts_fused(const KvlmKernels* t, const MoeLayer& m, const int64_t* counts, const ActQ& g, int64_t R,
+                   float* gu, float* a, float* y) {
+    const int64_t E = m.E, H = m.H, I = m.I, nbH = H / 32, nbI = I / 32;
+    const int64_t PG = (I + 15) / 16, PD = (H + 15) / 16, per = 2 * PG + PD;  // panels of a projection, an expert
+    MoeBuffers& b = buf;
+    int64_t* ex = grow(b.ex, E);
+    int64_t* off = grow(b.off, E);
+    int64_t nex = 0;
+    for (int64_t e = 0, r = 0; e < E; r += counts[e], ++e)
+        if (counts[e] > 0) ex[nex] = e, off[nex] = r, nex++;
+    int8_t* aq = grow(b.aq, R * I);
+    float* ad = grow(b.ad, R * nbI * 8);
+    float* as = grow(b.as, R * nbI);
+    int32_t* ai = grow(b.ai, R * nbI);
+    int64_t* sync = grow(b.sync, 2 * nex);  // per expert: gate/up panels done, ready
+    std::fill(sync, sync + 2 * nex, 0);
+    const int64_t nt = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), nex * per));
+    // Unit boundaries in item index: bound[u] = the first item whose preceding weight reaches u / nt of all.
+    const int64_t rs[3] = {m.gate.rs, m.up.rs, m.down.rs}, np[3] = {PG, PG, PD};
+    int64_t total = 0;
+    for (int64_t j = 0; j < nex; j++) total += (counts[ex[j]] + 2) * 16 * (rs[0] * PG + rs[1] * PG + rs[2] * PD);
+    int64_t* bound = grow(b.bound, nt + 1);
+    bound[0] = 0;
+    int64_t v = 1;
+    for (int64_t j = 0, cum = 0, i = 0; j < nex; j++)
+        for (int p = 0; p < 3; cum += np[p] * ((counts[ex[j]] + 2) * 16 * rs[p]), i += np[p], p++) {
+            const int64_t w = (counts[ex[j]] + 2) * 16 * rs[p];
+            for (; v < nt && (cum + np[p] * w) * nt >= v * total; v++) {
+                const int64_t need = v * total - cum * nt;  // the smallest c with (cum + c w) nt >= v total
+                bound[v] = i + (need <= 0 ? 0 : (need + w * nt - 1) / (w * nt));
+            }
+        }
+    for (; v <= nt; v++) bound[v] = nex * per;
+    std::atomic<bool> ok{true};
+    auto run = [&](int64_t jg, int p, int64_t p0, int64_t p1) {  // expert jg's panels [p0, p1) of projection p
+        const int64_t e = ex[jg], r0 = off[jg], rows = counts[e];
+        int64_t* done = sync + 2 * jg;
+        if (p < 2) {
+            const MoeWeight& w = p == 0 ? m.gate : m.up;
+            if (t->gemv_i8(w.qtype, w.w + e * w.es, w.rs, H, g.q + r0 * H, g.d + 8 * r0 * nbH, g.s + r0 * nbH,
+                           g.i + r0 * nbH, rows, gu + r0 * 2 * I + p * I, 2 * I, 16 * p0, std::min(I, 16 * p1)))
+                ok = false;
+            if (__atomic_add_fetch(done, p1 - p0, __ATOMIC_ACQ_REL) == 2 * PG) {  // this expert's gate and up are in
+                for (int64_t r = r0; r < r0 + rows; r++) silu_mul(gu + r * 2 * I, gu + r * 2 * I + I, a + r * I, I);
+                t->quantize_act(a + r0 * I, rows, I, aq + r0 * I, ad + 8 * r0 * nbI, as + r0 * nbI, ai + r0 * nbI);
+                __atomic_store_n(done + 1, 1, __ATOMIC_RELEASE);
+            }
+            return;
+        }
+        for (int spin = 0; !__atomic_load_n(done + 1, __ATOMIC_ACQUIRE); spin++)
+            if (spin < 256) cpu_relax(); else std::this_thread::yield();
+        if (t->gemv_i8(m.down.qtype, m.down.w + e * m.down.es, m.down.rs, I, aq + r0 * I, ad + 8 * r0 * nbI,
+                       as + r0 * nbI, ai + r0 * nbI, rows, y + r0 * H, H, 16 * p0, std::min(H, 16 * p1)))
+            ok = false;
+    };
+    // Unit u's items [i0, i1) as runs of one expert's one projection; a last expert that the next unit
+    // continues goes first (the next unit's down of it waits on these). Odd units run expert j + 1's gate
+    // and up before expert j's down, so that while one thread streams the memory-bound gate/up of an
+    // expert the other computes a down (Q6_K: compute-bound), not both the same kind at once.
+    struct Run {
+        int64_t key, jg;
+        int p;
+        int64_t p0, p1;
+    };
+    auto unit = [&](int64_t u, int64_t i0, int64_t i1) {
+        thread_local std::vector<Run> runs;
+        runs.clear();
+        const int64_t split = i1 < nex * per && i1 % per != 0 ? i1 / per : -1;
+        for (int64_t i = i0; i < i1;) {
+            const int64_t jg = i / per, li = i % per;
+            const int p = li < PG ? 0 : li < 2 * PG ? 1 : 2;
+            const int64_t start = jg * per + (p == 0 ? 0 : p == 1 ? PG : 2 * PG), end = std::min(i1, start + np[p]);
+            const int64_t key = jg == split ? -1 : p < 2 ? 2 * jg : 2 * (jg + u % 2) + 1;
+            runs.push_back({key, jg, p, i - start, end - start});
+            i = end;
+        }
+        std::stable_sort(runs.begin(), runs.end(), [](const Run& x, const Run& y) { return x.key < y.key; });
+        for (const Run& r : runs) run(r.jg, r.p, r.p0, r.p1);
+    };
+    at::parallel_for(0, nt, 1, [&](int64_t u0, int64_t u1) {
+        for (int64_t u = u0; u < u1; u++) unit(u, bound[u], bound[u + 1]);
+    });
+    return ok;
 }
 
 // One pass over T tokens: router, routing, grouping, experts, combine (moe_mlp's contract). Adds the rows
@@ -129,6 +249,7 @@ bool moe_pass(const KvlmKernels* t, const MoeLayer& m, const float* x, int64_t T
         for (int64_t e = 0; e < E; e++) m.stats[e] += counts[e], b.seen[e] |= counts[e] > 0;
     const ExpertProj gate_up[2] = {{m.gate.qtype, m.gate.w, m.gate.es, m.gate.rs, I, gu, 2 * I},
                                    {m.up.qtype, m.up.w, m.up.es, m.up.rs, I, gu + I, 2 * I}};
+    bool fused = false;
     if (act == ACT_INT8 && has_int8(t, m.gate.qtype) && has_int8(t, m.up.qtype) && H % 32 == 0) {
         // int8 gate and up: quantize the T tokens' rows once (not their k copies; quantize_act is row by
         // row, so a row's codes are the same either way) and gather the codes into expert order.
@@ -148,18 +269,23 @@ bool moe_pass(const KvlmKernels* t, const MoeLayer& m, const float* x, int64_t T
             }
         });
         const ActQ g{gq, gd, gs, gi};
-        if (!expert_matmul_multi(t, gate_up, 2, H, counts, E, nullptr, &g, R, act)) return false;
+        fused = R <= FUSED_ROWS && has_int8(t, m.down.qtype) && I % 32 == 0;  // decode: one region
+        if (!(fused ? experts_fused(t, m, counts, g, R, gu, a, rows)
+                    : expert_matmul_multi(t, gate_up, 2, H, counts, E, nullptr, &g, R, act)))
+            return false;
     } else {
         at::parallel_for(0, R, std::max<int64_t>(1, 16384 / H), [&](int64_t r0, int64_t r1) {
             for (int64_t r = r0; r < r1; r++) std::memcpy(rows + pos[r] * H, x + (r / k) * H, sizeof(float) * H);
         });
         if (!expert_matmul_multi(t, gate_up, 2, H, counts, E, rows, nullptr, R, act)) return false;
     }
-    at::parallel_for(0, R, std::max<int64_t>(1, 16384 / I), [&](int64_t r0, int64_t r1) {
-        for (int64_t r = r0; r < r1; r++) silu_mul(gu + r * 2 * I, gu + r * 2 * I + I, a + r * I, I);
-    });
-    const ExpertProj down{m.down.qtype, m.down.w, m.down.es, m.down.rs, H, rows, H};  // rows: x is done with
-    if (!expert_matmul_multi(t, &down, 1, I, counts, E, a, nullptr, R, act)) return false;
+    if (!fused) {
+        at::parallel_for(0, R, std::max<int64_t>(1, 16384 / I), [&](int64_t r0, int64_t r1) {
+            for (int64_t r = r0; r < r1; r++) silu_mul(gu + r * 2 * I, gu + r * 2 * I + I, a + r * I, I);
+        });
+        const ExpertProj down{m.down.qtype, m.down.w, m.down.es, m.down.rs, H, rows, H};  // rows: x is done with
+        if (!expert_matmul_multi(t, &down, 1, I, counts, E, a, nullptr, R, act)) return false;
+    }
     at::parallel_for(0, T, std::max<int64_t>(1, 8192 / (H * k)), [&](int64_t t0, int64_t t1) {
         for (int64_t r = t0; r < t1; r++) combine_row(rows, pos + r * k, w + r * k, k, H, out + r * H);
     });
