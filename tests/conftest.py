@@ -61,6 +61,19 @@ def tiny_server(tmp_path_factory: pytest.TempPathFactory):
 
 
 @pytest.fixture(scope="session")
+def smollm2_server_process(smollm2_gguf: Path):
+    """`kvlm serve` on the default model (16 sequences, its default), named smollm2-135m and smollm2: one process for
+    the server tests that need the real model (README snippets, default model, structured outputs), which
+    compare outputs, not the cache's state."""
+    from server_utils import ServerProcess
+
+    with ServerProcess(smollm2_gguf, "--max-num-seqs", "16", "--served-model-name", "smollm2-135m",
+                       "--served-model-name", "smollm2") as server:
+        server.model_path = smollm2_gguf
+        yield server
+
+
+@pytest.fixture(scope="session")
 def tiny_server_4k(tmp_path_factory: pytest.TempPathFactory):
     """`kvlm serve` on a tiny random GGUF with a 4096-token context: a tool prompt is a few hundred byte tokens
     (the structured-output and Responses API tests share it)."""

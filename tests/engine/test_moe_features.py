@@ -1,7 +1,8 @@
 """Everything else works on mixture-of-experts models (issue 31, item 4), on tiny random Qwen3-MoE and OLMoE
 GGUF files (Q8_0, 32-wide heads: the smallest the int8 / int4 K/V formats take):
 
-* int8 and int4 K/V, and a bounded cache (4 sinks + a 16-token window, float and int8 K/V): the engine
+* int4 K/V on Qwen3-MoE and int8 on OLMoE, and a bounded cache (4 sinks + a 16-token window; int8 K/V on
+  Qwen3-MoE, float on OLMoE): the engine
   equivalences bit for bit (cache vs none, chunked vs whole, alone vs batch, prefix hit vs miss, preempted
   vs not, 1 vs 2 threads), `torch.equal` logits;
 * structured outputs: JSON-schema outputs validate, and unconstrained neighbours keep their bits;
@@ -56,13 +57,16 @@ def repeating(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write(tmp_path_factory.mktemp("moe-tied"), "qwen3_moe", tied=True)
 
 
-@pytest.mark.parametrize("kv", ["int8", "int4"])
+# Each family with a quantized cache and a bounded one, each K/V dtype on a MoE family, without the whole cross
+# product (the K/V paths are the attention's, which test_exact_kv_quant.py and test_bounded.py check on a dense
+# model at every dtype; every family's plain equivalences are test_exact_moe.py's).
+@pytest.mark.parametrize(("moe", "kv"), [("qwen3_moe", "int4"), ("olmoe", "int8")], indirect=["moe"])
 def test_equivalences_with_quantized_kv(moe: Path, kv: str) -> None:
     main, _, _ = assert_engine_equivalences(moe, f"{moe.stem} {kv} K/V", GREEDY, kv_cache_dtype=kv)
     assert main.model_config.num_experts > 0 and main.config.kv_cache_dtype == kv
 
 
-@pytest.mark.parametrize("kv", ["auto", "int8"])
+@pytest.mark.parametrize(("moe", "kv"), [("qwen3_moe", "int8"), ("olmoe", "auto")], indirect=["moe"])
 def test_bounded_cache_bit_for_bit_past_the_window(moe: Path, kv: str) -> None:
     """120 tokens through 4 sinks + a 16-token window in a 64-token context: chunked == whole, alone ==
     in a batch, prefix hit == miss, 1 == 2 threads, bit for bit; no request holds more than its window."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -9,6 +10,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +85,23 @@ class ServerProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+@contextlib.contextmanager
+def servers_together(*specs: tuple[tuple[Any, ...], dict[str, Any]]) -> Iterator[list[ServerProcess]]:
+    """Several `ServerProcess(*args, **kwargs)` started at once, as (args, kwargs) pairs: each spends seconds
+    importing, which overlap on a second core. All stopped on the way out; a failed start raises after the
+    others are stopped."""
+    with ThreadPoolExecutor(max_workers=len(specs)) as pool:
+        futures = [pool.submit(ServerProcess, *args, **kwargs) for args, kwargs in specs]
+    started = [f.result() for f in futures if f.exception() is None]
+    try:
+        for f in futures:
+            f.result()  # the first failed start, if any
+        yield started
+    finally:
+        for server in started:
+            server.stop()
 
 
 async def greedy_completion(client: Any, model: str, prompt: str, max_tokens: int,

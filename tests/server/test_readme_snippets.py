@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from server_utils import ServerProcess
 
 pytestmark = pytest.mark.slow
 
@@ -47,9 +46,8 @@ def test_every_snippet_bounds_its_length() -> None:
 
 
 @pytest.fixture(scope="module")
-def server(smollm2_gguf):
-    with ServerProcess(smollm2_gguf, "--served-model-name", "smollm2-135m") as s:
-        yield s
+def server(smollm2_server_process):
+    return smollm2_server_process  # `kvlm serve` at its defaults, named smollm2-135m (tests/conftest.py)
 
 
 def test_offline_snippet(smollm2_gguf: Path) -> None:

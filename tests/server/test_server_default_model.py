@@ -13,7 +13,7 @@ from pathlib import Path
 import openai
 import pytest
 from deps import need
-from server_utils import ServerProcess, greedy_completion, run_doc_snippet
+from server_utils import greedy_completion, run_doc_snippet
 
 PROMPTS = ["The capital of France is", "Write a haiku about caches.", "1, 2, 3, 4,", "Translate to French: cat",
            "def fibonacci(n):", "Once upon a time, in a land far away, there lived a small dragon who",
@@ -21,10 +21,8 @@ PROMPTS = ["The capital of France is", "Write a haiku about caches.", "1, 2, 3, 
 
 
 @pytest.fixture(scope="module")
-def server(smollm2_gguf):
-    with ServerProcess(smollm2_gguf, "--max-num-seqs", "16", "--served-model-name", "smollm2-135m") as s:
-        s.model_path = smollm2_gguf
-        yield s
+def server(smollm2_server_process):
+    return smollm2_server_process  # --max-num-seqs 16, named smollm2-135m (tests/conftest.py)
 
 
 def test_concurrent_greedy_http_equals_offline(server):

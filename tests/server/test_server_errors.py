@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from server_utils import ServerProcess
+from server_utils import servers_together
 
 HELLO = [104, 101, 108, 108, 111]
 CHAT = [{"role": "user", "content": "hi"}]
@@ -131,7 +131,8 @@ def test_prompts_and_outputs_are_not_logged(tiny_server):
 
 def test_api_key_required_compared_and_never_logged(tiny_gguf):
     key = "sk-test-key-123"
-    with ServerProcess(tiny_gguf, "--api-key", key, "--log-level", "debug") as s:
+    with servers_together(((tiny_gguf, "--api-key", key, "--log-level", "debug"), {}),
+                          ((tiny_gguf,), {"env": {"KVLM_API_KEY": key}})) as (s, from_env):
         url = s.url + "/v1/completions"
         body = {"prompt": "hi", "max_tokens": 1}
         assert check_error(httpx.post(url, json=body), 401)["type"] == "authentication_error"
@@ -140,9 +141,8 @@ def test_api_key_required_compared_and_never_logged(tiny_gguf):
         assert httpx.post(url, json=body, headers={"Authorization": f"Bearer {key}"}).status_code == 200
         assert httpx.get(s.url + "/health").status_code == 200
         assert key not in s.output()
-    with ServerProcess(tiny_gguf, env={"KVLM_API_KEY": key}) as s:
-        check_error(httpx.get(s.url + "/v1/models"), 401)
-        assert httpx.get(s.url + "/v1/models", headers={"Authorization": f"Bearer {key}"}).status_code == 200
+        check_error(httpx.get(from_env.url + "/v1/models"), 401)
+        assert httpx.get(from_env.url + "/v1/models", headers={"Authorization": f"Bearer {key}"}).status_code == 200
 
 
 def test_serve_command_line_errors_are_one_line(tiny_gguf, tiny_server):
@@ -155,9 +155,11 @@ def test_serve_command_line_errors_are_one_line(tiny_gguf, tiny_server):
         return subprocess.run([sys.executable, "-m", "kvlm", "serve", str(tiny_gguf), *args], capture_output=True,
                               text=True, timeout=120, cwd=ROOT)
 
-    bad = serve("--max-n", "0")
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=2) as pool:  # seconds of imports each: at once
+        bad, busy = pool.map(lambda args: serve(*args), [("--max-n", "0"), ("--port", str(tiny_server.port))])
     assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1] == "kvlm: error: --max-n must be >= 1"
-    busy = serve("--port", str(tiny_server.port))
     assert busy.returncode == 1 and "Traceback" not in busy.stderr
     assert busy.stderr.strip().splitlines()[-1].startswith("kvlm: error: could not start the server")
     assert "kvlm: serving tiny at http://127.0.0.1:" in tiny_server.output()  # the ready line
@@ -166,14 +168,12 @@ def test_serve_command_line_errors_are_one_line(tiny_gguf, tiny_server):
 def test_serve_says_one_line_with_the_chat_page(tiny_gguf):
     """At the default log level, `kvlm serve` prints one line: where the chat page and the API are. The KV
     pool's line (and uvicorn's own start lines) come with -v."""
-    with ServerProcess(tiny_gguf, "--log-level", "info") as server:
-        lines = server.output().splitlines()
+    with servers_together(((tiny_gguf, "--log-level", "info"), {}), ((tiny_gguf, "-v"), {})) as (server, verbose):
+        lines, out = server.output().splitlines(), verbose.output()
     assert len(lines) == 1, lines
     assert lines[0].startswith(f"kvlm: serving tiny.gguf at {server.url} (chat page: {server.url}/, OpenAI API: "
                                f"{server.url}/v1; max_model_len 256; backend cpu/"), lines
     assert "attention paged-" in lines[0] or "reference" in lines[0], lines  # which kernels serve it
     assert lines[0].endswith("; reasoning parser none (auto: the chat template does not think))"), lines
-    with ServerProcess(tiny_gguf, "-v") as server:
-        out = server.output()
     assert out.count("KV cache (paged):") == 1 and "chat page" in out  # -v after the subcommand; pool line once
     assert out.count("kvlm: backend cpu/") == 1  # -v: the backend with its reasons

@@ -16,7 +16,7 @@ import jsonschema
 import openai
 import pytest
 from pydantic import BaseModel, Field
-from server_utils import ServerProcess, run_doc_snippet
+from server_utils import run_doc_snippet
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",
@@ -203,9 +203,8 @@ def test_tool_history_with_null_content_renders(client, tiny_server) -> None:
 
 
 @pytest.fixture(scope="module")
-def smollm2_process(smollm2_gguf):
-    with ServerProcess(smollm2_gguf, "--served-model-name", "smollm2", "--served-model-name", "smollm2-135m") as s:
-        yield s
+def smollm2_process(smollm2_server_process):
+    return smollm2_server_process  # named smollm2 and smollm2-135m (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")
