@@ -482,20 +482,22 @@ def test_int8_kernel_is_its_contract_bit_for_bit(qtype: T, isa: str) -> None:
     used in place), N = 37 (panels and a tail), a K with a tail past the last 8 blocks, the edge rows.
     Then every M of a multi-row decode step (speculative verification: k + 1 rows; a small batch), 1 to 9,
     16 and 17, from the first row and from row 5 (the edge rows elsewhere in the tile): each of the few-row
-    and many-row work orders on its boundaries must be the contract too."""
+    and many-row work orders on its boundaries must be the contract too. K-quants also at K = 2304 (9
+    super-blocks): AVX-512's streamed decode rows in chunks of 8 super-blocks and a tail chunk, and Q4_K's
+    few-row path past K = 2048."""
     if isa not in INT8_ISAS:
         pytest.skip("the int8-activation kernel exists on the AVX2 and AVX-512 paths")
-    k = 768 if qtype in SUPER else 544
-    w = random_blocks(qtype, 37, k, seed=31)
-    x = int8_activation_cases(k, m=22, huge=huge(qtype))
-    want = qmatmul_int8_contract(x, w).view(torch.int32)
-    assert torch.isfinite(want.view(torch.float32)).all()
-    assert torch.equal(qmatmul(x[:9], w).view(torch.int32), want[:9])
-    assert torch.equal(qmatmul(x[:3], w).view(torch.int32), want[:3])
-    for m in (1, 2, 4, 5, 6, 7, 8, 16, 17):
-        for r0 in (0, 5):
-            got = qmatmul(x[r0:r0 + m], w).view(torch.int32)
-            assert torch.equal(got, want[r0:r0 + m]), f"M={m} from row {r0}"
+    for k in (768, 2304) if qtype in SUPER else (544,):
+        w = random_blocks(qtype, 37, k, seed=31)
+        x = int8_activation_cases(k, m=22, huge=huge(qtype))
+        want = qmatmul_int8_contract(x, w).view(torch.int32)
+        assert torch.isfinite(want.view(torch.float32)).all()
+        assert torch.equal(qmatmul(x[:9], w).view(torch.int32), want[:9]), f"K={k}"
+        assert torch.equal(qmatmul(x[:3], w).view(torch.int32), want[:3]), f"K={k}"
+        for m in (1, 2, 4, 5, 6, 7, 8, 16, 17):
+            for r0 in (0, 5):
+                got = qmatmul(x[r0:r0 + m], w).view(torch.int32)
+                assert torch.equal(got, want[r0:r0 + m]), f"K={k} M={m} from row {r0}"
 
 
 @pytest.mark.parametrize("qtype", INT8_FORMATS, ids=lambda t: t.name)

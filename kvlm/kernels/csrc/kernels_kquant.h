@@ -365,6 +365,107 @@ void k6_fly(const uint8_t* const* rows, __m512i hofs, const uint8_t* ahead, cons
     for (int i = 0; i < MT; i++) _mm512_mask_storeu_ps(y + i * ldy, live, acc[i]);
 }
 
+// Q6_K, few rows of x (decode), in memory order: k6_fly's arithmetic with its two loops swapped. k6_fly
+// reads a super-block of each of the 16 rows in turn (16 streams that advance 210 bytes at a time: the
+// hardware prefetcher does not follow them, and a software prefetch of the panel after next reached ~30
+// of this machine's 38 GB/s even for plain loads in that order); here each weight row is read whole,
+// start to end, the rows one after another, so a panel is one ascending stream. Pass 1 keeps each (row,
+// super-block)'s scaled group sums P (k6_fly's, one zmm) in this thread's scratch S; pass 2 merges and
+// transposes them per super-block exactly as k6_fly does and runs kq_finish unit after unit: the same
+// int32 isums and float epilogue, so the same bits. x0s: -32 x's dword sums per (row of x, super-block,
+// quarter), made once per call. S: (MT, nsb, 16) zmm.
+#ifndef KVLM_K6_CHUNK
+#define KVLM_K6_CHUNK 16
+#endif
+constexpr int64_t K6_CHUNK = KVLM_K6_CHUNK;  // super-blocks of a row read at a time
+struct alignas(64) ZV {
+    __m512i v;
+};
+
+// Q4_K: one row's super-block at q as 4 zmm of 4-bit u, w[k] = the low nibbles of qs bytes 32 k .. 32 k + 31
+// (unit 2 k, elements 64 k .. + 31) then their high nibbles (unit 2 k + 1, elements 64 k + 32 .. + 63): x's
+// codes in their own order, and G's lanes (k6_groups) come in k6_row's unit order.
+KVLM_INLINE void k4_row(const uint8_t* q, __m512i w[4]) {
+    const __m512i m0f = _mm512_set1_epi8(15), cnt = k6_counts(0, 4);
+    for (int k = 0; k < 4; k++)
+        w[k] = _mm512_and_si512(_mm512_srlv_epi16(_mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(q + 16 + 32 * k))), cnt), m0f);
+}
+
+template <int QT, int MT>
+void kq_stream(const uint8_t* const* rows, const uint8_t* ahead, const uint8_t* end, const ActRows& a,
+               const ZV* x0s, ZV* S, __m512i hofs, float* y, int64_t ldy, __mmask16 live) {
+    constexpr int64_t BB = KQ<QT>::BB;
+    const int64_t nsb = a.nb / 8;
+    __m512 acc[MT], mn[MT];
+    for (int i = 0; i < MT; i++) acc[i] = mn[i] = _mm512_setzero_ps();
+    for (int64_t b0 = 0; b0 < nsb; b0 += K6_CHUNK) {
+        const int64_t nc = nsb - b0 < K6_CHUNK ? nsb - b0 : K6_CHUNK;
+        for (int c = 0; c < 16; c++) {
+            // the same bytes of the panel after next, two panels ahead
+            const uint8_t* pa = ahead + (rows[c] - rows[0]) + b0 * BB;
+            for (const uint8_t* p = (const uint8_t*)((uintptr_t)pa & ~(uintptr_t)63); p < pa + nc * BB && p < end; p += 64)
+                _mm_prefetch((const char*)p, _MM_HINT_T1);
+            for (int64_t lb = 0; lb < nc; lb++) {
+                const int64_t b = b0 + lb;
+                __m512i w[4], sc;
+                if constexpr (QT == T_Q6_K) k6_row(rows[c] + b * BB, w, &sc);
+                else k4_row(rows[c] + b * BB, w);
+                for (int i = 0; i < MT; i++) {
+                    __m512i d[4];
+                    for (int k = 0; k < 4; k++)
+                        d[k] = dot_acc(QT == T_Q6_K ? x0s[(i * nsb + b) * 4 + k].v : _mm512_setzero_si512(), w[k],
+                                       _mm512_loadu_si512((const void*)(a.xq + i * a.K + 256 * b + 64 * k)));
+                    S[(i * K6_CHUNK + lb) * 16 + c].v =
+                        QT == T_Q6_K ? _mm512_mullo_epi32(k6_groups(d), sc) : k6_groups(d);
+                }
+            }
+        }
+        for (int64_t lb = 0; lb < nc; lb++) {
+            const int64_t b = b0 + lb;
+            KHead h;
+            if constexpr (QT == T_Q6_K) {  // only d (bytes 208..209, gathered from 206 inside the block)
+                const __m512i dd = _mm512_srli_epi32(_mm512_i32gather_epi32(hofs, (const void*)(rows[0] + b * BB + 206), 1), 16);
+                h.dw[0] = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dd));
+            } else {
+                kq_head<QT>(rows, hofs, b * BB, &h);
+            }
+            for (int i = 0; i < MT; i++) {
+                const ZV* P = S + (i * K6_CHUNK + lb) * 16;
+                __m512i R[8];
+                for (int p = 0; p < 8; p++) {
+                    const int r0 = p < 4 ? p : p + 4;
+                    R[p] = _mm512_add_epi32(_mm512_shuffle_i32x4(P[r0].v, P[r0 + 4].v, 0x88),
+                                            _mm512_shuffle_i32x4(P[r0].v, P[r0 + 4].v, 0xDD));
+                }
+                __m512i t[4], u[4];
+                transpose4(R, t);
+                transpose4(R + 4, u);
+                for (int j = 0; j < 4; j++) {
+                    const int64_t ib = i * a.nb + 8 * b + 2 * j;
+                    const __m512i e0 = _mm512_shuffle_i32x4(t[j], u[j], 0x88), e1 = _mm512_shuffle_i32x4(t[j], u[j], 0xDD);
+                    if constexpr (QT == T_Q6_K) {
+                        kq_finish<QT>(e0, h.dw[0], h.dw[0], a, ib, acc + i, mn + i);
+                        kq_finish<QT>(e1, h.dw[0], h.dw[0], a, ib + 1, acc + i, mn + i);
+                    } else {
+                        kq_finish<QT>(e0, h.dw[2 * j], h.mw[2 * j], a, ib, acc + i, mn + i);
+                        kq_finish<QT>(e1, h.dw[2 * j + 1], h.mw[2 * j + 1], a, ib + 1, acc + i, mn + i);
+                    }
+                }
+            }
+        }
+    }
+    kq_store<QT, MT>(acc, mn, y, ldy, live);
+}
+
+// k6_stream's x0s for rows [0, M) of x: -(32 * each dword's 4 codes summed), per 64 codes.
+KVLM_INLINE void k6_x0(const ActRows& a, int64_t M, ZV* x0s) {
+    for (int64_t i = 0; i < M; i++)
+        for (int64_t j = 0; j < a.nb / 2; j++)
+            x0s[i * (a.nb / 2) + j].v = _mm512_sub_epi32(
+                _mm512_setzero_si512(),
+                dot_acc(_mm512_setzero_si512(), _mm512_set1_epi8(32), _mm512_loadu_si512((const void*)(a.xq + i * a.K + 64 * j))));
+}
+
 template <int QT, int MT>
 void kq_tile(const KPanel* buf, const ActRows& a, const int32_t* l16, int64_t m0, float* y, int64_t ldy,
              __mmask16 live) {
@@ -382,6 +483,12 @@ void gemm_kq_t(const uint8_t* w, int64_t rs, int64_t K, const int8_t* xq, const 
     const int32_t* l16 = QT == T_Q6_K && !k6 ? lo16_sums(a, M) : nullptr;  // (k6_fly folds them in)
     if (QT == T_Q6_K && !k6 && l16 == nullptr) return;
     KPanel* buf = M > FLY_ROWS ? thread_buffer<KPanel>(a.nb) : nullptr;
+    // kq_stream's scratch: x0s (M, nb / 2) then S (M, K6_CHUNK, 16)
+    // (Q4_K from K > 2048 on: rows in chunks of 8 super-blocks are 16 streams again, and its panel path's
+    // units are cheap: 0.92x measured at 2048 x 8192)
+    const bool stream = M <= K6_ROWS && (QT == T_Q6_K || (QT == T_Q4_K && a.nb <= 8 * K6_CHUNK));
+    ZV* zs = stream ? thread_buffer<ZV>(M * a.nb / 2 + M * K6_CHUNK * 16) : nullptr;
+    if (zs && QT == T_Q6_K) k6_x0(a, M, zs);
     constexpr int64_t BB = KQ<QT>::BB, SUB = KQ<QT>::SUB;
     prefetch_first_panels(w, rs, n0, n1);  // then two panels ahead, a slice per block, in both modes
     for (int64_t n = n0; n < n1; n += 16) {
@@ -394,7 +501,13 @@ void gemm_kq_t(const uint8_t* w, int64_t rs, int64_t K, const int8_t* xq, const 
             for (int64_t m = 0; m < M; m += FLY_ROWS) {
                 const ActRows am{xq + m * K, xd + 8 * m * a.nb, xs + m * a.nb, xi + m * a.nb, K, a.nb};
                 const int32_t* lm = l16 ? l16 + m * a.nb : nullptr;
-                if (k6) {  // Q6_K: a weight row at a time
+                if (zs) {  // Q4_K / Q6_K: weight rows whole, in memory order
+                    switch (M) {
+                        case 1: kq_stream<QT, 1>(rows, ahead, end, am, zs, zs + M * a.nb / 2, hv, yp, ldy, mask); break;
+                        case 2: kq_stream<QT, 2>(rows, ahead, end, am, zs, zs + M * a.nb / 2, hv, yp, ldy, mask); break;
+                        default: kq_stream<QT, 3>(rows, ahead, end, am, zs, zs + M * a.nb / 2, hv, yp, ldy, mask); break;
+                    }
+                } else if (k6) {  // Q6_K: a weight row at a time
                     switch (M) {
                         case 1: k6_fly<1>(rows, hv, ahead, end, am, yp, ldy, mask); break;
                         case 2: k6_fly<2>(rows, hv, ahead, end, am, yp, ldy, mask); break;
