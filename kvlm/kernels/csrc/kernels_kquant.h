@@ -272,22 +272,22 @@ void kq_fly(const uint8_t* const* rows, __m512i hofs, const uint8_t* ahead, cons
     kq_store<QT, MT>(acc, mn, y, ldy, live);
 }
 
-// Q6_K, few rows of x (decode): a weight row at a time in its own byte order, not load_rows' panel
-// layout. Why: through load_rows a Q6_K unit of 16 rows costs 12 panel loads (a load and a blend each)
+// Q6_K, few rows of x (decode, kq_stream below): a weight row at a time in its own byte order, not
+// load_rows' panel layout. Why: through load_rows a Q6_K unit of 16 rows costs 12 panel loads (a load and a blend each)
 // and ~50 unpack instructions, and Q6_K ran at half Q4_K's bytes per second. In a row's own order the
 // 64 ql bytes of a 128-element half are its elements 0..63 (low nibbles) and 64..127 (high nibbles) in
 // order, and its 32 qh bytes broadcast to both 256-bit halves give their 2 top bits with one variable
 // shift per vector: a super-block is 4 zmm w[k] of 6-bit u (elements 64 k .. 64 k + 63) after ~14
-// instructions, and x's 4 zmm of the super-block are loaded once for the 16 rows. Per weight row and
-// row of x:
+// instructions. Per weight row and row of x:
 //     D[k] dword t = sum over elements 64 k + 4 t .. + 3 of (u - 32) q   (started from -32 x's dword sums)
 //     G dword 4 L + k = the sum of D[k]'s 128-bit lane L = group 4 k + L (16 elements, one int8 scale)
 //     P = G * the row's scales (permuted to G's order)
 // rows r and r + 4 are merged (lanes 0 + 1 and 2 + 3 added: units 2 k and 2 k + 1) and two 4 x 4
 // transposes put unit s of the 16 rows in one vector, lane c = row c. Each isum is the int32 of kq_units'
 // sl (sum_lo - 32 q_lo) + sh (sum_hi - 32 q_hi) (integers: any order), and the float epilogue is
-// kq_finish's, unit after unit: the bits of every other path. (Q4_K / Q5_K the same way measured 0.87x
-// / 0.95x of their panel path, hot / cold, one thread: their units are cheap in the panel layout.)
+// kq_finish's, unit after unit: the bits of every other path. Q4_K's rows the same way (k4_row, no scales
+// in the integers: P = G). (Read a super-block of each row in turn, as before kq_stream, Q4_K / Q5_K
+// measured 0.87x / 0.95x of their panel path: memory order, not unpacking, is what pays.)
 KVLM_INLINE __m512i k6_groups(const __m512i d[4]) {
     const __m512i t0 = _mm512_add_epi32(_mm512_unpacklo_epi32(d[0], d[1]), _mm512_unpackhi_epi32(d[0], d[1]));
     const __m512i t1 = _mm512_add_epi32(_mm512_unpacklo_epi32(d[2], d[3]), _mm512_unpackhi_epi32(d[2], d[3]));
@@ -316,68 +316,22 @@ KVLM_INLINE void k6_row(const uint8_t* q, __m512i w[4], __m512i* sc) {
     *sc = _mm512_permutexvar_epi32(perm, _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(q + 192))));
 }
 
-constexpr int64_t K6_ROWS = 3;  // up to this many rows of x: k6_fly (at 4 its registers spill: slower)
+constexpr int64_t K6_ROWS = 3;  // up to this many rows of x: kq_stream (at 4 k6_fly's registers spilled)
 
-template <int MT>
-void k6_fly(const uint8_t* const* rows, __m512i hofs, const uint8_t* ahead, const uint8_t* end, const ActRows& a,
-            float* y, int64_t ldy, __mmask16 live) {
-    constexpr int64_t BB = KQ<T_Q6_K>::BB;
-    __m512 acc[MT];
-    for (int i = 0; i < MT; i++) acc[i] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < a.nb / 8; b++) {
-        prefetch_slice(ahead, end, b, 16 * BB);
-        const int64_t off = b * BB;
-        // d is at bytes 208..209: gathered from 206 so the read stays inside the block
-        const __m512i dd = _mm512_srli_epi32(_mm512_i32gather_epi32(hofs, (const void*)(rows[0] + off + 206), 1), 16);
-        const __m512 dw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dd));
-        __m512i xv[MT][4], x0[MT][4];
-        for (int i = 0; i < MT; i++)
-            for (int k = 0; k < 4; k++) {
-                xv[i][k] = _mm512_loadu_si512((const void*)(a.xq + i * a.K + 256 * b + 64 * k));
-                x0[i][k] = _mm512_sub_epi32(_mm512_setzero_si512(), dot_acc(_mm512_setzero_si512(), _mm512_set1_epi8(32), xv[i][k]));
-            }
-        __m512i R[MT][8];
-        for (int p = 0; p < 8; p++) {
-            __m512i P[MT][2];
-            for (int e = 0; e < 2; e++) {
-                __m512i w[4], sc;
-                k6_row(rows[(p < 4 ? p : p + 4) + 4 * e] + off, w, &sc);
-                for (int i = 0; i < MT; i++) {
-                    __m512i d[4];
-                    for (int k = 0; k < 4; k++) d[k] = dot_acc(x0[i][k], w[k], xv[i][k]);
-                    P[i][e] = _mm512_mullo_epi32(k6_groups(d), sc);
-                }
-            }
-            for (int i = 0; i < MT; i++)  // rows p, p + 4 (p < 4) or p + 4, p + 8: units 2k, 2k + 1 of each
-                R[i][p] = _mm512_add_epi32(_mm512_shuffle_i32x4(P[i][0], P[i][1], 0x88), _mm512_shuffle_i32x4(P[i][0], P[i][1], 0xDD));
-        }
-        for (int i = 0; i < MT; i++) {
-            __m512i t[4], u[4];
-            transpose4(R[i], t);      // t[j] lanes: rows 0..3 unit 2j, rows 0..3 unit 2j + 1, rows 4..7 2j, 2j + 1
-            transpose4(R[i] + 4, u);  // the same for rows 8..11 and 12..15
-            for (int j = 0; j < 4; j++) {
-                const int64_t ib = i * a.nb + 8 * b + 2 * j;
-                kq_finish<T_Q6_K>(_mm512_shuffle_i32x4(t[j], u[j], 0x88), dw, dw, a, ib, acc + i, acc + i);
-                kq_finish<T_Q6_K>(_mm512_shuffle_i32x4(t[j], u[j], 0xDD), dw, dw, a, ib + 1, acc + i, acc + i);
-            }
-        }
-    }
-    for (int i = 0; i < MT; i++) _mm512_mask_storeu_ps(y + i * ldy, live, acc[i]);
-}
-
-// Q6_K, few rows of x (decode), in memory order: k6_fly's arithmetic with its two loops swapped. k6_fly
-// reads a super-block of each of the 16 rows in turn (16 streams that advance 210 bytes at a time: the
-// hardware prefetcher does not follow them, and a software prefetch of the panel after next reached ~30
-// of this machine's 38 GB/s even for plain loads in that order); here each weight row is read whole,
-// start to end, the rows one after another, so a panel is one ascending stream. Pass 1 keeps each (row,
-// super-block)'s scaled group sums P (k6_fly's, one zmm) in this thread's scratch S; pass 2 merges and
-// transposes them per super-block exactly as k6_fly does and runs kq_finish unit after unit: the same
-// int32 isums and float epilogue, so the same bits. x0s: -32 x's dword sums per (row of x, super-block,
-// quarter), made once per call. S: (MT, nsb, 16) zmm.
-#ifndef KVLM_K6_CHUNK
-#define KVLM_K6_CHUNK 16
-#endif
-constexpr int64_t K6_CHUNK = KVLM_K6_CHUNK;  // super-blocks of a row read at a time
+// Q4_K and Q6_K, 1 to 3 rows of x (decode), in memory order. The rows' units come from k6_row / k4_row
+// as above, but each weight row is read whole (in chunks of K6_CHUNK super-blocks), the 16 rows one after
+// another, so a panel is one ascending stream. Why: reading a super-block of each of the 16 rows in turn
+// (k6_fly, before) is 16 streams advancing 144-210 bytes at a time, which the hardware prefetcher does not
+// follow; a software prefetch of the panel after next carried it to ~30 GB/s on a Zen 5 whose plain
+// sequential reads reached 38-61 GB/s in the same minutes (even plain loads in that order stopped at ~30).
+// In row order the prefetcher streams: Q6_K 8192x2048 and 49152x2048 at M = 1, 2 threads, cold, 1.2-1.5x
+// (docs/kernels.md). Pass 1 keeps each (row, super-block)'s group sums P (k6_groups of the 4 dot products,
+// times Q6_K's int8 scales) in this thread's scratch S; pass 2 merges and transposes them per super-block
+// (rows r and r + 4, two 4 x 4 dword transposes: lane c = row c) and runs kq_finish unit after unit with
+// the panel's float scales (kq_head, read again from cache): the same int32 isums and float epilogue as
+// every other path, so the same bits. x0s: Q6_K's -32 x dword sums per (row of x, 64 codes), made once per
+// call. S: (MT, K6_CHUNK, 16) zmm.
+constexpr int64_t K6_CHUNK = 8;  // super-blocks of a row read at a time (K = 2048: whole rows; 4 and 16 no better)
 struct alignas(64) ZV {
     __m512i v;
 };
@@ -479,16 +433,16 @@ template <int QT>
 void gemm_kq_t(const uint8_t* w, int64_t rs, int64_t K, const int8_t* xq, const float* xd, const float* xs,
                const int32_t* xi, int64_t M, float* y, int64_t ldy, int64_t n0, int64_t n1) {
     const ActRows a{xq, xd, xs, xi, K, K / 32};
-    const bool k6 = QT == T_Q6_K && M <= K6_ROWS;
-    const int32_t* l16 = QT == T_Q6_K && !k6 ? lo16_sums(a, M) : nullptr;  // (k6_fly folds them in)
-    if (QT == T_Q6_K && !k6 && l16 == nullptr) return;
+    // Q4_K past K = 2048 keeps the panel path: its rows in chunks are 16 streams again, and its panel units
+    // are cheap (0.92x measured at 2048 x 8192)
+    const bool stream = M <= K6_ROWS && (QT == T_Q6_K || (QT == T_Q4_K && a.nb <= 8 * K6_CHUNK));
+    const int32_t* l16 = QT == T_Q6_K && !stream ? lo16_sums(a, M) : nullptr;  // (kq_stream folds them in)
+    if (QT == T_Q6_K && !stream && l16 == nullptr) return;
     KPanel* buf = M > FLY_ROWS ? thread_buffer<KPanel>(a.nb) : nullptr;
     // kq_stream's scratch: x0s (M, nb / 2) then S (M, K6_CHUNK, 16)
-    // (Q4_K from K > 2048 on: rows in chunks of 8 super-blocks are 16 streams again, and its panel path's
-    // units are cheap: 0.92x measured at 2048 x 8192)
-    const bool stream = M <= K6_ROWS && (QT == T_Q6_K || (QT == T_Q4_K && a.nb <= 8 * K6_CHUNK));
     ZV* zs = stream ? thread_buffer<ZV>(M * a.nb / 2 + M * K6_CHUNK * 16) : nullptr;
-    if (zs && QT == T_Q6_K) k6_x0(a, M, zs);
+    if (stream && zs == nullptr) return;
+    if (QT == T_Q6_K && zs) k6_x0(a, M, zs);
     constexpr int64_t BB = KQ<QT>::BB, SUB = KQ<QT>::SUB;
     prefetch_first_panels(w, rs, n0, n1);  // then two panels ahead, a slice per block, in both modes
     for (int64_t n = n0; n < n1; n += 16) {
@@ -501,17 +455,11 @@ void gemm_kq_t(const uint8_t* w, int64_t rs, int64_t K, const int8_t* xq, const 
             for (int64_t m = 0; m < M; m += FLY_ROWS) {
                 const ActRows am{xq + m * K, xd + 8 * m * a.nb, xs + m * a.nb, xi + m * a.nb, K, a.nb};
                 const int32_t* lm = l16 ? l16 + m * a.nb : nullptr;
-                if (zs) {  // Q4_K / Q6_K: weight rows whole, in memory order
+                if (stream) {  // Q4_K / Q6_K: weight rows whole, in memory order
                     switch (M) {
                         case 1: kq_stream<QT, 1>(rows, ahead, end, am, zs, zs + M * a.nb / 2, hv, yp, ldy, mask); break;
                         case 2: kq_stream<QT, 2>(rows, ahead, end, am, zs, zs + M * a.nb / 2, hv, yp, ldy, mask); break;
                         default: kq_stream<QT, 3>(rows, ahead, end, am, zs, zs + M * a.nb / 2, hv, yp, ldy, mask); break;
-                    }
-                } else if (k6) {  // Q6_K: a weight row at a time
-                    switch (M) {
-                        case 1: k6_fly<1>(rows, hv, ahead, end, am, yp, ldy, mask); break;
-                        case 2: k6_fly<2>(rows, hv, ahead, end, am, yp, ldy, mask); break;
-                        default: k6_fly<3>(rows, hv, ahead, end, am, yp, ldy, mask); break;
                     }
                 } else {
                     switch (M - m < FLY_ROWS ? M - m : FLY_ROWS) {
