@@ -21,6 +21,11 @@ build_objects() {
   local olddir side c=${KVLM_AB_CACHE:-}
   if [ -d "$1/kvlm/kernels/csrc" ]; then olddir=$(cd "$1" && pwd)/kvlm/kernels/csrc
   else git -C "$2" archive "$1" kvlm/kernels/csrc | tar -x -C "$4"; olddir=$4/kvlm/kernels/csrc; fi
+  # an A/B of identical sources (OLD = HEAD after committing the change) measures nothing: say so
+  if diff -rq "$olddir" "$2/kvlm/kernels/csrc" >/dev/null; then
+    echo "kernel_ab: $1 has this tree's kernel sources: nothing to compare (name the revision before the change)" >&2
+    exit 2
+  fi
   write_units "$olddir" "$2/kvlm/kernels/csrc" "$3" "$4"
   for side in old new; do
     if [ -n "$c" ] && [ -f "$c/$side-$3.o" ]; then cp "$c/$side-$3.o" "$4/$side.o"
