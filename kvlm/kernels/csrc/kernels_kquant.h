@@ -316,22 +316,22 @@ KVLM_INLINE void k6_row(const uint8_t* q, __m512i w[4], __m512i* sc) {
     *sc = _mm512_permutexvar_epi32(perm, _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(q + 192))));
 }
 
-constexpr int64_t K6_ROWS = 3;  // up to this many rows of x: kq_stream (at 4 k6_fly's registers spilled)
+constexpr int64_t STREAM_ROWS = 3;  // up to this many rows of x: kq_stream (k6_fly, before it, spilled registers at 4)
 
 // Q4_K and Q6_K, 1 to 3 rows of x (decode), in memory order. The rows' units come from k6_row / k4_row
-// as above, but each weight row is read whole (in chunks of K6_CHUNK super-blocks), the 16 rows one after
+// as above, but each weight row is read whole (in chunks of STREAM_CHUNK super-blocks), the 16 rows one after
 // another, so a panel is one ascending stream. Why: reading a super-block of each of the 16 rows in turn
 // (k6_fly, before) is 16 streams advancing 144-210 bytes at a time, which the hardware prefetcher does not
 // follow; a software prefetch of the panel after next carried it to ~30 GB/s on a Zen 5 whose plain
-// sequential reads reached 38-61 GB/s in the same minutes (even plain loads in that order stopped at ~30).
+// sequential reads reached 34-61 GB/s in the same minutes (even plain loads in that order stopped at ~30).
 // In row order the prefetcher streams: Q6_K 8192x2048 and 49152x2048 at M = 1, 2 threads, cold, 1.2-1.5x
 // (docs/kernels.md). Pass 1 keeps each (row, super-block)'s group sums P (k6_groups of the 4 dot products,
 // times Q6_K's int8 scales) in this thread's scratch S; pass 2 merges and transposes them per super-block
 // (rows r and r + 4, two 4 x 4 dword transposes: lane c = row c) and runs kq_finish unit after unit with
 // the panel's float scales (kq_head, read again from cache): the same int32 isums and float epilogue as
 // every other path, so the same bits. x0s: Q6_K's -32 x dword sums per (row of x, 64 codes), made once per
-// call. S: (MT, K6_CHUNK, 16) zmm.
-constexpr int64_t K6_CHUNK = 8;  // super-blocks of a row read at a time (K = 2048: whole rows; 4 and 16 no better)
+// call. S: (MT, STREAM_CHUNK, 16) zmm.
+constexpr int64_t STREAM_CHUNK = 8;  // super-blocks of a row read at a time (K = 2048: whole rows; 4 and 16 no better)
 struct alignas(64) ZV {
     __m512i v;
 };
@@ -352,8 +352,8 @@ void kq_stream(const uint8_t* const* rows, const uint8_t* ahead, const uint8_t* 
     const int64_t nsb = a.nb / 8;
     __m512 acc[MT], mn[MT];
     for (int i = 0; i < MT; i++) acc[i] = mn[i] = _mm512_setzero_ps();
-    for (int64_t b0 = 0; b0 < nsb; b0 += K6_CHUNK) {
-        const int64_t nc = nsb - b0 < K6_CHUNK ? nsb - b0 : K6_CHUNK;
+    for (int64_t b0 = 0; b0 < nsb; b0 += STREAM_CHUNK) {
+        const int64_t nc = nsb - b0 < STREAM_CHUNK ? nsb - b0 : STREAM_CHUNK;
         for (int c = 0; c < 16; c++) {
             // the same bytes of the panel after next, two panels ahead
             const uint8_t* pa = ahead + (rows[c] - rows[0]) + b0 * BB;
@@ -369,7 +369,7 @@ void kq_stream(const uint8_t* const* rows, const uint8_t* ahead, const uint8_t* 
                     for (int k = 0; k < 4; k++)
                         d[k] = dot_acc(QT == T_Q6_K ? x0s[(i * nsb + b) * 4 + k].v : _mm512_setzero_si512(), w[k],
                                        _mm512_loadu_si512((const void*)(a.xq + i * a.K + 256 * b + 64 * k)));
-                    S[(i * K6_CHUNK + lb) * 16 + c].v =
+                    S[(i * STREAM_CHUNK + lb) * 16 + c].v =
                         QT == T_Q6_K ? _mm512_mullo_epi32(k6_groups(d), sc) : k6_groups(d);
                 }
             }
@@ -384,7 +384,7 @@ void kq_stream(const uint8_t* const* rows, const uint8_t* ahead, const uint8_t* 
                 kq_head<QT>(rows, hofs, b * BB, &h);
             }
             for (int i = 0; i < MT; i++) {
-                const ZV* P = S + (i * K6_CHUNK + lb) * 16;
+                const ZV* P = S + (i * STREAM_CHUNK + lb) * 16;
                 __m512i R[8];
                 for (int p = 0; p < 8; p++) {
                     const int r0 = p < 4 ? p : p + 4;
@@ -411,7 +411,7 @@ void kq_stream(const uint8_t* const* rows, const uint8_t* ahead, const uint8_t* 
     kq_store<QT, MT>(acc, mn, y, ldy, live);
 }
 
-// k6_stream's x0s for rows [0, M) of x: -(32 * each dword's 4 codes summed), per 64 codes.
+// kq_stream's x0s for rows [0, M) of x: -(32 * each dword's 4 codes summed), per 64 codes.
 KVLM_INLINE void k6_x0(const ActRows& a, int64_t M, ZV* x0s) {
     for (int64_t i = 0; i < M; i++)
         for (int64_t j = 0; j < a.nb / 2; j++)
@@ -435,12 +435,12 @@ void gemm_kq_t(const uint8_t* w, int64_t rs, int64_t K, const int8_t* xq, const 
     const ActRows a{xq, xd, xs, xi, K, K / 32};
     // Q4_K past K = 2048 keeps the panel path: its rows in chunks are 16 streams again, and its panel units
     // are cheap (0.92x measured at 2048 x 8192)
-    const bool stream = M <= K6_ROWS && (QT == T_Q6_K || (QT == T_Q4_K && a.nb <= 8 * K6_CHUNK));
+    const bool stream = M <= STREAM_ROWS && (QT == T_Q6_K || (QT == T_Q4_K && a.nb <= 8 * STREAM_CHUNK));
     const int32_t* l16 = QT == T_Q6_K && !stream ? lo16_sums(a, M) : nullptr;  // (kq_stream folds them in)
     if (QT == T_Q6_K && !stream && l16 == nullptr) return;
     KPanel* buf = M > FLY_ROWS ? thread_buffer<KPanel>(a.nb) : nullptr;
-    // kq_stream's scratch: x0s (M, nb / 2) then S (M, K6_CHUNK, 16)
-    ZV* zs = stream ? thread_buffer<ZV>(M * a.nb / 2 + M * K6_CHUNK * 16) : nullptr;
+    // kq_stream's scratch: x0s (M, nb / 2) then S (M, STREAM_CHUNK, 16)
+    ZV* zs = stream ? thread_buffer<ZV>(M * a.nb / 2 + M * STREAM_CHUNK * 16) : nullptr;
     if (stream && zs == nullptr) return;
     if (QT == T_Q6_K && zs) k6_x0(a, M, zs);
     constexpr int64_t BB = KQ<QT>::BB, SUB = KQ<QT>::SUB;
