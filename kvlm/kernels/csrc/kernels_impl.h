@@ -11,6 +11,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <type_traits>
 
 #include "kernels.h"
 #include "kv_quantize.h"  // Q4_LEVELS: the int4 KV cache's levels
@@ -947,6 +948,47 @@ KVLM_INLINE void attn_v_pairs(const KvlmPagedAttn* a, const typename E::T* vg, c
     }
 }
 
+#if defined(KVLM_AVX2)
+// AVX2 takes one (row, head) pair at a time (16 registers of 8 lanes hold one pair's q or acc), so each
+// pair would decode the group's K or V rows again: G times per token for one decode row (3 for SmolLM2's
+// 9 / 3 heads). For int8 and int4 codes (widened, converted, scaled; int4 through two permutes) that
+// decoding bound the kernel: with two or more pairs on a kv head, its 16 rows are decoded once into buf
+// (16 x D floats, L1) and every pair reads them as float32 rows. load8 gives the same floats either way,
+// so the bits do not change. 30 layers of SmolLM2's cache at 2,048 tokens, 2 threads, ms per step (AMD
+// EPYC Zen 5, 2026-12-04, without the prefetch above): int8 3.6 -> 3.2, int4 4.6 -> 3.2. Not float16 or
+// bf16, whose widening is one instruction: the round trip through buf made float16 slower (3.6 -> 4.0).
+// Returns the rows' offsets in buf through boff.
+template <class E, int NV>
+KVLM_INLINE void attn_decode_group(const typename E::T* kg, const int64_t* off, float* buf, int64_t* boff) {
+    constexpr int64_t D = 16 * NV;
+    for (int i = 0; i < 16; i++) {
+        for (int k = 0; k < 2 * NV; k++) st8(buf + i * D + 8 * k, E::load8(kg + off[i], 8 * k));
+        boff[i] = i * D;
+    }
+}
+#endif
+
+// Software prefetch of a 16-token group's rows (all kv heads), ATTN_PF groups ahead of the pass. Blocks
+// lie wherever the allocator put them and one thread works through an item alone, so without this its
+// loads wait on memory: the first load of each K / V row was the kernel's hottest instruction at 2,048
+// tokens. One thread, 30 layers of SmolLM2's cache at 2,048 tokens, CPU ms per step (AMD EPYC Zen 5,
+// 2026-12-04), no prefetch / 1 group ahead / 2 / 4: AVX-512 float16 6.2 / 3.8 / 4.5 / 5.9, int8 4.1 /
+// 3.2 / 3.4 / 4.5; AVX2 float16 6.5 / 4.3 / 4.9, int8 5.2 / 4.3 / 4.5; float32 (a thread's read
+// bandwidth, ~10 GB/s) the same either way. Reading ahead changes no arithmetic.
+constexpr int64_t ATTN_PF = 1;
+KVLM_INLINE void attn_prefetch(const int32_t* tab, int64_t BS, int64_t row, int64_t t0, int64_t t1, const char* base,
+                               int64_t esize) {
+    if (t0 >= t1) return;
+    const int64_t n = t1 - t0 < 16 ? t1 - t0 : 16, rb = row * esize;
+    int64_t j = t0 / BS, s = t0 % BS;
+    for (int64_t i = 0; i < n;) {  // runs of rows within one block
+        const int64_t m = BS - s < n - i ? BS - s : n - i;
+        const char* p = base + ((int64_t)tab[j] * BS + s) * rb;
+        for (int64_t b = 0; b < m * rb; b += 64) __builtin_prefetch(p + b, 0, 3);
+        i += m, s = 0, j++;
+    }
+}
+
 // One work item: rows[0 .. nr) of one sequence (block table `tab`), by ascending n, over the chunk that
 // starts at token t0, every head. Two passes, K then V, each streaming the chunk's 16-token groups front
 // to back (all kv heads of a token are one contiguous row, what the hardware prefetchers follow); a
@@ -962,10 +1004,17 @@ void attn_chunk(const KvlmPagedAttn* a, const int32_t* tab, int64_t t0, AttnRow*
     const T* kc = (const T*)a->k_cache;
     const T* vc = (const T*)a->v_cache;
     int64_t off[16];
+#if defined(KVLM_AVX2)
+    alignas(32) float buf[16 * 16 * (NV ? NV : 1)];  // one kv head's group, decoded (attn_decode_group)
+    int64_t boff[16];
+#endif
     // K pass. Offsets cover the longest row's tokens (the others mask what lies past their own n).
     for (int64_t grp = 0, j0 = 0; grp < ngrp; grp++) {
         while (rows[j0].n <= 16 * grp) j0++;
         token_rows(tab, a->block_size, row, t0 + 16 * grp, t0 + nmax, off);
+        attn_prefetch(tab, a->block_size, row, t0 + 16 * (grp + ATTN_PF), t0 + nmax, (const char*)kc, sizeof(T));
+        if (grp + ATTN_PF >= ngrp)  // the V pass's first groups
+            attn_prefetch(tab, a->block_size, row, t0 + 16 * (grp + ATTN_PF - ngrp), t0 + nmax, (const char*)vc, sizeof(T));
         const int64_t np = (nr - j0) * G;
         for (int64_t g = 0; g < KVH; g++) {
             AttnPairs pr{rows + j0, g * G, g * G, g * G + G};
@@ -977,6 +1026,14 @@ void attn_chunk(const KvlmPagedAttn* a, const int32_t* tab, int64_t t0, AttnRow*
                     attn_k_transpose<E, NV>(kc + g * E::head(D), off, kt);
                     for (; u + ATTN_LP <= np; u += ATTN_LP) attn_k_lanes<NV, ATTN_LP>(a, kt, pr, grp);
                     for (; u < np; u++) attn_k_lanes<NV, 1>(a, kt, pr, grp);
+                }
+            }
+#endif
+#if defined(KVLM_AVX2)
+            if constexpr (NV != 0 && (std::is_same_v<E, KvQ8> || std::is_same_v<E, KvQ4>)) {
+                if (np >= 2) {
+                    attn_decode_group<E, NV>(kc + g * E::head(D), off, buf, boff);
+                    for (; u < np; u++) attn_k_pairs<KvF32, NV, 1>(a, buf, boff, pr, grp);
                 }
             }
 #endif
@@ -1043,10 +1100,19 @@ void attn_chunk(const KvlmPagedAttn* a, const int32_t* tab, int64_t t0, AttnRow*
     for (int64_t grp = 0, j0 = 0; grp < ngrp; grp++) {
         while (rows[j0].n <= 16 * grp) j0++;
         token_rows(tab, a->block_size, row, t0 + 16 * grp, t0 + nmax, off);
+        attn_prefetch(tab, a->block_size, row, t0 + 16 * (grp + ATTN_PF), t0 + nmax, (const char*)vc, sizeof(T));
         const int64_t np = (nr - j0) * G;
         for (int64_t g = 0; g < KVH; g++) {
             AttnPairs pr{rows + j0, g * G, g * G, g * G + G};
             int64_t u = 0;
+#if defined(KVLM_AVX2)
+            if constexpr (NV != 0 && (std::is_same_v<E, KvQ8> || std::is_same_v<E, KvQ4>)) {
+                if (np >= 2) {
+                    attn_decode_group<E, NV>(vc + g * E::head(D), off, buf, boff);
+                    for (; u < np; u++) attn_v_pairs<KvF32, NV, 1>(a, buf, boff, pr, grp);
+                }
+            }
+#endif
             for (; u + ATTN_VP <= np; u += ATTN_VP) attn_v_pairs<E, NV, ATTN_VP>(a, vc + g * E::head(D), off, pr, grp);
             for (; u < np; u++) attn_v_pairs<E, NV, 1>(a, vc + g * E::head(D), off, pr, grp);
         }
