@@ -968,26 +968,42 @@ KVLM_INLINE void attn_decode_group(const typename E::T* kg, const int64_t* off, 
 }
 #endif
 
-// Software prefetch of a 16-token group's rows (all kv heads), ATTN_PF groups ahead of the pass. Blocks
-// lie wherever the allocator put them and one thread works through an item alone, so without this its
-// loads wait on memory: the first load of each K / V row was the kernel's hottest instruction at 2,048
-// tokens. One thread, 30 layers of SmolLM2's cache at 2,048 tokens, CPU ms per step (AMD EPYC Zen 5,
-// 2026-12-04), no prefetch / 1 group ahead / 2 / 4: AVX-512 float16 6.2 / 3.8 / 4.5 / 5.9, int8 4.1 /
-// 3.2 / 3.4 / 4.5; AVX2 float16 6.5 / 4.3 / 4.9, int8 5.2 / 4.3 / 4.5; float32 (a thread's read
-// bandwidth, ~10 GB/s) the same either way. Reading ahead changes no arithmetic.
+// Software prefetch of a 16-token group's K or V rows, ATTN_PF groups ahead of the pass. Blocks lie
+// wherever the allocator put them and one thread works through an item alone, so without this its loads
+// wait on memory: the first load of each K / V row was the kernel's hottest instruction at 2,048 tokens.
+// Float caches (a head's row is 2+ lines) prefetch kv head g's part of the rows as the pass reaches g,
+// which spreads the prefetches over the pass; int8 / int4 rows (a head is 34 or 18 bytes a group) prefetch
+// the whole group at its start. One thread, 30 layers of SmolLM2's cache at 2,048 tokens, CPU ms per step
+// (AMD EPYC Zen 5, AVX2 path, 2026-12-04), no prefetch / whole group 1 ahead / per head 1 ahead: float32
+// 8.6 / 8.4 / 7.1, float16 6.3 / 4.5 / 4.2, int8 5.1 / 4.3 / 4.6, int4 5.2 / 4.7 / 5.1; 2 and 4 groups
+// ahead were slower. (A plain read of the same float32 cache takes 2.9 ms: this kernel's float32 pass is
+// still bound by its loads, not its arithmetic.) Reading ahead changes no arithmetic.
 constexpr int64_t ATTN_PF = 1;
+// Tokens t0 .. min(t0 + 16, t1) - 1 of a sequence (block table tab), elements [h0, h0 + len) of each
+// token's row (row: its length in elements of esize bytes).
 KVLM_INLINE void attn_prefetch(const int32_t* tab, int64_t BS, int64_t row, int64_t t0, int64_t t1, const char* base,
-                               int64_t esize) {
+                               int64_t esize, int64_t h0, int64_t len) {
     if (t0 >= t1) return;
-    const int64_t n = t1 - t0 < 16 ? t1 - t0 : 16, rb = row * esize;
+    const int64_t n = t1 - t0 < 16 ? t1 - t0 : 16, rb = row * esize, lb = len * esize;
     int64_t j = t0 / BS, s = t0 % BS;
-    for (int64_t i = 0; i < n;) {  // runs of rows within one block
-        const int64_t m = BS - s < n - i ? BS - s : n - i;
-        const char* p = base + ((int64_t)tab[j] * BS + s) * rb;
-        for (int64_t b = 0; b < m * rb; b += 64) __builtin_prefetch(p + b, 0, 3);
-        i += m, s = 0, j++;
+    if (len == row) {  // whole rows: runs of consecutive rows within one block
+        for (int64_t i = 0; i < n;) {
+            const int64_t m = BS - s < n - i ? BS - s : n - i;
+            const char* p = base + ((int64_t)tab[j] * BS + s) * rb;
+            for (int64_t b = 0; b < m * rb; b += 64) __builtin_prefetch(p + b, 0, 3);
+            i += m, s = 0, j++;
+        }
+        return;
+    }
+    for (int64_t i = 0; i < n; i++) {
+        const char* p = base + ((int64_t)tab[j] * BS + s) * rb + h0 * esize;
+        for (int64_t b = 0; b < lb; b += 64) __builtin_prefetch(p + b, 0, 3);
+        if (++s == BS) s = 0, j++;
     }
 }
+// Whether a pass prefetches per kv head (float caches) or per group (int8 / int4 codes).
+template <class E>
+constexpr bool attn_pf_per_head = sizeof(typename E::T) >= 2;
 
 // One work item: rows[0 .. nr) of one sequence (block table `tab`), by ascending n, over the chunk that
 // starts at token t0, every head. Two passes, K then V, each streaming the chunk's 16-token groups front
@@ -1012,13 +1028,18 @@ void attn_chunk(const KvlmPagedAttn* a, const int32_t* tab, int64_t t0, AttnRow*
     for (int64_t grp = 0, j0 = 0; grp < ngrp; grp++) {
         while (rows[j0].n <= 16 * grp) j0++;
         token_rows(tab, a->block_size, row, t0 + 16 * grp, t0 + nmax, off);
-        attn_prefetch(tab, a->block_size, row, t0 + 16 * (grp + ATTN_PF), t0 + nmax, (const char*)kc, sizeof(T));
+        if constexpr (!attn_pf_per_head<E>)
+            attn_prefetch(tab, a->block_size, row, t0 + 16 * (grp + ATTN_PF), t0 + nmax, (const char*)kc, 1, 0, row);
         if (grp + ATTN_PF >= ngrp)  // the V pass's first groups
-            attn_prefetch(tab, a->block_size, row, t0 + 16 * (grp + ATTN_PF - ngrp), t0 + nmax, (const char*)vc, sizeof(T));
+            attn_prefetch(tab, a->block_size, row, t0 + 16 * (grp + ATTN_PF - ngrp), t0 + nmax, (const char*)vc, sizeof(T), 0,
+                          row);
         const int64_t np = (nr - j0) * G;
         for (int64_t g = 0; g < KVH; g++) {
             AttnPairs pr{rows + j0, g * G, g * G, g * G + G};
             int64_t u = 0;
+            if constexpr (attn_pf_per_head<E>)
+                attn_prefetch(tab, a->block_size, row, t0 + 16 * (grp + ATTN_PF), t0 + nmax, (const char*)kc, sizeof(T),
+                              g * E::head(D), E::head(D));
 #if defined(KVLM_AVX512)
             if constexpr (NV != 0) {
                 if (np >= ATTN_LANES_MIN) {
@@ -1100,11 +1121,15 @@ void attn_chunk(const KvlmPagedAttn* a, const int32_t* tab, int64_t t0, AttnRow*
     for (int64_t grp = 0, j0 = 0; grp < ngrp; grp++) {
         while (rows[j0].n <= 16 * grp) j0++;
         token_rows(tab, a->block_size, row, t0 + 16 * grp, t0 + nmax, off);
-        attn_prefetch(tab, a->block_size, row, t0 + 16 * (grp + ATTN_PF), t0 + nmax, (const char*)vc, sizeof(T));
+        if constexpr (!attn_pf_per_head<E>)
+            attn_prefetch(tab, a->block_size, row, t0 + 16 * (grp + ATTN_PF), t0 + nmax, (const char*)vc, 1, 0, row);
         const int64_t np = (nr - j0) * G;
         for (int64_t g = 0; g < KVH; g++) {
             AttnPairs pr{rows + j0, g * G, g * G, g * G + G};
             int64_t u = 0;
+            if constexpr (attn_pf_per_head<E>)
+                attn_prefetch(tab, a->block_size, row, t0 + 16 * (grp + ATTN_PF), t0 + nmax, (const char*)vc, sizeof(T),
+                              g * E::head(D), E::head(D));
 #if defined(KVLM_AVX2)
             if constexpr (NV != 0 && (std::is_same_v<E, KvQ8> || std::is_same_v<E, KvQ4>)) {
                 if (np >= 2) {
