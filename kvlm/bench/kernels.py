@@ -5,7 +5,8 @@ For each weight format and the default model's linear shapes (out x in) and row 
 before the kernels), side by side in one process. Weights are cold, as in a decode step that walks
 30 layers: each timed call uses the next of several copies, enough that they do not fit the caches.
 Prints GB/s (weight bytes read per second) and the speedup per row, then paged decode attention
-(kernel vs gather + SDPA, float32 and float16 caches, B 1 and 8, contexts 512 to 4096, 1 and N
+(kernel vs gather + SDPA; float32 and float16 caches, or any of `--attention-kv`'s formats: bfloat16,
+int8 and int4 codes, which the reference dequantizes first; B 1 and 8, contexts 512 to 4096, 1 and N
 threads), cold by default: each call reads the next of up to 30 layers' caches, as a decode step does,
 so K/V stream from memory (`--hot` re-reads one cache). KV GB/s = K and V bytes of the context per
 second. The last line is one JSON document.
@@ -22,6 +23,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
 from kvlm.bench.common import Bench, cpu_name, standalone
+from kvlm.kernels import kv_quant
 from kvlm.kernels.backend import isa_name
 from kvlm.kernels.paged_attention import paged_decode_attention
 from kvlm.kernels.quant import dequantize, qmatmul
@@ -88,6 +90,7 @@ def bench_one(qtype: GGMLQuantizationType, n: int, k: int, m: int, min_s: float)
 
 LAYERS = 30  # SmolLM2-135M: a decode step attends over 30 layers' caches in turn
 ATTN_CASES = ((1, 512), (1, 2048), (1, 4096), (8, 512), (8, 2048), (8, 4096))  # (batch, context)
+ATTN_KV = ("float32", "float16", "bfloat16", "int8", "int4")  # the KV cache formats the attention rows take
 ATTN_MAX_BYTES = 1 << 30  # at most this much K/V across the layers' caches (B=8 at 4096 is 50 MB a layer)
 
 
@@ -104,19 +107,23 @@ class AttentionCase:
     kv_bytes: int  # K and V bytes one call reads
 
     @staticmethod
-    def make(b: int, length: int, kv_dtype: torch.dtype, cold: bool) -> AttentionCase:
+    def make(b: int, length: int, kv: str, cold: bool) -> AttentionCase:
+        """kv: a KV cache format, ATTN_KV (int8 / int4: codes of random values, kv_quant's layout)."""
         gen = torch.Generator().manual_seed(0)
         heads, kv_heads, d, bs = 9, 3, 64, 16
         per_seq = (length + bs - 1) // bs
         num_blocks = b * per_seq + 1
-        kc = torch.randn(num_blocks, bs, kv_heads, d, generator=gen).to(kv_dtype)
-        vc = torch.randn(num_blocks, bs, kv_heads, d, generator=gen).to(kv_dtype)
+        kc, vc = (torch.randn(num_blocks, bs, kv_heads, d, generator=gen) for _ in range(2))
+        if kv in kv_quant.FORMATS:
+            kc, vc = kv_quant.quantize(kc, kv_quant.FORMATS[kv]), kv_quant.quantize(vc, kv_quant.FORMATS[kv])
+        else:
+            kc, vc = kc.to(getattr(torch, kv)), vc.to(getattr(torch, kv))
         layers = max(2, min(LAYERS, ATTN_MAX_BYTES // (2 * kc.nbytes))) if cold else 1
         caches = [(kc, vc)] + [(kc.clone(), vc.clone()) for _ in range(layers - 1)]
         tables = torch.randperm(num_blocks, generator=gen)[: b * per_seq].reshape(b, per_seq).to(torch.int32)
         return AttentionCase(torch.randn(b, heads, d, generator=gen), caches, tables,
                              torch.full((b,), length, dtype=torch.int32),
-                             2 * b * length * kv_heads * d * kc.element_size())
+                             2 * b * length * kc.nbytes // (num_blocks * bs))
 
     def time(self, attend, min_s: float) -> float:
         """Median seconds per call of attend(q, k, v, tables, lens), the layers' caches taken in turn."""
@@ -131,9 +138,10 @@ def _attend_ref(q, k, v, tables, lens):
     return paged_decode_attention_ref(q, k, v, tables, lens, 0.125)
 
 
-def bench_attention(b: int, length: int, kv_dtype: torch.dtype, threads: int, min_s: float, cold: bool) -> dict:
-    """Paged decode attention, native kernel vs gather + SDPA, on `threads` threads."""
-    case = AttentionCase.make(b, length, kv_dtype, cold)
+def bench_attention(b: int, length: int, kv: str, threads: int, min_s: float, cold: bool) -> dict:
+    """Paged decode attention, native kernel vs gather + SDPA (dequantizing int8 / int4 codes first), on
+    `threads` threads."""
+    case = AttentionCase.make(b, length, kv, cold)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -142,20 +150,20 @@ def bench_attention(b: int, length: int, kv_dtype: torch.dtype, threads: int, mi
     finally:
         torch.set_num_threads(before)
     return {"op": "paged_decode_attention", "batch": b, "context": length,
-            "kv_dtype": str(kv_dtype).split(".")[-1], "threads": threads, "cold": cold, "layers": len(case.caches),
+            "kv_dtype": kv, "threads": threads, "cold": cold, "layers": len(case.caches),
             "ms": round(t * 1e3, 4), "ref_ms": round(t_ref * 1e3, 4), "kv_gbps": round(case.kv_bytes / t / 1e9, 2),
             "ref_kv_gbps": round(case.kv_bytes / t_ref / 1e9, 2), "speedup": round(t_ref / t, 3)}
 
 
-def run_attention(threads: list[int], min_s: float, cold: bool) -> list[dict]:
+def run_attention(threads: list[int], min_s: float, cold: bool, kvs: tuple[str, ...] = ATTN_KV[:2]) -> list[dict]:
     print(f"\n{'attention':9} {'B':>3} {'context':>7} {'kv':>8} {'thr':>3} {'kernel ms':>10} {'KV GB/s':>8} "
           f"{'gather+SDPA ms':>15} {'KV GB/s':>8} {'speedup':>8}   ({'cold: ' if cold else 'hot: '}"
           f"{'a cache per layer, taken in turn' if cold else 'one cache, re-read'})")
     rows = []
-    for kv_dtype in (torch.float32, torch.float16):
+    for kv in kvs:
         for b, length in ATTN_CASES:
             for n in threads:
-                r = bench_attention(b, length, kv_dtype, n, min_s, cold)
+                r = bench_attention(b, length, kv, n, min_s, cold)
                 rows.append(r)
                 print(f"{'paged':9} {b:>3} {length:>7} {r['kv_dtype']:>8} {n:>3} {r['ms']:>10.3f} {r['kv_gbps']:>8.2f} "
                       f"{r['ref_ms']:>15.3f} {r['ref_kv_gbps']:>8.2f} {r['speedup']:>7.2f}x", flush=True)
@@ -164,7 +172,7 @@ def run_attention(threads: list[int], min_s: float, cold: bool) -> list[dict]:
 
 def run(formats: list[str], rows: list[int], threads: int | None, min_s: float,
         attn_threads: list[int] | None = None, cold: bool = True,
-        shapes: tuple[tuple[int, int], ...] = SHAPES) -> dict:
+        shapes: tuple[tuple[int, int], ...] = SHAPES, attn_kv: tuple[str, ...] = ATTN_KV[:2]) -> dict:
     if threads:
         torch.set_num_threads(threads)
     cpu = cpu_name()
@@ -184,7 +192,7 @@ def run(formats: list[str], rows: list[int], threads: int | None, min_s: float,
                     results.append(r)
                     print(f"{name:6} {f'{n}x{k}':>12} {m:>4} {r['ms']:>11.3f} {r['gbps']:>7.2f} "
                           f"{r['ref_ms']:>9.3f} {r['ref_gbps']:>7.2f} {r['speedup']:>7.2f}x", flush=True)
-        attention = run_attention(attn_threads, min_s, cold) if attn_threads else []
+        attention = run_attention(attn_threads, min_s, cold, attn_kv) if attn_threads else []
     return {"bench": "kernels", "cpu": cpu, "threads": torch.get_num_threads(), "path": isa_name(),
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "results": results, "attention": attention}
 
@@ -200,6 +208,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="comma-separated N x K matmul shapes, e.g. 1536x576,49152x576 (default: the model's)")
     p.add_argument("--attention-only", action="store_true", help="skip the matmul rows")
     p.add_argument("--no-attention", action="store_true", help="skip the attention rows")
+    p.add_argument("--attention-kv", default=",".join(ATTN_KV[:2]),
+                   help=f"comma-separated KV cache formats for the attention rows, of {', '.join(ATTN_KV)} "
+                        "(default %(default)s)")
     p.add_argument("--hot", action="store_true",
                    help="attention re-reads one cache (CPU-cache hot) instead of one per layer in turn")
 
@@ -237,8 +248,12 @@ def run_args(a: argparse.Namespace) -> dict:
     default_attn = ",".join(str(n) for n in sorted({1, a.threads or torch.get_num_threads()}))
     attn_threads = _positive_ints(a.attention_threads or default_attn, "--attention-threads")
     shapes = _shapes(a.shapes)
+    kvs = tuple(v.strip() for v in a.attention_kv.split(",") if v.strip())
+    if not kvs or any(v not in ATTN_KV for v in kvs):
+        raise ValueError(f"--attention-kv must be comma-separated formats of {', '.join(ATTN_KV)}, "
+                         f"got {a.attention_kv!r}")
     return run([] if a.attention_only else formats, rows, a.threads, a.min_seconds,
-               [] if a.no_attention else attn_threads, cold=not a.hot, shapes=shapes)
+               [] if a.no_attention else attn_threads, cold=not a.hot, shapes=shapes, attn_kv=kvs)
 
 
 # No print_table: `run` prints each row as it is measured (a full run takes minutes).
