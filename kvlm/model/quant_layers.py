@@ -3,7 +3,8 @@
 `QuantLinear` computes `x @ W.T (+ bias)` with `kernels.qmatmul` on the stored blocks. A stacked
 projection (q/k/v, gate/up) whose parts have different block formats keeps one `QuantTensor` per part
 and concatenates the outputs; parts of one format are concatenated once at load (`stack_quant`), as
-byte rows: a view when the parts lie back to back in the mapped file, a copy of the blocks otherwise.
+byte rows: a view when the parts lie back to back in the mapped file, a copy of the blocks otherwise
+(quantized formats only: F32 / F16 / BF16 parts that are not a view stay separate parts).
 
 Where `kernels.kernel_path` says a format has no native kernel (the extension could not be built),
 the layer dequantizes its weight once at load and multiplies densely: the same numbers as the
@@ -21,6 +22,7 @@ import torch
 from torch import nn
 
 from kvlm.kernels import QuantTensor, dequantize, kernel_path, qmatmul
+from kvlm.kernels.ggml_types import GGMLQuantizationType
 
 log = logging.getLogger("kvlm")
 _warned: set[str] = set()
@@ -49,15 +51,31 @@ def concat_rows(parts: list[QuantTensor]) -> QuantTensor:
     return QuantTensor(data, first.qtype, (rows, first.shape[1]))
 
 
+# Formats kept in the file's width (row kernels): 2-4 bytes a weight, so a stacked copy would hold a
+# second q/k/v and gate/up (1.3 GB for a 1B model in bf16) and take most of the load time.
+_WIDE = frozenset({GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16})
+
+
 def stack_quant(parts: list[QuantTensor]) -> list[QuantTensor]:
-    """Merge neighbouring parts that share a format (one qmatmul each); keep the rest apart."""
+    """Merge neighbouring parts that share a format (one qmatmul each); keep the rest apart. Unquantized
+    parts (F32 / F16 / BF16) merge only where they are a view (back to back in the mapped file): otherwise
+    they stay separate parts, multiplied one after another, rather than copied (the bits of each output
+    column are the same either way: the row kernels compute every column on its own)."""
     runs: list[list[QuantTensor]] = []
     for p in parts:
-        if runs and runs[-1][0].qtype == p.qtype and runs[-1][0].shape[1] == p.shape[1]:
+        if runs and runs[-1][0].qtype == p.qtype and runs[-1][0].shape[1] == p.shape[1] and (
+                p.qtype not in _WIDE or _adjacent(runs[-1][-1], p)):
             runs[-1].append(p)
         else:
             runs.append([p])
     return [r[0] if len(r) == 1 else concat_rows(r) for r in runs]
+
+
+def _adjacent(a: QuantTensor, b: QuantTensor) -> bool:
+    """b's bytes start where a's end, both contiguous in one storage (concat_rows can view them)."""
+    return (a.data.is_contiguous() and b.data.is_contiguous()
+            and a.data.untyped_storage().data_ptr() == b.data.untyped_storage().data_ptr()
+            and a.data.data_ptr() + a.data.numel() == b.data.data_ptr())
 
 
 class QuantLinear(nn.Module):

@@ -91,6 +91,32 @@ def test_mixed_format_stack_and_embedding_rows() -> None:
     assert torch.equal(emb(ids), dequantize(emb_w)[ids])
 
 
+@pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.BF16])
+def test_unquantized_parts_are_never_copied_into_a_stack(qtype: GGMLQuantizationType) -> None:
+    """F32 / F16 / BF16 parts stack only where they are back to back in one storage (a view); apart, they
+    stay separate parts rather than a copy (a bf16 1B model's q/k/v and gate/up would be 1.3 GB more), and
+    the layer's outputs are those of the parts multiplied one by one, bit for bit."""
+    g = torch.Generator().manual_seed(1)
+    ws = [torch.randn(n, 64, generator=g) for n in (48, 16, 16)]
+    dt = {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16}[qtype]
+
+    def raw(w: torch.Tensor) -> torch.Tensor:
+        return w.to(dt).contiguous().view(torch.uint8).reshape(w.shape[0], -1)
+    parts = [QuantTensor(raw(w), qtype, tuple(w.shape)) for w in ws]
+    stacked = stack_quant(parts)
+    assert len(stacked) == 3 and all(s.data.data_ptr() == p.data.data_ptr() for s, p in zip(stacked, parts))
+    whole = torch.cat([raw(w) for w in ws])  # one storage, rows back to back: views of it, merged as a view
+    rb = whole.shape[1]
+    views = [QuantTensor(whole[a:b], qtype, (b - a, 64)) for a, b in ((0, 48), (48, 64), (64, 80))]
+    merged = stack_quant(views)
+    assert len(merged) == 1 and merged[0].data.data_ptr() == whole.data_ptr() and merged[0].shape == (80, 64)
+    assert merged[0].data.shape == (80, rb)
+    x = torch.randn(3, 64, generator=g)
+    apart = QuantLinear(stacked)(x)
+    assert torch.equal(apart, torch.cat([QuantLinear(p)(x) for p in parts], dim=-1))
+    assert torch.equal(apart, QuantLinear(merged)(x))
+
+
 def test_engine_equivalences_on_the_quantized_path(quant_gguf: Path) -> None:
     """cache == no cache, paged == contiguous, alone == in a batch, preempted == not: token for token."""
     if "Q8_0" in quant_gguf.name:
