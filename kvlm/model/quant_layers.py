@@ -35,16 +35,20 @@ def _warn_fallback(qtype_name: str) -> None:
                     qtype_name)
 
 
+def _adjacent(a: QuantTensor, b: QuantTensor) -> bool:
+    """b's bytes start where a's end, both contiguous in one storage (concat_rows can view them)."""
+    return (a.data.is_contiguous() and b.data.is_contiguous()
+            and a.data.untyped_storage().data_ptr() == b.data.untyped_storage().data_ptr()
+            and a.data.data_ptr() + a.data.numel() == b.data.data_ptr())
+
+
 def concat_rows(parts: list[QuantTensor]) -> QuantTensor:
     """Parts of one format stacked along N. A view when each part's bytes follow the previous one's
     in the same storage (e.g. gate and up, adjacent in a GGUF file); otherwise one copy of the blocks."""
     first = parts[0]
     rows = sum(p.shape[0] for p in parts)
     rb = first.data.shape[1]
-    adjacent = all(p.data.is_contiguous() and p.data.untyped_storage().data_ptr() ==
-                   first.data.untyped_storage().data_ptr() for p in parts)
-    for a, b in itertools.pairwise(parts):
-        adjacent = adjacent and a.data.data_ptr() + a.data.numel() == b.data.data_ptr()
+    adjacent = all(_adjacent(a, b) for a, b in itertools.pairwise(parts))
     # The copy in numpy: single-threaded, where torch.cat of uint8 rows wakes the thread pool (ms each).
     data = (torch.as_strided(first.data, (rows, rb), (rb, 1)) if adjacent
             else torch.from_numpy(np.concatenate([p.data.numpy() for p in parts])))
@@ -69,13 +73,6 @@ def stack_quant(parts: list[QuantTensor]) -> list[QuantTensor]:
         else:
             runs.append([p])
     return [r[0] if len(r) == 1 else concat_rows(r) for r in runs]
-
-
-def _adjacent(a: QuantTensor, b: QuantTensor) -> bool:
-    """b's bytes start where a's end, both contiguous in one storage (concat_rows can view them)."""
-    return (a.data.is_contiguous() and b.data.is_contiguous()
-            and a.data.untyped_storage().data_ptr() == b.data.untyped_storage().data_ptr()
-            and a.data.data_ptr() + a.data.numel() == b.data.data_ptr())
 
 
 class QuantLinear(nn.Module):

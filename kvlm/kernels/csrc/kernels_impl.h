@@ -955,21 +955,35 @@ KVLM_INLINE void attn_v_pairs(const KvlmPagedAttn* a, const typename E::T* vg, c
 // decoding bound the kernel: with two or more pairs on a kv head, its 16 rows are decoded once into buf
 // (16 x D floats, L1) and every pair reads them as float32 rows. load8 gives the same floats either way,
 // so the bits do not change. 30 layers of SmolLM2's cache at 2,048 tokens, 2 threads, ms per step (AMD
-// EPYC Zen 5, 2026-12-04, without the prefetch above): int8 3.6 -> 3.2, int4 4.6 -> 3.2. Not float16 or
+// EPYC Zen 5, 2026-12-04, before the prefetch below): int8 3.6 -> 3.2, int4 4.6 -> 3.2. Not float16 or
 // bf16, whose widening is one instruction: the round trip through buf made float16 slower (3.6 -> 4.0).
-// Returns the rows' offsets in buf through boff.
-// int4 codes go through a byte table instead (its levels are integers in int8's range): a 32-value group's
-// 16 bytes split into low and high nibbles, `pshufb` turns each nibble into its level, then the levels are
-// widened, converted and scaled as int8 codes are; 4 instructions per 8 values instead of load8's 8
-// (two permutes and a blend). The same float per value: the integer level times the group's scale.
+//
+// int4 codes go through a byte table instead of load8 (the levels are integers in int8's range): a
+// 32-value group's 16 bytes split into low and high nibbles, `pshufb` turns each nibble into its level,
+// then the levels are widened, converted and scaled as int8 codes are; 4 instructions per 8 values
+// instead of 8. The same float per value: the integer level times the group's scale.
+struct Q4LevelsI8 {
+    alignas(16) int8_t v[16];
+};
+constexpr Q4LevelsI8 q4_levels_i8() {
+    Q4LevelsI8 t{};
+    for (int i = 0; i < 16; i++) t.v[i] = (int8_t)kvlm::Q4_LEVELS[i];
+    return t;
+}
+constexpr bool q4_levels_fit_i8() {  // each level an integer that int8 holds, so the table is exact
+    for (int i = 0; i < 16; i++)
+        if (kvlm::Q4_LEVELS[i] != (float)q4_levels_i8().v[i]) return false;
+    return true;
+}
+static_assert(q4_levels_fit_i8(), "int4's levels must be integers in int8's range for the byte table");
+
+// buf (16 x D floats) = the 16 rows at kg + off[i], decoded; boff[i] = row i's offset in buf.
 template <class E, int NV>
 KVLM_INLINE void attn_decode_group(const typename E::T* kg, const int64_t* off, float* buf, int64_t* boff) {
     constexpr int64_t D = 16 * NV;
     if constexpr (std::is_same_v<E, KvQ4>) {
-        alignas(16) static constexpr int8_t LV[16] = {-127, -102, -82, -66, -51, -38, -25, -12,
-                                                      0,    13,   25,  39,  53,  69,  87,  111};
-        static_assert(LV[0] == kvlm::Q4_LEVELS[0] && LV[7] == kvlm::Q4_LEVELS[7] && LV[15] == kvlm::Q4_LEVELS[15]);
-        const __m128i lv = _mm_load_si128((const __m128i*)LV), m4 = _mm_set1_epi8(15);
+        static constexpr Q4LevelsI8 LV = q4_levels_i8();
+        const __m128i lv = _mm_load_si128((const __m128i*)LV.v), m4 = _mm_set1_epi8(15);
         for (int i = 0; i < 16; i++) {
             for (int64_t j = 0; j < D / 32; j++) {
                 const uint8_t* g = kg + off[i] + j * KvQ4::GB;
@@ -1033,7 +1047,7 @@ constexpr bool attn_pf_per_head = sizeof(typename E::T) >= 2;
 
 // One work item: rows[0 .. nr) of one sequence (block table `tab`), by ascending n, over the chunk that
 // starts at token t0, every head. Two passes, K then V, each streaming the chunk's 16-token groups front
-// to back (all kv heads of a token are one contiguous row, what the hardware prefetchers follow); a
+// to back (all kv heads of a token are one contiguous row; the next group prefetched, attn_prefetch); a
 // group's K or V rows come from memory once and from L1 for every further (row, head) pair. Per row:
 // scores of all H heads into sc (H, chunk), the chunk's softmax, then acc (H, D) = sum p * V. A row takes
 // part in a group only while it has tokens there (n > 16 * grp); rows sorted by n make those a suffix.
@@ -1055,7 +1069,7 @@ void attn_chunk(const KvlmPagedAttn* a, const int32_t* tab, int64_t t0, AttnRow*
         while (rows[j0].n <= 16 * grp) j0++;
         token_rows(tab, a->block_size, row, t0 + 16 * grp, t0 + nmax, off);
         if constexpr (!attn_pf_per_head<E>)
-            attn_prefetch(tab, a->block_size, row, t0 + 16 * (grp + ATTN_PF), t0 + nmax, (const char*)kc, 1, 0, row);
+            attn_prefetch(tab, a->block_size, row, t0 + 16 * (grp + ATTN_PF), t0 + nmax, (const char*)kc, sizeof(T), 0, row);
         if (grp + ATTN_PF >= ngrp)  // the V pass's first groups
             attn_prefetch(tab, a->block_size, row, t0 + 16 * (grp + ATTN_PF - ngrp), t0 + nmax, (const char*)vc, sizeof(T), 0,
                           row);
@@ -1148,7 +1162,7 @@ void attn_chunk(const KvlmPagedAttn* a, const int32_t* tab, int64_t t0, AttnRow*
         while (rows[j0].n <= 16 * grp) j0++;
         token_rows(tab, a->block_size, row, t0 + 16 * grp, t0 + nmax, off);
         if constexpr (!attn_pf_per_head<E>)
-            attn_prefetch(tab, a->block_size, row, t0 + 16 * (grp + ATTN_PF), t0 + nmax, (const char*)vc, 1, 0, row);
+            attn_prefetch(tab, a->block_size, row, t0 + 16 * (grp + ATTN_PF), t0 + nmax, (const char*)vc, sizeof(T), 0, row);
         const int64_t np = (nr - j0) * G;
         for (int64_t g = 0; g < KVH; g++) {
             AttnPairs pr{rows + j0, g * G, g * G, g * G + G};
