@@ -221,9 +221,6 @@ def _run(model: str, threads: int, context: int, chunks: int, chunk: int, kv_cac
          tier_root: str) -> dict[str, Any]:
     import torch
 
-    from kvlm.config import ModelConfig
-    from kvlm.loader import resolve_model
-
     if context < 4 or context % 2:
         raise ValueError(f"--context must be an even number >= 4, got {context}")
     torch.set_num_threads(threads)
@@ -231,6 +228,19 @@ def _run(model: str, threads: int, context: int, chunks: int, chunk: int, kv_cac
     raw = text_path.read_bytes()
     labels = kv_labels(list(kv_cache_dtypes), kv_tier_dtype)
     engines = _engines(model, threads, list(dtypes), labels, context, chunk, tier_root)
+    try:
+        return _score(engines, model, threads, context, chunks, chunk, dtypes, labels, raw, source, llama_python)
+    finally:  # the tiers' writers still hold blocks of the last window: done before tier_root is removed
+        for eng in engines.values():
+            eng.flush_kv_tier()
+
+
+def _score(engines: dict, model: str, threads: int, context: int, chunks: int, chunk: int,
+           dtypes: tuple[str, ...], labels: list[str], raw: bytes, source: Any,
+           llama_python: str | None) -> dict[str, Any]:
+    from kvlm.config import ModelConfig
+    from kvlm.loader import resolve_model
+
     tok = next(iter(engines.values())).tokenizer
     chars = len(raw) if chunks == 0 else min(len(raw), chunks * context * 8)  # ~4 chars a token: ample
     ids = tok.encode(raw[:chars].decode("utf-8", "ignore"), add_special_tokens=False)

@@ -102,6 +102,7 @@ def run(model: str, threads: int, docs: int, doc_tokens: int, questions: int, po
         restarted = LLM(model, **common, kv_tier_dir=tier_dir)
         first = {d: asks[order.index(d)] for d in sorted(set(order))}
         again = [_ask(restarted, ids) for ids in first.values()]
+        restarted.llm_engine.flush_kv_tier()  # evicted blocks still queued: written before tier_dir goes
         rst = restarted.llm_engine.tier.tier.stats  # type: ignore[union-attr]
         out["restart_tier_stats"] = rst.as_dict()
     for name in ("pool", "tier"):

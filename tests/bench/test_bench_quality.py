@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 
 import pytest
@@ -122,3 +123,24 @@ def test_float_cache_over_an_int8_tier(model: Path, text: Path) -> None:
         assert 0 < r["mean_kld"] < 1e-2 and r["top1_agreement"] > 0.9
         assert r["tier_bytes_per_token"] < r["bytes_per_token"]
     assert set(d["gates"]) == {"int8_mean_kld_le_1e-3 (--dtype float32)", "int8_ppl_within_0.5% (--dtype float32)"}
+
+
+def test_tier_writers_finish_before_their_directory_goes(model: Path, text: Path, monkeypatch: pytest.MonkeyPatch,
+                                                         caplog: pytest.LogCaptureFixture) -> None:
+    """The tiers' writer threads still hold the last window's blocks when scoring ends: `run` waits for them
+    before it removes the temporary tier directories (a writer that lagged once failed CI's rmtree). A writer
+    slowed here would otherwise find its directory gone and log that storing failed."""
+    from kvlm.kv_cache.tier import KVTier
+
+    write = KVTier._write
+
+    def slow_write(self: KVTier, item: object) -> None:
+        time.sleep(0.05)
+        write(self, item)
+
+    monkeypatch.setattr(KVTier, "_write", slow_write)
+    with caplog.at_level("WARNING", logger="kvlm"):
+        quality.run(str(model), threads=2, context=64, chunks=1, chunk=16, kv_cache_dtypes=("float16",),
+                    dtypes=("float32",), text=str(text), kv_tier_dtype="int8")
+        time.sleep(0.3)  # a writer that was still behind reaches its missing directory by now
+    assert not [r for r in caplog.records if "KV tier" in r.getMessage()]
