@@ -55,11 +55,28 @@ _SOURCES = ("ops.cpp", "decode.cpp", "moe.cpp", "elementwise.cpp", "kv_quant.cpp
 _HEADERS = ("kernels.h", "kernels_impl.h", "kernels_int8.h", "kernels_int8_panel.h", "kernels_int8_avx2.h",
             "kernels_kquant.h", "kernels_int8_portable.h", "drivers.h", "elementwise.h", "kernels_attn_quant.h",
             "kv_quantize.h")
-# -std=c++20: torch 2.13's headers need it. -fopenmp: at::parallel_for is an inline `omp parallel`
-# (serial without it); the library then binds to the libgomp.so.1 torch has already loaded, so it
-# shares torch's thread pool and torch.set_num_threads. The ISA units set their own `#pragma GCC target`.
-_CFLAGS = ("-O3", "-std=c++20", "-fopenmp", "-Wno-psabi", "-Wno-maybe-uninitialized", "-fno-math-errno")
-_LDFLAGS = ("-fopenmp",)
+
+
+def build_flags(system: str = sys.platform) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(compiler flags, linker flags) of the extension on `system` (a `sys.platform` value).
+
+    -std=c++20: torch 2.13's headers need it. OpenMP: at::parallel_for is an inline `omp parallel`, and
+    decode.cpp / moe.cpp open their own regions (serial without it); the library then binds to the OpenMP
+    runtime torch has already loaded (libgomp.so.1 on Linux), so it shares torch's thread pool and
+    torch.set_num_threads. The ISA units set their own `#pragma GCC target` (clang: target attributes).
+    macOS: Apple clang has no `-fopenmp` driver flag, so the pragmas are turned on through the preprocessor;
+    omp.h is the one torch's macOS wheels ship in torch/include (on the include path of every extension
+    build), and the runtime symbols bind at load to torch's libomp.dylib (cpp_extension links with
+    `-undefined dynamic_lookup` there). Not linked by name: that dylib's install name is its build
+    machine's path. Checked by cross-compiling for aarch64-macos (scripts/macos_build_check.py), not run on a Mac.
+    """
+    rest = ("-Wno-psabi", "-Wno-maybe-uninitialized", "-fno-math-errno")
+    if system == "darwin":
+        return ("-O3", "-std=c++20", "-Xpreprocessor", "-fopenmp", *rest), ()
+    return ("-O3", "-std=c++20", "-fopenmp", *rest), ("-fopenmp",)
+
+
+_CFLAGS, _LDFLAGS = build_flags()
 
 
 def _compiler() -> str:
