@@ -61,7 +61,7 @@ def build_flags(system: str = sys.platform) -> tuple[tuple[str, ...], tuple[str,
     """(compiler flags, linker flags) of the extension on `system` (a `sys.platform` value).
 
     -std=c++20: torch 2.13's headers need it. OpenMP: at::parallel_for is an inline `omp parallel`, and
-    decode.cpp / moe.cpp open their own regions (serial without it); the library then binds to the OpenMP
+    decode.cpp opens its own region (serial without either); the library then binds to the OpenMP
     runtime torch has already loaded (libgomp.so.1 on Linux), so it shares torch's thread pool and
     torch.set_num_threads. The ISA units set their own `#pragma GCC target` (clang: target attributes).
     macOS: Apple clang has no `-fopenmp` driver flag, so the pragmas are turned on through the preprocessor;
