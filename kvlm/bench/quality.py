@@ -236,7 +236,7 @@ def _run(model: str, threads: int, context: int, chunks: int, chunk: int, kv_cac
 
 
 def _score(engines: dict, model: str, threads: int, context: int, chunks: int, chunk: int,
-           dtypes: tuple[str, ...], labels: list[str], raw: bytes, source: Any,
+           dtypes: tuple[str, ...], labels: list[str], raw: bytes, source: str,
            llama_python: str | None) -> dict[str, Any]:
     from kvlm.config import ModelConfig
     from kvlm.loader import resolve_model

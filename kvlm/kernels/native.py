@@ -70,10 +70,9 @@ def build_flags(system: str = sys.platform) -> tuple[tuple[str, ...], tuple[str,
     `-undefined dynamic_lookup` there). Not linked by name: that dylib's install name is its build
     machine's path. Checked by cross-compiling for aarch64-macos (scripts/macos_build_check.py), not run on a Mac.
     """
-    rest = ("-Wno-psabi", "-Wno-maybe-uninitialized", "-fno-math-errno")
-    if system == "darwin":
-        return ("-O3", "-std=c++20", "-Xpreprocessor", "-fopenmp", *rest), ()
-    return ("-O3", "-std=c++20", "-fopenmp", *rest), ("-fopenmp",)
+    if system == "darwin":  # (clang has no -Wmaybe-uninitialized: it would only warn about the flag)
+        return ("-O3", "-std=c++20", "-Xpreprocessor", "-fopenmp", "-Wno-psabi", "-fno-math-errno"), ()
+    return ("-O3", "-std=c++20", "-fopenmp", "-Wno-psabi", "-Wno-maybe-uninitialized", "-fno-math-errno"), ("-fopenmp",)
 
 
 _CFLAGS, _LDFLAGS = build_flags()
