@@ -304,3 +304,34 @@ def qmatmul_int8_contract(x: torch.Tensor, w: QuantTensor) -> torch.Tensor:
         if mw is not None:
             mn = fma32(np.broadcast_to(mw[None, :, ib], (m, n)), np.broadcast_to(xs[:, ib:ib + 1], (m, n)), mn)
     return torch.from_numpy(acc + mn if mw is not None else acc)
+
+
+def _flush(t: torch.Tensor) -> torch.Tensor:
+    """Denormals to zero, keeping the sign (x86 FTZ / DAZ)."""
+    return torch.where(t.abs() < torch.finfo(torch.float32).tiny, t * 0.0, t)
+
+
+def qmatmul_bf16_contract(x: torch.Tensor, w: QuantTensor) -> torch.Tensor:
+    """The native kernels' exact result for BF16 weights, bit for bit (csrc/kernels_bf16.h; AVX-512 BF16's
+    vdpbf16ps where the CPU has it): x (M, K) rounded to bf16 (nearest even), x and W zero-padded to a
+    multiple of 32; per output 16 lanes, lane l adding, chunk after chunk of 32 elements, the product of
+    elements 2l + 1 then of elements 2l (each product exact, each sum rounded once, as an FMA), denormal
+    inputs and results flushed to zero; then the kernels' fixed tree over the lanes -> (M, N) float32."""
+    m, k = x.shape
+    n = w.shape[0]
+    kp = -(-k // 32) * 32
+    xb = torch.zeros(m, kp)
+    xb[:, :k] = _flush(x.float().to(torch.bfloat16).float())
+    wb = torch.zeros(n, kp)
+    wb[:, :k] = _flush(dequantize_ref(w))
+    xr, wr = xb.view(m, 1, kp // 32, 16, 2), wb.view(1, n, kp // 32, 16, 2)
+    acc = np.zeros((m, n, 16), np.float32)
+    for c in range(kp // 32):
+        for e in (1, 0):  # each product exact, the sum rounded once (fma32: also where a product overflows)
+            a, b = torch.broadcast_tensors(xr[:, :, c, :, e], wr[:, :, c, :, e])
+            acc = _flush(torch.from_numpy(fma32(a.numpy(), b.numpy(), acc))).numpy()
+    acc = torch.from_numpy(acc)
+    b = _flush(acc[..., :8] + acc[..., 8:])  # hsum: lanes i and i + 8, then i and i + 4, ...
+    c4 = _flush(b[..., :4] + b[..., 4:])
+    d = _flush(c4[..., :2] + c4[..., 2:])
+    return _flush(d[..., 0] + d[..., 1])

@@ -58,7 +58,7 @@ def _shape(shapes: dict[str, tuple[int, int]], module: str) -> tuple[int, int]:
 def f32_rows(w: torch.Tensor) -> QuantTensor:
     """A float32 or bfloat16 (N, K) matrix as an F32 / BF16 `QuantTensor`: multiplied by the native row kernel
     (`qmatmul`), whose every output row has the same bits in any batch (the base's dense weights take the same
-    path), and the same bits in both formats on the same values (BF16 widens each weight exactly first)."""
+    path). BF16 rows run with bf16 activations (csrc/kernels_bf16.h), so the two formats' bits differ."""
     w = w.contiguous() if w.dtype == torch.bfloat16 else w.float().contiguous()
     qtype = GGMLQuantizationType.BF16 if w.dtype == torch.bfloat16 else GGMLQuantizationType.F32
     return QuantTensor(w.view(torch.uint8).reshape(w.shape[0], -1), qtype, (w.shape[0], w.shape[1]))
@@ -66,10 +66,9 @@ def f32_rows(w: torch.Tensor) -> QuantTensor:
 
 def compact(w: torch.Tensor) -> torch.Tensor:
     """float32 `w` as bfloat16 where bfloat16 holds every value exactly (an adapter trained or saved in
-    bfloat16, its scale a power of two), else `w`. The kernels widen bfloat16 to float32 exactly before each
-    multiply, so the bits are the float32 ones; a decode step, which reads every weight of the adapter once,
-    then reads half the bytes (at rank 16 on all projections of SmolLM2-135M, ~20 MB a token as float32 next
-    to the base's ~97 MB)."""
+    bfloat16, its scale a power of two), else `w`. Used for B^T (`bt`): `lora_b_add` widens bfloat16 to
+    float32 exactly before each multiply, so the bits are the float32 ones, and a decode step reads half of
+    those bytes. (A stays float32: see `load`.)"""
     h = w.to(torch.bfloat16)
     return h if torch.equal(h.float(), w) else w
 
@@ -167,6 +166,8 @@ def build_adapter(name: str, adapter_id: int, path: str, parts: dict[tuple[int, 
             for t in (a, bt, sp):
                 digest.update(f"{layer}.{stacked}{tuple(t.shape)}".encode())
                 digest.update(t.numpy().tobytes())
-            weights[layer, stacked] = StackedLoRA(f32_rows(compact(a)), compact(bt), sp)
+            # A stays float32: BF16 rows run the bf16-activation kernels (csrc/kernels_bf16.h), whose bits are
+            # not float32's, and an adapter's numbers must not depend on whether its values fit bfloat16.
+            weights[layer, stacked] = StackedLoRA(f32_rows(a), compact(bt), sp)
     targets = tuple(m for m in TARGETS if any(k[1] == m for k in parts))
     return LoRAAdapter(name, adapter_id, path, scale, max(ranks), targets, weights, key=digest.hexdigest())

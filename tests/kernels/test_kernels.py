@@ -7,7 +7,8 @@ skipped), at 1 and 2 threads. Tolerances:
 - qmatmul: |kernel - reference| <= 1e-5 * (|x| @ |W|.T) + 1e-30, the bound for float32 sums of the
   same products added in another order (K <= 1536 here). The reference is `qmatmul_ref` for float32
   activations, `qmatmul_int8_ref` (fake-quantized x, same bound with |x_fq|) where the path quantizes
-  activations to int8 (Q4_0 / Q4_1 / Q8_0 on the AVX2 / AVX-512 paths, the default).
+  activations to int8 (Q4_0 / Q4_1 / Q8_0 on the AVX2 / AVX-512 paths, the default). BF16 weights on the
+  row kernels (bf16 activations, csrc/kernels_bf16.h) equal `qmatmul_bf16_contract` bit for bit.
 - paged attention: within 2e-5 (absolute and relative) of gather + SDPA on the same cache values (float16
   / bfloat16 caches are widened exactly, so the tolerance is the float32 one): the kernel sums in chunks
   of 128 tokens, 16-lane trees and an online softmax, SDPA in its own order.
@@ -42,6 +43,7 @@ from kvlm.kernels.reference import (
     dequantize_ref,
     fake_quantize_act,
     paged_decode_attention_ref,
+    qmatmul_bf16_contract,
     qmatmul_int8_contract,
     qmatmul_int8_ref,
     qmatmul_ref,
@@ -68,6 +70,8 @@ def expected_path(qtype: T, isa: str) -> str:
 
 def reference(x: torch.Tensor, w: QuantTensor, isa: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(reference result, error bound) for qmatmul(x, w) on this path."""
+    if w.qtype == T.BF16 and native.available() and x.shape[0] <= quant.GEMV_MAX_ROWS:  # the row kernels
+        return qmatmul_bf16_contract(x, w), torch.zeros(x.shape[0], w.shape[0], dtype=torch.float64)
     xr = fake_quantize_act(x) if int8_path(w.qtype, isa) else x
     return qmatmul_ref(xr, w), matmul_bound(xr, w)
 def row_length(qtype: T) -> int:
@@ -189,9 +193,10 @@ def test_row_result_independent_of_batch_and_threads(qtype: T, isa: str) -> None
 
 
 def test_lora_kernels_bfloat16_equals_float32_on_the_same_values(isa: str) -> None:
-    """LoRA's two products on an adapter bfloat16 holds exactly (`kvlm.lora.adapter.compact`): A on BF16 rows
-    == A on F32 rows, one row of x (four weight rows at a time, then the rest; a row tail past the last 32)
-    == that row in a batch; B (`lora_b_add`) with B^T in bfloat16 == float32 == the reference, bit for bit."""
+    """LoRA's two products (`kvlm.lora.adapter`): A as F32 rows, one row of x (four weight rows at a time,
+    then the rest; a row tail past the last 32) == that row in a batch; B (`lora_b_add`) with B^T in
+    bfloat16 (`compact`) == float32 == the reference, bit for bit. (A is never kept as BF16 rows: those run
+    with bf16 activations, csrc/kernels_bf16.h.)"""
     from kvlm.kernels.elementwise import lora_b_add
     from kvlm.kernels.reference import lora_b_add_ref
     from kvlm.lora.adapter import compact, f32_rows
@@ -200,12 +205,11 @@ def test_lora_kernels_bfloat16_equals_float32_on_the_same_values(isa: str) -> No
     a = torch.randn(19, 72, generator=g).bfloat16().float()  # 19 rows: 4 x 4 + 3; 72 = 2 x 32 + a tail of 8
     assert compact(a).dtype == torch.bfloat16 and compact(a + 1e-3).dtype == torch.float32
     x = torch.randn(3, 72, generator=g)
-    a32, a16 = f32_rows(a), f32_rows(compact(a))
-    assert a16.qtype == T.BF16
+    a32 = f32_rows(a)
+    assert a32.qtype == T.F32
     batch = qmatmul(x, a32)
     for i in range(3):
         assert torch.equal(qmatmul(x[i:i + 1], a32), batch[i:i + 1])
-        assert torch.equal(qmatmul(x[i:i + 1], a16), batch[i:i + 1])
     spans = torch.tensor([[0, 8, 0, 40], [8, 11, 40, 24]])  # two parts: ranks 8 and 11, outputs 40 and 24
     bt = (torch.randn(8 * 40 + 11 * 24, generator=g) * 0.5).bfloat16().float()
     y0 = torch.randn(3, 64, generator=g)

@@ -1,8 +1,10 @@
 """BF16 / F16 safetensors stay in their width under `--dtype auto`.
 
-The row kernel widens each stored value as it reads it (exact: every bf16 and f16 value is a float32 value),
-then sums as it sums float32 blocks. So a folder in bf16 or f16 gives the bits of the same values stored in
-float32, while its matrices stay views of the mapped shards (no float32 copy; decode reads half the bytes).
+Their matrices stay views of the mapped shards (no float32 copy; decode reads half the bytes). The F16 row
+kernel widens each stored value as it reads it (exact: every f16 value is a float32 value), then sums as it
+sums float32 blocks, so an f16 folder gives the bits of the same values stored in float32. BF16 rows run
+with bf16 activations (vdpbf16ps's arithmetic, csrc/kernels_bf16.h): their own bits, the same at any thread
+count, and numbers near float32's.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ def _run(path: Path, threads: int = 1) -> list[tuple[list[int], list[dict[int, f
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("model_type", ["llama", "qwen2"])
-def test_half_width_folder_gives_the_widened_bits(tmp_path: Path, dtype: torch.dtype, model_type: str) -> None:
+def test_half_width_folder_stays_in_width(tmp_path: Path, dtype: torch.dtype, model_type: str) -> None:
     if kernel_path(WIDTHS[dtype]) == "reference":
         pytest.fail("the native kernels are not built: this path is the native row kernel's")
     cfg = tiny_config(model_type)
@@ -50,8 +52,13 @@ def test_half_width_folder_gives_the_widened_bits(tmp_path: Path, dtype: torch.d
         assert m.data.numel() == half[k].numel() * 2, k  # 2 bytes a weight, not 4
         assert any(lo <= m.data.data_ptr() < hi for lo, hi in maps), f"{k} is a copy, not a view of the file"
 
-    assert _run(half_dir) == _run(wide_dir)  # token ids and top-5 logprobs, bit for bit
-    assert _run(half_dir, threads=2) == _run(half_dir)
+    half_run = _run(half_dir)
+    if dtype == torch.float16:
+        assert half_run == _run(wide_dir)  # token ids and top-5 logprobs, bit for bit
+    else:  # bf16 activations: the first step's top-5 log-probabilities near float32's
+        for (_, lp), (_, lp32) in zip(half_run, _run(wide_dir)):
+            assert all(abs(lp[0][t] - lp32[0][t]) < 0.05 for t in lp[0].keys() & lp32[0].keys())
+    assert _run(half_dir, threads=2) == half_run
 
 
 def test_float32_reference_path_still_widens(tmp_path: Path) -> None:

@@ -511,8 +511,100 @@ void dequant_t(const uint8_t* w, int64_t rs, int64_t K, float* out, int64_t ldo,
         default: return -1;                 \
     }
 
+// This thread's buffer of n T (64-byte aligned), grown to the largest n asked for and kept (one per T).
+template <class T>
+T* thread_buffer(int64_t n) {
+    static __thread T* buf = nullptr;
+    static __thread int64_t cap = 0;
+    if (n > cap) {
+        free(buf);
+        buf = (T*)aligned_alloc(64, (n * sizeof(T) + 63) / 64 * 64);
+        cap = buf ? n : 0;
+    }
+    return buf;
+}
+
+// ---- BF16 weights: bf16 activations (kernels_bf16.h has the contract) ----------------------------
+
+namespace bf16_emu {
+#include "kernels_bf16.h"
+}
+// The vdpbf16ps form, on the AVX-512 VNNI unit (every CPU with AVX-512 BF16 has VNNI: Cooper Lake, Sapphire
+// Rapids, Zen 4 and 5), run where the CPU reports it; the AVX-512 unit keeps the spelled-out form, so one CPU
+// can compare the two (tests/kernels/test_dense.py).
+#if defined(KVLM_AVX512) && defined(KVLM_VNNI) && !defined(__clang__)
+#define KVLM_BF16_UNIT 1
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512bf16,avx2,fma,f16c,bmi2,prefer-vector-width=512")
+#define KVLM_BF16_HW 1
+namespace bf16_hw {
+#include "kernels_bf16.h"
+}
+#undef KVLM_BF16_HW
+#pragma GCC pop_options
+#endif
+
+// Denormal inputs and results flushed to zero while it lives (x86 MXCSR FTZ + DAZ, AArch64 FPCR.FZ): what
+// vdpbf16ps always does, so the spelled-out form does it too.
+struct FlushDenormals {
+#if defined(__x86_64__) || defined(__i386__)
+    unsigned saved = __builtin_ia32_stmxcsr();
+    FlushDenormals() { __builtin_ia32_ldmxcsr(saved | 0x8040u); }
+    ~FlushDenormals() { __builtin_ia32_ldmxcsr(saved); }
+#elif defined(__aarch64__)
+    uint64_t saved;
+    FlushDenormals() {
+        __asm__ volatile("mrs %0, fpcr" : "=r"(saved));
+        __asm__ volatile("msr fpcr, %0" : : "r"(saved | (1ull << 24)));
+    }
+    ~FlushDenormals() { __asm__ volatile("msr fpcr, %0" : : "r"(saved)); }
+#endif
+};
+
+// x (M, K) float32 -> xb (M, ldx) bf16, rounded to nearest even (a NaN stays a NaN), zero-padded to ldx.
+KVLM_INLINE void to_bf16_rows(const float* x, int64_t M, int64_t K, uint16_t* xb, int64_t ldx) {
+    for (int64_t m = 0; m < M; m++) {
+        const float* xr = x + m * K;
+        uint16_t* o = xb + m * ldx;
+        int64_t k = 0;
+        for (; k + 16 <= K; k += 16) {
+            u16v u;
+            memcpy(&u, xr + k, 64);
+            const u16v r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+            const u16v nan = (u16v)((u & 0x7fffffffu) > 0x7f800000u);
+            const h16 h = __builtin_convertvector((nan & ((u >> 16) | 0x40u)) | (~nan & r), h16);
+            memcpy(o + k, &h, 32);
+        }
+        for (; k < K; k++) {
+            uint32_t u;
+            memcpy(&u, xr + k, 4);
+            o[k] = (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? (u >> 16) | 0x40u : (u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+        }
+        for (; k < ldx; k++) o[k] = 0;
+    }
+}
+
+int bf16_gemv(const uint8_t* w, int64_t rs, int64_t K, const float* x, int64_t M, float* y, int64_t ldy, int64_t n0,
+              int64_t n1) {
+    const int64_t ldx = (K + 31) / 32 * 32;
+    uint16_t* xb = thread_buffer<uint16_t>(M * ldx);
+    if (xb == nullptr) return -1;
+    to_bf16_rows(x, M, K, xb, ldx);
+    FlushDenormals flush;
+#if defined(KVLM_BF16_UNIT)
+    static const bool hw = __builtin_cpu_supports("avx512bf16");
+    if (hw) {
+        bf16_hw::b_gemm(w, rs, K, xb, ldx, M, y, ldy, n0, n1);
+        return 0;
+    }
+#endif
+    bf16_emu::b_gemm(w, rs, K, xb, ldx, M, y, ldy, n0, n1);
+    return 0;
+}
+
 int gemv(int qtype, const uint8_t* w, int64_t rs, int64_t K, const float* x, int64_t M, float* y, int64_t ldy,
          int64_t n0, int64_t n1) {
+    if (qtype == T_BF16) return bf16_gemv(w, rs, K, x, M, y, ldy, n0, n1);
 #define KVLM_GEMV(F) gemv_t<F>(w, rs, K, x, M, y, ldy, n0, n1)
     KVLM_DISPATCH(qtype, KVLM_GEMV)
     return 0;

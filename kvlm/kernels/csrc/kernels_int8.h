@@ -100,19 +100,6 @@ struct ActRows {
     int64_t K, nb;
 };
 
-// This thread's buffer of n T (64-byte aligned), grown to the largest n asked for and kept (one per T).
-template <class T>
-T* thread_buffer(int64_t n) {
-    static __thread T* buf = nullptr;
-    static __thread int64_t cap = 0;
-    if (n > cap) {
-        free(buf);
-        buf = (T*)aligned_alloc(64, (n * sizeof(T) + 63) / 64 * 64);
-        cap = buf ? n : 0;
-    }
-    return buf;
-}
-
 #if defined(KVLM_AVX2) || defined(KVLM_AVX512)
 
 // Q6_K's per-row integer offsets need sum(q) of each block's first 16 elements: xl16 (M, K/32), computed
