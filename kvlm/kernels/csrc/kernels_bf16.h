@@ -2,9 +2,9 @@
 // not. Included by kernels_impl.h twice on the AVX-512 units: inside namespace bf16_emu as every unit does
 // (the arithmetic spelled out in float32), and inside namespace bf16_hw under `#pragma GCC target(...,
 // avx512bf16)` with KVLM_BF16_HW defined (the same arithmetic, one instruction per 32 products), which
-// ops.cpp's unit runs only where the CPU reports avx512_bf16 (`bf16_gemv` below kernels_impl.h's include).
+// the AVX-512 VNNI unit runs only where the CPU reports avx512_bf16 (`bf16_gemv` in kernels_impl.h).
 //
-// Contract of output (m, n) (reference.qmatmul_bf16_ref computes it in torch, bit for bit):
+// Contract of output (m, n) (reference.qmatmul_bf16_contract computes it in torch, bit for bit):
 //   xb = x[m] rounded to bf16 (nearest even), zero-padded to a multiple of 32; W[n] zero-padded alike;
 //   with the thread's MXCSR set to flush denormal inputs and results to zero (FTZ, DAZ):
 //   acc (16 lanes) = 0; for chunk c = 0, 1, ... (32 elements):  for lane l:
@@ -17,13 +17,22 @@
 // bits whatever M, the tile, the thread split and whether the instruction ran. (The x86 baseline unit has
 // no FMA: there, and only where a product overflows float32, it rounds the product to infinity first.)
 
-// One 32-element chunk of x (bf16), ready to meet weight chunks: the instruction's operand, or its odd and
-// even elements widened to float32 (a bf16 is the top half of its float32).
+// x as this form reads it, XT per element, 32 a chunk (`to_x` writes it, once per call and row): bf16, as
+// the instruction reads it, and as the spelled-out AVX-512 form splits it into odd and even elements at
+// each use; on the other units (16 or fewer vector registers) split once: each chunk's 16 odd elements
+// widened to float32 (a bf16 is the top half of its float32), then its 16 even ones. (AVX-512 spelled out
+// with split x: prefill at M = 512 0.61x to 0.86x; AVX2 with bf16 x: 0.27x to 0.38x; Zen 5, 2026-12-05.)
+#if defined(KVLM_BF16_HW) || defined(KVLM_AVX512)
+#define KVLM_BF16_XB 1
+typedef uint16_t XT;
+#else
+typedef float XT;
+#endif
 #if defined(KVLM_BF16_HW)
 struct XChunk {
     __m512bh v;
 };
-KVLM_INLINE XChunk xchunk(const uint16_t* x) { return {(__m512bh)_mm512_loadu_si512((const void*)x)}; }
+KVLM_INLINE XChunk xchunk(const XT* x) { return {(__m512bh)_mm512_loadu_si512((const void*)x)}; }
 // acc += the chunk's 32 products with the weights at w, in the contract's order.
 KVLM_INLINE void bdot(v16& acc, const uint16_t* w, const XChunk& x) {
     acc = (v16)_mm512_dpbf16_ps((__m512)acc, (__m512bh)_mm512_loadu_si512((const void*)w), x.v);
@@ -38,11 +47,15 @@ KVLM_INLINE void split(const uint16_t* p, v16& odd, v16& even) {
     even = (v16)(u << 16);
     odd = (v16)(u & 0xffff0000u);
 }
-KVLM_INLINE XChunk xchunk(const uint16_t* x) {
+#if defined(KVLM_BF16_XB)
+KVLM_INLINE XChunk xchunk(const XT* x) {
     XChunk c;
     split(x, c.odd, c.even);
     return c;
 }
+#else
+KVLM_INLINE XChunk xchunk(const XT* x) { return {ld(x), ld(x + 16)}; }
+#endif
 KVLM_INLINE void bdot(v16& acc, const uint16_t* w, const XChunk& x) {
     v16 wo, we;
     split(w, wo, we);
@@ -50,6 +63,42 @@ KVLM_INLINE void bdot(v16& acc, const uint16_t* w, const XChunk& x) {
     acc += we * x.even;
 }
 #endif
+
+// x (M, K) float32 -> xb (M, ldx) XT: rounded to bf16 (nearest even; a NaN stays a NaN), zero-padded to ldx
+// (a multiple of 32).
+KVLM_INLINE u16v bf16_bits(u16v u) {  // float32 bits -> bf16 bits, per lane
+    const u16v nan = (u16v)((u & 0x7fffffffu) > 0x7f800000u);
+    return (nan & ((u >> 16) | 0x40u)) | (~nan & ((u + 0x7fffu + ((u >> 16) & 1u)) >> 16));
+}
+inline void to_x(const float* x, int64_t M, int64_t K, XT* xb, int64_t ldx) {
+    for (int64_t m = 0; m < M; m++) {
+        const float* xr = x + m * K;
+        XT* o = xb + m * ldx;
+        for (int64_t c = 0; c < ldx / 32; c++) {
+            float in[32];
+            const float* p = xr + 32 * c;
+            if (32 * c + 32 > K) {  // the last, partial chunk: zero-padded
+                memset(in, 0, sizeof in);
+                memcpy(in, p, 4 * (K - 32 * c));
+                p = in;
+            }
+            u16v a, b;
+            memcpy(&a, p, 64);
+            memcpy(&b, p + 16, 64);
+            a = bf16_bits(a), b = bf16_bits(b);
+#if defined(KVLM_BF16_XB)
+            const h16 ha = __builtin_convertvector(a, h16), hb = __builtin_convertvector(b, h16);
+            memcpy(o + 32 * c, &ha, 32);
+            memcpy(o + 32 * c + 16, &hb, 32);
+#else
+            const u16v od = __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31) << 16;
+            const u16v ev = __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) << 16;
+            memcpy(o + 32 * c, &od, 64);
+            memcpy(o + 32 * c + 16, &ev, 64);
+#endif
+        }
+    }
+}
 
 // The partial last chunk of a weight row (K % 32 elements from p), zero-padded into tmp. Kept out of the
 // main loops, whose accumulators then stay in registers.
@@ -62,7 +111,7 @@ KVLM_INLINE const uint16_t* wtail(const uint8_t* row, int64_t K, uint16_t* tmp) 
 // One row of x (xb: its bf16 chunks) against NR weight rows at once: NR independent chains, the x chunk
 // read once for all (a decode step).
 template <int NR>
-KVLM_INLINE void b_rows(const uint8_t* w, int64_t rs, int64_t K, const uint16_t* xb, float* y) {
+KVLM_INLINE void b_rows(const uint8_t* w, int64_t rs, int64_t K, const XT* xb, float* y) {
     v16 acc[NR];
     for (int j = 0; j < NR; j++) acc[j] = (v16){};
     const int64_t nf = K / 32;
@@ -80,7 +129,7 @@ KVLM_INLINE void b_rows(const uint8_t* w, int64_t rs, int64_t K, const uint16_t*
 
 // MT rows of x (ldx elements apart in xb) against one weight row.
 template <int MT>
-KVLM_INLINE void b_row(const uint8_t* row, int64_t K, const uint16_t* xb, int64_t ldx, float* y, int64_t ldy) {
+KVLM_INLINE void b_row(const uint8_t* row, int64_t K, const XT* xb, int64_t ldx, float* y, int64_t ldy) {
     v16 acc[MT];
     for (int i = 0; i < MT; i++) acc[i] = (v16){};
     const int64_t nf = K / 32;
@@ -106,7 +155,7 @@ constexpr int B_MR = 4, B_NR = 4;
 constexpr int64_t B_PANEL = 16;  // weight rows per panel: (K = 2048) 64 KB, kept in L2 while every x tile passes
 
 template <int MR>
-KVLM_INLINE void b_tile(const uint8_t* w, int64_t rs, int64_t K, const uint16_t* xb, int64_t ldx, float* y,
+KVLM_INLINE void b_tile(const uint8_t* w, int64_t rs, int64_t K, const XT* xb, int64_t ldx, float* y,
                         int64_t ldy) {
     v16 acc[MR][B_NR];
     for (int i = 0; i < MR; i++)
@@ -130,8 +179,56 @@ KVLM_INLINE void b_tile(const uint8_t* w, int64_t rs, int64_t K, const uint16_t*
 }
 #endif
 
-// y[m, n] for m < M, n in [n0, n1): xb (M, ldx) is x in bf16, zero-padded.
-inline void b_gemm(const uint8_t* w, int64_t rs, int64_t K, const uint16_t* xb, int64_t ldx, int64_t M, float* y,
+#if defined(KVLM_AVX2)
+// Prefill on AVX2 (spelled out): MR rows of x by NR weight rows, each chunk in two halves of 8 lanes (lanes
+// are independent, so the order per lane is the contract's), 2 MR NR accumulators of one ymm each. A 16-lane
+// block (bdot) would need 4 registers per weight row and spill; this needs 2.
+constexpr int B2_MR = 2, B2_NR = 3;
+KVLM_INLINE v8 ldh(const float* p) {
+    v8 r;
+    memcpy(&r, p, 32);
+    return r;
+}
+template <int MR, int NR>
+KVLM_INLINE void b_tile8(const uint8_t* w, int64_t rs, int64_t K, const XT* xb, int64_t ldx, float* y, int64_t ldy) {
+    typedef uint32_t u8v __attribute__((vector_size(32)));
+    v8 acc[2][MR][NR];
+    for (int h = 0; h < 2; h++)
+        for (int i = 0; i < MR; i++)
+            for (int j = 0; j < NR; j++) acc[h][i][j] = (v8){};
+    // chunk c of the NR weight rows (wc[j]) against the tile's rows of x
+    const auto chunk = [&](const uint16_t* const* wc, int64_t c) __attribute__((always_inline)) {
+        for (int h = 0; h < 2; h++)
+            for (int j = 0; j < NR; j++) {
+                u8v u;
+                memcpy(&u, wc[j] + 16 * h, 32);
+                const v8 wo = (v8)(u & 0xffff0000u), we = (v8)(u << 16);
+                for (int i = 0; i < MR; i++) {
+                    const XT* xp = xb + i * ldx + 32 * c + 8 * h;
+                    acc[h][i][j] += wo * ldh(xp);
+                    acc[h][i][j] += we * ldh(xp + 16);
+                }
+            }
+    };
+    const int64_t nf = K / 32;
+    for (int64_t c = 0; c < nf; c++) {
+        const uint16_t* wc[NR];
+        for (int j = 0; j < NR; j++) wc[j] = (const uint16_t*)(w + j * rs) + 32 * c;
+        chunk(wc, c);
+    }
+    if (K % 32) {
+        alignas(64) uint16_t tmp[NR][32];
+        const uint16_t* wc[NR];
+        for (int j = 0; j < NR; j++) wc[j] = wtail(w + j * rs, K, tmp[j]);
+        chunk(wc, nf);
+    }
+    for (int i = 0; i < MR; i++)
+        for (int j = 0; j < NR; j++) y[i * ldy + j] = hsum(join16<v16>(acc[0][i][j], acc[1][i][j]));
+}
+#endif
+
+// y[m, n] for m < M, n in [n0, n1): xb (M, ldx) is x as `to_x` writes it.
+inline void b_gemm(const uint8_t* w, int64_t rs, int64_t K, const XT* xb, int64_t ldx, int64_t M, float* y,
                    int64_t ldy, int64_t n0, int64_t n1) {
     if (M == 1) {  // a decode step: four weight rows in flight
         for (; n0 + 4 <= n1; n0 += 4) b_rows<4>(w + n0 * rs, rs, K, xb, y + n0);
@@ -152,6 +249,21 @@ inline void b_gemm(const uint8_t* w, int64_t rs, int64_t K, const uint16_t* xb, 
         n0 = nt;  // the last columns (fewer than B_NR) by rows below
     }
 #endif
+#if defined(KVLM_AVX2)
+    if (M >= B2_MR) {
+        const int64_t nt = n0 + (n1 - n0) / B2_NR * B2_NR;
+        for (int64_t n = n0; n < nt; n += 4 * B2_NR) {  // panels of 12 weight rows, every tile of x over each
+            const int64_t ne = n + 4 * B2_NR < nt ? n + 4 * B2_NR : nt;
+            int64_t m = 0;
+            for (; m + B2_MR <= M; m += B2_MR)
+                for (int64_t j = n; j < ne; j += B2_NR)
+                    b_tile8<B2_MR, B2_NR>(w + j * rs, rs, K, xb + m * ldx, ldx, y + m * ldy + j, ldy);
+            for (; m < M; m++)
+                for (int64_t j = n; j < ne; j += B2_NR) b_tile8<1, B2_NR>(w + j * rs, rs, K, xb + m * ldx, ldx, y + m * ldy + j, ldy);
+        }
+        n0 = nt;
+    }
+#endif
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t* row = w + n * rs;
         int64_t m = 0;
@@ -160,3 +272,5 @@ inline void b_gemm(const uint8_t* w, int64_t rs, int64_t K, const uint16_t* xb, 
         if (m < M) b_row<1>(row, K, xb + m * ldx, ldx, y + m * ldy + n, ldy);
     }
 }
+
+#undef KVLM_BF16_XB

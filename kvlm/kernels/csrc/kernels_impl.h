@@ -561,43 +561,23 @@ struct FlushDenormals {
 #endif
 };
 
-// x (M, K) float32 -> xb (M, ldx) bf16, rounded to nearest even (a NaN stays a NaN), zero-padded to ldx.
-KVLM_INLINE void to_bf16_rows(const float* x, int64_t M, int64_t K, uint16_t* xb, int64_t ldx) {
-    for (int64_t m = 0; m < M; m++) {
-        const float* xr = x + m * K;
-        uint16_t* o = xb + m * ldx;
-        int64_t k = 0;
-        for (; k + 16 <= K; k += 16) {
-            u16v u;
-            memcpy(&u, xr + k, 64);
-            const u16v r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-            const u16v nan = (u16v)((u & 0x7fffffffu) > 0x7f800000u);
-            const h16 h = __builtin_convertvector((nan & ((u >> 16) | 0x40u)) | (~nan & r), h16);
-            memcpy(o + k, &h, 32);
-        }
-        for (; k < K; k++) {
-            uint32_t u;
-            memcpy(&u, xr + k, 4);
-            o[k] = (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? (u >> 16) | 0x40u : (u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-        }
-        for (; k < ldx; k++) o[k] = 0;
-    }
-}
-
 int bf16_gemv(const uint8_t* w, int64_t rs, int64_t K, const float* x, int64_t M, float* y, int64_t ldy, int64_t n0,
               int64_t n1) {
     const int64_t ldx = (K + 31) / 32 * 32;
-    uint16_t* xb = thread_buffer<uint16_t>(M * ldx);
-    if (xb == nullptr) return -1;
-    to_bf16_rows(x, M, K, xb, ldx);
     FlushDenormals flush;
 #if defined(KVLM_BF16_UNIT)
     static const bool hw = __builtin_cpu_supports("avx512bf16");
     if (hw) {
+        uint16_t* xb = thread_buffer<uint16_t>(M * ldx);
+        if (xb == nullptr) return -1;
+        bf16_hw::to_x(x, M, K, xb, ldx);
         bf16_hw::b_gemm(w, rs, K, xb, ldx, M, y, ldy, n0, n1);
         return 0;
     }
 #endif
+    bf16_emu::XT* xb = thread_buffer<bf16_emu::XT>(M * ldx);
+    if (xb == nullptr) return -1;
+    bf16_emu::to_x(x, M, K, xb, ldx);
     bf16_emu::b_gemm(w, rs, K, xb, ldx, M, y, ldy, n0, n1);
     return 0;
 }
