@@ -9,6 +9,7 @@
 // column ranges (as threads split them). Built natively on x86 (AVX2 / AVX-512 units, where the CPU
 // runs them) and cross-compiled for aarch64 (NEON, NEON + dotprod, NEON + i8mm) to run under qemu-aarch64:
 // tests/kernels/test_arm_contract.py. Prints one line per unit and format; exit 1 on any difference.
+// BF16 weights (their own contract, csrc/kernels_bf16.h) are checked the same way.
 //   usage: contract_test [quick]
 #include <math.h>
 #include <stdint.h>
@@ -205,6 +206,64 @@ static int check(const char* unit, const KvlmKernels* t, const Fmt& f, int64_t M
     return compare(what, y.data(), want.data(), M * N);
 }
 
+// BF16 weights (csrc/kernels_bf16.h): x rounded to bf16 (nearest even), per output lane l and 32-element
+// chunk fma(x[2l+1], w[2l+1], acc) then fma(x[2l], w[2l], acc), zero-padded, denormals flushed; the fixed tree
+// (lanes i and i + 8, then i + 4, ...); reference.qmatmul_bf16_contract in torch.
+static float bf(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+static float flush(float v) { return fabsf(v) < 1.17549435e-38f ? copysignf(0.0f, v) : v; }
+static uint16_t to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);  // finite inputs here
+}
+static std::vector<float> ref_bf16(const std::vector<uint16_t>& w, int64_t N, int64_t K, const std::vector<float>& x,
+                                   int64_t M) {
+    std::vector<float> y(M * N);
+    const int64_t nc = (K + 31) / 32;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t n = 0; n < N; n++) {
+            float acc[16] = {};
+            for (int64_t c = 0; c < nc; c++)
+                for (int l = 0; l < 16; l++)
+                    for (int e : {1, 0}) {
+                        const int64_t k = 32 * c + 2 * l + e;
+                        const float xv = k < K ? flush(bf(to_bf16(x[m * K + k]))) : 0.0f;
+                        const float wv = k < K ? flush(bf(w[n * K + k])) : 0.0f;
+                        acc[l] = flush(fmaf(xv, wv, acc[l]));
+                    }
+            for (int h = 8; h >= 1; h /= 2)
+                for (int l = 0; l < h; l++) acc[l] = flush(acc[l] + acc[l + h]);
+            y[m * N + n] = acc[0];
+        }
+    return y;
+}
+static int check_bf16(const char* unit, const KvlmKernels* t, int64_t M, int64_t N, int64_t K) {
+    std::normal_distribution<float> nd(0.0f, 1.0f);
+    std::vector<uint16_t> w(N * K);
+    std::vector<float> x(M * K), y(M * N, NAN);
+    for (auto& v : w) v = to_bf16(nd(rng));
+    for (auto& v : x) v = nd(rng);
+    char what[160];
+    snprintf(what, sizeof what, "%s BF16 M=%lld N=%lld K=%lld", unit, (long long)M, (long long)N, (long long)K);
+    const std::vector<float> want = ref_bf16(w, N, K, x, M);
+    const uint8_t* wb = (const uint8_t*)w.data();
+    if (t->gemv(T_BF16, wb, 2 * K, K, x.data(), M, y.data(), N, 0, N) != 0) {
+        fprintf(stderr, "MISMATCH %s: gemv refused BF16\n", what);
+        return 1;
+    }
+    if (compare(what, y.data(), want.data(), M * N)) return 1;
+    std::fill(y.begin(), y.end(), NAN);
+    const int64_t cut = N < 5 ? N : 5;
+    t->gemv(T_BF16, wb, 2 * K, K, x.data(), M, y.data(), N, 0, cut);
+    t->gemv(T_BF16, wb, 2 * K, K, x.data(), M, y.data(), N, cut, N);
+    return compare(what, y.data(), want.data(), M * N);
+}
+
 int main(int argc, char** argv) {
     const bool quick = argc > 1 && strcmp(argv[1], "quick") == 0;
     struct Shape { int64_t M, N, K, Kk; };  // Kk: K for the 256-element K-quants
@@ -233,6 +292,10 @@ int main(int argc, char** argv) {
         }
         printf("%s %s: %lld checks\n", UNIT_NAME, f.name, (long long)checks);
     }
+    int64_t bchecks = 0;
+    for (const Shape& s : shapes)
+        for (int u = 0; u < 2; u++) bad |= check_bf16(names[u], units[u], s.M, s.N, s.K + 5), bchecks++;  // a tail
+    printf("%s BF16: %lld checks\n", UNIT_NAME, (long long)bchecks);
     printf(bad ? "FAIL\n" : "OK\n");
     return bad;
 }
