@@ -91,8 +91,10 @@ inline void to_x(const float* x, int64_t M, int64_t K, XT* xb, int64_t ldx) {
             memcpy(o + 32 * c, &ha, 32);
             memcpy(o + 32 * c + 16, &hb, 32);
 #else
-            const u16v od = __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31) << 16;
-            const u16v ev = __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) << 16;
+            const u16v od =
+                __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31) << 16;
+            const u16v ev =
+                __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) << 16;
             memcpy(o + 32 * c, &od, 64);
             memcpy(o + 32 * c + 16, &ev, 64);
 #endif
@@ -108,8 +110,8 @@ KVLM_INLINE const uint16_t* wtail(const uint8_t* row, int64_t K, uint16_t* tmp) 
     return tmp;
 }
 
-// One row of x (xb: its bf16 chunks) against NR weight rows at once: NR independent chains, the x chunk
-// read once for all (a decode step).
+// One row of x (xb: its chunks as to_x wrote them) against NR weight rows at once: NR independent chains,
+// the x chunk read once for all (a decode step).
 template <int NR>
 KVLM_INLINE void b_rows(const uint8_t* w, int64_t rs, int64_t K, const XT* xb, float* y) {
     v16 acc[NR];
@@ -232,6 +234,23 @@ KVLM_INLINE void b_tile8(const uint8_t* w, int64_t rs, int64_t K, const XT* xb, 
 }
 #endif
 
+// Register blocks of MR rows of x by NR weight rows, over panels of P weight rows (every tile of x passes over
+// a panel while it stays in L2): tile(MR or 1 as a constant, first row of x, first weight row). Returns the
+// first of the columns left over (fewer than NR), for the row kernels.
+template <int MR, int NR, int64_t P, class Tile>
+KVLM_INLINE int64_t b_blocks(int64_t M, int64_t n0, int64_t n1, Tile&& tile) {
+    const int64_t nt = n0 + (n1 - n0) / NR * NR;
+    for (int64_t n = n0; n < nt; n += P) {
+        const int64_t ne = n + P < nt ? n + P : nt;
+        int64_t m = 0;
+        for (; m + MR <= M; m += MR)
+            for (int64_t j = n; j < ne; j += NR) tile(std::integral_constant<int, MR>{}, m, j);
+        for (; m < M; m++)
+            for (int64_t j = n; j < ne; j += NR) tile(std::integral_constant<int, 1>{}, m, j);
+    }
+    return nt;
+}
+
 // y[m, n] for m < M, n in [n0, n1): xb (M, ldx) is x as `to_x` writes it.
 inline void b_gemm(const uint8_t* w, int64_t rs, int64_t K, const XT* xb, int64_t ldx, int64_t M, float* y,
                    int64_t ldy, int64_t n0, int64_t n1) {
@@ -241,33 +260,16 @@ inline void b_gemm(const uint8_t* w, int64_t rs, int64_t K, const XT* xb, int64_
         return;
     }
 #if defined(KVLM_AVX512)
-    if (M >= B_MR) {
-        const int64_t nt = n0 + (n1 - n0) / B_NR * B_NR;
-        for (int64_t n = n0; n < nt; n += B_PANEL) {
-            const int64_t ne = n + B_PANEL < nt ? n + B_PANEL : nt;
-            int64_t m = 0;
-            for (; m + B_MR <= M; m += B_MR)
-                for (int64_t j = n; j < ne; j += B_NR) b_tile<B_MR>(w + j * rs, rs, K, xb + m * ldx, ldx, y + m * ldy + j, ldy);
-            for (; m < M; m++)
-                for (int64_t j = n; j < ne; j += B_NR) b_tile<1>(w + j * rs, rs, K, xb + m * ldx, ldx, y + m * ldy + j, ldy);
-        }
-        n0 = nt;  // the last columns (fewer than B_NR) by rows below
-    }
+    if (M >= B_MR)
+        n0 = b_blocks<B_MR, B_NR, B_PANEL>(M, n0, n1, [&](auto mr, int64_t m, int64_t j) {
+            b_tile<decltype(mr)::value>(w + j * rs, rs, K, xb + m * ldx, ldx, y + m * ldy + j, ldy);
+        });
 #endif
 #if defined(KVLM_AVX2)
-    if (M >= B2_MR) {
-        const int64_t nt = n0 + (n1 - n0) / B2_NR * B2_NR;
-        for (int64_t n = n0; n < nt; n += 4 * B2_NR) {  // panels of 12 weight rows, every tile of x over each
-            const int64_t ne = n + 4 * B2_NR < nt ? n + 4 * B2_NR : nt;
-            int64_t m = 0;
-            for (; m + B2_MR <= M; m += B2_MR)
-                for (int64_t j = n; j < ne; j += B2_NR)
-                    b_tile8<B2_MR, B2_NR>(w + j * rs, rs, K, xb + m * ldx, ldx, y + m * ldy + j, ldy);
-            for (; m < M; m++)
-                for (int64_t j = n; j < ne; j += B2_NR) b_tile8<1, B2_NR>(w + j * rs, rs, K, xb + m * ldx, ldx, y + m * ldy + j, ldy);
-        }
-        n0 = nt;
-    }
+    if (M >= B2_MR)
+        n0 = b_blocks<B2_MR, B2_NR, 4 * B2_NR>(M, n0, n1, [&](auto mr, int64_t m, int64_t j) {
+            b_tile8<decltype(mr)::value, B2_NR>(w + j * rs, rs, K, xb + m * ldx, ldx, y + m * ldy + j, ldy);
+        });
 #endif
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t* row = w + n * rs;
