@@ -269,6 +269,9 @@ struct FmtF32 {
         w0 = ld16(b);
         w1 = ld16(b + 64);
     }
+#if defined(KVLM_AVX2)
+    KVLM_INLINE v8 ld8(const uint8_t* p) { return (v8)_mm256_loadu_ps((const float*)p); }
+#endif
     KVLM_INLINE float elem(const uint8_t* row, int64_t k) {
         float f;
         memcpy(&f, row + 4 * k, 4);
@@ -295,6 +298,9 @@ struct FmtF16 {
         w0 = ld16(b);
         w1 = ld16(b + 32);
     }
+#if defined(KVLM_AVX2)
+    KVLM_INLINE v8 ld8(const uint8_t* p) { return (v8)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
+#endif
     KVLM_INLINE float elem(const uint8_t* row, int64_t k) { return f16(row + 2 * k); }
 };
 
@@ -322,6 +328,11 @@ struct FmtBF16 {
         w0 = ld16(b);
         w1 = ld16(b + 32);
     }
+#if defined(KVLM_AVX2)
+    KVLM_INLINE v8 ld8(const uint8_t* p) {
+        return (v8)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16);
+    }
+#endif
     KVLM_INLINE float elem(const uint8_t* row, int64_t k) { return bf16(row + 2 * k); }
 };
 
@@ -394,6 +405,36 @@ KVLM_INLINE void rows_dot(const uint8_t* w, int64_t rs, int64_t K, const float* 
 template <class F, int MR, int NR>
 KVLM_INLINE void tile_dot(const uint8_t* w, int64_t rs, int64_t K, const float* x, int64_t ldx, float* y,
                           int64_t ldy) {
+#if defined(KVLM_AVX2)
+    // In 8-lane halves, one ymm accumulator each (a v16 block would need two registers per weight row and
+    // spill): lanes 0..7 take elements k .. k + 7 of each 16, lanes 8..15 the next 8, in increasing k, so
+    // every lane's sequence of FMAs is the one above, and the tree joins the halves back.
+    v8 a[2][MR][NR];
+    for (int h = 0; h < 2; h++)
+        for (int i = 0; i < MR; i++)
+            for (int j = 0; j < NR; j++) a[h][i][j] = (v8){};
+    const auto x8 = [](const float* p) {
+        v8 r;
+        memcpy(&r, p, 32);
+        return r;
+    };
+    const int64_t kb8 = K / F::BE * F::BE;
+    for (int64_t k = 0; k < kb8; k += 16)
+        for (int h = 0; h < 2; h++)
+            for (int j = 0; j < NR; j++) {
+                const v8 wv = F::ld8(w + j * rs + (k + 8 * h) * F::ES);
+                for (int i = 0; i < MR; i++) a[h][i][j] += wv * x8(x + i * ldx + k + 8 * h);
+            }
+    for (int64_t k = kb8; k < K; k++)
+        for (int j = 0; j < NR; j++) {
+            const float wk = F::elem(w + j * rs, k);
+            const int lane = (int)((k - kb8) % 16);
+            for (int i = 0; i < MR; i++) a[lane / 8][i][j][lane % 8] += wk * x[i * ldx + k];
+        }
+    for (int i = 0; i < MR; i++)
+        for (int j = 0; j < NR; j++) y[i * ldy + j] = hsum(join16<v16>(a[0][i][j], a[1][i][j]));
+    return;
+#endif
     v16 acc[MR][NR];
     for (int i = 0; i < MR; i++)
         for (int j = 0; j < NR; j++) acc[i][j] = (v16){};
@@ -415,18 +456,21 @@ KVLM_INLINE void tile_dot(const uint8_t* w, int64_t rs, int64_t K, const float* 
         for (int j = 0; j < NR; j++) y[i * ldy + j] = hsum(acc[i][j]);
 }
 
-// Register blocks (x rows, weight rows): AVX-512 6 x 4 (24 accumulators of 32 registers). A panel of
-// PANEL_ROWS weight rows (bf16 at K = 2048: 64 KB) stays in L2 while every block of x rows passes over it.
-// AVX-512 only: a 2 x 2 block on AVX2 (each v16 two ymm) ran 1.7x slower than row_dot there (GCC 12, M = 64),
-// so the other paths keep row_dot (the same bits either way).
+// Register blocks (x rows, weight rows): AVX-512 6 x 4 (24 accumulators of 32 registers); AVX2 2 x 3 in
+// 8-lane halves (12 of 16; a 2 x 2 block of whole v16s, two ymm each, ran 1.7x slower than row_dot there).
+// A panel of PANEL_ROWS weight rows (f16 at K = 2048: 64 KB) stays in L2 while every block of x rows passes
+// over it. The baseline and NEON keep row_dot (the same bits either way).
 #if defined(KVLM_AVX512)
 constexpr bool DENSE_TILES = true;
 constexpr int TILE_MR = 6, TILE_NR = 4;
+#elif defined(KVLM_AVX2)
+constexpr bool DENSE_TILES = true;
+constexpr int TILE_MR = 2, TILE_NR = 3;
 #else
 constexpr bool DENSE_TILES = false;
 constexpr int TILE_MR = 2, TILE_NR = 2;
 #endif
-constexpr int64_t PANEL_ROWS = 16;
+constexpr int64_t PANEL_ROWS = 4 * TILE_NR;  // a whole number of blocks
 
 template <class F, int MR>
 KVLM_INLINE void tile_rows(const uint8_t* w, int64_t rs, int64_t K, const float* x, int64_t M, float* y,
