@@ -304,7 +304,7 @@ struct FmtF16 {
     KVLM_INLINE float elem(const uint8_t* row, int64_t k) { return f16(row + 2 * k); }
 };
 
-struct FmtBF16 {  // dequantize only: gemv sends BF16 rows to bf16_gemv (kernels_bf16.h, bf16 activations)
+struct FmtBF16 {  // dequantize only: gemv sends BF16 rows to bf16_gemv (kernels_bf16.h)
     static constexpr int BE = 32, BB = 64, ES = 2;
     static constexpr bool DENSE = true;
     // A bf16 is the top half of its float32: zero-extend each 16-bit value to 32 bits, shift left 16.
@@ -314,7 +314,7 @@ struct FmtBF16 {  // dequantize only: gemv sends BF16 rows to bf16_gemv (kernels
         return (v16)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16);
 #elif defined(KVLM_AVX2)
         auto h8 = [](const uint8_t* q) {
-struct FmtBF16 {  // dequantize only: gemv sends BF16 rows to bf16_gemv (kernels_bf16.h)
+            return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)q)), 16));
         };
         return join16<v16>(h8(p), h8(p + 16));
 #else
@@ -498,23 +498,19 @@ constexpr int64_t MT_MAX = 4;
 template <class F>
 void gemv_t(const uint8_t* w, int64_t rs, int64_t K, const float* x, int64_t M, float* y, int64_t ldy,
             int64_t n0, int64_t n1) {
-    if constexpr (std::is_same_v<F, FmtBF16>)
-        return;  // never reached: gemv sends BF16 to bf16_gemv (kernels_bf16.h); FmtBF16 serves dequant_t
-    else {
-        if constexpr (F::DENSE)
-            if (M == 1)  // one row of x (a decode step, a LoRA A product): four weight rows at a time, same bits
-                for (; n0 + DENSE_NR <= n1; n0 += DENSE_NR) rows_dot<F, DENSE_NR>(w + n0 * rs, rs, K, x, y + n0);
-        if constexpr (F::DENSE && DENSE_TILES)
-            if (M >= TILE_MR) return dense_panels<F>(w, rs, K, x, M, y, ldy, n0, n1);
-        for (int64_t n = n0; n < n1; n++) {
-            const uint8_t* row = w + n * rs;
-            int64_t m = 0;
-            // Tiles of MT_MAX rows, then the rest as 4 + 2 + 1: the per-row arithmetic is the same in all.
-            for (; m + MT_MAX <= M; m += MT_MAX) row_dot<F, MT_MAX>(row, K, x + m * K, K, y + m * ldy + n, ldy);
-            if (MT_MAX > 4 && m + 4 <= M) row_dot<F, 4>(row, K, x + m * K, K, y + m * ldy + n, ldy), m += 4;
-            if (m + 2 <= M) row_dot<F, 2>(row, K, x + m * K, K, y + m * ldy + n, ldy), m += 2;
-            if (m < M) row_dot<F, 1>(row, K, x + m * K, K, y + m * ldy + n, ldy);
-        }
+    if constexpr (F::DENSE)
+        if (M == 1)  // one row of x (a decode step, a LoRA A product): four weight rows at a time, same bits
+            for (; n0 + DENSE_NR <= n1; n0 += DENSE_NR) rows_dot<F, DENSE_NR>(w + n0 * rs, rs, K, x, y + n0);
+    if constexpr (F::DENSE && DENSE_TILES)
+        if (M >= TILE_MR) return dense_panels<F>(w, rs, K, x, M, y, ldy, n0, n1);
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t* row = w + n * rs;
+        int64_t m = 0;
+        // Tiles of MT_MAX rows, then the rest as 4 + 2 + 1: the per-row arithmetic is the same in all.
+        for (; m + MT_MAX <= M; m += MT_MAX) row_dot<F, MT_MAX>(row, K, x + m * K, K, y + m * ldy + n, ldy);
+        if (MT_MAX > 4 && m + 4 <= M) row_dot<F, 4>(row, K, x + m * K, K, y + m * ldy + n, ldy), m += 4;
+        if (m + 2 <= M) row_dot<F, 2>(row, K, x + m * K, K, y + m * ldy + n, ldy), m += 2;
+        if (m < M) row_dot<F, 1>(row, K, x + m * K, K, y + m * ldy + n, ldy);
     }
 }
 
@@ -628,7 +624,9 @@ int bf16_gemv(const uint8_t* w, int64_t rs, int64_t K, const float* x, int64_t M
 int gemv(int qtype, const uint8_t* w, int64_t rs, int64_t K, const float* x, int64_t M, float* y, int64_t ldy,
          int64_t n0, int64_t n1) {
     if (qtype == T_BF16) return bf16_gemv(w, rs, K, x, M, y, ldy, n0, n1);
-#define KVLM_GEMV(F) gemv_t<F>(w, rs, K, x, M, y, ldy, n0, n1)
+// (BF16 returned above: its widened row kernels are not instantiated; FmtBF16 serves dequant_t)
+#define KVLM_GEMV(F) \
+    if constexpr (!std::is_same_v<F, FmtBF16>) gemv_t<F>(w, rs, K, x, M, y, ldy, n0, n1)
     KVLM_DISPATCH(qtype, KVLM_GEMV)
     return 0;
 }
