@@ -21,7 +21,8 @@
 // the instruction reads it, and as the spelled-out AVX-512 form splits it into odd and even elements at
 // each use; on the other units (16 or fewer vector registers) split once: each chunk's 16 odd elements
 // widened to float32 (a bf16 is the top half of its float32), then its 16 even ones. (AVX-512 spelled out
-// with split x: prefill at M = 512 0.61x to 0.86x; AVX2 with bf16 x: 0.27x to 0.38x; Zen 5, 2026-12-05.)
+// with split x: prefill at M = 512 0.61x to 0.86x; AVX2 with bf16 x: 0.27x to 0.38x; Zen 5, 2 threads,
+// 2026-12-05, a one-off A/B not kept in the repo.)
 #if defined(KVLM_BF16_HW) || defined(KVLM_AVX512)
 #define KVLM_BF16_XB 1
 typedef uint16_t XT;
