@@ -2,10 +2,11 @@
 """Logits deviation of the default path (int8 activations) from the float32 reference path.
 
 On the README's and the tests' prompts (tests/model/test_quantized.py) plus a chat turn: teacher-forced along
-the reference's greedy tokens (steps 0, 8, 16, 24, 31), the max and rms |logit difference| and the max
-relative to the logit range; where 32 greedy tokens part, the reference's top-2 margin at that step.
-Usage: PYTHONPATH=. python scripts/int8_logits_deviation.py [MODEL.gguf ...]  (default: the default model's file;
-several files, e.g. scripts/make_quant_fixtures.py's, are measured one after the other)
+the reference's greedy tokens (steps 0, 8, 16, 24, 31; all 32 with --every-step), the max and rms |logit
+difference| and the max relative to the logit range; where 32 greedy tokens part, the reference's top-2
+margin at that step.
+Usage: PYTHONPATH=. python scripts/int8_logits_deviation.py [--every-step] [MODEL.gguf ...]  (default: the
+default model's file; several files, e.g. scripts/make_quant_fixtures.py's, are measured one after the other)
 """
 
 from __future__ import annotations
@@ -44,12 +45,14 @@ def tensor_paths(path: str) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("models", nargs="*", metavar="MODEL.gguf", help="default: the default model's file")
-    for path in p.parse_args().models or [str(registry.pull("smollm2-135m"))]:
+    p.add_argument("--every-step", action="store_true", help="teacher-force all 32 steps, not 5 of them")
+    args = p.parse_args()
+    for path in args.models or [str(registry.pull("smollm2-135m"))]:
         print(f"# {Path(path).name}")
-        deviation(path)
+        deviation(path, range(32) if args.every_step else (0, 8, 16, 24, 31))
 
 
-def deviation(path: str) -> None:
+def deviation(path: str, steps) -> None:
     ref, q = LLM(path, num_threads=2, dtype="float32"), LLM(path, num_threads=2, dtype="auto")
     print(f"# quantized path: {tensor_paths(path)}; reference: --dtype float32")
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
@@ -61,7 +64,7 @@ def deviation(path: str) -> None:
     worst, worst_rel = 0.0, 0.0
     for ids, a, b in zip(inputs, outs_q, outs_r):
         mx = rel = rms = 0.0
-        for j in (0, 8, 16, 24, 31):
+        for j in steps:
             lr, lq = last_logits(ref, ids + b[:j]), last_logits(q, ids + b[:j])
             d = (lq - lr).abs()
             mx, rms = max(mx, float(d.max())), max(rms, float(d.pow(2).mean().sqrt()))

@@ -224,3 +224,42 @@ def test_reference_path(force_isa) -> None:
     got = paged_attention(q, kc, vc, tables, ids, lens, 0.2)
     assert torch.equal(got, paged_attention_ref(q, kc, vc, tables, ids, lens, 0.2))
     assert torch.equal(got[0], torch.zeros_like(got[0]))
+
+
+VECTOR_ISAS = ("avx2", "avx512", "avx512-vnni", "neon", "neon-dotprod", "neon-i8mm")
+
+
+@pytest.mark.parametrize("cache", ["float32", "float16", "bfloat16", "int8", "int4"])
+@pytest.mark.parametrize(("heads", "kv_heads", "d"), [(9, 3, 64), (4, 2, 128), (6, 2, 48)],
+                         ids=["9-3-64", "4-2-128", "6-2-48"])
+def test_same_bits_on_every_vector_isa(force_isa, cache: str, heads: int, kv_heads: int, d: int,
+                                       no_fallback: None) -> None:
+    """Every vector ISA path this CPU has (AVX2, AVX-512, AVX-512 VNNI; the NEON ones on ARM) gives the same
+    bits for a mixed step: the same products in the same order, and one tree for the 16 lanes of a score on
+    each (AVX2 works in 8-lane halves, AVX-512 tokens-on-lanes for many pairs). A model's outputs then do
+    not depend on which of these machines runs it. (The x86 scalar unit has no FMA: its own bits.)"""
+    from deps import need_native
+
+    from kvlm.kernels import kv_quant
+
+    need_native("each ISA path is forced in turn")
+    have = [i for i in VECTOR_ISAS if native.isa_available(i)]
+    if len(have) < 2:
+        pytest.skip(f"one vector ISA path here ({have}): nothing to compare")
+    gen = torch.Generator().manual_seed(41)
+    if cache in ("int8", "int4"):
+        if d % 32:
+            pytest.skip("quantized K/V rows are groups of 32 values")
+        fmt = kv_quant.FORMATS[cache]
+        kc, vc, tables = _cache(gen, SEQ_LENS, heads, kv_heads, d, 16, torch.float32)
+        kc, vc = kv_quant.quantize(kc * 2, fmt), kv_quant.quantize(vc, fmt)
+    else:
+        kc, vc, tables = _cache(gen, SEQ_LENS, heads, kv_heads, d, 16, getattr(torch, cache))
+    seq_ids, ctx_lens = _mixed_rows(gen)
+    q = torch.randn(seq_ids.shape[0], heads, d, generator=gen)
+    outs = {}
+    for isa in have:
+        force_isa(isa)
+        outs[isa] = _with_threads(2, lambda: paged_attention(q, kc, vc, tables, seq_ids, ctx_lens, d ** -0.5))
+    for isa in have[1:]:
+        _assert_rows_equal(outs[isa], outs[have[0]], seq_ids, ctx_lens)

@@ -123,6 +123,44 @@ def test_engine_tokens_with_and_without_fusion(family_gguf: Path) -> None:
         assert torch.equal(torch.stack(lout[i]), torch.stack(lref[i])), f"prompt {i}"
 
 
+VECTOR_ISAS = ("avx2", "avx512", "avx512-vnni", "neon", "neon-dotprod", "neon-i8mm")
+
+
+@pytest.mark.parametrize(("head_dim", "fmt", "kv"), [(16, "Q8_0", "auto"), (64, "Q8_0", "auto"),
+                                                   (64, "Q8_0", "int8"), (64, "Q4_0", "int4")])
+def test_engine_same_bits_on_every_vector_isa(tmp_path: Path, head_dim: int, fmt: str, kv: str,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through the engine (prefill chunks, the fused decode step), every vector ISA path this CPU has gives
+    the same tokens and logits bits, so a model's output does not depend on whether an AVX2 or an AVX-512
+    machine runs it. GQA 6 / 2 at head_dim 64 is SmolLM2's shape of attention (AVX2's 8-lane halves),
+    16 the generic one. tests/kernels/test_paged_attention.py holds attention alone to it; the matmul
+    contracts are the same on every unit."""
+    from kvlm.kernels import native
+
+    have = [i for i in VECTOR_ISAS if native.isa_available(i)]
+    if len(have) < 2:
+        pytest.skip(f"one vector ISA path here ({have}): nothing to compare")
+    cfg = tiny_config("llama", tie_word_embeddings=False, head_dim=head_dim, num_attention_heads=6)
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", cfg, tensor_type=fmt)
+    prompts = random_prompts(4, 23, lo=2, hi=40)
+    ecfg = EngineConfig(dtype="auto", block_size=4, max_num_batched_tokens=32, kv_cache_dtype=kv)
+    runs = {}
+    try:
+        for isa in have:
+            monkeypatch.setenv(native.ENV_ISA, isa)
+            native.refresh()
+            runs[isa] = run_engine(Engine(path, ecfg, quiet=True), prompts)
+    finally:
+        monkeypatch.undo()
+        native.refresh()
+    (out0, l0), first = runs[have[0]], have[0]
+    for isa in have[1:]:
+        out, lo = runs[isa]
+        assert out == out0, f"{isa} tokens differ from {first}"
+        for i in out0:
+            assert torch.equal(torch.stack(lo[i]), torch.stack(l0[i])), f"{isa} logits differ from {first}, prompt {i}"
+
+
 def test_module_path_where_fusion_does_not_apply(family_gguf: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # dense float32 weights multiply on the row kernel as F32 blocks (loader/build.py), so they fuse too
     assert Engine(family_gguf, EngineConfig(dtype="float32"), quiet=True).runner.fused is not None

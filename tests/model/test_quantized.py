@@ -204,10 +204,13 @@ EXACTNESS_PROMPTS = ["def quicksort(arr):\n    if len(arr) <= 1:\n", "日本の�
 
 # Where greedy paths part, the reference's top-2 margin at that step must be below this ("a near-tie"):
 # quantized weights with float32 activations differ from the reference by float32 rounding only; int8
-# activations (the default for Q4_0 / Q4_1 / Q8_0) move the default model's logits by up to 1.14
-# (2.9% of their range, teacher-forced on these prompts, 2026-12-01), so ties within 0.5 can flip.
+# activations (the default for Q4_0 / Q4_1 / Q8_0) move the default model's logits by up to 1.74 (6% of
+# their range; teacher-forced at each of the reference's 32 greedy tokens on these prompts, 256 positions,
+# mean 0.74; 2026-12-05, the same bits on the AVX2 and AVX-512 paths), so ties within 0.5 can flip.
+# `PYTHONPATH=. python scripts/int8_logits_deviation.py --every-step` measures it (without the flag, at
+# 5 of the steps: 0.92 today, 1.14 on 2026-12-01, which this bound was once set from).
 NEAR_TIE = {"f32": 0.05, "int8": 0.5}
-INT8_MAX_LOGIT_DEVIATION = 1.5  # measured max 1.14 (rms <= 0.51) on these prompts
+INT8_MAX_LOGIT_DEVIATION = 2.0  # the measured 1.74 and a margin
 
 
 @pytest.mark.slow

@@ -715,10 +715,25 @@ struct KvBF16 {
 
 #include "kernels_attn_quant.h"  // KvQ8, KvQ4: int8 / int4 codes read in place
 
+#if defined(KVLM_AVX2)
+// Lane t of the result = the 8 lanes of h[t] summed in hsum's tree after its first step: c_j = b_j + b_{j+4},
+// d_j = c_j + c_{j+2}, d_0 + d_1 (b = h[t]). So AVX2's scores are AVX-512's and the baseline's bit for bit.
+// Tokens t and t + 4 share a register through the first two steps (low and high 128-bit lanes), so the
+// last shuffles put tokens 0..7 in order.
+KVLM_INLINE __m256 sum8_tree(const __m256* h) {
+    __m256 c[4], d[2];
+    for (int t = 0; t < 4; t++)  // [c(t) | c(t + 4)], 4 lanes each
+        c[t] = _mm256_add_ps(_mm256_permute2f128_ps(h[t], h[t + 4], 0x20), _mm256_permute2f128_ps(h[t], h[t + 4], 0x31));
+    for (int i = 0; i < 2; i++)  // [d0 d1 of t = 2i, d0 d1 of 2i + 1 | the same of t + 4]
+        d[i] = _mm256_add_ps(_mm256_shuffle_ps(c[2 * i], c[2 * i + 1], 0x44), _mm256_shuffle_ps(c[2 * i], c[2 * i + 1], 0xee));
+    return _mm256_add_ps(_mm256_shuffle_ps(d[0], d[1], 0x88), _mm256_shuffle_ps(d[0], d[1], 0xdd));
+}
+#endif
+
 // Sums of 16 vectors at once: lane t of the result is the sum of the lanes of x[t]. AVX-512: a fixed
 // tree of 15 adds and 30 shuffles (halves, quarters, ...) instead of 16 horizontal sums of ~8 steps each.
-// AVX2 (where GCC would split those 512-bit shuffles into scalar inserts): halves added, then the
-// classic hadd tree on 8-lane registers. Baseline: 16 horizontal sums. Each is a fixed order.
+// AVX2 (where GCC would split those 512-bit shuffles into scalar inserts): halves added, then the same
+// tree on 8-lane registers (sum8_tree). Baseline: 16 horizontal sums (hsum). One tree on every ISA.
 KVLM_INLINE v16 sum16(const v16u* x) {
 #if defined(KVLM_AVX512)
     v16 u[8], w[4], z[2];
@@ -741,9 +756,7 @@ KVLM_INLINE v16 sum16(const v16u* x) {
             const float* p = (const float*)&x[8 * half + i];
             h[i] = _mm256_add_ps(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8));
         }
-        __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(h[0], h[1]), _mm256_hadd_ps(h[2], h[3]));
-        __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(h[4], h[5]), _mm256_hadd_ps(h[6], h[7]));
-        r[half] = _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+        r[half] = sum8_tree(h);
     }
     v16 out;
     memcpy(&out, r, sizeof out);
@@ -762,9 +775,7 @@ KVLM_INLINE void sum16_halves(const v8* lo, const v8* hi, __m256* r) {
     for (int half = 0; half < 2; half++) {
         __m256 h[8];
         for (int i = 0; i < 8; i++) h[i] = (__m256)(lo[8 * half + i] + hi[8 * half + i]);
-        __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(h[0], h[1]), _mm256_hadd_ps(h[2], h[3]));
-        __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(h[4], h[5]), _mm256_hadd_ps(h[6], h[7]));
-        r[half] = _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+        r[half] = sum8_tree(h);
     }
 }
 #endif
