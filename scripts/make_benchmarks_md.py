@@ -45,7 +45,19 @@ SECTIONS: list[tuple[str, str, str]] = [
      "`pip install llama-cpp-python` builds from source (it compiles llama.cpp: expect a quarter of an "
      "hour); install it in the same environment, or in another one and pass that interpreter with "
      "`--llama-python`. An absent peer is listed as skipped. The machine is shared with other "
-     "developers' jobs: read the ratios of one run, not absolute speeds."),
+     "developers' jobs: read the ratios of one run, not absolute speeds.\n\n"
+     "**The AVX2 path against an AVX2 llama.cpp, on an AVX-512 machine.** llama-cpp-python's build targets "
+     "the CPU it was built on. `scripts/build_llama_cpp.sh avx2 SDIST OUT` builds the llama.cpp that "
+     "llama-cpp-python vendors (from its sdist, `pip download --no-deps --no-binary :all: "
+     "llama-cpp-python==VERSION`) for AVX2 + FMA + F16C without AVX-512, into `OUT/lib`, and its "
+     "`llama-batched-bench` into `OUT/bin`; `--llama-lib OUT/lib` makes the peer load those libraries "
+     "(LLAMA_CPP_LIB_PATH). The peer's column names the ISA its build reports:\n\n"
+     "```console\n"
+     "$ KVLM_KERNEL_ISA=avx2 kvlm bench compare MODEL.gguf --threads 2 --llama-python "
+     "PATH/TO/llama-venv/bin/python --llama-lib OUT/lib\n"
+     "...\n"
+     "llama.cpp (llama-cpp-python, avx2)     ...\n"
+     "```"),
     ("compare_kv16", "Side by side with llama.cpp, float16 K/V",
      "The same comparison with kvlm's `--kv-cache-dtype float16`, the type llama.cpp stores K/V in by "
      "default: half the bytes per cached token, so attention at long context reads half as much."),
