@@ -42,7 +42,7 @@ from kvlm.kv_cache.tier_pool import PoolTier, make_pool_tier
 from kvlm.loader import resolve_model
 from kvlm.loader.build import load_model
 from kvlm.loader.fingerprint import model_files, model_fingerprint
-from kvlm.loader.heap import trim_heap
+from kvlm.loader.heap import keep_freed_memory, trim_heap
 from kvlm.loader.lora import load_lora
 from kvlm.lora import LoRAAdapter, LoRARegistry
 from kvlm.model.llama import LlamaForCausalLM
@@ -78,6 +78,8 @@ class Engine:
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
         self.device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if self.device.type == "cpu":
+            keep_freed_memory()  # a step's freed activations stay mapped for the next (loader/heap.py)
         self.dtype = _TORCH_DTYPES[cfg.dtype]
         self.kv_cache_dtype = resolve_kv_cache_dtype(cfg, self.dtype)
         self.model_path: Path = resolve_model(str(model), quiet=quiet)
