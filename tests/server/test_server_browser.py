@@ -124,15 +124,17 @@ def test_every_api_streams_the_same_greedy_reply_and_reuses_the_cache(tiny_serve
 
 @pytest.fixture(scope="module")
 def long_server(tmp_path_factory: pytest.TempPathFactory):
-    """The tiny model with a 4096-token context, so a reply runs long enough to stop by hand."""
-    path = write_tiny_gguf(tmp_path_factory.mktemp("long") / "tiny4k.gguf", tiny_config(max_position_embeddings=4096))
-    with ServerProcess(path, "--served-model-name", "tiny4k") as server:
+    """The tiny model with a 60,000-token context, so a reply runs long enough to stop by hand: the engine
+    decodes it at 3,000-7,000 tokens a second here, and a 3,500-token reply (a 4,096-token context, until
+    2026-12-05) could end before the click."""
+    path = write_tiny_gguf(tmp_path_factory.mktemp("long") / "tiny4k.gguf", tiny_config(max_position_embeddings=60000))
+    with ServerProcess(path, "--served-model-name", "tiny4k", "--max-model-len", "60000") as server:
         yield server
 
 
 def test_stop_aborts_a_long_reply(long_server, page_on):
     page = page_on(long_server, "tiny4k")
-    page.fill("#max_tokens", "3500")
+    page.fill("#max_tokens", "59000")
     page.fill("#temperature", "0")
     page.fill("#prompt", "write forever")
     page.click("#send")
