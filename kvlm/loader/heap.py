@@ -16,12 +16,13 @@ were freed in, so the same prefill ran at one of two speeds from process to proc
 512 tokens: 0.16-0.18 s with ~6,000 faults, or 0.26-0.32 s with 80,000-120,000). `keep_freed_memory`
 fixes the thresholds once per process: blocks below 32 MiB (glibc's largest mmap threshold) come from the
 heap, the heap grows in 64 MiB steps and is trimmed only past 512 MiB free at its top (`trim_heap` still
-releases everything when called). Measured by a one-off script (a 512-token prefill, 5 repeats, fresh
-processes, 2026-12-05, 2-core AMD EPYC Zen 5, AVX-512 VNNI): the default model 0.18-0.26 s -> 0.157-0.166 s;
-Llama-3.2-1B's shape in Q4_0 1.20-1.43 s -> 1.04-1.07 s (faults per prefill ~120,000 -> ~10,000), peak
-RSS 1,225 -> 1,256-1,286 MiB. The cost: memory a step freed stays in the process (up to 512 MiB of free
-heap) instead of going back between steps. No arithmetic changes, so no bit does. KVLM_MALLOC=default
-keeps glibc's own thresholds.
+releases everything when called). The rerunnable measure is `kvlm bench compare` with `KVLM_MALLOC=default`
+and without (docs/startup.md: Zen 5, AVX-512 VNNI path, 1B Q4_K_M prefill 512 252 -> 366 tok/s). A one-off
+script (a 512-token prefill, 5 repeats, fresh processes, the same machine and path) also counted the
+faults: the 1B Q4_0 ~120,000 -> ~10,000 per prefill, 1.20-1.43 s -> 1.04-1.07 s, peak RSS 1,225 ->
+1,256-1,286 MiB; the default model 0.18-0.26 s -> 0.157-0.166 s. The cost: memory a step freed stays in
+the process (up to 512 MiB of free heap) instead of going back between steps. No arithmetic changes, so
+no bit does. KVLM_MALLOC=default keeps glibc's own thresholds.
 
 Elsewhere (macOS, musl) both are no-ops. This module knows nothing about models.
 """
