@@ -286,16 +286,28 @@ KVLM_INLINE void direct8(const Unit8& u, const ActRows& a, const int32_t* l16, i
 }
 
 // Many rows: a unit transposed once (v[j] lane c = row c's elements 4j .. 4j + 3; Q8_0: signed).
+// Q6_K's sub-scales as int16 pairs, for madd in place of the widening madd by ones (tile_unit8): sl, sh
+// dword c = row c's scale in both halves; so dword c = (sl_c, sh_c).
 struct Panel8 {
     __m256i v[8];
     __m256 dw, mw;
-    __m256i sl, sh;
+    __m256i sl, sh, so;
 };
 
+// Each int32 lane's low 16 bits twice (a small signed value as an int16 pair).
+KVLM_INLINE __m256i pair16(__m256i v) {
+    return _mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi32(0xffff)), _mm256_slli_epi32(v, 16));
+}
+
+template <int QT>
 KVLM_INLINE void prep8(const Unit8& u, Panel8* p) {
     transpose8(u.lo, p->v);
     transpose8(u.hi, p->v + 4);
-    p->dw = u.dw, p->mw = u.mw, p->sl = u.sl, p->sh = u.sh;
+    p->dw = u.dw, p->mw = u.mw;
+    if constexpr (F2<QT>::Q6) {
+        p->sl = pair16(u.sl), p->sh = pair16(u.sh);
+        p->so = _mm256_or_si256(_mm256_and_si256(u.sl, _mm256_set1_epi32(0xffff)), _mm256_slli_epi32(u.sh, 16));
+    }
 }
 
 // Unit ib of rows m0 .. m0 + MT - 1 against NP prepared panels side by side (p[q]: panel q's unit ib; NP = 2:
@@ -306,11 +318,20 @@ KVLM_INLINE void tile_unit8(const Panel8* const* p, const ActRows& a, const int3
                             __m256* acc) {
     using F = F2<QT>;
     const __m256i ones = _mm256_set1_epi16(1);
-    __m256i lo[MT * NP], hi[MT * NP];
+    // Q6_K: one int32 sum a row, its sub-scales applied in the widening madd (an int16 lane holds G = 2
+    // maddubs: |4 u q| <= 4 * 63 * 127 < 2^15), and its start -32 (sl sum_lo q + sh sum_hi q) as one madd of
+    // the pair (sum_lo q, sum_hi q) (|.| <= 16 * 127) against `so`: the same integer as direct8's
+    // sl (lo) + sh (hi), with no mullo and no second sum to keep in registers (1.3x at M = 512).
+    __m256i lo[MT * NP];
     for (int i = 0; i < MT; i++)
         for (int q = 0; q < NP; q++) {
-            lo[i * NP + q] = init_lo8<QT>(a, l16, (m0 + i) * a.nb + ib);
-            if constexpr (F::Q6) hi[i * NP + q] = init_hi8(a, l16, (m0 + i) * a.nb + ib);
+            const int64_t r = (m0 + i) * a.nb + ib;
+            if constexpr (F::Q6) {
+                const __m256i x2 = _mm256_set1_epi32((l16[r] & 0xffff) | ((a.xi[r] - l16[r]) << 16));
+                lo[i * NP + q] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(_mm256_madd_epi16(x2, p[q]->so), 5));
+            } else {
+                lo[i * NP + q] = init_lo8<QT>(a, l16, r);
+            }
         }
     const int8_t* xb = a.xq + m0 * a.K + 32 * ib;
     for (int j0 = 0; j0 < 8; j0 += F::G) {
@@ -333,19 +354,13 @@ KVLM_INLINE void tile_unit8(const Panel8* const* p, const ActRows& a, const int3
                 }
             }
         }
-        for (int k = 0; k < MT * NP; k++) {
-            __m256i* t = F::Q6 && j0 >= 4 ? hi + k : lo + k;
-            *t = _mm256_add_epi32(*t, _mm256_madd_epi16(s16[k], ones));
-        }
+        for (int i = 0; i < MT; i++)
+            for (int q = 0; q < NP; q++) {
+                const __m256i f = F::Q6 ? (j0 < 4 ? p[q]->sl : p[q]->sh) : ones;
+                lo[i * NP + q] = _mm256_add_epi32(lo[i * NP + q], _mm256_madd_epi16(s16[i * NP + q], f));
+            }
     }
-    for (int i = 0; i < MT; i++)
-        for (int q = 0; q < NP; q++) {
-            const int k = i * NP + q;
-            __m256i isum = lo[k];
-            if constexpr (F::Q6)
-                isum = _mm256_add_epi32(_mm256_mullo_epi32(lo[k], p[q]->sl), _mm256_mullo_epi32(hi[k], p[q]->sh));
-            finish8(isum, p[q]->dw, a, (m0 + i) * a.nb + ib, acc + k);
-        }
+    for (int k = 0; k < MT * NP; k++) finish8(lo[k], p[k % NP]->dw, a, (m0 + k / NP) * a.nb + ib, acc + k);
 }
 
 // Row i's 8 outputs (live of them: a tail panel's extra lanes are dropped) at y + i * ldy.
@@ -379,8 +394,8 @@ constexpr int64_t FLY_ROWS2 = 4;  // up to this many rows of x: units used in pl
 // Rows per pass over the buffer, with NP panels side by side.
 template <int NP>
 constexpr int64_t ROW_TILE2 = 4;
-// Panels side by side in the many-row mode: 2 (1.25x to 1.35x at M = 512 on Q4_0 / Q4_K against 1); Q6_K and
-// Q8_0 1 (their two int32 sums, or x signed per panel, spill: 0.94x to 0.98x with 2).
+// Panels side by side in the many-row mode: 2 (1.25x to 1.35x at M = 512 on Q4_0 / Q4_K against 1); Q8_0 1 (x
+// signed per panel spills: 0.94x to 0.98x with 2); Q6_K 1 (2 measured alike since its sums are one per row).
 template <int QT>
 constexpr int PANELS2 = QT == T_Q6_K || QT == T_Q8_0 ? 1 : 2;
 constexpr int64_t PF_PANELS = 2;  // decode prefetches the panel this many ahead (1, 4, 8: measured alike)
@@ -492,7 +507,7 @@ void gemm_avx2_t(const uint8_t* w, int64_t rs, int64_t K, const int8_t* xq, cons
             head8<QT>(rows, b * F::BB, &h);
             for (int s = 0; s < F::SUB; s++) {
                 unit8<QT>(rows, b * F::BB, s, h, &u);
-                prep8(u, pb + b * F::SUB + s);
+                prep8<QT>(u, pb + b * F::SUB + s);
             }
         }
         lives[filled++] = live;
