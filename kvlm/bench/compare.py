@@ -19,7 +19,16 @@ Measured, round-robin over `--repeats` rounds so every engine sees the same mach
 * decode vs context: `--context-gen` tokens after prompts of each `--contexts` length (up to 2048);
 * whole process (separate processes, started cold): load + a chat prompt + `--gen-tokens` greedy
   tokens + exit, wall time and peak RSS (the child's ru_maxrss from wait4), min time / max RSS.
-Ratios are kvlm over each peer (higher is better for speeds, lower for time and memory). The run ends
+Ratios are kvlm over each peer (higher is better for speeds, lower for time and memory).
+
+The decode ceiling: at the start of each round the process times a read-only pass over 1 GiB
+(`latency.read_bandwidth`, best kept). A decode step at batch 1 reads every weight once, so no engine keeping
+the file's blocks decodes faster than that bandwidth over the bytes a step reads (the file's tensors, less
+the input embedding table unless the output matrix is tied to it): `decode_ceiling_tokens_per_s`. Each
+engine's decode is also given as GB/s of its own weights and as a fraction of the read bandwidth, and
+llama.cpp's row says how far over it any engine could be here (`ceiling_over_this`): a ratio bar above
+that cannot be met on this machine, whatever the kernels. The K/V read at these short contexts is left out
+(under 1% of the weights at 32 tokens on a 1B), so the ceiling is an upper bound. The run ends
 with one JSON line; `--plot` draws decode tokens/s against context for kvlm and llama.cpp. An absent
 or failing peer is a skipped column with its reason, never an error.
 """
@@ -240,15 +249,35 @@ def _lineup(model: str, path: Path, threads: int, max_len: int, kv_cache_dtype: 
     return line
 
 
-def _measure_rounds(line: _Lineup, spec: dict[str, Any], repeats: int, threads: int) -> None:
+def file_decode_bytes(path: Path) -> int | None:
+    """Bytes of a GGUF file's tensors that one decode step reads: all of them but the input embedding table
+    (a lookup reads one row), which counts when no output.weight is stored (the output matrix is tied to
+    it). None for a file that is not GGUF."""
+    if path.suffix != ".gguf":
+        return None
+    from gguf import GGUFReader
+
+    tensors = GGUFReader(path).tensors
+    tied = "output.weight" not in {t.name for t in tensors}
+    return sum(int(t.n_bytes) for t in tensors if t.name != "token_embd.weight" or tied)
+
+
+def _measure_rounds(line: _Lineup, spec: dict[str, Any], repeats: int, threads: int) -> float:
     """Prefill, decode and decode-vs-context of every engine, round-robin, best per engine kept; then the
-    in-process models are freed, before the whole-process runs."""
+    in-process models are freed, before the whole-process runs. Returns the best read bandwidth (bytes/s)
+    timed at the start of each round; each kvlm engine's result gets the bytes its decode step reads."""
     import torch
+
+    from kvlm.bench.latency import engine_weight_bytes, read_bandwidth
 
     for key in [k for k in ("kvlm", "kvlm_float32") if k in line.engines]:  # warm-up: pools, first allocations
         line.engines[key].llm.generate([{"prompt_token_ids": spec["decode_ids"][:8]}], use_tqdm=False)
+        line.results[key]["decode_weight_bytes"] = engine_weight_bytes(line.engines[key].llm.llm_engine.model)
     best: dict[str, dict[str, Any] | None] = {k: None for k in line.engines}
+    read_bw = 0.0
     for r in range(repeats):
+        torch.set_num_threads(threads)
+        read_bw = max(read_bw, read_bandwidth())
         for key in list(line.engines):
             torch.set_num_threads(threads)  # a peer may have changed the process-wide setting
             try:
@@ -266,6 +295,26 @@ def _measure_rounds(line: _Lineup, spec: dict[str, Any], repeats: int, threads: 
     for key in [k for k in ("kvlm", "kvlm_float32") if k in line.engines]:
         line.engines[key] = None  # freed before timing whole processes; the keys stay: those runs time them
     gc.collect()
+    return read_bw
+
+
+def _ceiling(results: dict[str, dict[str, Any]], read_bw: float, file_bytes: int | None) -> dict[str, Any]:
+    """The decode ceiling of this run (module docstring) and each engine's decode as a share of it."""
+    if file_bytes:
+        results.get("llama_cpp", {}).setdefault("decode_weight_bytes", file_bytes)  # the file's own blocks
+    for r in results.values():
+        if r.get("status") == "ok" and r.get("decode_weight_bytes") and r.get("decode_tokens_per_s"):
+            gbs = r["decode_weight_bytes"] * r["decode_tokens_per_s"]
+            r["decode_gb_per_s"] = gbs / 1e9
+            r["decode_fraction_of_read_bandwidth"] = gbs / read_bw
+    out: dict[str, Any] = {"read_bandwidth_gb_per_s": read_bw / 1e9, "file_decode_bytes": file_bytes}
+    if file_bytes:
+        ceiling = read_bw / file_bytes
+        out["decode_ceiling_tokens_per_s"] = ceiling
+        peer = results.get("llama_cpp", {})
+        if peer.get("status") == "ok" and peer.get("decode_tokens_per_s"):
+            peer["ceiling_over_this"] = ceiling / peer["decode_tokens_per_s"]
+    return out
 
 
 def _whole_rounds(line: _Lineup, path: Path, threads: int, chat_text: str, gen_tokens: int,
@@ -313,7 +362,8 @@ def run(model: str = DEFAULT_MODEL, threads: int = 2, prompt_len: int = 512, dec
             "contexts": [[prompt_ids(vocab, c, seed=c), context_gen] for c in contexts],
             "kv_type": LLAMA_KV_TYPES.get(kv_cache_dtype)}  # llama.cpp's K/V of the same size (None: its f16)
     chat_text = line.engines["kvlm"].llm.tokenizer.apply_chat_template(CHAT)
-    _measure_rounds(line, spec, repeats, threads)
+    read_bw = _measure_rounds(line, spec, repeats, threads)
+    ceiling = _ceiling(line.results, read_bw, file_decode_bytes(path))
     if whole:
         _whole_rounds(line, path, threads, chat_text, gen_tokens, llama_python, kv_cache_dtype, repeats, llama_lib)
 
@@ -322,7 +372,7 @@ def run(model: str = DEFAULT_MODEL, threads: int = 2, prompt_len: int = 512, dec
     doc.update({"model_file": path.name, "prompt_len": prompt_len, "decode_prompt_len": decode_prompt_len,
                 "gen_tokens": gen_tokens, "contexts": list(contexts), "context_gen": context_gen,
                 "kv_cache_dtype": kv_cache_dtype,
-                "repeats": repeats, "engines": line.results})
+                "repeats": repeats, **ceiling, "engines": line.results})
     return doc
 
 
@@ -379,6 +429,15 @@ def print_table(d: dict[str, Any]) -> None:
         print(f"{r['name']:34s} {r['prefill_tokens_per_s']:8.1f} {r['decode_tokens_per_s']:7.1f} "
               + " ".join(f"{cd[c]:7.1f}" if c in cd else f"{'-':>7s}" for c in ctx) + f" {whole} {rss}")
     print("(tokens/s, higher is better; whole-process seconds and peak RSS, lower is better)")
+    if d.get("decode_ceiling_tokens_per_s"):
+        shares = ", ".join(f"{r['name']} {r['decode_gb_per_s']:.1f} GB/s "
+                           f"({100 * r['decode_fraction_of_read_bandwidth']:.0f}%)"
+                           for r in d["engines"].values() if "decode_gb_per_s" in r)
+        over = d["engines"].get("llama_cpp", {}).get("ceiling_over_this")
+        print(f"decode ceiling: read bandwidth {d['read_bandwidth_gb_per_s']:.1f} GB/s / "
+              f"{d['file_decode_bytes'] / 1e9:.3f} GB read per token = {d['decode_ceiling_tokens_per_s']:.1f} tok/s; "
+              f"decode read {shares}"
+              + (f"; no engine can decode faster than {over:.2f}x llama.cpp here" if over else ""))
     for r in d["engines"].values():
         if "kvlm_over_this" in r:
             rat = r["kvlm_over_this"]

@@ -3,7 +3,10 @@ placed against this machine's own ceilings (a roofline).
 
 * Ceilings, measured by the command itself on the engine's device with the same thread count:
   memory bandwidth = 2 x bytes / time of `dst.copy_(src)` on a 256 MiB float32 tensor (read + write),
-  best of 5; peak compute = 2 n^3 / time of an n x n float32 matmul (n = 2048), best of 3.
+  best of 5; read bandwidth = bytes / time of `src.sum()` on a 1 GiB float32 tensor, best of 5 (a
+  decode step only reads its weights, and a read-only pass is what bounds it: on a 2-core Zen 5 the copy
+  figure read ~80 GB/s where a sum read ~50, and a hand-written AVX-512 read loop 47-49); peak compute =
+  2 n^3 / time of an n x n float32 matmul (n = 2048), best of 3.
 * Prefill (TTFT, best of `--repeats`): FLOPs from `waste.forward_flops` (2 x params x P plus the
   causal attention term); bytes = weights read once + the P tokens' K/V written, a lower bound on the
   traffic (activations are ignored), so its arithmetic intensity is an upper bound. Prefill should sit
@@ -70,6 +73,23 @@ def memory_bandwidth(mib: int = 256, repeats: int = 5, device: Any = "cpu") -> f
     return 2 * n * 4 / best
 
 
+def read_bandwidth(mib: int = 1024, repeats: int = 5, device: Any = "cpu") -> float:
+    """Bytes/s of a read-only pass (`src.sum()`, each byte read once, nothing written), best of `repeats`:
+    the ceiling of a decode step, which reads every weight once. 1 GiB: far past any CPU's caches."""
+    import torch
+
+    src = torch.ones(mib * 2**20 // 4, dtype=torch.float32, device=device)  # ones: every page touched
+    src.sum()
+    best = float("inf")
+    for _ in range(repeats):
+        _sync(device)
+        t = time.perf_counter()
+        src.sum()
+        _sync(device)
+        best = min(best, time.perf_counter() - t)
+    return src.numel() * 4 / best
+
+
 def peak_flops(n: int = 2048, repeats: int = 3, device: Any = "cpu") -> float:
     """FLOP/s of an n x n float32 matmul (2 n^3 FLOPs), best of `repeats`."""
     import torch
@@ -131,8 +151,10 @@ def run(model: str = DEFAULT_MODEL, threads: int = 2, prompt_lens: tuple[int, ..
     eng = llm.llm_engine
     # The ceilings of the device the engine runs on (the CPU here; a GPU when the engine picked CUDA).
     bw = memory_bandwidth(copy_mib, device=eng.device)
+    rbw = read_bandwidth(device=eng.device)
     peak = peak_flops(matmul_n, device=eng.device)
-    log(f"  {eng.device}: copy {bw / 1e9:.1f} GB/s, matmul {peak / 1e9:.1f} GFLOP/s ({threads} threads)")
+    log(f"  {eng.device}: copy {bw / 1e9:.1f} GB/s, read {rbw / 1e9:.1f} GB/s, matmul {peak / 1e9:.1f} GFLOP/s "
+        f"({threads} threads)")
     cfg = eng.model_config
     kv_tok = eng.kv_bytes_per_token
     wbytes = engine_weight_bytes(eng.model)
@@ -160,6 +182,7 @@ def run(model: str = DEFAULT_MODEL, threads: int = 2, prompt_lens: tuple[int, ..
         decode.append({"context": C, "mean_context": ctx, "time_per_token_s": tpt, "tokens_per_s": 1 / tpt,
                        "bytes_per_token": nbytes, "kv_bytes_per_token_read": ctx * kv_tok,
                        "gb_per_s": nbytes / tpt / 1e9, "fraction_of_bandwidth": nbytes / tpt / bw,
+                       "fraction_of_read_bandwidth": nbytes / tpt / rbw,
                        "flops": flops, "gflops_per_s": flops / tpt / 1e9, "intensity": flops / nbytes,
                        "breakdown_s": split})
         log(f"  decode at {C}: {tpt * 1e3:.1f} ms/token")
@@ -169,7 +192,7 @@ def run(model: str = DEFAULT_MODEL, threads: int = 2, prompt_lens: tuple[int, ..
         "device": str(eng.device), "dtype": str(eng.dtype).removeprefix("torch."), "config_dtype": dtype,
         "kv_cache_dtype": str(eng.kv_cache_dtype).removeprefix("torch."), "repeats": repeats,
         "decode_steps": decode_steps,
-        "memory_bandwidth_gb_per_s": bw / 1e9, "copy_mib": copy_mib,
+        "memory_bandwidth_gb_per_s": bw / 1e9, "copy_mib": copy_mib, "read_bandwidth_gb_per_s": rbw / 1e9,
         "peak_gflops_per_s": peak / 1e9, "matmul_n": matmul_n,
         "ridge_intensity": peak / bw,  # FLOP/byte where the two ceilings meet
         "parameters": cfg.num_parameters, "weight_bytes_read": wbytes, "kv_bytes_per_token": kv_tok,
@@ -213,6 +236,7 @@ def print_table(d: dict[str, Any]) -> None:
           f"on {d['device']}, "
           f"{d['threads']} threads, CPU {d['cpu']}")
     print(f"machine ceilings: memory {d['memory_bandwidth_gb_per_s']:.1f} GB/s (copy of {d['copy_mib']} MiB), "
+          f"{d['read_bandwidth_gb_per_s']:.1f} GB/s (read of 1 GiB), "
           f"compute {d['peak_gflops_per_s']:.1f} GFLOP/s ({d['matmul_n']}^2 matmul), "
           f"ridge at {d['ridge_intensity']:.1f} FLOP/byte")
     print()
@@ -225,11 +249,12 @@ def print_table(d: dict[str, Any]) -> None:
     print(f"decode (median time per output token; memory-bound: weights {fmt_bytes(d['weight_bytes_read'])} "
           f"+ KV {d['kv_bytes_per_token']:,} B x context per token)")
     print(f"{'context':>7s} {'ms/token':>9s} {'tok/s':>8s} {'KV read':>10s} {'MB read':>8s} {'GB/s':>6s} "
-          f"{'% copy':>7s} {'FLOP/B':>7s}")
+          f"{'% copy':>7s} {'% read':>7s} {'FLOP/B':>7s}")
     for r in d["decode"]:
         print(f"{r['context']:7d} {r['time_per_token_s'] * 1e3:9.2f} {r['tokens_per_s']:8.1f} "
               f"{fmt_bytes(r['kv_bytes_per_token_read']):>10s} {r['bytes_per_token'] / 1e6:8.1f} "
-              f"{r['gb_per_s']:6.1f} {100 * r['fraction_of_bandwidth']:6.0f}% {r['intensity']:7.2f}")
+              f"{r['gb_per_s']:6.1f} {100 * r['fraction_of_bandwidth']:6.0f}% "
+              f"{100 * r['fraction_of_read_bandwidth']:6.0f}% {r['intensity']:7.2f}")
     from kvlm.bench.step_breakdown import PARTS
 
     print()

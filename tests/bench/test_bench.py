@@ -147,12 +147,14 @@ def test_latency(tiny_gguf: Path, tmp_path: Path, capsys: pytest.CaptureFixture[
                                  "--copy-mib", "8", "--matmul-n", "128", "--plot", str(png)])
     assert_header(d, "latency")
     assert d["memory_bandwidth_gb_per_s"] > 0 and d["peak_gflops_per_s"] > 0 and d["ridge_intensity"] > 0
+    assert d["read_bandwidth_gb_per_s"] > 0
     assert [r["prompt_len"] for r in d["prefill"]] == [8, 16]
     for r in d["prefill"]:
         assert r["ttft_s"] > 0 and r["gflops_per_s"] > 0 and r["intensity"] > 0
     assert [r["context"] for r in d["decode"]] == [8, 32]
     for r in d["decode"]:
         assert r["time_per_token_s"] > 0 and r["gb_per_s"] > 0
+        assert r["fraction_of_read_bandwidth"] == pytest.approx(r["gb_per_s"] / d["read_bandwidth_gb_per_s"])
         expected = d["weight_bytes_read"] + r["mean_context"] * d["kv_bytes_per_token"]
         assert r["bytes_per_token"] == pytest.approx(expected)
         b = r["breakdown_s"]  # weights, attention, KV write, other ops, sampling, host: all measured, >= 0
@@ -165,10 +167,34 @@ def test_latency(tiny_gguf: Path, tmp_path: Path, capsys: pytest.CaptureFixture[
 
 
 def test_machine_ceilings_positive() -> None:
-    from kvlm.bench.latency import memory_bandwidth, peak_flops
+    from kvlm.bench.latency import memory_bandwidth, peak_flops, read_bandwidth
 
     assert memory_bandwidth(mib=4, repeats=2) > 0
+    assert read_bandwidth(mib=4, repeats=2) > 0
     assert peak_flops(n=64, repeats=2) > 0
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_compare_decode_ceiling_counts_what_a_step_reads(tied: bool, tmp_path: Path) -> None:
+    """The decode ceiling's bytes per token, counted from the file (every tensor, less the embedding table
+    unless the output matrix is tied to it), are exactly what the engine's linear layers hold plus the
+    norms: two independent counts of one step's reads. The ceiling and each share follow from them."""
+    from gguf import GGUFReader
+    from tiny_models import tiny_config, write_tiny_gguf
+
+    from kvlm.bench import compare
+
+    path = write_tiny_gguf(tmp_path / "m.gguf", tiny_config(tie_word_embeddings=tied), tensor_type="Q8_0")
+    d = compare.run(str(path), threads=2, prompt_len=8, decode_prompt_len=4, gen_tokens=4, contexts=(), repeats=1,
+                    llama_cpp=False, whole=False, reference=False, log=quiet)
+    k, fb, bw = d["engines"]["kvlm"], d["file_decode_bytes"], d["read_bandwidth_gb_per_s"] * 1e9
+    names = {t.name: int(t.n_bytes) for t in GGUFReader(path).tensors}
+    assert ("output.weight" in names) != tied
+    norms = sum(n for name, n in names.items() if name.endswith("norm.weight"))
+    assert fb == k["decode_weight_bytes"] + norms
+    assert d["decode_ceiling_tokens_per_s"] == pytest.approx(bw / fb)
+    assert k["decode_gb_per_s"] == pytest.approx(k["decode_weight_bytes"] * k["decode_tokens_per_s"] / 1e9)
+    assert k["decode_fraction_of_read_bandwidth"] == pytest.approx(k["decode_gb_per_s"] * 1e9 / bw)
 
 
 # ----------------------------------------------------------------------------------------- kv-size
@@ -288,6 +314,11 @@ def test_compare_runs_llama_cpp_in_its_own_process(tiny_gguf: Path, tmp_path: Pa
         assert e["hf"] == {"name": "HF transformers (float32)", "status": "skipped",
                            "reason": "ImportError: transformers is not installed"}
     assert e["llama_cpp"]["kvlm_over_this"]["decode_at_24"] > 0
+    # the decode ceiling (read bandwidth over the file's bytes a step reads) and how far over llama.cpp it is
+    ceiling = d["decode_ceiling_tokens_per_s"]
+    assert ceiling == pytest.approx(d["read_bandwidth_gb_per_s"] * 1e9 / d["file_decode_bytes"])
+    assert e["llama_cpp"]["decode_weight_bytes"] == d["file_decode_bytes"]
+    assert e["llama_cpp"]["ceiling_over_this"] == pytest.approx(ceiling / e["llama_cpp"]["decode_tokens_per_s"])
     calls = [json.loads(x) for x in log.read_text().splitlines()]
     inits = [c for c in calls if "init" in c]
     assert len(inits) == 2  # one measuring process, one whole-process run
