@@ -12,7 +12,8 @@ llama.cpp's libraries from DIR instead (LLAMA_CPP_LIB_PATH), e.g. a build for AV
 scripts/build_llama_cpp.sh, so an AVX-512 machine can time `KVLM_KERNEL_ISA=avx2` against an AVX2 peer;
 the peer's column names the ISA its build reports (llama_print_system_info).
 
-Measured, round-robin over `--repeats` rounds so every engine sees the same machine load, best kept:
+Measured, round-robin over `--repeats` rounds so every engine sees the same machine load, best kept, each
+engine's timing after a second of rest (`SETTLE_S`: the previous engine's OpenMP threads spin for a while):
 * prefill: a random `--prompt-len` (512) token prompt on a fresh context, tokens / time to first token;
 * decode, batch 1: `--gen-tokens` (128) greedy tokens after a `--decode-prompt-len` prompt, tokens/s
   over the steps after the first;
@@ -46,6 +47,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -70,6 +72,10 @@ WORKER = Path(__file__).with_name("llama_cpp_worker.py")
 # kvlm's --kv-cache-dtype -> the ggml type llama.cpp stores K and V in for the same bytes per value
 LLAMA_KV_TYPES = {"float32": 0, "float16": 1, "int8": 8, "int4": 2}
 CHAT = [{"role": "user", "content": "Write a short story about a robot who learns to paint."}]
+# Idle seconds between one engine's work and the next timing: OpenMP threads keep spinning for a while after a
+# parallel region, and on 2 cores a process started right after another's burst ran that first second at
+# 0.75x (scripts/decode_ab.py, the same build on both sides); a second of rest leaves the next engine the CPUs.
+SETTLE_S = 1.0
 NAMES = {"kvlm": "kvlm (--dtype auto)", "kvlm_float32": "kvlm (--dtype float32, reference)",
          "llama_cpp": "llama.cpp (llama-cpp-python)", "hf": "HF transformers (float32)"}
 
@@ -285,8 +291,10 @@ def _measure_rounds(line: _Lineup, spec: dict[str, Any], repeats: int, threads: 
             torch.set_num_threads(threads)  # a peer may have changed the process-wide setting
             try:
                 before = read_bandwidth(repeats=3)
+                time.sleep(SETTLE_S)
                 res = line.engines[key].measure(spec)
                 torch.set_num_threads(threads)
+                time.sleep(SETTLE_S)
                 res["read_bandwidth_gb_per_s"] = max(before, read_bandwidth(repeats=3)) / 1e9
                 best[key] = _best(best[key], res)
             except Exception as e:
