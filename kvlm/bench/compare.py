@@ -22,18 +22,8 @@ engine's timing after a second of rest (`SETTLE_S`: the previous engine's OpenMP
   tokens + exit, wall time and peak RSS (the child's ru_maxrss from wait4), min time / max RSS.
 Ratios are kvlm over each peer (higher is better for speeds, lower for time and memory).
 
-The decode ceiling: just before and just after each engine's measurement the process times a read-only
-pass over 1 GiB (`latency.read_bandwidth`), and the engine's row keeps the higher of the two from the round
-of its best decode (a shared host's bandwidth moves within minutes: a 2-core Zen 5 VM read 48 GB/s and
-80 GB/s in turn, so only a figure taken next to the decode it bounds says anything). A decode step at
-batch 1 reads every weight once, so no engine keeping the file's blocks decodes faster than that
-bandwidth over the bytes a step reads (the file's tensors, less the input embedding table unless the
-output matrix is tied to it). Each engine's decode is given as GB/s of its own weights and as a fraction
-of its bandwidth, and llama.cpp's row says how far over its decode any engine could have been at that
-moment (`ceiling_over_this`): a ratio bar above that could not be met then, whatever the kernels. The
-K/V read at these short contexts is left out (under 1% of the weights at 32 tokens on a 1B), so the
-ceiling is an upper bound. The run ends
-with one JSON line; `--plot` draws decode tokens/s against context for kvlm and llama.cpp. An absent
+Each engine's decode is also set against the memory bandwidth timed next to it (`decode_ceiling.py`).
+The run ends with one JSON line; `--plot` draws decode tokens/s against context for kvlm and llama.cpp. An absent
 or failing peer is a skipped column with its reason, never an error.
 """
 
@@ -66,6 +56,7 @@ from kvlm.bench.common import (
     standalone,
 )
 from kvlm.bench.compare_files import print_files, run_files
+from kvlm.bench.decode_ceiling import add_ceiling, ceiling_lines, file_decode_bytes
 from kvlm.bench.plotting import new_figure, save_figure
 
 WORKER = Path(__file__).with_name("llama_cpp_worker.py")
@@ -261,19 +252,6 @@ def _lineup(model: str, path: Path, threads: int, max_len: int, kv_cache_dtype: 
     return line
 
 
-def file_decode_bytes(path: Path) -> int | None:
-    """Bytes of a GGUF file's tensors that one decode step reads: all of them but the input embedding table
-    (a lookup reads one row), which counts when no output.weight is stored (the output matrix is tied to
-    it). None for a file that is not GGUF."""
-    if path.suffix != ".gguf":
-        return None
-    from gguf import GGUFReader
-
-    tensors = GGUFReader(path).tensors
-    tied = "output.weight" not in {t.name for t in tensors}
-    return sum(int(t.n_bytes) for t in tensors if t.name != "token_embd.weight" or tied)
-
-
 def _measure_rounds(line: _Lineup, spec: dict[str, Any], repeats: int, threads: int) -> None:
     """Prefill, decode and decode-vs-context of every engine, round-robin, best per engine kept, each with
     the read bandwidth timed next to it; then the in-process models are freed, before the whole-process
@@ -310,23 +288,6 @@ def _measure_rounds(line: _Lineup, spec: dict[str, Any], repeats: int, threads: 
     for key in [k for k in ("kvlm", "kvlm_float32") if k in line.engines]:
         line.engines[key] = None  # freed before timing whole processes; the keys stay: those runs time them
     gc.collect()
-
-
-def _ceiling(results: dict[str, dict[str, Any]], file_bytes: int | None) -> dict[str, Any]:
-    """Each engine's decode as GB/s and as a share of the read bandwidth timed next to it, and llama.cpp's
-    ceiling (module docstring)."""
-    if file_bytes:
-        results.get("llama_cpp", {}).setdefault("decode_weight_bytes", file_bytes)  # the file's own blocks
-    for r in results.values():
-        if r.get("status") == "ok" and r.get("decode_weight_bytes") and r.get("decode_tokens_per_s"):
-            gbs = r["decode_weight_bytes"] * r["decode_tokens_per_s"]
-            r["decode_gb_per_s"] = gbs / 1e9
-            r["decode_fraction_of_read_bandwidth"] = gbs / (r["read_bandwidth_gb_per_s"] * 1e9)
-    peer = results.get("llama_cpp", {})
-    if file_bytes and peer.get("status") == "ok" and peer.get("decode_tokens_per_s"):
-        peer["decode_ceiling_tokens_per_s"] = peer["read_bandwidth_gb_per_s"] * 1e9 / file_bytes
-        peer["ceiling_over_this"] = peer["decode_ceiling_tokens_per_s"] / peer["decode_tokens_per_s"]
-    return {"file_decode_bytes": file_bytes}
 
 
 def _whole_rounds(line: _Lineup, path: Path, threads: int, chat_text: str, gen_tokens: int,
@@ -375,7 +336,7 @@ def run(model: str = DEFAULT_MODEL, threads: int = 2, prompt_len: int = 512, dec
             "kv_type": LLAMA_KV_TYPES.get(kv_cache_dtype)}  # llama.cpp's K/V of the same size (None: its f16)
     chat_text = line.engines["kvlm"].llm.tokenizer.apply_chat_template(CHAT)
     _measure_rounds(line, spec, repeats, threads)
-    ceiling = _ceiling(line.results, file_decode_bytes(path))
+    ceiling = add_ceiling(line.results, file_decode_bytes(path))
     if whole:
         _whole_rounds(line, path, threads, chat_text, gen_tokens, llama_python, kv_cache_dtype, repeats, llama_lib)
 
@@ -441,17 +402,8 @@ def print_table(d: dict[str, Any]) -> None:
         print(f"{r['name']:34s} {r['prefill_tokens_per_s']:8.1f} {r['decode_tokens_per_s']:7.1f} "
               + " ".join(f"{cd[c]:7.1f}" if c in cd else f"{'-':>7s}" for c in ctx) + f" {whole} {rss}")
     print("(tokens/s, higher is better; whole-process seconds and peak RSS, lower is better)")
-    shares = [f"{r['name']} {r['decode_gb_per_s']:.1f} GB/s ({100 * r['decode_fraction_of_read_bandwidth']:.0f}% of "
-              f"{r['read_bandwidth_gb_per_s']:.1f})" for r in d["engines"].values() if "decode_gb_per_s" in r]
-    if shares:
-        print("decode reads its weights at (GB/s, and the share of a read-only pass timed next to it): "
-              + ", ".join(shares))
-    peer = d["engines"].get("llama_cpp", {})
-    if "ceiling_over_this" in peer:
-        print(f"decode ceiling next to llama.cpp's decode: {peer['read_bandwidth_gb_per_s']:.1f} GB/s / "
-              f"{d['file_decode_bytes'] / 1e9:.3f} GB read per token = "
-              f"{peer['decode_ceiling_tokens_per_s']:.1f} tok/s, "
-              f"{peer['ceiling_over_this']:.2f}x llama.cpp's decode: no engine could have been faster than that")
+    for line in ceiling_lines(d):
+        print(line)
     for r in d["engines"].values():
         if "kvlm_over_this" in r:
             rat = r["kvlm_over_this"]
