@@ -4,17 +4,17 @@
         [--a-env K=V ...] [--b-env K=V ...] [--a-tree DIR] [--b-tree DIR]
 
 A and B differ by environment variables (`--b-env KVLM_KERNEL_ISA=avx2`) or by source tree (`--b-tree
-/tmp/old`: that tree on PYTHONPATH, its own native build). Each process loads FILE once, then per round
+OLD_TREE`: that tree on PYTHONPATH, its own native build). Each process loads FILE once, then per round
 decodes `--tokens` tokens after a 32-token prompt (prefix caching off) when told to; the two run one after
 the other, A first in even rounds and B first in odd ones.
 
-Why not two `kvlm bench compare` runs: a shared host's memory bandwidth can switch between modes within
-minutes (a 2-core Zen 5 VM read ~50 or ~80 GB/s in turn, docs/measured.md), so runs minutes apart compare
-two machines. Here each pair of bursts is seconds apart. The order matters too: a process's OpenMP threads
-keep spinning for a while after its burst, and on 2 cores the burst right after it ran at 0.75x (both processes
-the same); so each burst waits `--pause` (1 s) first, the order alternates, and the script separates the two
-effects: with B/A = r * f when B runs second and r / f when it runs first, it prints r (B's speed over A's)
-and f (the second burst's penalty), each from the medians of their rounds.
+Why not two `kvlm bench compare` runs: a shared host's memory bandwidth can switch between modes within minutes
+(a 2-core Zen 5 VM read ~50 or ~80 GB/s in turn, docs/measured.md), so runs minutes apart compare two machines.
+Here each pair of bursts is seconds apart. The order matters too: a process's OpenMP threads keep spinning for a
+while after its burst, and on 2 cores (Zen 5, AVX-512 VNNI path) the burst right after it ran at 0.75x (both
+processes the same); so each burst waits `--pause` (1 s) first, the order alternates, and the script separates
+the two effects: with B/A = r * f when B runs second and r / f when it runs first, it prints r (B's speed over
+A's) and f (the second burst's penalty), each from the medians of their rounds.
 """
 
 from __future__ import annotations

@@ -65,7 +65,8 @@ LLAMA_KV_TYPES = {"float32": 0, "float16": 1, "int8": 8, "int4": 2}
 CHAT = [{"role": "user", "content": "Write a short story about a robot who learns to paint."}]
 # Idle seconds between one engine's work and the next timing: OpenMP threads keep spinning for a while after a
 # parallel region, and on 2 cores a process started right after another's burst ran that first second at
-# 0.75x (scripts/decode_ab.py, the same build on both sides); a second of rest leaves the next engine the CPUs.
+# 0.75x (scripts/decode_ab.py, Zen 5, AVX-512 VNNI, the same build on both sides); a second of rest leaves
+# the next engine the CPUs.
 SETTLE_S = 1.0
 NAMES = {"kvlm": "kvlm (--dtype auto)", "kvlm_float32": "kvlm (--dtype float32, reference)",
          "llama_cpp": "llama.cpp (llama-cpp-python)", "hf": "HF transformers (float32)"}

@@ -321,7 +321,7 @@ KVLM_INLINE void tile_unit8(const Panel8* const* p, const ActRows& a, const int3
     // Q6_K: one int32 sum a row, its sub-scales applied in the widening madd (an int16 lane holds G = 2
     // maddubs: |4 u q| <= 4 * 63 * 127 < 2^15), and its start -32 (sl sum_lo q + sh sum_hi q) as one madd of
     // the pair (sum_lo q, sum_hi q) (|.| <= 16 * 127) against `so`: the same integer as direct8's
-    // sl (lo) + sh (hi), with no mullo and no second sum to keep in registers (1.15x at M = 512, 1 thread).
+    // sl (lo) + sh (hi), with no mullo and no second sum to keep in registers (1.15x at M = 512, 1 thread, Zen 5).
     __m256i lo[MT * NP];
     for (int i = 0; i < MT; i++)
         for (int q = 0; q < NP; q++) {

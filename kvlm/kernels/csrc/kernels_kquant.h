@@ -235,7 +235,7 @@ KVLM_INLINE void kq_tile_unit(const KPanel& p, const ActRows& a, const int32_t* 
         if constexpr (QT == T_Q6_K) hi[i] = kq_init_hi(a, l16, (m0 + i) * a.nb + ib);
     }
     // Unrolled, each sum named by value: a pointer chosen per j (lo or hi) kept Q6_K's 2 MT sums in memory,
-    // spilled and reloaded around every dot product (230 against Q4_K's 500 GOP/s at M = 512, 1 thread)
+    // spilled and reloaded around every dot product (230 against Q4_K's 500 GOP/s at M = 512, 1 thread, Zen 5)
 #pragma GCC unroll 8
     for (int j = 0; j < 8; j++)
         for (int i = 0; i < MT; i++) {
