@@ -5,7 +5,7 @@ placed against this machine's own ceilings (a roofline).
   memory bandwidth = 2 x bytes / time of `dst.copy_(src)` on a 256 MiB float32 tensor (read + write),
   best of 5; read bandwidth = bytes / time of `src.sum()` on a 1 GiB float32 tensor, best of 5 (a
   decode step only reads its weights, and a read-only pass is what bounds it: on a 2-core Zen 5 the copy
-  figure read ~80 GB/s where a sum read ~50, and a hand-written AVX-512 read loop 47-49); peak compute =
+  figure read ~80 GB/s where a sum read ~50, and a one-off AVX-512 read loop 47-49); peak compute =
   2 n^3 / time of an n x n float32 matmul (n = 2048), best of 3.
 * Prefill (TTFT, best of `--repeats`): FLOPs from `waste.forward_flops` (2 x params x P plus the
   causal attention term); bytes = weights read once + the P tokens' K/V written, a lower bound on the
