@@ -60,21 +60,34 @@ KVLM_INLINE __m512i sum_rows4(const __m512i s[4]) {
     return _mm512_add_epi32(_mm512_unpacklo_epi64(t0, t1), _mm512_unpackhi_epi64(t0, t1));
 }
 
+// Lane c: row c's dword K of the 16 bytes at rows[c] + off (the 4 bytes at off + 4 K): load_rows' 16
+// loads and half a transpose4. Replaces vpgatherdd, which was the M = 1 loop's costliest instruction on
+// Zen 5 (Q4_0 decode 1.24x faster without it; kernels_int8_avx2.h's dwords8 found the same on Zen 4).
+// K = 3 reads a field at a block's end without leaving the block (Q6_K's d: off = block + 194).
+template <int K>
+KVLM_INLINE __m512i dwords16(const uint8_t* const* rows, int64_t off) {
+    __m512i z[4];
+    load_rows(rows, off, z);
+    const __m512i a = K < 2 ? _mm512_unpacklo_epi32(z[0], z[1]) : _mm512_unpackhi_epi32(z[0], z[1]);
+    const __m512i b = K < 2 ? _mm512_unpacklo_epi32(z[2], z[3]) : _mm512_unpackhi_epi32(z[2], z[3]);
+    return K % 2 == 0 ? _mm512_unpacklo_epi64(a, b) : _mm512_unpackhi_epi64(a, b);
+}
+
 // The 16 rows' scales dw (and Q4_1's mins mw) of the block at offset `off`: the first 4 bytes of each
-// row's block (d, then m as halves) in one gather.
+// row's block (d, then m as halves).
 template <int QT>
-KVLM_INLINE void block_scales(const uint8_t* const* rows, __m512i hofs, int64_t off, __m512* dw, __m512* mw) {
-    const __m512i head = _mm512_i32gather_epi32(hofs, (const void*)(rows[0] + off), 1);
+KVLM_INLINE void block_scales(const uint8_t* const* rows, int64_t off, __m512* dw, __m512* mw) {
+    const __m512i head = dwords16<0>(rows, off);
     *dw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(head));
     if constexpr (QT == T_Q4_1) *mw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(head, 16)));
 }
 
-// Block b of the panel's 16 rows (rows[c]: row c's first byte; `hofs` lane c: rows[c] - rows[0]).
+// Block b of the panel's 16 rows (rows[c]: row c's first byte).
 template <int QT>
-KVLM_INLINE void prep_block(const uint8_t* const* rows, __m512i hofs, int64_t b, PanelBlock* pb) {
+KVLM_INLINE void prep_block(const uint8_t* const* rows, int64_t b, PanelBlock* pb) {
     constexpr int BB = I8Fmt<QT>::BB, QOFF = I8Fmt<QT>::QOFF;
     const int64_t off = b * BB;
-    block_scales<QT>(rows, hofs, off, &pb->dw, &pb->mw);
+    block_scales<QT>(rows, off, &pb->dw, &pb->mw);
     __m512i z[4], t[4];
     load_rows(rows, off + QOFF, z);
     transpose4(z, t);
@@ -136,12 +149,12 @@ KVLM_INLINE void tile_block(const PanelBlock& pb, const ActRows& a, int64_t m0, 
 // 128-bit lane, and each row's 4 partial sums per z are added up afterwards (sum_rows4): a few more
 // additions per row of x, far fewer shuffles than the transpose, which only pays for many rows.
 template <int QT, int MT>
-KVLM_INLINE void direct_block(const uint8_t* const* rows, __m512i hofs, const ActRows& a, int64_t b, __m512* acc,
+KVLM_INLINE void direct_block(const uint8_t* const* rows, const ActRows& a, int64_t b, __m512* acc,
                               __m512* mn) {
     constexpr int BB = I8Fmt<QT>::BB, QOFF = I8Fmt<QT>::QOFF;
     const int64_t off = b * BB;
     __m512 dw, mw = _mm512_setzero_ps();
-    block_scales<QT>(rows, hofs, off, &dw, &mw);
+    block_scales<QT>(rows, off, &dw, &mw);
     __m512i lo[4], hi[4];  // u of elements 0..15 and 16..31 (each z: 4 rows x 16 bytes)
     __mmask64 nlo[4] = {0, 0, 0, 0}, nhi[4] = {0, 0, 0, 0};  // Q8_0 without VNNI: w < 0
     load_rows(rows, off + QOFF, lo);
@@ -198,14 +211,14 @@ KVLM_INLINE void prefetch_slice(const uint8_t* ahead, const uint8_t* end, int64_
 
 // Few rows: direct_block, block after block.
 template <int QT, int MT>
-void panel_fly(const uint8_t* const* rows, __m512i hofs, const uint8_t* ahead, const uint8_t* end, const ActRows& a,
+void panel_fly(const uint8_t* const* rows, const uint8_t* ahead, const uint8_t* end, const ActRows& a,
                float* y, int64_t ldy, __mmask16 live) {
     __m512 acc[MT], mn[MT];
     for (int i = 0; i < MT; i++) acc[i] = mn[i] = _mm512_setzero_ps();
     constexpr int64_t BB = I8Fmt<QT>::BB;
     for (int64_t b = 0; b < a.nb; b++) {
         prefetch_slice(ahead, end, b, 16 * BB);
-        direct_block<QT, MT>(rows, hofs, a, b, acc, mn);
+        direct_block<QT, MT>(rows, a, b, acc, mn);
     }
     store_tile<QT, MT>(acc, mn, y, ldy, live);
 }
@@ -234,18 +247,11 @@ KVLM_INLINE void prefetch_first_panels(const uint8_t* w, int64_t rs, int64_t n0,
         _mm_prefetch((const char*)p, _MM_HINT_T1);
 }
 
-// The panel at weight row n: its 16 rows' first bytes and (hofs, lane c) their offsets from the first;
-// returns the live lanes (a tail panel's lanes past n1 repeat the last row).
-KVLM_INLINE __mmask16 panel_rows(const uint8_t* w, int64_t rs, int64_t n, int64_t n1, const uint8_t** rows,
-                                 __m512i* hofs) {
+// The panel at weight row n: its 16 rows' first bytes; returns the live lanes (a tail panel's lanes past
+// n1 repeat the last row).
+KVLM_INLINE __mmask16 panel_rows(const uint8_t* w, int64_t rs, int64_t n, int64_t n1, const uint8_t** rows) {
     const int live = n1 - n < 16 ? (int)(n1 - n) : 16;
-    int32_t ofs[16];
-    for (int c = 0; c < 16; c++) {
-        const int r = c < live ? c : live - 1;
-        rows[c] = w + (n + r) * rs;
-        ofs[c] = (int32_t)(r * rs);
-    }
-    *hofs = _mm512_loadu_si512((const void*)ofs);
+    for (int c = 0; c < 16; c++) rows[c] = w + (n + (c < live ? c : live - 1)) * rs;
     return (__mmask16)((1u << live) - 1);
 }
 
@@ -257,23 +263,22 @@ void gemm_i8_t(const uint8_t* w, int64_t rs, int64_t K, const int8_t* xq, const 
     prefetch_first_panels(w, rs, n0, n1);  // then two panels ahead (panel_fly, or panel_tile's first tile)
     for (int64_t n = n0; n < n1; n += 16) {
         const uint8_t* rows[16];
-        __m512i hv;
-        const __mmask16 mask = panel_rows(w, rs, n, n1, rows, &hv);
+        const __mmask16 mask = panel_rows(w, rs, n, n1, rows);
         float* yp = y + n;
         const uint8_t *ahead = w + (n + 32) * rs, *end = w + n1 * rs;  // the panel after next
         if (M <= FLY_ROWS || buf == nullptr) {
             for (int64_t m = 0; m < M; m += FLY_ROWS) {  // (M > FLY_ROWS only if the buffer failed to allocate)
                 const ActRows am{xq + m * K, xd + 8 * m * a.nb, xs + m * a.nb, xi + m * a.nb, K, a.nb};
                 switch (M - m < FLY_ROWS ? M - m : FLY_ROWS) {
-                    case 1: panel_fly<QT, 1>(rows, hv, ahead, end, am, yp + m * ldy, ldy, mask); break;
-                    case 2: panel_fly<QT, 2>(rows, hv, ahead, end, am, yp + m * ldy, ldy, mask); break;
-                    case 3: panel_fly<QT, 3>(rows, hv, ahead, end, am, yp + m * ldy, ldy, mask); break;
-                    default: panel_fly<QT, 4>(rows, hv, ahead, end, am, yp + m * ldy, ldy, mask); break;
+                    case 1: panel_fly<QT, 1>(rows, ahead, end, am, yp + m * ldy, ldy, mask); break;
+                    case 2: panel_fly<QT, 2>(rows, ahead, end, am, yp + m * ldy, ldy, mask); break;
+                    case 3: panel_fly<QT, 3>(rows, ahead, end, am, yp + m * ldy, ldy, mask); break;
+                    default: panel_fly<QT, 4>(rows, ahead, end, am, yp + m * ldy, ldy, mask); break;
                 }
             }
             continue;
         }
-        for (int64_t b = 0; b < a.nb; b++) prep_block<QT>(rows, hv, b, buf + b);
+        for (int64_t b = 0; b < a.nb; b++) prep_block<QT>(rows, b, buf + b);
         int64_t m = 0;
         for (; m + ROW_TILE <= M; m += ROW_TILE) panel_tile<QT, ROW_TILE>(buf, a, m, yp, ldy, mask, ahead, end);
         switch (M - m) {

@@ -94,7 +94,7 @@ KVLM_INLINE void k4_scales(const uint8_t* const* rows, int64_t off, KHead* h) {
 }
 
 template <int QT>
-KVLM_INLINE void kq_head(const uint8_t* const* rows, __m512i hofs, int64_t off, KHead* h) {
+KVLM_INLINE void kq_head(const uint8_t* const* rows, int64_t off, KHead* h) {
     if constexpr (QT == T_Q4_K || QT == T_Q5_K) k4_scales(rows, off, h);
     if constexpr (QT == T_Q5_K) {
         load_rows(rows, off + 16, h->qh);
@@ -104,8 +104,8 @@ KVLM_INLINE void kq_head(const uint8_t* const* rows, __m512i hofs, int64_t off, 
         __m512i z[4];
         load_rows(rows, off + 192, z);
         transpose4(z, h->sc);
-        // d is at bytes 208..209: gathered from 206 so the read stays inside the block
-        const __m512i dd = _mm512_srli_epi32(_mm512_i32gather_epi32(hofs, (const void*)(rows[0] + off + 206), 1), 16);
+        // d is at bytes 208..209: the last dword of the 16 bytes from 194, so the read stays inside the block
+        const __m512i dd = _mm512_srli_epi32(dwords16<3>(rows, off + 194), 16);
         h->dw[0] = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dd));
     }
 }
@@ -116,9 +116,9 @@ KVLM_INLINE void kq_head(const uint8_t* const* rows, __m512i hofs, int64_t off, 
 // Q6_K's 4 units of a 128-element half (c = 0..3) share its 32 qh bytes, and c, c + 2 their ql bytes.
 // Only loads are shared: each unit's values and the order fn sees them are those of unit-by-unit reads.
 template <int QT, typename F>
-KVLM_INLINE void kq_units(const uint8_t* const* rows, __m512i hofs, int64_t off, const KHead& h, KUnit* u, F&& fn) {
+KVLM_INLINE void kq_units(const uint8_t* const* rows, int64_t off, const KHead& h, KUnit* u, F&& fn) {
     if constexpr (QT == T_Q5_0 || QT == T_Q5_1) {
-        const __m512i head = _mm512_i32gather_epi32(hofs, (const void*)(rows[0] + off), 1);
+        const __m512i head = dwords16<0>(rows, off);
         u->dw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(head));
         if constexpr (QT == T_Q5_1) u->mw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(head, 16)));
         q5_unit(rows, off, QT == T_Q5_0 ? 2 : 4, QT == T_Q5_0 ? 6 : 8, u);
@@ -258,7 +258,7 @@ KVLM_INLINE void kq_store(const __m512* acc, const __m512* mn, float* y, int64_t
 }
 
 template <int QT, int MT>
-void kq_fly(const uint8_t* const* rows, __m512i hofs, const uint8_t* ahead, const uint8_t* end, const ActRows& a,
+void kq_fly(const uint8_t* const* rows, const uint8_t* ahead, const uint8_t* end, const ActRows& a,
             const int32_t* l16, float* y, int64_t ldy, __mmask16 live) {
     __m512 acc[MT], mn[MT];
     for (int i = 0; i < MT; i++) acc[i] = mn[i] = _mm512_setzero_ps();
@@ -268,8 +268,8 @@ void kq_fly(const uint8_t* const* rows, __m512i hofs, const uint8_t* ahead, cons
     u.mw = _mm512_setzero_ps();
     for (int64_t b = 0; b < a.nb / SUB; b++) {
         prefetch_slice(ahead, end, b, 16 * BB);
-        kq_head<QT>(rows, hofs, b * BB, &h);
-        kq_units<QT>(rows, hofs, b * BB, h, &u,
+        kq_head<QT>(rows, b * BB, &h);
+        kq_units<QT>(rows, b * BB, h, &u,
                      [&](int s, const KUnit& v) { kq_direct<QT, MT>(v, a, l16, b * SUB + s, acc, mn); });
     }
     kq_store<QT, MT>(acc, mn, y, ldy, live);
@@ -350,7 +350,7 @@ KVLM_INLINE void k4_row(const uint8_t* q, __m512i w[4]) {
 
 template <int QT, int MT>
 void kq_stream(const uint8_t* const* rows, const uint8_t* ahead, const uint8_t* end, const ActRows& a,
-               const ZV* x0s, ZV* S, __m512i hofs, float* y, int64_t ldy, __mmask16 live) {
+               const ZV* x0s, ZV* S, float* y, int64_t ldy, __mmask16 live) {
     constexpr int64_t BB = KQ<QT>::BB;
     const int64_t nsb = a.nb / 8;
     __m512 acc[MT], mn[MT];
@@ -380,11 +380,11 @@ void kq_stream(const uint8_t* const* rows, const uint8_t* ahead, const uint8_t* 
         for (int64_t lb = 0; lb < nc; lb++) {
             const int64_t b = b0 + lb;
             KHead h;
-            if constexpr (QT == T_Q6_K) {  // only d (bytes 208..209, gathered from 206 inside the block)
-                const __m512i dd = _mm512_srli_epi32(_mm512_i32gather_epi32(hofs, (const void*)(rows[0] + b * BB + 206), 1), 16);
+            if constexpr (QT == T_Q6_K) {  // only d (bytes 208..209, read inside the block as kq_head does)
+                const __m512i dd = _mm512_srli_epi32(dwords16<3>(rows, b * BB + 194), 16);
                 h.dw[0] = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dd));
             } else {
-                kq_head<QT>(rows, hofs, b * BB, &h);
+                kq_head<QT>(rows, b * BB, &h);
             }
             for (int i = 0; i < MT; i++) {
                 const ZV* P = S + (i * STREAM_CHUNK + lb) * 16;
@@ -450,8 +450,7 @@ void gemm_kq_t(const uint8_t* w, int64_t rs, int64_t K, const int8_t* xq, const 
     prefetch_first_panels(w, rs, n0, n1);  // then two panels ahead, a slice per block, in both modes
     for (int64_t n = n0; n < n1; n += 16) {
         const uint8_t* rows[16];
-        __m512i hv;
-        const __mmask16 mask = panel_rows(w, rs, n, n1, rows, &hv);
+        const __mmask16 mask = panel_rows(w, rs, n, n1, rows);
         float* yp = y + n;
         const uint8_t *ahead = w + (n + 32) * rs, *end = w + n1 * rs;
         if (buf == nullptr) {  // few rows (or no buffer): units used in place, 4 rows of x at a time
@@ -460,16 +459,16 @@ void gemm_kq_t(const uint8_t* w, int64_t rs, int64_t K, const int8_t* xq, const 
                 const int32_t* lm = l16 ? l16 + m * a.nb : nullptr;
                 if (stream) {  // Q4_K / Q6_K: weight rows whole, in memory order
                     switch (M) {
-                        case 1: kq_stream<QT, 1>(rows, ahead, end, am, zs, zs + M * a.nb / 2, hv, yp, ldy, mask); break;
-                        case 2: kq_stream<QT, 2>(rows, ahead, end, am, zs, zs + M * a.nb / 2, hv, yp, ldy, mask); break;
-                        default: kq_stream<QT, 3>(rows, ahead, end, am, zs, zs + M * a.nb / 2, hv, yp, ldy, mask); break;
+                        case 1: kq_stream<QT, 1>(rows, ahead, end, am, zs, zs + M * a.nb / 2, yp, ldy, mask); break;
+                        case 2: kq_stream<QT, 2>(rows, ahead, end, am, zs, zs + M * a.nb / 2, yp, ldy, mask); break;
+                        default: kq_stream<QT, 3>(rows, ahead, end, am, zs, zs + M * a.nb / 2, yp, ldy, mask); break;
                     }
                 } else {
                     switch (M - m < FLY_ROWS ? M - m : FLY_ROWS) {
-                        case 1: kq_fly<QT, 1>(rows, hv, ahead, end, am, lm, yp + m * ldy, ldy, mask); break;
-                        case 2: kq_fly<QT, 2>(rows, hv, ahead, end, am, lm, yp + m * ldy, ldy, mask); break;
-                        case 3: kq_fly<QT, 3>(rows, hv, ahead, end, am, lm, yp + m * ldy, ldy, mask); break;
-                        default: kq_fly<QT, 4>(rows, hv, ahead, end, am, lm, yp + m * ldy, ldy, mask); break;
+                        case 1: kq_fly<QT, 1>(rows, ahead, end, am, lm, yp + m * ldy, ldy, mask); break;
+                        case 2: kq_fly<QT, 2>(rows, ahead, end, am, lm, yp + m * ldy, ldy, mask); break;
+                        case 3: kq_fly<QT, 3>(rows, ahead, end, am, lm, yp + m * ldy, ldy, mask); break;
+                        default: kq_fly<QT, 4>(rows, ahead, end, am, lm, yp + m * ldy, ldy, mask); break;
                     }
                 }
             }
@@ -482,8 +481,8 @@ void gemm_kq_t(const uint8_t* w, int64_t rs, int64_t K, const int8_t* xq, const 
             // as kq_fly: without it 5+ rows (a speculative step's k + 1, a small batch) read the 16
             // interleaved weight rows at the hardware prefetcher's pace (kernels_int8_avx2.h measured 2x)
             prefetch_slice(ahead, end, b, 16 * BB);
-            kq_head<QT>(rows, hv, b * BB, &h);
-            kq_units<QT>(rows, hv, b * BB, h, &u, [&](int s, const KUnit& v) { kq_prep(v, buf + b * SUB + s); });
+            kq_head<QT>(rows, b * BB, &h);
+            kq_units<QT>(rows, b * BB, h, &u, [&](int s, const KUnit& v) { kq_prep(v, buf + b * SUB + s); });
         }
         int64_t m = 0;
         for (; m + ROW_TILE <= M; m += ROW_TILE) kq_tile<QT, ROW_TILE>(buf, a, l16, m, yp, ldy, mask);
