@@ -139,6 +139,8 @@ def llama_isa(system_info: str) -> str:
     on = set(re.findall(r"(\w+) = 1", system_info))
     if "AVX512" in on:
         return "avx512-vnni" if "AVX512_VNNI" in on else "avx512"
+    if "AVX2" in on and "AVX_VNNI" in on:
+        return "avx2-vnni"
     for isa, name in (("AVX2", "avx2"), ("DOTPROD", "neon-dotprod"), ("NEON", "neon")):
         if isa in on:
             return name

@@ -90,6 +90,7 @@ typedef struct KvlmKernels {
 
 const KvlmKernels* kvlm_kernels_scalar(void);
 const KvlmKernels* kvlm_kernels_avx2(void);
+const KvlmKernels* kvlm_kernels_avx2_vnni(void);  // AVX2 + AVX-VNNI: vpdpbusd on ymm in the int8 kernels
 const KvlmKernels* kvlm_kernels_avx512(void);
 const KvlmKernels* kvlm_kernels_avx512_vnni(void);  // AVX-512 + VNNI: vpdpbusd in the int8 kernels
 const KvlmKernels* kvlm_kernels_neon(void);          // aarch64 only: NEON (smull + sadalp in the int8 kernels)

@@ -26,6 +26,25 @@
 
 namespace {
 
+// AVX-VNNI (the avx2-vnni unit: Intel client CPUs since Alder Lake, Zen 5): vpdpbusd on ymm sums 4 byte
+// products into each int32 lane in one instruction, where AVX2 takes maddubs (pairs into int16) and madd
+// (int16 pairs into int32). Both give the exact integer, so the two units' outputs are the same bits.
+#if defined(KVLM_AVX_VNNI)
+constexpr bool VNNI8 = true;
+#else
+constexpr bool VNNI8 = false;
+#endif
+
+// int32 lanes += 4-byte dot products of u (unsigned bytes) with s (signed bytes). Without VNNI, maddubs's
+// int16 pairs cannot saturate here: |u| <= 128 and |s| <= 127 (2 * 128 * 127 < 2^15).
+KVLM_INLINE __m256i dot8(__m256i acc, __m256i u, __m256i s) {
+#if defined(KVLM_AVX_VNNI)
+    return _mm256_dpbusd_avx_epi32(acc, u, s);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+}
+
 // Rows a and a + 4's 16 bytes at `off` in the low and high 128-bit lanes of z[a]: two broadcast loads and a
 // blend (pure loads and an any-pipe op, where vinserti128 takes one of Zen's two shuffle pipes, which the
 // decode loop is short of).
@@ -262,8 +281,7 @@ KVLM_INLINE void direct8(const Unit8& u, const ActRows& a, const int32_t* l16, i
         if constexpr (F::Q6) {
             __m256i sl[4], sh[4];
             for (int j = 0; j < 4; j++)
-                sl[j] = _mm256_madd_epi16(_mm256_maddubs_epi16(al[j], xl), ones),
-                sh[j] = _mm256_madd_epi16(_mm256_maddubs_epi16(ah[j], xh), ones);
+                sl[j] = dot8(_mm256_setzero_si256(), al[j], xl), sh[j] = dot8(_mm256_setzero_si256(), ah[j], xh);
             const __m256i lo = _mm256_add_epi32(init_lo8<QT>(a, l16, r), sum_rows8(sl));
             const __m256i hi = _mm256_add_epi32(init_hi8(a, l16, r), sum_rows8(sh));
             isum = _mm256_add_epi32(_mm256_mullo_epi32(lo, u.sl), _mm256_mullo_epi32(hi, u.sh));
@@ -271,9 +289,10 @@ KVLM_INLINE void direct8(const Unit8& u, const ActRows& a, const int32_t* l16, i
             __m256i s[4];
             for (int j = 0; j < 4; j++) {
                 if constexpr (F::SIGNED)
-                    s[j] = _mm256_add_epi32(
-                        _mm256_madd_epi16(_mm256_maddubs_epi16(al[j], _mm256_sign_epi8(xl, u.lo[j])), ones),
-                        _mm256_madd_epi16(_mm256_maddubs_epi16(ah[j], _mm256_sign_epi8(xh, u.hi[j])), ones));
+                    s[j] = dot8(dot8(_mm256_setzero_si256(), al[j], _mm256_sign_epi8(xl, u.lo[j])), ah[j],
+                                _mm256_sign_epi8(xh, u.hi[j]));
+                else if constexpr (VNNI8)
+                    s[j] = dot8(dot8(_mm256_setzero_si256(), al[j], xl), ah[j], xh);
                 else  // 2 products per int16 lane (G >= 2)
                     s[j] = _mm256_madd_epi16(
                         _mm256_add_epi16(_mm256_maddubs_epi16(al[j], xl), _mm256_maddubs_epi16(ah[j], xh)), ones);
@@ -335,10 +354,14 @@ KVLM_INLINE void tile_unit8(const Panel8* const* p, const ActRows& a, const int3
             }
         }
     const int8_t* xb = a.xq + m0 * a.K + 32 * ib;
-    for (int j0 = 0; j0 < 8; j0 += F::G) {
+    // AVX-VNNI (not Q6_K, whose sub-scales ride in the widening madd): one vpdpbusd per 4 products straight
+    // into the row's int32 sum, all 8 j in one group.
+    constexpr bool DP = VNNI8 && !F::Q6;
+    constexpr int G = DP ? 8 : F::G;
+    for (int j0 = 0; j0 < 8; j0 += G) {
         __m256i s16[MT * NP];
 #pragma GCC unroll 8
-        for (int j = j0; j < j0 + F::G; j++) {
+        for (int j = j0; j < j0 + G; j++) {
             __m256i w[NP];
             for (int q = 0; q < NP; q++) w[q] = F::SIGNED ? _mm256_abs_epi8(p[q]->v[j]) : p[q]->v[j];
             for (int i = 0; i < MT; i++) {
@@ -346,7 +369,12 @@ KVLM_INLINE void tile_unit8(const Panel8* const* p, const ActRows& a, const int3
                 memcpy(&q4, xb + i * a.K + 4 * j, 4);
                 const __m256i x = _mm256_set1_epi32(q4);
                 for (int q = 0; q < NP; q++) {
-                    const __m256i d = _mm256_maddubs_epi16(w[q], F::SIGNED ? _mm256_sign_epi8(x, p[q]->v[j]) : x);
+                    const __m256i xs = F::SIGNED ? _mm256_sign_epi8(x, p[q]->v[j]) : x;
+                    if constexpr (DP) {
+                        lo[i * NP + q] = dot8(lo[i * NP + q], w[q], xs);
+                        continue;
+                    }
+                    const __m256i d = _mm256_maddubs_epi16(w[q], xs);
                     __m256i& t = s16[i * NP + q];
                     t = j == j0 ? d : _mm256_add_epi16(t, d);
                     // Keeps GCC from re-associating the int16 sums into a tree that computes all the
@@ -355,11 +383,12 @@ KVLM_INLINE void tile_unit8(const Panel8* const* p, const ActRows& a, const int3
                 }
             }
         }
-        for (int i = 0; i < MT; i++)
-            for (int q = 0; q < NP; q++) {
-                const __m256i f = F::Q6 ? (j0 < 4 ? p[q]->sl : p[q]->sh) : ones;
-                lo[i * NP + q] = _mm256_add_epi32(lo[i * NP + q], _mm256_madd_epi16(s16[i * NP + q], f));
-            }
+        if constexpr (!DP)
+            for (int i = 0; i < MT; i++)
+                for (int q = 0; q < NP; q++) {
+                    const __m256i f = F::Q6 ? (j0 < 4 ? p[q]->sl : p[q]->sh) : ones;
+                    lo[i * NP + q] = _mm256_add_epi32(lo[i * NP + q], _mm256_madd_epi16(s16[i * NP + q], f));
+                }
     }
     for (int k = 0; k < MT * NP; k++) finish8(lo[k], p[k % NP]->dw, a, (m0 + k / NP) * a.nb + ib, acc + k);
 }

@@ -47,8 +47,9 @@ bool cpu_has_i8mm() {
 }
 #endif
 
-int64_t best_isa() {
 #if defined(__x86_64__) || defined(__i386__)
+// The x86 paths in their order (each CPU has every one up to its best): scalar, AVX2, AVX-512, + VNNI.
+int64_t x86_level() {
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
@@ -57,6 +58,20 @@ int64_t best_isa() {
         __builtin_cpu_supports("bmi2"))
         return ISA_AVX2;
     return ISA_SCALAR;
+}
+
+// AVX-VNNI sits beside that order: AVX2 CPUs with it (Alder Lake and later client chips) and AVX-512
+// ones without it (Zen 4, Ice Lake) both exist.
+bool x86_avx_vnni() {
+    __builtin_cpu_init();
+    return x86_level() >= ISA_AVX2 && __builtin_cpu_supports("avxvnni");
+}
+#endif
+
+int64_t best_isa() {
+#if defined(__x86_64__) || defined(__i386__)
+    const int64_t level = x86_level();  // AVX-512 first where there is one (16 lanes to AVX-VNNI's 8)
+    return level == ISA_AVX2 && x86_avx_vnni() ? ISA_AVX2_VNNI : level;
 #elif defined(__aarch64__)
     if (!cpu_has_dotprod()) return ISA_NEON;
     return cpu_has_i8mm() ? ISA_NEON_I8MM : ISA_NEON_DOTPROD;
@@ -68,7 +83,8 @@ int64_t best_isa() {
 bool isa_available(int64_t isa) {
     if (isa == ISA_SCALAR) return true;
 #if defined(__x86_64__) || defined(__i386__)
-    return isa >= ISA_AVX2 && isa <= ISA_AVX512_VNNI && isa <= best_isa();
+    if (isa == ISA_AVX2_VNNI) return x86_avx_vnni();
+    return isa >= ISA_AVX2 && isa <= ISA_AVX512_VNNI && isa <= x86_level();
 #elif defined(__aarch64__)
     return isa == ISA_NEON || (isa >= ISA_NEON_DOTPROD && isa <= ISA_NEON_I8MM && isa <= best_isa());
 #else
@@ -81,6 +97,7 @@ const KvlmKernels* table(int64_t isa) {
 #if defined(__x86_64__) || defined(__i386__)
     if (isa == ISA_AVX512_VNNI) return kvlm_kernels_avx512_vnni();
     if (isa == ISA_AVX512) return kvlm_kernels_avx512();
+    if (isa == ISA_AVX2_VNNI) return kvlm_kernels_avx2_vnni();
     if (isa == ISA_AVX2) return kvlm_kernels_avx2();
 #elif defined(__aarch64__)
     if (isa == ISA_NEON_I8MM) return kvlm_kernels_neon_i8mm();
