@@ -7,9 +7,14 @@ scripts/macos_build_check.py (it downloads torch's macOS wheel and zig, so it is
 
 from __future__ import annotations
 
+import platform
 import sys
+from pathlib import Path
+
+import pytest
 
 from kvlm.kernels import native
+from tests.helpers.deps import need_native
 
 
 def test_macos_reaches_openmp_through_the_preprocessor() -> None:
@@ -27,3 +32,25 @@ def test_linux_keeps_gcc_openmp() -> None:
 
 def test_this_build_uses_this_platform_flags() -> None:
     assert (native._CFLAGS, native._LDFLAGS) == native.build_flags(sys.platform)
+
+
+def _cpu_flags() -> set[str]:
+    with open("/proc/cpuinfo") as f:
+        return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or not Path("/proc/cpuinfo").exists(),
+                    reason="x86 Linux: the paths are read against /proc/cpuinfo")
+def test_x86_paths_follow_the_cpu_flags() -> None:
+    """avx2-vnni runs where the CPU has AVX2 and AVX-VNNI, and is the best path only without AVX-512."""
+    need_native("the ISA checks are the extension's")
+    flags = _cpu_flags()
+    avx512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags
+    avx2 = {"avx2", "fma", "f16c", "bmi2"} <= flags
+    assert native.isa_available("avx2") == avx2
+    assert native.isa_available("avx512") == avx512
+    assert native.isa_available("avx512-vnni") == (avx512 and "avx512_vnni" in flags)
+    assert native.isa_available("avx2-vnni") == (avx2 and "avx_vnni" in flags)
+    expected = ("avx512-vnni" if "avx512_vnni" in flags else "avx512") if avx512 else (
+        ("avx2-vnni" if "avx_vnni" in flags else "avx2") if avx2 else "scalar")
+    assert native.best_isa() == expected
