@@ -116,6 +116,9 @@ struct F2 {
     static constexpr bool MIN = QT == T_Q4_1 || QT == T_Q5_1 || QT == T_Q4_K || QT == T_Q5_K;
     static constexpr int OFF = QT == T_Q4_0 ? -8 : QT == T_Q5_0 ? -16 : 0;  // isum += OFF * sum(q)
     static constexpr bool SIGNED = QT == T_Q8_0;  // |w| against x with w's sign
+    // Q8_0 on AVX-VNNI: w + 128 (unsigned) against x, the sum started at -128 sum(q): no sign flips (vpdpbusd
+    // does not saturate, where maddubs would: 2 * 255 * 127 > 2^15)
+    static constexpr bool U128 = SIGNED && VNNI8;
     static constexpr bool Q6 = QT == T_Q6_K;
     static constexpr int G = QT == T_Q8_0 ? 1 : Q6 ? 2 : QT == T_Q5_0 || QT == T_Q5_1 || QT == T_Q5_K ? 4 : 8;
 };
@@ -244,10 +247,20 @@ KVLM_INLINE void unit8(const uint8_t* const* rows, int64_t off, int s, const Hea
     }
 }
 
+// A unit's weight bytes as dot8's unsigned operand: Q8_0's |w| (its sign moves to x) or w + 128 (U128);
+// the other formats' u as they are.
+template <int QT>
+KVLM_INLINE __m256i unsigned8(__m256i v) {
+    if constexpr (F2<QT>::U128) return _mm256_xor_si256(v, _mm256_set1_epi8((char)0x80));
+    else if constexpr (F2<QT>::SIGNED) return _mm256_abs_epi8(v);
+    else return v;
+}
+
 // The integer start of a row's unit sum (lo: all 32 elements, or Q6_K's 0..15; hi: Q6_K's 16..31).
 template <int QT>
 KVLM_INLINE __m256i init_lo8(const ActRows& a, const int32_t* l16, int64_t r) {
     if constexpr (F2<QT>::Q6) return _mm256_set1_epi32(-32 * l16[r]);
+    else if constexpr (F2<QT>::U128) return _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(_mm256_set1_epi32(a.xi[r]), 7));
     else if constexpr (F2<QT>::OFF != 0)  // OFF * xi as a broadcast load and a shift (OFF = -8 or -16)
         return _mm256_sub_epi32(_mm256_setzero_si256(),
                                 _mm256_slli_epi32(_mm256_set1_epi32(a.xi[r]), F2<QT>::OFF == -8 ? 3 : 4));
@@ -269,8 +282,8 @@ KVLM_INLINE void direct8(const Unit8& u, const ActRows& a, const int32_t* l16, i
     const __m256i ones = _mm256_set1_epi16(1);
     __m256i al[4], ah[4];  // the unsigned bytes
     for (int j = 0; j < 4; j++) {
-        al[j] = F::SIGNED ? _mm256_abs_epi8(u.lo[j]) : u.lo[j];
-        ah[j] = F::SIGNED ? _mm256_abs_epi8(u.hi[j]) : u.hi[j];
+        al[j] = unsigned8<QT>(u.lo[j]);
+        ah[j] = unsigned8<QT>(u.hi[j]);
     }
     for (int i = 0; i < MT; i++) {
         const int64_t r = i * a.nb + ib;
@@ -288,7 +301,7 @@ KVLM_INLINE void direct8(const Unit8& u, const ActRows& a, const int32_t* l16, i
         } else {
             __m256i s[4];
             for (int j = 0; j < 4; j++) {
-                if constexpr (F::SIGNED)
+                if constexpr (F::SIGNED && !F::U128)
                     s[j] = dot8(dot8(_mm256_setzero_si256(), al[j], _mm256_sign_epi8(xl, u.lo[j])), ah[j],
                                 _mm256_sign_epi8(xh, u.hi[j]));
                 else if constexpr (VNNI8)
@@ -354,24 +367,28 @@ KVLM_INLINE void tile_unit8(const Panel8* const* p, const ActRows& a, const int3
             }
         }
     const int8_t* xb = a.xq + m0 * a.K + 32 * ib;
-    // AVX-VNNI (not Q6_K, whose sub-scales ride in the widening madd): one vpdpbusd per 4 products straight
-    // into the row's int32 sum, all 8 j in one group.
-    constexpr bool DP = VNNI8 && !F::Q6;
-    constexpr int G = DP ? 8 : F::G;
+    // AVX-VNNI: one vpdpbusd per 4 products, straight into the row's int32 sum (all 8 j in one group), or
+    // for Q6_K into an int32 sum per 16-element half (j0 = 0, 4), then times its sub-scale (vpmulld).
+    constexpr bool DP = VNNI8 && !F::Q6, DP6 = VNNI8 && F::Q6;
+    constexpr int G = DP ? 8 : DP6 ? 4 : F::G;
     for (int j0 = 0; j0 < 8; j0 += G) {
-        __m256i s16[MT * NP];
+        __m256i s16[MT * NP];  // int16 sums of G products a lane (DP6: int32 sums)
 #pragma GCC unroll 8
         for (int j = j0; j < j0 + G; j++) {
             __m256i w[NP];
-            for (int q = 0; q < NP; q++) w[q] = F::SIGNED ? _mm256_abs_epi8(p[q]->v[j]) : p[q]->v[j];
+            for (int q = 0; q < NP; q++) w[q] = unsigned8<QT>(p[q]->v[j]);
             for (int i = 0; i < MT; i++) {
                 int32_t q4;
                 memcpy(&q4, xb + i * a.K + 4 * j, 4);
                 const __m256i x = _mm256_set1_epi32(q4);
                 for (int q = 0; q < NP; q++) {
-                    const __m256i xs = F::SIGNED ? _mm256_sign_epi8(x, p[q]->v[j]) : x;
+                    const __m256i xs = F::SIGNED && !F::U128 ? _mm256_sign_epi8(x, p[q]->v[j]) : x;
                     if constexpr (DP) {
                         lo[i * NP + q] = dot8(lo[i * NP + q], w[q], xs);
+                        continue;
+                    }
+                    if constexpr (DP6) {
+                        s16[i * NP + q] = dot8(j == j0 ? _mm256_setzero_si256() : s16[i * NP + q], w[q], xs);
                         continue;
                     }
                     const __m256i d = _mm256_maddubs_epi16(w[q], xs);
@@ -383,7 +400,13 @@ KVLM_INLINE void tile_unit8(const Panel8* const* p, const ActRows& a, const int3
                 }
             }
         }
-        if constexpr (!DP)
+        if constexpr (DP6)
+            for (int i = 0; i < MT; i++)
+                for (int q = 0; q < NP; q++) {  // sl / sh hold the sub-scale in both int16 halves
+                    const __m256i f = _mm256_srai_epi32(j0 < 4 ? p[q]->sl : p[q]->sh, 16);
+                    lo[i * NP + q] = _mm256_add_epi32(lo[i * NP + q], _mm256_mullo_epi32(s16[i * NP + q], f));
+                }
+        else if constexpr (!DP)
             for (int i = 0; i < MT; i++)
                 for (int q = 0; q < NP; q++) {
                     const __m256i f = F::Q6 ? (j0 < 4 ? p[q]->sl : p[q]->sh) : ones;
