@@ -7,12 +7,13 @@
 # The source is the llama.cpp that llama-cpp-python vendors, so the libraries match its Python bindings:
 #   pip download --no-deps --no-binary :all: llama-cpp-python==VERSION   (an sdist, ~50 MB)
 #   scripts/build_llama_cpp.sh avx2 llama_cpp_python-VERSION.tar.gz OUT_DIR
-# ISA: avx2 (AVX2 + FMA + F16C + BMI2, no AVX-512: what most laptops and desktops have), avx512
+# ISA: avx2 (AVX2 + FMA + F16C + BMI2, no AVX-512: what most laptops and desktops have), avx2-vnni (the same
+# plus AVX-VNNI: Intel client CPUs since Alder Lake, against `KVLM_KERNEL_ISA=avx2-vnni`), avx512
 # (AVX-512 F/BW/VL/DQ + VNNI + BF16), or native (-march=native). OUT_DIR gets lib/ (libllama.so and the
 # ggml libraries: pass it to --llama-lib, which sets LLAMA_CPP_LIB_PATH for llama-cpp-python) and
 # bin/llama-batched-bench. About 10 minutes on 2 cores.
 set -euo pipefail
-ISA=${1:?usage: build_llama_cpp.sh avx2|avx512|native SDIST.tar.gz|SOURCE_DIR OUT_DIR}
+ISA=${1:?usage: build_llama_cpp.sh avx2|avx2-vnni|avx512|native SDIST.tar.gz|SOURCE_DIR OUT_DIR}
 SRC=${2:?source}; OUT=${3:?out dir}
 mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
 if [ -f "$SRC" ]; then
@@ -24,10 +25,12 @@ fi
 case $ISA in
   avx2)   FLAGS=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
                  -DGGML_AVX512=OFF -DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF -DGGML_AVX_VNNI=OFF) ;;
+  avx2-vnni) FLAGS=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
+                 -DGGML_AVX512=OFF -DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF -DGGML_AVX_VNNI=ON) ;;
   avx512) FLAGS=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
                  -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON) ;;
   native) FLAGS=(-DGGML_NATIVE=ON) ;;
-  *) echo "build_llama_cpp.sh: unknown ISA '$ISA' (avx2, avx512, native)" >&2; exit 2 ;;
+  *) echo "build_llama_cpp.sh: unknown ISA '$ISA' (avx2, avx2-vnni, avx512, native)" >&2; exit 2 ;;
 esac
 cmake -S "$SRC" -B "$OUT/build" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON -DGGML_OPENMP=ON \
   -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
