@@ -135,12 +135,14 @@ struct Head8 {
     __m256 dw[8], mw[8];
     __m256i qh[8];  // Q5_K: qh bytes 0..15 (qh[0..3]) and 16..31 (qh[4..7])
     __m256i sc[4];  // Q6_K: lane c = row c's int8 scales 4j .. 4j + 3 (sc[j])
-    // The K-quants' quant bytes in load_rows8's layout, 16 bytes a chunk, loaded once per block: each
-    // chunk serves 2 units (Q4_K / Q5_K nibbles; Q6_K's ql) or 4 (Q6_K's qh).
+    // Q6_K's quant bytes in load_rows8's layout, 16 bytes a chunk, loaded once per block: each chunk serves
+    // 2 units (ql) or 4 (qh). Q4_K / Q5_K load their 32 bytes in unit8 instead (units 2k and 2k + 1 read the
+    // same bytes, which GCC loads once in the unrolled loop): kept here, 32 ymm went through the stack and
+    // back, and M = 1 ran 1.13-1.17x slower on hot weights (Zen 5, AVX2 and AVX-VNNI).
     __m256i raw[12][4];
 };
 
-// Where head8 reads raw[] from: Q4_K / Q5_K: the 128 quant bytes; Q6_K: ql (128 bytes) then qh (64).
+// Where the quant bytes start: Q4_K / Q5_K: the 128 quant bytes (unit8); Q6_K: ql (128 bytes) then qh (64), head8's raw[].
 template <int QT>
 constexpr int RAW_AT = QT == T_Q4_K ? 16 : QT == T_Q5_K ? 48 : 0;
 template <int QT>
@@ -149,7 +151,8 @@ constexpr int RAW_CHUNKS = QT == T_Q6_K ? 12 : 8;
 template <int QT>
 KVLM_INLINE void head8(const uint8_t* const* rows, int64_t off, Head8* h) {
     if constexpr (F2<QT>::KQUANT)
-        for (int i = 0; i < RAW_CHUNKS<QT>; i++) load_rows8(rows, off + RAW_AT<QT> + 16 * i, h->raw[i]);
+        if constexpr (QT == T_Q6_K)
+            for (int i = 0; i < RAW_CHUNKS<QT>; i++) load_rows8(rows, off + RAW_AT<QT> + 16 * i, h->raw[i]);
     if constexpr (QT == T_Q4_K || QT == T_Q5_K) {  // the same float ops as kernels_kquant.h's k4_scales
         __m256i z[4], t[4];
         load_rows8(rows, off, z);
@@ -217,7 +220,9 @@ KVLM_INLINE void unit8(const uint8_t* const* rows, int64_t off, int s, const Hea
         u->dw = half_lo8(g);
         if constexpr (QT == T_Q5_1) u->mw = half_lo8(_mm256_srli_epi32(g, 16));
     } else if constexpr (QT == T_Q4_K || QT == T_Q5_K) {
-        const __m256i *zl = h.raw[2 * (s / 2)], *zh = h.raw[2 * (s / 2) + 1];  // quant bytes 32 (s / 2) ..
+        __m256i zl[4], zh[4];  // quant bytes 32 (s / 2) ..
+        load_rows8(rows, off + RAW_AT<QT> + 32 * (s / 2), zl);
+        load_rows8(rows, off + RAW_AT<QT> + 32 * (s / 2) + 16, zh);
         for (int a = 0; a < 4; a++) u->lo[a] = nib8(zl[a], 4 * (s & 1)), u->hi[a] = nib8(zh[a], 4 * (s & 1));
         if constexpr (QT == T_Q5_K) {
             const __m256i bit = _mm256_set1_epi8((char)(1 << s));
