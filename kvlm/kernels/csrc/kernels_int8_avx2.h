@@ -136,9 +136,9 @@ struct Head8 {
     __m256i qh[8];  // Q5_K: qh bytes 0..15 (qh[0..3]) and 16..31 (qh[4..7])
     __m256i sc[4];  // Q6_K: lane c = row c's int8 scales 4j .. 4j + 3 (sc[j])
     // Q6_K's quant bytes in load_rows8's layout, 16 bytes a chunk, loaded once per block: each chunk serves
-    // 2 units (ql) or 4 (qh). Q4_K / Q5_K load their 32 bytes in unit8 instead (units 2k and 2k + 1 read the
-    // same bytes, which GCC loads once in the unrolled loop): kept here, 32 ymm went through the stack and
-    // back, and M = 1 ran 1.13-1.17x slower on hot weights (Zen 5, AVX2 and AVX-VNNI).
+    // 2 units (ql) or 4 (qh). Q4_K / Q5_K load their 32 bytes in unit8 instead (units 2k and 2k + 1 each
+    // load them, from L1): kept here, 32 ymm went through the stack and back, and M = 1 ran 1.13-1.17x
+    // slower on hot weights (Zen 5, AVX2 and AVX-VNNI).
     __m256i raw[12][4];
 };
 
