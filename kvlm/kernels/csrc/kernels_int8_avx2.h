@@ -142,17 +142,15 @@ struct Head8 {
     __m256i raw[12][4];
 };
 
-// Where the quant bytes start: Q4_K / Q5_K: the 128 quant bytes (unit8); Q6_K: ql (128 bytes) then qh (64), head8's raw[].
+// Where the quant bytes start: Q4_K / Q5_K: the 128 quant bytes (unit8); Q6_K: ql (128 bytes) then qh (64),
+// head8's 12 raw[] chunks.
 template <int QT>
 constexpr int RAW_AT = QT == T_Q4_K ? 16 : QT == T_Q5_K ? 48 : 0;
-template <int QT>
-constexpr int RAW_CHUNKS = QT == T_Q6_K ? 12 : 8;
 
 template <int QT>
 KVLM_INLINE void head8(const uint8_t* const* rows, int64_t off, Head8* h) {
-    if constexpr (F2<QT>::KQUANT)
-        if constexpr (QT == T_Q6_K)
-            for (int i = 0; i < RAW_CHUNKS<QT>; i++) load_rows8(rows, off + RAW_AT<QT> + 16 * i, h->raw[i]);
+    if constexpr (QT == T_Q6_K)
+        for (int i = 0; i < 12; i++) load_rows8(rows, off + RAW_AT<QT> + 16 * i, h->raw[i]);
     if constexpr (QT == T_Q4_K || QT == T_Q5_K) {  // the same float ops as kernels_kquant.h's k4_scales
         __m256i z[4], t[4];
         load_rows8(rows, off, z);

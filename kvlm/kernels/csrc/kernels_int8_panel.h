@@ -62,7 +62,8 @@ KVLM_INLINE __m512i sum_rows4(const __m512i s[4]) {
 
 // Lane c: row c's dword K of the 16 bytes at rows[c] + off (the 4 bytes at off + 4 K): load_rows' 16
 // loads and half a transpose4. Replaces vpgatherdd, which was the M = 1 loop's costliest instruction on
-// Zen 5 (Q4_0 decode 1.24x faster without it; kernels_int8_avx2.h's dwords8 found the same on Zen 4).
+// Zen 5 (Q4_0 at M = 1 1.27x faster without it, hot, avx512-vnni unit; kernels_int8_avx2.h's dwords8 found
+// the same on Zen 4).
 // K = 3 reads a field at a block's end without leaving the block (Q6_K's d: off = block + 194).
 template <int K>
 KVLM_INLINE __m512i dwords16(const uint8_t* const* rows, int64_t off) {
