@@ -111,6 +111,13 @@ KVLM_INLINE const uint16_t* wtail(const uint8_t* row, int64_t K, uint16_t* tmp) 
     return tmp;
 }
 
+// Decode's prefetch: the NR rows after these (NR * rs bytes, back to back in the file) are fetched in
+// address order, 64 bytes per row and chunk, so they are in L1 when their turn comes, whatever K is. Per
+// row 1 KB ahead reached into the next row (K = 2048) and missed each group's start. Zen 5, 2 threads,
+// the machine at ~57 GB/s, `kvlm bench kernels --formats BF16 --rows 1`, GB/s before -> after: AVX2
+// 34-42 -> 54-58 (with b_rows8), AVX-512 BF16 instruction 52-56 -> 56-58, AVX-512 spelled out 45-49 -> 56-58.
+// (Past the end of a thread's rows the prefetches read lines it does not use; they never fault.)
+
 // One row of x (xb: its chunks as to_x wrote them) against NR weight rows at once: NR independent chains,
 // the x chunk read once for all (a decode step).
 template <int NR>
@@ -118,12 +125,11 @@ KVLM_INLINE void b_rows(const uint8_t* w, int64_t rs, int64_t K, const XT* xb, f
     v16 acc[NR];
     for (int j = 0; j < NR; j++) acc[j] = (v16){};
     const int64_t nf = K / 32;
+    const char* next = (const char*)w + NR * rs;
     for (int64_t c = 0; c < nf; c++) {
         const XChunk xc = xchunk(xb + 32 * c);
         for (int j = 0; j < NR; j++) {
-#if defined(KVLM_AVX2)  // 1 KB ahead in each row: 1.05x-1.3x on AVX2; 0.85x-0.9x with the instruction (Zen 5)
-            __builtin_prefetch((const uint16_t*)(w + j * rs) + 32 * c + 512);
-#endif
+            __builtin_prefetch(next + 64 * (NR * c + j));
             bdot(acc[j], (const uint16_t*)(w + j * rs) + 32 * c, xc);
         }
     }
@@ -134,6 +140,48 @@ KVLM_INLINE void b_rows(const uint8_t* w, int64_t rs, int64_t K, const XT* xb, f
     }
     for (int j = 0; j < NR; j++) y[j] = hsum(acc[j]);
 }
+
+#if defined(KVLM_AVX2)
+// b_rows on AVX2: each 16-lane accumulator as two ymm (lanes 0..7 and 8..15; lanes are independent, so
+// each keeps the contract's order), with explicit intrinsics: 2 NR accumulators, x's two halves and the
+// weight temporaries fit the 16 ymm. GCC's 16-lane vector code spilled the accumulators and moved them
+// through general registers every chunk (19 GB/s a core on a cold 2048 x 8192 product, Zen 5).
+template <int NR>
+KVLM_INLINE void b_rows8(const uint8_t* w, int64_t rs, int64_t K, const XT* xb, float* y) {
+    __m256 acc[2][NR];
+    for (int h = 0; h < 2; h++)
+        for (int j = 0; j < NR; j++) acc[h][j] = _mm256_setzero_ps();
+    const __m256i hi16 = _mm256_set1_epi32((int)0xffff0000u);
+    // chunk c of the NR weight rows (wc[j]: its 32 elements) against x's chunk at xc (16 odd, 16 even)
+    const auto chunk = [&](const uint16_t* const* wc, const XT* xc) __attribute__((always_inline)) {
+        for (int h = 0; h < 2; h++) {
+            const __m256 xo = _mm256_loadu_ps(xc + 8 * h), xe = _mm256_loadu_ps(xc + 16 + 8 * h);
+            for (int j = 0; j < NR; j++) {
+                const __m256i u = _mm256_loadu_si256((const __m256i*)(wc[j] + 16 * h));
+                acc[h][j] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(u, hi16)), xo, acc[h][j]);
+                acc[h][j] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(u, 16)), xe, acc[h][j]);
+            }
+        }
+    };
+    const int64_t nf = K / 32;
+    const char* next = (const char*)w + NR * rs;
+    for (int64_t c = 0; c < nf; c++) {
+        const uint16_t* wc[NR];
+        for (int j = 0; j < NR; j++) {
+            wc[j] = (const uint16_t*)(w + j * rs) + 32 * c;
+            __builtin_prefetch(next + 64 * (NR * c + j));
+        }
+        chunk(wc, xb + 32 * c);
+    }
+    if (K % 32) {
+        alignas(64) uint16_t tmp[NR][32];
+        const uint16_t* wc[NR];
+        for (int j = 0; j < NR; j++) wc[j] = wtail(w + j * rs, K, tmp[j]);
+        chunk(wc, xb + 32 * nf);
+    }
+    for (int j = 0; j < NR; j++) y[j] = hsum(join16<v16>(acc[0][j], acc[1][j]));
+}
+#endif
 
 // MT rows of x (ldx elements apart in xb) against one weight row.
 template <int MT>
@@ -256,6 +304,9 @@ KVLM_INLINE int64_t b_blocks(int64_t M, int64_t n0, int64_t n1, Tile&& tile) {
 inline void b_gemm(const uint8_t* w, int64_t rs, int64_t K, const XT* xb, int64_t ldx, int64_t M, float* y,
                    int64_t ldy, int64_t n0, int64_t n1) {
     if (M == 1) {  // a decode step: four weight rows in flight
+#if defined(KVLM_AVX2)
+        for (; n0 + 4 <= n1; n0 += 4) b_rows8<4>(w + n0 * rs, rs, K, xb, y + n0);
+#endif
         for (; n0 + 4 <= n1; n0 += 4) b_rows<4>(w + n0 * rs, rs, K, xb, y + n0);
         for (; n0 < n1; n0++) b_rows<1>(w + n0 * rs, rs, K, xb, y + n0);
         return;
