@@ -236,47 +236,53 @@ KVLM_INLINE void b_tile(const uint8_t* w, int64_t rs, int64_t K, const XT* xb, i
 #endif
 
 #if defined(KVLM_AVX2)
-// Prefill on AVX2 (spelled out): MR rows of x by NR weight rows, each chunk in two halves of 8 lanes (lanes
-// are independent, so the order per lane is the contract's), 2 MR NR accumulators of one ymm each. A 16-lane
-// block (bdot) would need 4 registers per weight row and spill; this needs 2.
-constexpr int B2_MR = 2, B2_NR = 3;
-KVLM_INLINE v8 ldh(const float* p) {
-    v8 r;
-    memcpy(&r, p, 32);
-    return r;
-}
+// Prefill on AVX2 (spelled out): MR rows of x by NR weight rows, one 8-lane half of the 16 lanes at a time
+// over all of K (lanes are independent, so each keeps the contract's order), MR NR accumulators of one ymm.
+// Per chunk: x's MR odd and even halves loaded once into registers, then each weight row's 8 words once:
+// their odd elements against every row of x, then their even ones (each accumulator takes the odd product
+// before the even one). Each accumulator's two FMAs a chunk are a chain of 2 x 4 cycles, so 8 accumulators
+// only just keep 2 FMA pipes busy; 2 x 5 (10 accumulators, 4 x halves, the words and their split: 16 ymm,
+// the mask a memory operand) leaves slack. The second half's pass finds most of the tile in L1. M = 512,
+// 2048 x 2048, 1 thread, Zen 5: 2 x 3 with x as FMA memory operands (each x half read 3 times) ~63 ms,
+// both halves at once 2 x 4 (16 accumulators, spilled) ~50, one half at a time 2 x 4 ~56 (noisy), 2 x 5 ~43.
+constexpr int B2_MR = 2, B2_NR = 5;
 template <int MR, int NR>
 KVLM_INLINE void b_tile8(const uint8_t* w, int64_t rs, int64_t K, const XT* xb, int64_t ldx, float* y, int64_t ldy) {
-    typedef uint32_t u8v __attribute__((vector_size(32)));
-    v8 acc[2][MR][NR];
-    for (int h = 0; h < 2; h++)
+    __m256 acc[2][MR][NR];
+    const __m256i hi16 = _mm256_set1_epi32((int)0xffff0000u);
+    for (int h = 0; h < 2; h++) {
+        __m256 a[MR][NR];
         for (int i = 0; i < MR; i++)
-            for (int j = 0; j < NR; j++) acc[h][i][j] = (v8){};
-    // chunk c of the NR weight rows (wc[j]) against the tile's rows of x
-    const auto chunk = [&](const uint16_t* const* wc, int64_t c) __attribute__((always_inline)) {
-        for (int h = 0; h < 2; h++)
-            for (int j = 0; j < NR; j++) {
-                u8v u;
-                memcpy(&u, wc[j] + 16 * h, 32);
-                const v8 wo = (v8)(u & 0xffff0000u), we = (v8)(u << 16);
-                for (int i = 0; i < MR; i++) {
-                    const XT* xp = xb + i * ldx + 32 * c + 8 * h;
-                    acc[h][i][j] += wo * ldh(xp);
-                    acc[h][i][j] += we * ldh(xp + 16);
-                }
+            for (int j = 0; j < NR; j++) a[i][j] = _mm256_setzero_ps();
+        // chunk c's half h of the NR weight rows (wc[j]: the chunk) against the tile's rows of x
+        const auto chunk = [&](const uint16_t* const* wc, int64_t c) __attribute__((always_inline)) {
+            __m256 xo[MR], xe[MR];
+            for (int i = 0; i < MR; i++) {
+                const XT* xp = xb + i * ldx + 32 * c + 8 * h;
+                xo[i] = _mm256_loadu_ps(xp), xe[i] = _mm256_loadu_ps(xp + 16);
             }
-    };
-    const int64_t nf = K / 32;
-    for (int64_t c = 0; c < nf; c++) {
-        const uint16_t* wc[NR];
-        for (int j = 0; j < NR; j++) wc[j] = (const uint16_t*)(w + j * rs) + 32 * c;
-        chunk(wc, c);
-    }
-    if (K % 32) {
-        alignas(64) uint16_t tmp[NR][32];
-        const uint16_t* wc[NR];
-        for (int j = 0; j < NR; j++) wc[j] = wtail(w + j * rs, K, tmp[j]);
-        chunk(wc, nf);
+            for (int j = 0; j < NR; j++) {
+                const __m256i u = _mm256_loadu_si256((const __m256i*)(wc[j] + 16 * h));
+                const __m256 wo = _mm256_castsi256_ps(_mm256_and_si256(u, hi16));
+                for (int i = 0; i < MR; i++) a[i][j] = _mm256_fmadd_ps(wo, xo[i], a[i][j]);
+                const __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(u, 16));
+                for (int i = 0; i < MR; i++) a[i][j] = _mm256_fmadd_ps(we, xe[i], a[i][j]);
+            }
+        };
+        const int64_t nf = K / 32;
+        for (int64_t c = 0; c < nf; c++) {
+            const uint16_t* wc[NR];
+            for (int j = 0; j < NR; j++) wc[j] = (const uint16_t*)(w + j * rs) + 32 * c;
+            chunk(wc, c);
+        }
+        if (K % 32) {
+            alignas(64) uint16_t tmp[NR][32];
+            const uint16_t* wc[NR];
+            for (int j = 0; j < NR; j++) wc[j] = wtail(w + j * rs, K, tmp[j]);
+            chunk(wc, nf);
+        }
+        for (int i = 0; i < MR; i++)
+            for (int j = 0; j < NR; j++) acc[h][i][j] = a[i][j];
     }
     for (int i = 0; i < MR; i++)
         for (int j = 0; j < NR; j++) y[i * ldy + j] = hsum(join16<v16>(acc[0][i][j], acc[1][i][j]));
