@@ -364,13 +364,38 @@ KVLM_INLINE void row_dot(const uint8_t* row, int64_t K, const float* x, int64_t 
 // One row of x against NR weight rows of a dense format at once: each output is row_dot<F, 1>'s (the same
 // FMAs into the same lanes in the same order, the same tree), but the NR accumulators are independent
 // chains, so a short matrix (a LoRA A, r x K) is not bound by one chain's FMA latency.
-// Rows in flight for one row of x (a decode step): 4 independent FMA chains. Measured alone (2-core AMD EPYC,
-// AVX-512, 2 threads, bf16 4096 x 2048 from memory) the widened loads run at ~23 GB/s, near the copy
-// bandwidth; 8 rows or software prefetch 1-2 KB ahead of each row were no faster (prefetch was slower).
+// Rows in flight for one row of x (a decode step): 4 independent FMA chains. (2026-12-04, Zen 4: 8 rows, or a
+// prefetch 1-2 KB ahead in each row, were no faster than 4 rows alone.)
 constexpr int DENSE_NR = 4;
+// Both prefetch the next NR rows (NR * rs bytes, back to back) in address order, at the rate they read
+// these: as kernels_bf16.h's b_rows, where it took BF16 decode to the read bandwidth.
 template <class F, int NR>
 KVLM_INLINE void rows_dot(const uint8_t* w, int64_t rs, int64_t K, const float* x, float* y) {
     static_assert(F::DENSE, "dense formats only");
+    const char* next = (const char*)w + NR * rs;
+#if defined(KVLM_AVX2)
+    // In 8-lane halves (as tile_dot's AVX2 path, with one row of x): 2 NR ymm accumulators. GCC's 16-lane
+    // vectors on two ymm spilled them (the same loop ran at half the AVX-512 path's GB/s).
+    v8 a[2][NR];
+    for (int h = 0; h < 2; h++)
+        for (int j = 0; j < NR; j++) a[h][j] = (v8){};
+    const int64_t kb8 = K / F::BE * F::BE;
+    for (int64_t k = 0; k < kb8; k += 16) {
+        for (int j = 0; j < NR; j++) __builtin_prefetch(next + (k * NR + 16 * j) * F::ES);
+        for (int h = 0; h < 2; h++) {
+            v8 xv;
+            memcpy(&xv, x + k + 8 * h, 32);
+            for (int j = 0; j < NR; j++) a[h][j] += F::ld8(w + j * rs + (k + 8 * h) * F::ES) * xv;
+        }
+    }
+    for (int64_t k = kb8; k < K; k++)
+        for (int j = 0; j < NR; j++) {
+            const int lane = (int)((k - kb8) % 16);
+            a[lane / 8][j][lane % 8] += F::elem(w + j * rs, k) * x[k];
+        }
+    for (int j = 0; j < NR; j++) y[j] = hsum(join16<v16>(a[0][j], a[1][j]));
+    return;
+#endif
     v16 acc[NR];
     for (int j = 0; j < NR; j++) acc[j] = (v16){};
     const int64_t nb = K / F::BE;
@@ -379,6 +404,7 @@ KVLM_INLINE void rows_dot(const uint8_t* w, int64_t rs, int64_t K, const float* 
         for (int s = 0; s < F::BE / 32; s++) {
             const v16 x0 = ld(xb + 32 * s), x1 = ld(xb + 32 * s + 16);
             for (int j = 0; j < NR; j++) {
+                for (int l = 0; l < 32 * F::ES; l += 64) __builtin_prefetch(next + ((b * F::BE + 32 * s) * NR + 32 * j) * F::ES + l);
                 v16 w0, w1;
                 F::step(w + j * rs + b * F::BB, s, w0, w1);
                 acc[j] += w0 * x0;
