@@ -18,7 +18,7 @@ Mixture-of-experts configurations (`olmoe-1b-7b`: OLMoE-1B-7B's shapes, hidden 2
 top 8, expert ffn 1024) write llama.cpp's `olmoe` architecture: q/k norms over the whole projection, the
 router `ffn_gate_inp` (F32, as llama-quantize keeps it) and the experts stacked in 3-D `ffn_*_exps`. Tensors
 are written one at a time (the 7B file never sits in memory). Without `--llama-python`, Q8_0 and Q4_0 files
-(and BF16) are written directly with gguf's own quantizer (llama.cpp's recipes such as Q4_K_M need llama.cpp);
+(and BF16, F16) are written directly with gguf's own quantizer (llama.cpp's recipes such as Q4_K_M need llama.cpp);
 `--layers N` writes only the first N layers (same shapes: a quick, smaller file for per-layer speed).
 `--safetensors` writes instead a Hugging Face folder `<config>.bf16/` (config.json, bf16 model.safetensors,
 tokenizer.json and tokenizer_config.json from the default model's GGUF) for dense configurations: what a
@@ -74,7 +74,7 @@ CONFIGS = {
     "olmoe-1b-7b": Config(hidden=2048, layers=16, heads=16, kv_heads=16, ffn=1024, tied=False, rope_theta=10000.0,
                           experts=64, experts_used=8, arch="olmoe"),
 }
-DIRECT = {"Q8_0", "Q4_0", "BF16"}  # formats gguf's own quantizer writes (BF16: what llama.cpp's converter keeps)
+DIRECT = {"Q8_0", "Q4_0", "BF16", "F16"}  # formats written without llama.cpp (BF16, F16: what its converter keeps)
 CONTEXT = 8192  # the files' context length: enough for decode at 2,048 of context and long prompts
 
 
