@@ -24,7 +24,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
 from kvlm.bench.common import Bench, cpu_name, standalone
 from kvlm.kernels import kv_quant
-from kvlm.kernels.backend import isa_name
+from kvlm.kernels.backend import NATIVE_TYPES, isa_name
 from kvlm.kernels.paged_attention import paged_decode_attention
 from kvlm.kernels.quant import dequantize, qmatmul
 from kvlm.kernels.quant_tensor import QuantTensor
@@ -32,8 +32,9 @@ from kvlm.kernels.reference import paged_decode_attention_ref
 
 SHAPES = ((576, 576), (192, 576), (1536, 576), (576, 1536), (49152, 576))  # SmolLM2-135M: q/o, k/v, up, down, head
 ROWS = (1, 8, 32, 512)
-FORMATS = ("Q4_1", "Q8_0")  # the default model's types; --formats takes any of quant.NATIVE_TYPES
-_F16_FIELDS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}  # byte offsets of a block's float16 scales
+FORMATS = ("Q4_1", "Q8_0")  # the default model's types; --formats takes NATIVE_TYPES, Q2_K and Q3_K
+_F16_FIELDS = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2),  # byte offsets of
+               "Q6_K": (208,)}  # a block's float16 scales
 COLD_BYTES = 256 << 20  # float32 bytes across the rotated copies (well past any L3 here)
 
 
@@ -244,6 +245,12 @@ def run_args(a: argparse.Namespace) -> dict:
     unknown = [f for f in formats if f not in GGMLQuantizationType.__members__]
     if unknown or not formats:
         raise ValueError(f"--formats: unknown GGUF type(s) {', '.join(unknown) or '(none given)'}")
+    # what random_weight can write: gguf's quantizer, or random K-quant blocks (Q2_K and Q3_K have no native
+    # kernel: their rows time the reference, which dequantizes the whole matrix per call)
+    writable = {t.name for t in NATIVE_TYPES} | set(_F16_FIELDS)
+    if bad := [f for f in formats if f not in writable]:
+        raise ValueError(f"--formats: no random weights of {', '.join(bad)} here; "
+                         f"one of {', '.join(sorted(writable))}")
     rows = _positive_ints(a.rows, "--rows")
     default_attn = ",".join(str(n) for n in sorted({1, a.threads or torch.get_num_threads()}))
     attn_threads = _positive_ints(a.attention_threads or default_attn, "--attention-threads")

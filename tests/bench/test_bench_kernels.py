@@ -33,3 +33,24 @@ def test_attention_kv_flag_is_checked() -> None:
     a = p.parse_args(["--attention-kv", "float32,int2", "--attention-only"])
     with pytest.raises(ValueError, match="--attention-kv must be comma-separated formats of float32, float16"):
         kernels.run_args(a)
+
+
+def test_formats_flag_takes_only_what_it_can_write() -> None:
+    """A type with neither a quantizer in the gguf package nor random blocks here is refused up front, in
+    one line that lists the types it takes."""
+    p = argparse.ArgumentParser()
+    kernels.add_args(p)
+    with pytest.raises(ValueError, match=r"no random weights of IQ4_NL here; one of BF16, F16, F32, Q2_K, Q3_K"):
+        kernels.run_args(p.parse_args(["--formats", "Q4_0,IQ4_NL", "--no-attention"]))
+
+
+@pytest.mark.parametrize("name", ["Q2_K", "Q3_K"])
+def test_k_quants_without_a_quantizer_get_random_blocks(name: str) -> None:
+    """Q2_K and Q3_K (no native kernel, no gguf quantizer): random blocks whose float16 scales are finite, so
+    the timed reference product is finite too."""
+    import torch
+    from gguf import GGMLQuantizationType
+
+    w = kernels.random_weight(GGMLQuantizationType[name], 4, 512, torch.Generator().manual_seed(0))
+    y = kernels.qmatmul(torch.ones(1, 512), w)
+    assert y.shape == (1, 4) and torch.isfinite(y).all()
