@@ -111,12 +111,9 @@ KVLM_INLINE const uint16_t* wtail(const uint8_t* row, int64_t K, uint16_t* tmp) 
     return tmp;
 }
 
-// Decode's prefetch: the NR rows after these (NR * rs bytes, back to back in the file) are fetched in
-// address order, 64 bytes per row and chunk, so they are in L1 when their turn comes, whatever K is. Per
-// row 1 KB ahead reached into the next row (K = 2048) and missed each group's start. Zen 5, 2 threads,
-// the machine at ~57 GB/s, `kvlm bench kernels --formats BF16 --rows 1`, GB/s before -> after: AVX2
-// 34-42 -> 54-58 (with b_rows8), AVX-512 BF16 instruction 52-56 -> 56-58, AVX-512 spelled out 45-49 -> 56-58.
-// (Past the end of a thread's rows the prefetches read lines it does not use; they never fault.)
+// Decode prefetches the next rows (kernels_impl.h's prefetch_next_rows): Zen 5, 2 threads, the machine at
+// ~57 GB/s, `kvlm bench kernels --formats BF16 --rows 1`, GB/s before -> after: avx2 34-42 -> 54-58 (with
+// b_rows8), avx512-vnni (vdpbf16ps) 52-56 -> 56-58, avx512 (spelled out) 45-49 -> 56-58.
 
 // One row of x (xb: its chunks as to_x wrote them) against NR weight rows at once: NR independent chains,
 // the x chunk read once for all (a decode step).
@@ -128,8 +125,8 @@ KVLM_INLINE void b_rows(const uint8_t* w, int64_t rs, int64_t K, const XT* xb, f
     const char* next = (const char*)w + NR * rs;
     for (int64_t c = 0; c < nf; c++) {
         const XChunk xc = xchunk(xb + 32 * c);
+        prefetch_next_rows(next, NR, 64 * c, 64);
         for (int j = 0; j < NR; j++) {
-            __builtin_prefetch(next + 64 * (NR * c + j));
             bdot(acc[j], (const uint16_t*)(w + j * rs) + 32 * c, xc);
         }
     }
@@ -167,10 +164,8 @@ KVLM_INLINE void b_rows8(const uint8_t* w, int64_t rs, int64_t K, const XT* xb, 
     const char* next = (const char*)w + NR * rs;
     for (int64_t c = 0; c < nf; c++) {
         const uint16_t* wc[NR];
-        for (int j = 0; j < NR; j++) {
-            wc[j] = (const uint16_t*)(w + j * rs) + 32 * c;
-            __builtin_prefetch(next + 64 * (NR * c + j));
-        }
+        prefetch_next_rows(next, NR, 64 * c, 64);
+        for (int j = 0; j < NR; j++) wc[j] = (const uint16_t*)(w + j * rs) + 32 * c;
         chunk(wc, xb + 32 * c);
     }
     if (K % 32) {

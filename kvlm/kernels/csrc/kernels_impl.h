@@ -85,6 +85,16 @@ KVLM_INLINE float hsum(v16 a) {
     return d[0] + d[1];
 }
 
+// Decode's prefetch for NR weight rows read side by side (rows_dot here, b_rows / b_rows8 in
+// kernels_bf16.h): the NR rows after them (`next`: NR * rs bytes, back to back) are fetched in address order
+// at the rate these are read. When each row has read `done` bytes, and reads `step` more, the next group's
+// bytes [done * nr, (done + step) * nr) are fetched, so it is in cache when its turn comes, whatever K is.
+// (A per-row prefetch 1 KB ahead reached into the next row at K = 2048 and missed each group's start.)
+// Past a thread's last rows these read lines it does not use; a prefetch never faults.
+KVLM_INLINE void prefetch_next_rows(const char* next, int64_t nr, int64_t done, int64_t step) {
+    for (int64_t o = done * nr; o < (done + step) * nr; o += 64) __builtin_prefetch(next + o);
+}
+
 // IEEE half -> float, exact for normals, subnormals, zeros (signed), inf and NaN.
 KVLM_INLINE v16 half_to_float(u16v h) {
     u16v sign = (h & 0x8000u) << 16;
@@ -367,8 +377,7 @@ KVLM_INLINE void row_dot(const uint8_t* row, int64_t K, const float* x, int64_t 
 // Rows in flight for one row of x (a decode step): 4 independent FMA chains. (2026-12-04, Zen 4: 8 rows, or a
 // prefetch 1-2 KB ahead in each row, were no faster than 4 rows alone.)
 constexpr int DENSE_NR = 4;
-// Both prefetch the next NR rows (NR * rs bytes, back to back) in address order, at the rate they read
-// these: as kernels_bf16.h's b_rows, where it took BF16 decode to the read bandwidth.
+// Both bodies prefetch the next NR rows (prefetch_next_rows).
 template <class F, int NR>
 KVLM_INLINE void rows_dot(const uint8_t* w, int64_t rs, int64_t K, const float* x, float* y) {
     static_assert(F::DENSE, "dense formats only");
@@ -381,7 +390,7 @@ KVLM_INLINE void rows_dot(const uint8_t* w, int64_t rs, int64_t K, const float* 
         for (int j = 0; j < NR; j++) a[h][j] = (v8){};
     const int64_t kb8 = K / F::BE * F::BE;
     for (int64_t k = 0; k < kb8; k += 16) {
-        for (int j = 0; j < NR; j++) __builtin_prefetch(next + (k * NR + 16 * j) * F::ES);
+        prefetch_next_rows(next, NR, k * F::ES, 16 * F::ES);
         for (int h = 0; h < 2; h++) {
             v8 xv;
             memcpy(&xv, x + k + 8 * h, 32);
@@ -403,8 +412,8 @@ KVLM_INLINE void rows_dot(const uint8_t* w, int64_t rs, int64_t K, const float* 
         const float* xb = x + b * F::BE;
         for (int s = 0; s < F::BE / 32; s++) {
             const v16 x0 = ld(xb + 32 * s), x1 = ld(xb + 32 * s + 16);
+            prefetch_next_rows(next, NR, (b * F::BE + 32 * s) * F::ES, 32 * F::ES);
             for (int j = 0; j < NR; j++) {
-                for (int l = 0; l < 32 * F::ES; l += 64) __builtin_prefetch(next + ((b * F::BE + 32 * s) * NR + 32 * j) * F::ES + l);
                 v16 w0, w1;
                 F::step(w + j * rs + b * F::BB, s, w0, w1);
                 acc[j] += w0 * x0;
