@@ -307,8 +307,9 @@ inline void b_gemm(const uint8_t* w, int64_t rs, int64_t K, const XT* xb, int64_
     if (M == 1) {  // a decode step: four weight rows in flight
 #if defined(KVLM_AVX2)
         for (; n0 + 4 <= n1; n0 += 4) b_rows8<4>(w + n0 * rs, rs, K, xb, y + n0);
-#endif
+#else
         for (; n0 + 4 <= n1; n0 += 4) b_rows<4>(w + n0 * rs, rs, K, xb, y + n0);
+#endif
         for (; n0 < n1; n0++) b_rows<1>(w + n0 * rs, rs, K, xb, y + n0);
         return;
     }
