@@ -138,6 +138,8 @@ def llama_isa(system_info: str) -> str:
     """The best x86/ARM vector ISA llama.cpp says it was built with ("CPU : AVX2 = 1 | AVX512 = 0 | ...")."""
     on = set(re.findall(r"(\w+) = 1", system_info))
     if "AVX512" in on:
+        if "AVX512_VNNI" in on and "AMX_INT8" in on:
+            return "avx512-amx"
         return "avx512-vnni" if "AVX512_VNNI" in on else "avx512"
     if "AVX2" in on and "AVX_VNNI" in on:
         return "avx2-vnni"

@@ -10,10 +10,11 @@ stats them. Where the compiler, headers or build fail, one line is logged (what 
 kernel then runs its much slower pure-PyTorch reference, how to fix it) and torch's own warnings about the
 compiler are held back: never a crash, never a block of someone else's advice.
 
-The path is the best one this CPU supports (x86: `avx512-vnni` > `avx512` > `avx2-vnni` > `avx2` > `scalar`;
-`avx512-vnni` is `avx512` plus vpdpbusd in the int8 kernels, `avx2-vnni` `avx2` plus AVX-VNNI's (a CPU with
-AVX-512 may lack it); aarch64: `neon-i8mm` (sdot + smmla) > `neon-dotprod` (sdot) > `neon` > `scalar`), or the one
-forced by `KVLM_KERNEL_ISA=avx512-vnni|avx512|avx2-vnni|avx2|neon-i8mm|neon-dotprod|neon|scalar|reference`,
+The path is the best one this CPU supports (x86: `avx512-amx` > `avx512-vnni` > `avx512` > `avx2-vnni` > `avx2` >
+`scalar`; `avx512-vnni` is `avx512` plus vpdpbusd in the int8 kernels, `avx512-amx` `avx512-vnni` plus AMX tiles
+for their many-row case (Xeon since Sapphire Rapids), `avx2-vnni` `avx2` plus AVX-VNNI's (a CPU with AVX-512 may
+lack it); aarch64: `neon-i8mm` (sdot + smmla) > `neon-dotprod` (sdot) > `neon` > `scalar`), or the one forced by
+`KVLM_KERNEL_ISA=avx512-amx|avx512-vnni|avx512|avx2-vnni|avx2|neon-i8mm|neon-dotprod|neon|scalar|reference`,
 read once per process (reading the environment costs
 microseconds, and a decode step makes ~120 kernel calls); `refresh()` re-reads it (tests use that).
 `KVLM_KERNEL_ACT=f32` opts out of int8 activations for Q4_0 / Q4_1 / Q8_0 (`int8_activations`).
@@ -45,18 +46,19 @@ from kvlm.paths import kvlm_home
 logger = logging.getLogger("kvlm")
 
 # index = the id the C++ side uses (drivers.h); x86 ids 1-3 and aarch64 ids 4-6 are not one order, and
-# avx2-vnni (7: AVX2 + AVX-VNNI) stands beside the x86 one (AVX-512 CPUs may lack AVX-VNNI)
-ISAS = ("scalar", "avx2", "avx512", "avx512-vnni", "neon", "neon-dotprod", "neon-i8mm", "avx2-vnni")
+# avx2-vnni (7: AVX2 + AVX-VNNI) stands beside the x86 one (AVX-512 CPUs may lack AVX-VNNI); avx512-amx (8) is
+# avx512-vnni plus AMX tiles, above it
+ISAS = ("scalar", "avx2", "avx512", "avx512-vnni", "neon", "neon-dotprod", "neon-i8mm", "avx2-vnni", "avx512-amx")
 PATHS = (*ISAS, "reference")
 ENV_ISA = "KVLM_KERNEL_ISA"
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = ("ops.cpp", "decode.cpp", "moe.cpp", "elementwise.cpp", "kv_quant.cpp", "token_mask.cpp", "argmax.cpp",
             "isa_scalar.cpp", "isa_avx2.cpp", "isa_avx2_vnni.cpp", "isa_avx512.cpp", "isa_avx512_vnni.cpp",
-            "isa_neon.cpp", "isa_neon_dotprod.cpp", "isa_neon_i8mm.cpp")
+            "isa_avx512_amx.cpp", "isa_neon.cpp", "isa_neon_dotprod.cpp", "isa_neon_i8mm.cpp")
 _HEADERS = ("kernels.h", "kernels_impl.h", "kernels_bf16.h", "kernels_int8.h", "kernels_int8_panel.h",
-            "kernels_int8_avx2.h", "kernels_kquant.h", "kernels_int8_portable.h", "drivers.h", "elementwise.h",
-            "kernels_attn_quant.h", "kv_quantize.h")
+            "kernels_int8_avx2.h", "kernels_int8_amx.h", "kernels_kquant.h", "kernels_int8_portable.h", "drivers.h",
+            "elementwise.h", "kernels_attn_quant.h", "kv_quantize.h")
 
 
 def build_flags(system: str = sys.platform) -> tuple[tuple[str, ...], tuple[str, ...]]:

@@ -385,6 +385,7 @@ def test_llama_isa_reads_the_build_s_system_info() -> None:
 
     assert llama_isa("CPU : SSE3 = 1 | AVX2 = 1 | AVX512 = 1 | AVX512_VNNI = 1 | OPENMP = 1 |") == "avx512-vnni"
     assert llama_isa("CPU : AVX2 = 1 | AVX512 = 1 | AVX512_VNNI = 0 |") == "avx512"
+    assert llama_isa("CPU : AVX2 = 1 | AVX512 = 1 | AVX512_VNNI = 1 | AVX512_BF16 = 1 | AMX_INT8 = 1 |") == "avx512-amx"
     assert llama_isa("CPU : AVX = 1 | AVX2 = 1 | AVX512 = 0 |") == "avx2"
     assert llama_isa("CPU : AVX = 1 | AVX_VNNI = 1 | AVX2 = 1 | AVX512 = 0 |") == "avx2-vnni"
     assert llama_isa("CPU : NEON = 1 | ARM_FMA = 1 | DOTPROD = 1 |") == "neon-dotprod"

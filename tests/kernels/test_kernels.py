@@ -488,17 +488,18 @@ def test_int8_kernel_is_its_contract_bit_for_bit(qtype: T, isa: str) -> None:
     16 and 17, from the first row and from row 5 (the edge rows elsewhere in the tile): each of the few-row
     and many-row work orders on its boundaries must be the contract too. K-quants also at K = 2304 (9
     super-blocks): AVX-512's streamed decode rows in chunks of 8 super-blocks and a tail chunk, and Q4_K's
-    few-row path past K = 2048."""
+    few-row path past K = 2048. And M = 32, 33, 48 and 50: avx512-amx's tiles of 32 and 16 rows with the
+    rest on the VNNI tiles, N = 37 giving a pair of panels and a lone tail panel."""
     if isa not in INT8_ISAS:
         pytest.skip("the int8-activation kernel exists on the AVX2 and AVX-512 paths")
     for k in (768, 2304) if qtype in SUPER else (544,):
         w = random_blocks(qtype, 37, k, seed=31)
-        x = int8_activation_cases(k, m=22, huge=huge(qtype))
+        x = int8_activation_cases(k, m=55, huge=huge(qtype))
         want = qmatmul_int8_contract(x, w).view(torch.int32)
         assert torch.isfinite(want.view(torch.float32)).all()
         assert torch.equal(qmatmul(x[:9], w).view(torch.int32), want[:9]), f"K={k}"
         assert torch.equal(qmatmul(x[:3], w).view(torch.int32), want[:3]), f"K={k}"
-        for m in (1, 2, 4, 5, 6, 7, 8, 16, 17):
+        for m in (1, 2, 4, 5, 6, 7, 8, 16, 17, 32, 33, 48, 50):
             for r0 in (0, 5):
                 got = qmatmul(x[r0:r0 + m], w).view(torch.int32)
                 assert torch.equal(got, want[r0:r0 + m]), f"K={k} M={m} from row {r0}"

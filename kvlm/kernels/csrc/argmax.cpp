@@ -117,8 +117,8 @@ __attribute__((target("avx512f"))) int64_t argmax_avx512(const float* x, int64_t
 #endif
 
 // x (B, V) float32 with contiguous rows (any row stride), V >= 1; out (B,) int64 contiguous; isa as in
-// drivers.h (0 scalar, 1 AVX2, 2 and 3 AVX-512, 7 AVX2 + AVX-VNNI: the caller passes one this CPU has; the
-// aarch64 ids 4-6 take the scalar pass).
+// drivers.h (0 scalar, 1 AVX2, 2, 3 and 8 AVX-512, 7 AVX2 + AVX-VNNI: the caller passes one this CPU has;
+// the aarch64 ids 4-6 take the scalar pass).
 void argmax_rows(const at::Tensor& x, const at::Tensor& out, int64_t isa) {
     TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1 &&
                     x.size(1) > 0,
@@ -126,8 +126,9 @@ void argmax_rows(const at::Tensor& x, const at::Tensor& out, int64_t isa) {
     TORCH_CHECK(out.device().is_cpu() && out.scalar_type() == at::kLong && out.dim() == 1 && out.is_contiguous() &&
                     out.size(0) == x.size(0),
                 "argmax_rows: out must be a contiguous (B,) int64 CPU tensor");
-    TORCH_CHECK(isa >= 0 && isa <= 7, "argmax_rows: isa must be 0..7");
+    TORCH_CHECK(isa >= 0 && isa <= 8, "argmax_rows: isa must be 0..8");
     if (isa == 7) isa = 1;  // AVX2 + AVX-VNNI: the AVX2 pass (no integer products here)
+    if (isa == 8) isa = 2;  // AVX-512 + AMX: the AVX-512 pass
 #if defined(KVLM_ARGMAX_X86)
     TORCH_CHECK(isa == 0 || isa > 3 || (isa == 1 ? __builtin_cpu_supports("avx2") : __builtin_cpu_supports("avx512f")),
                 "argmax_rows: this CPU lacks the requested ISA");

@@ -12,6 +12,7 @@ namespace kvlm {
 constexpr int64_t ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AVX512_VNNI = 3;  // AVX-512 + vpdpbusd
 constexpr int64_t ISA_NEON = 4, ISA_NEON_DOTPROD = 5, ISA_NEON_I8MM = 6;  // aarch64: NEON, + sdot, + sdot and smmla
 constexpr int64_t ISA_AVX2_VNNI = 7;  // AVX2 + AVX-VNNI: not in the x86 order above (AVX-512 CPUs may lack it)
+constexpr int64_t ISA_AVX512_AMX = 8;  // AVX-512 VNNI + AMX tiles (the int8 kernels' many-row case): past the order's top
 // (the ids are not an order across arches)
 constexpr int ACT_F32 = 0, ACT_INT8 = 1;  // activation mode of a matmul
 

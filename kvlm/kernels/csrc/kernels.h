@@ -93,6 +93,7 @@ const KvlmKernels* kvlm_kernels_avx2(void);
 const KvlmKernels* kvlm_kernels_avx2_vnni(void);  // AVX2 + AVX-VNNI: vpdpbusd on ymm in the int8 kernels
 const KvlmKernels* kvlm_kernels_avx512(void);
 const KvlmKernels* kvlm_kernels_avx512_vnni(void);  // AVX-512 + VNNI: vpdpbusd in the int8 kernels
+const KvlmKernels* kvlm_kernels_avx512_amx(void);   // AVX-512 VNNI + AMX tiles for the int8 kernels' many rows
 const KvlmKernels* kvlm_kernels_neon(void);          // aarch64 only: NEON (smull + sadalp in the int8 kernels)
 const KvlmKernels* kvlm_kernels_neon_dotprod(void);  // aarch64 only: NEON + sdot
 const KvlmKernels* kvlm_kernels_neon_i8mm(void);     // aarch64 only: NEON + sdot + smmla (i8mm)

@@ -256,12 +256,58 @@ KVLM_INLINE __mmask16 panel_rows(const uint8_t* w, int64_t rs, int64_t n, int64_
     return (__mmask16)((1u << live) - 1);
 }
 
+// Rows [m, M) against the prepared panel: tiles of ROW_TILE rows, then the remainder.
+template <int QT>
+KVLM_INLINE void panel_tiles(const PanelBlock* buf, const ActRows& a, int64_t m, int64_t M, float* yp, int64_t ldy,
+                             __mmask16 mask, const uint8_t* ahead, const uint8_t* end) {
+    for (; m + ROW_TILE <= M; m += ROW_TILE) panel_tile<QT, ROW_TILE>(buf, a, m, yp, ldy, mask, ahead, end);
+    switch (M - m) {
+        case 1: panel_tile<QT, 1>(buf, a, m, yp, ldy, mask, ahead, end); break;
+        case 2: panel_tile<QT, 2>(buf, a, m, yp, ldy, mask, ahead, end); break;
+        case 3: panel_tile<QT, 3>(buf, a, m, yp, ldy, mask, ahead, end); break;
+        default: break;
+    }
+}
+
+#if defined(KVLM_AMX)
+#include "kernels_int8_amx.h"  // many rows: AMX tiles on the same panel buffer and contract
+#endif
+
+// The rows [0, mt) of an M-row call that go through AMX tiles: none but on the avx512-amx unit.
+KVLM_INLINE int64_t amx_rows(int64_t M) {
+#if defined(KVLM_AMX)
+    return M > FLY_ROWS ? amx_rows_of(M) : 0;
+#else
+    (void)M;
+    return 0;
+#endif
+}
+
 template <int QT>
 void gemm_i8_t(const uint8_t* w, int64_t rs, int64_t K, const int8_t* xq, const float* xd, const float* xs,
                const int32_t* xi, int64_t M, float* y, int64_t ldy, int64_t n0, int64_t n1) {
     const ActRows a{xq, xd, xs, xi, K, K / 32};
-    PanelBlock* buf = M > FLY_ROWS ? thread_buffer<PanelBlock>(a.nb) : nullptr;
+    const int64_t mt = amx_rows(M);  // rows [0, mt) on AMX tiles (then two panel buffers)
+    PanelBlock* buf = M > FLY_ROWS ? thread_buffer<PanelBlock>(mt > 0 ? 2 * a.nb : a.nb) : nullptr;
     prefetch_first_panels(w, rs, n0, n1);  // then two panels ahead (panel_fly, or panel_tile's first tile)
+#if defined(KVLM_AMX)
+    if (mt > 0 && buf != nullptr) {
+        amx_configure<false>();
+        const bool done = amx_gemm<QT>(buf, a, mt, y, ldy, n0, n1, [&](int64_t n, PanelBlock* pb) {
+            const uint8_t* rows[16];
+            const __mmask16 mask = panel_rows(w, rs, n, n1, rows);
+            const uint8_t *ahead = w + (n + 32) * rs, *end = w + n1 * rs;  // the next pair's panels
+            for (int64_t b = 0; b < a.nb; b++) {
+                prefetch_slice(ahead, end, b, 16 * I8Fmt<QT>::BB);
+                prep_block<QT>(rows, b, pb + b);
+            }
+            panel_tiles<QT>(pb, a, mt, M, y + n, ldy, mask, ahead, end);  // rows [mt, M), as the buffer is now
+            return mask;
+        });
+        _tile_release();
+        if (done) return;
+    }
+#endif
     for (int64_t n = n0; n < n1; n += 16) {
         const uint8_t* rows[16];
         const __mmask16 mask = panel_rows(w, rs, n, n1, rows);
@@ -280,14 +326,7 @@ void gemm_i8_t(const uint8_t* w, int64_t rs, int64_t K, const int8_t* xq, const 
             continue;
         }
         for (int64_t b = 0; b < a.nb; b++) prep_block<QT>(rows, b, buf + b);
-        int64_t m = 0;
-        for (; m + ROW_TILE <= M; m += ROW_TILE) panel_tile<QT, ROW_TILE>(buf, a, m, yp, ldy, mask, ahead, end);
-        switch (M - m) {
-            case 1: panel_tile<QT, 1>(buf, a, m, yp, ldy, mask, ahead, end); break;
-            case 2: panel_tile<QT, 2>(buf, a, m, yp, ldy, mask, ahead, end); break;
-            case 3: panel_tile<QT, 3>(buf, a, m, yp, ldy, mask, ahead, end); break;
-            default: break;
-        }
+        panel_tiles<QT>(buf, a, 0, M, yp, ldy, mask, ahead, end);
     }
 }
 

@@ -432,6 +432,36 @@ void kq_tile(const KPanel* buf, const ActRows& a, const int32_t* l16, int64_t m0
     kq_store<QT, MT>(acc, mn, y + m0 * ldy, ldy, live);
 }
 
+// The panel's units transposed into buf (nb KPanels), prefetching the panel after next (as kq_fly: without
+// it 5+ rows (a speculative step's k + 1, a small batch) read the 16 interleaved weight rows at the hardware
+// prefetcher's pace; kernels_int8_avx2.h measured 2x).
+template <int QT>
+KVLM_INLINE void kq_prep_panel(const uint8_t* const* rows, const ActRows& a, KPanel* buf, const uint8_t* ahead,
+                               const uint8_t* end) {
+    constexpr int64_t BB = KQ<QT>::BB, SUB = KQ<QT>::SUB;
+    KHead h;
+    KUnit u;
+    u.mw = _mm512_setzero_ps(), u.sl = u.sh = _mm512_setzero_si512();
+    for (int64_t b = 0; b < a.nb / SUB; b++) {
+        prefetch_slice(ahead, end, b, 16 * BB);
+        kq_head<QT>(rows, b * BB, &h);
+        kq_units<QT>(rows, b * BB, h, &u, [&](int s, const KUnit& v) { kq_prep(v, buf + b * SUB + s); });
+    }
+}
+
+// Rows [m, M) against the prepared panel: tiles of ROW_TILE rows, then the remainder.
+template <int QT>
+KVLM_INLINE void kq_tiles(const KPanel* buf, const ActRows& a, const int32_t* l16, int64_t m, int64_t M, float* yp,
+                          int64_t ldy, __mmask16 mask) {
+    for (; m + ROW_TILE <= M; m += ROW_TILE) kq_tile<QT, ROW_TILE>(buf, a, l16, m, yp, ldy, mask);
+    switch (M - m) {
+        case 1: kq_tile<QT, 1>(buf, a, l16, m, yp, ldy, mask); break;
+        case 2: kq_tile<QT, 2>(buf, a, l16, m, yp, ldy, mask); break;
+        case 3: kq_tile<QT, 3>(buf, a, l16, m, yp, ldy, mask); break;
+        default: break;
+    }
+}
+
 template <int QT>
 void gemm_kq_t(const uint8_t* w, int64_t rs, int64_t K, const int8_t* xq, const float* xd, const float* xs,
                const int32_t* xi, int64_t M, float* y, int64_t ldy, int64_t n0, int64_t n1) {
@@ -441,13 +471,28 @@ void gemm_kq_t(const uint8_t* w, int64_t rs, int64_t K, const int8_t* xq, const 
     const bool stream = M <= STREAM_ROWS && (QT == T_Q6_K || (QT == T_Q4_K && a.nb <= 8 * STREAM_CHUNK));
     const int32_t* l16 = QT == T_Q6_K && !stream ? lo16_sums(a, M) : nullptr;  // (kq_stream folds them in)
     if (QT == T_Q6_K && !stream && l16 == nullptr) return;
-    KPanel* buf = M > FLY_ROWS ? thread_buffer<KPanel>(a.nb) : nullptr;
+    const int64_t mt = amx_rows(M);  // rows [0, mt) on AMX tiles (then two panel buffers)
+    KPanel* buf = M > FLY_ROWS ? thread_buffer<KPanel>(mt > 0 ? 2 * a.nb : a.nb) : nullptr;
     // kq_stream's scratch: x0s (M, nb / 2) then S (M, STREAM_CHUNK, 16)
     ZV* zs = stream ? thread_buffer<ZV>(M * a.nb / 2 + M * STREAM_CHUNK * 16) : nullptr;
     if (stream && zs == nullptr) return;
     if (QT == T_Q6_K && zs) k6_x0(a, M, zs);
-    constexpr int64_t BB = KQ<QT>::BB, SUB = KQ<QT>::SUB;
     prefetch_first_panels(w, rs, n0, n1);  // then two panels ahead, a slice per block, in both modes
+#if defined(KVLM_AMX)
+    if (mt > 0 && buf != nullptr) {
+        amx_configure<QT == T_Q6_K>();
+        const bool done = amx_gemm<QT>(buf, a, mt, y, ldy, n0, n1, [&](int64_t n, KPanel* pb) {
+            const uint8_t* rows[16];
+            const __mmask16 mask = panel_rows(w, rs, n, n1, rows);
+            const uint8_t *ahead = w + (n + 32) * rs, *end = w + n1 * rs;
+            kq_prep_panel<QT>(rows, a, pb, ahead, end);
+            kq_tiles<QT>(pb, a, l16, mt, M, y + n, ldy, mask);  // rows [mt, M), as the buffer is now
+            return mask;
+        });
+        _tile_release();
+        if (done) return;
+    }
+#endif
     for (int64_t n = n0; n < n1; n += 16) {
         const uint8_t* rows[16];
         const __mmask16 mask = panel_rows(w, rs, n, n1, rows);
@@ -474,24 +519,8 @@ void gemm_kq_t(const uint8_t* w, int64_t rs, int64_t K, const int8_t* xq, const 
             }
             continue;
         }
-        KHead h;
-        KUnit u;
-        u.mw = _mm512_setzero_ps(), u.sl = u.sh = _mm512_setzero_si512();
-        for (int64_t b = 0; b < a.nb / SUB; b++) {
-            // as kq_fly: without it 5+ rows (a speculative step's k + 1, a small batch) read the 16
-            // interleaved weight rows at the hardware prefetcher's pace (kernels_int8_avx2.h measured 2x)
-            prefetch_slice(ahead, end, b, 16 * BB);
-            kq_head<QT>(rows, b * BB, &h);
-            kq_units<QT>(rows, b * BB, h, &u, [&](int s, const KUnit& v) { kq_prep(v, buf + b * SUB + s); });
-        }
-        int64_t m = 0;
-        for (; m + ROW_TILE <= M; m += ROW_TILE) kq_tile<QT, ROW_TILE>(buf, a, l16, m, yp, ldy, mask);
-        switch (M - m) {
-            case 1: kq_tile<QT, 1>(buf, a, l16, m, yp, ldy, mask); break;
-            case 2: kq_tile<QT, 2>(buf, a, l16, m, yp, ldy, mask); break;
-            case 3: kq_tile<QT, 3>(buf, a, l16, m, yp, ldy, mask); break;
-            default: break;
-        }
+        kq_prep_panel<QT>(rows, a, buf, ahead, end);
+        kq_tiles<QT>(buf, a, l16, 0, M, yp, ldy, mask);
     }
 }
 

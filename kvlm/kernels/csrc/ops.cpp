@@ -16,6 +16,11 @@
 #if defined(__aarch64__) && defined(__linux__)
 #include <sys/auxv.h>  // getauxval: the CPU's feature bits
 #endif
+#if (defined(__x86_64__) || defined(__i386__)) && defined(__linux__)
+#include <cpuid.h>
+#include <sys/syscall.h>  // arch_prctl: the AMX tile state
+#include <unistd.h>
+#endif
 #if defined(__aarch64__) && defined(__APPLE__)
 #include <sys/sysctl.h>  // sysctlbyname: the CPU's features on macOS
 #endif
@@ -66,11 +71,29 @@ bool x86_avx_vnni() {
     __builtin_cpu_init();
     return x86_level() >= ISA_AVX2 && __builtin_cpu_supports("avxvnni");
 }
+
+// AMX above AVX-512 VNNI: the CPU's AMX-TILE and AMX-INT8 bits (cpuid leaf 7: edx bits 24, 25), and Linux's
+// leave to use the tile data (arch_prctl ARCH_REQ_XCOMP_PERM = 0x1023 for XFEATURE_XTILEDATA = 18: without
+// it the first tile instruction faults). Asked once; the grant is the process's, every thread's.
+bool x86_amx() {
+#if defined(__linux__)
+    static const bool ok = [] {
+        unsigned a, b, c, d;
+        if (x86_level() != ISA_AVX512_VNNI || !__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+        if ((d & (3u << 24)) != (3u << 24)) return false;
+        return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    }();
+    return ok;
+#else
+    return false;
+#endif
+}
 #endif
 
 int64_t best_isa() {
 #if defined(__x86_64__) || defined(__i386__)
     const int64_t level = x86_level();  // AVX-512 first where there is one (16 lanes to AVX-VNNI's 8)
+    if (level == ISA_AVX512_VNNI && x86_amx()) return ISA_AVX512_AMX;
     return level == ISA_AVX2 && x86_avx_vnni() ? ISA_AVX2_VNNI : level;
 #elif defined(__aarch64__)
     if (!cpu_has_dotprod()) return ISA_NEON;
@@ -84,6 +107,7 @@ bool isa_available(int64_t isa) {
     if (isa == ISA_SCALAR) return true;
 #if defined(__x86_64__) || defined(__i386__)
     if (isa == ISA_AVX2_VNNI) return x86_avx_vnni();
+    if (isa == ISA_AVX512_AMX) return x86_amx();
     return isa >= ISA_AVX2 && isa <= ISA_AVX512_VNNI && isa <= x86_level();
 #elif defined(__aarch64__)
     return isa == ISA_NEON || (isa >= ISA_NEON_DOTPROD && isa <= ISA_NEON_I8MM && isa <= best_isa());
@@ -95,6 +119,7 @@ bool isa_available(int64_t isa) {
 const KvlmKernels* table(int64_t isa) {
     TORCH_CHECK(isa_available(isa), "kvlm kernels: ISA ", isa, " is not available on this CPU");
 #if defined(__x86_64__) || defined(__i386__)
+    if (isa == ISA_AVX512_AMX) return kvlm_kernels_avx512_amx();
     if (isa == ISA_AVX512_VNNI) return kvlm_kernels_avx512_vnni();
     if (isa == ISA_AVX512) return kvlm_kernels_avx512();
     if (isa == ISA_AVX2_VNNI) return kvlm_kernels_avx2_vnni();
