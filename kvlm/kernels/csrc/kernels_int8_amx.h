@@ -20,11 +20,11 @@
 // Work order. Two panels (32 columns, two buffers prepared as for the VNNI tiles) against 32 rows of x:
 // 2 A tiles x 2 B tiles into 4 C tiles per unit, so each A and B tile load serves two products and x is
 // read once per 32 columns (Q6_K: one panel, 16 rows, C in halves). C goes through memory (tilestored:
-// AMX has no move from a tile to a vector register), AMX_CHUNK units at a time: the next chunk's products
-// are issued before this chunk's float epilogue runs, so the TMUL and the vector units work side by side
-// (a C read right after its store waited on it: a quarter of the time). The epilogue takes 8 rows at a
-// time over the chunk's units, their accumulators in registers. Rows past the last multiple of 16 take
-// the VNNI tiles.
+// AMX has no move from a tile to a vector register), a chunk of units at a time (AMX_CHUNK_BYTES of C):
+// the next chunk's products are issued before this chunk's float epilogue runs, so the tile unit and the
+// vector units work side by side. The epilogue takes 8 rows at a time over the chunk's units, their
+// accumulators in registers. Rows past the last multiple of 16 take the VNNI tiles, and calls of fewer
+// than AMX_MIN_ROWS rows all of them.
 
 struct alignas(64) AmxConfig {
     uint8_t palette, start_row, reserved[14];
@@ -41,7 +41,9 @@ KVLM_INLINE void amx_configure() {
     for (int t = 0; t < 4; t++) c.colsb[t] = 64, c.rows[t] = 16;
     for (int t = 4; t < 6; t++) c.colsb[t] = HALVES ? 16 : 32, c.rows[t] = 16;
     for (int t = 6; t < 8; t++) c.colsb[t] = 64, c.rows[t] = HALVES ? 4 : 8;
-    _tile_loadconfig(&c);
+    // Not _tile_loadconfig: GCC's declares only the first 8 bytes as read, so the stores of the rows and
+    // columns could be dropped as dead (they were, in one build: the first tile load then faulted, #UD)
+    __asm__ volatile("ldtilecfg %0" ::"m"(c));
 }
 
 // GCC's tile intrinsics are asm statements that declare no memory operands: these barriers keep the
@@ -79,7 +81,9 @@ KVLM_INLINE void amx_signed(P* buf, int64_t nb) {
         else _tile_dpbsud(C, A, B);                             \
     } while (0)
 
-constexpr int AMX_CHUNK = 2;  // units per chunk of C (2 chunks of C in flight: 16 KB at 2 x 2 tiles)
+// Bytes of C per chunk: 2 chunks in flight stay in L1 with x's tiles (a chunk of 4 units at 2 x 2 tiles, 8 for
+// Q6_K's one panel: 32 KB of C in flight ran 1.3x faster than 64 KB, and Q6_K's 8 units 1.1x faster than 4)
+constexpr int64_t AMX_CHUNK_BYTES = 16384;
 
 // The products of unit ib (xt: the rows' first A tile) into C, stored at c: tile (p, t) (panel p, A tile t) at
 // c + 256 (NT p + t) (Q6_K: lo at c, hi at c + 256). Tile numbers are literals (asm operands).
@@ -166,7 +170,8 @@ KVLM_INLINE void amx_epilogue(const P* buf, const AmxA* xt, int r0, int64_t ib0,
             if constexpr (QT == T_Q6_K)
                 isum = _mm512_add_epi32(_mm512_mullo_epi32(isum, w.sl),
                                         _mm512_mullo_epi32(_mm512_load_si512((const void*)(cu + 256 + 16 * r)), w.sh));
-            A[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(isum), w.dw), _mm512_set1_ps(xt[ib].d[r0 + r]), A[r]);
+            const __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(isum), w.dw);
+            A[r] = _mm512_fmadd_ps(f, _mm512_set1_ps(xt[ib].d[r0 + r]), A[r]);
             if constexpr (AMX_MIN<QT>) N[r] = _mm512_fmadd_ps(w.mw, _mm512_set1_ps(xt[ib].s[r0 + r]), N[r]);
         }
     }
@@ -182,6 +187,7 @@ template <int QT, int NP, int NT, typename P>
 void amx_block(const P* const* bufs, const ActRows& a, const AmxA* xp, int64_t m0, float* y, int64_t ldy,
                const __mmask16* live) {
     constexpr int64_t CS = 256 * NP * NT * (QT == T_Q6_K ? 2 : 1);  // int32 of C per unit
+    constexpr int64_t AMX_CHUNK = AMX_CHUNK_BYTES / (4 * CS);          // units per chunk
     alignas(64) int32_t c[2][AMX_CHUNK * CS];
     alignas(64) float acc[NP * 32 * 16], mn[NP * 32 * 16];
     const AmxA* xt = xp + (m0 / 16) * a.nb;
@@ -233,15 +239,18 @@ bool amx_gemm(P* buf, const ActRows& a, int64_t mt, float* y, int64_t ldy, int64
         if constexpr (QT == T_Q6_K) {
             for (; m < mt; m += 16) amx_block<QT, 1, 1>(bufs, a, xp, m, yn, ldy, live);
         } else {
-            for (; m + 32 <= mt; m += 32)
-                two ? amx_block<QT, 2, 2>(bufs, a, xp, m, yn, ldy, live) : amx_block<QT, 1, 2>(bufs, a, xp, m, yn, ldy, live);
-            if (m < mt) two ? amx_block<QT, 2, 1>(bufs, a, xp, m, yn, ldy, live) : amx_block<QT, 1, 1>(bufs, a, xp, m, yn, ldy, live);
+            for (; m + 32 <= mt; m += 32) {
+                if (two) amx_block<QT, 2, 2>(bufs, a, xp, m, yn, ldy, live);
+                else amx_block<QT, 1, 2>(bufs, a, xp, m, yn, ldy, live);
+            }
+            if (m < mt && two) amx_block<QT, 2, 1>(bufs, a, xp, m, yn, ldy, live);
+            else if (m < mt) amx_block<QT, 1, 1>(bufs, a, xp, m, yn, ldy, live);
         }
     }
     return true;
 }
 
-// Rows of x that go through the tiles: a multiple of 16, none below AMX_MIN_ROWS (the VNNI tiles'
-// own speed there, and no configuration to load).
-constexpr int64_t AMX_MIN_ROWS = 16;
+// Rows of x that go through the tiles: a multiple of 16, none below AMX_MIN_ROWS (one tile of 16 rows ran
+// at 0.91-1.11x the VNNI tiles, 64 rows 1.03-1.43x: `kvlm bench kernels`, docs/kernels.md).
+constexpr int64_t AMX_MIN_ROWS = 32;
 KVLM_INLINE int64_t amx_rows_of(int64_t M) { return M >= AMX_MIN_ROWS ? M / 16 * 16 : 0; }
