@@ -2,9 +2,10 @@
 
 Two levels, one module:
 
-* **The process** (`native_isa`): the native extension's ISA path (`avx512-vnni`, `avx512`, `avx2`,
-  `scalar`; `native.active_isa()` builds and probes it once, `KVLM_KERNEL_ISA` forces one), or None where
-  the PyTorch references run (no compiler, a failed build, `KVLM_KERNEL_ISA=reference`, a non-x86 CPU).
+* **The process** (`native_isa`): the native extension's ISA path (one of `native.ISAS`: `avx512-amx`,
+  `avx512-vnni`, `avx512`, `avx2-vnni`, `avx2`, the NEON ones, `scalar`; `native.active_isa()` builds and
+  probes it once, `KVLM_KERNEL_ISA` forces one), or None where the PyTorch references run (no compiler, a
+  failed build, `KVLM_KERNEL_ISA=reference`).
   Every kernel wrapper (`quant`, `elementwise`, `paged_attention`, `kv_quant`, `argmax`, the grammar mask)
   asks `native_isa(x)` with the tensor it is about to hand the native op: the kernels take float32 CPU
   tensors, anything else (a CUDA or half-precision engine, by construction) takes the reference.

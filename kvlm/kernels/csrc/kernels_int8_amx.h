@@ -85,13 +85,11 @@ KVLM_INLINE void amx_signed(P* buf, int64_t nb) {
 // Q6_K's one panel: 32 KB of C in flight ran 1.3x faster than 64 KB, and Q6_K's 8 units 1.1x faster than 4)
 constexpr int64_t AMX_CHUNK_BYTES = 16384;
 
-// The products of unit ib (xt: the rows' first A tile) into C, stored at c: tile (p, t) (panel p, A tile t) at
-// c + 256 (NT p + t) (Q6_K: lo at c, hi at c + 256). Tile numbers are literals (asm operands).
 // x packed per A tile: 16 rows x 32 bytes of one unit's codes, contiguous, then the 16 rows' block scales
 // d and fake-quantized sums s. Why: read in place, a tile load touched 16 lines K bytes apart (a quarter
 // of the time), and the epilogue's scales of 8 rows, (K / 32) * 32 bytes apart in ActRows (2 KB at
-// K = 2048), fell into two L1 sets and missed every time (a vector-only loop of this epilogue ran at
-// 4.5 cycles a row).
+// K = 2048), fell into two L1 sets and missed every time (a vector-only test loop of this epilogue took
+// 4.5 TSC cycles a row).
 struct alignas(64) AmxA {
     int8_t q[16][32];
     float d[16], s[16];
@@ -110,6 +108,8 @@ KVLM_INLINE void amx_pack(const ActRows& a, int64_t mt, AmxA* xp) {
     }
 }
 
+// The products of unit ib (xt: the rows' first A tile) into C, stored at c: tile (p, t) (panel p, A tile t) at
+// c + 256 (NT p + t) (Q6_K: lo at c, hi at c + 256). Tile numbers are literals (asm operands).
 template <int QT, int NP, int NT, typename P>
 KVLM_INLINE void amx_unit(const P* const* bufs, const AmxA* xt, int64_t nb, int64_t ib, int32_t* c) {
     if constexpr (QT == T_Q6_K) {
