@@ -142,7 +142,8 @@ def stack_experts(state: dict[str, Any]) -> dict[str, Any]:
 def stack_weights(state: dict[str, Any]) -> dict[str, Any]:
     """Replace `...q_proj.weight`, `...k_proj.weight`, `...v_proj.weight` by `...qkv_proj.weight`
     (rows concatenated in that order), likewise biases and gate/up -> gate_up_proj. Quantized parts
-    become a list of QuantTensors (one per run of parts sharing a block format). Experts: `stack_experts`."""
+    become a list of QuantTensors (`stack_quant`: parts back to back in the file merge as one view, the
+    others stay apart, never copied). Experts: `stack_experts`."""
     state = stack_experts(state)
     for key in [k for k in state if ".q_proj." in k or ".gate_proj." in k]:
         for stacked, parts in _STACKS.items():

@@ -22,7 +22,6 @@ import torch
 from torch import nn
 
 from kvlm.kernels import QuantTensor, dequantize, kernel_path, qmatmul
-from kvlm.kernels.ggml_types import GGMLQuantizationType
 
 log = logging.getLogger("kvlm")
 _warned: set[str] = set()
@@ -55,20 +54,16 @@ def concat_rows(parts: list[QuantTensor]) -> QuantTensor:
     return QuantTensor(data, first.qtype, (rows, first.shape[1]))
 
 
-# Formats kept in the file's width (row kernels): 2-4 bytes a weight, so a stacked copy would hold a
-# second q/k/v and gate/up (1.3 GB for a 1B model in bf16) and take most of the load time.
-_WIDE = frozenset({GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16})
-
-
 def stack_quant(parts: list[QuantTensor]) -> list[QuantTensor]:
-    """Merge neighbouring parts that share a format (one qmatmul each); keep the rest apart. Unquantized
-    parts (F32 / F16 / BF16) merge only where they are a view (back to back in the mapped file): otherwise
-    they stay separate parts, multiplied one after another, rather than copied (the bits of each output
-    column are the same either way: the row kernels compute every column on its own)."""
+    """Merge neighbouring parts that share a format where they are a view (back to back in the mapped
+    file: one qmatmul each); keep the rest apart, multiplied one after another, rather than copied (the
+    bits of each output column are the same either way: the kernels compute every column on its own).
+    Why: a copy holds a second q/k/v and gate/up (1.3 GB for a 1B model in bf16), and for a 3B Q4_K_M
+    whose tensors lie in name order (attn_k before attn_q, ffn_norm between ffn_gate and ffn_up) the copy
+    was 43% of an 8-token `kvlm generate` (py-spy, 2026-12-05)."""
     runs: list[list[QuantTensor]] = []
     for p in parts:
-        if runs and runs[-1][0].qtype == p.qtype and runs[-1][0].shape[1] == p.shape[1] and (
-                p.qtype not in _WIDE or _adjacent(runs[-1][-1], p)):
+        if runs and runs[-1][0].qtype == p.qtype and runs[-1][0].shape[1] == p.shape[1] and _adjacent(runs[-1][-1], p):
             runs[-1].append(p)
         else:
             runs.append([p])

@@ -57,9 +57,11 @@ def test_quantized_state_is_views_of_the_mapped_file(quant_gguf: Path) -> None:
     qs, rs = stack_weights(dict(qstate)), stack_weights(dict(ref))
     for name in [k for k in qs if "gate_up_proj" in k or "qkv_proj" in k]:
         parts = qs[name]
-        assert len(parts) == 1  # one format: one stacked matrix
-        assert torch.equal(dequantize(parts[0]), rs[name]), name
-        if "gate_up_proj" in name:  # gate and up lie back to back in the file: a view, no copy
+        # q and k are un-permuted copies, so q, k and v stay three parts (no fourth copy stacking them);
+        # gate and up lie back to back in the file: one view, no copy
+        assert len(parts) == (3 if "qkv_proj" in name else 1), name
+        assert torch.equal(torch.cat([dequantize(p) for p in parts]), rs[name]), name
+        if "gate_up_proj" in name:
             assert in_file(parts[0])
 
 
@@ -71,13 +73,21 @@ def _quant(w: torch.Tensor, qtype: GGMLQuantizationType) -> QuantTensor:
 
 
 def test_mixed_format_stack_and_embedding_rows() -> None:
-    """q in Q4_0, k in Q4_0, v in Q8_0 (as Q4_K_M files mix formats): q and k merge, v stays apart; the
-    layer equals the dense product of the dequantized parts. The embedding dequantizes only its rows."""
+    """q in Q4_0, k in Q4_0, v in Q8_0 (as Q4_K_M files mix formats): q and k back to back in one storage
+    merge as a view, v stays apart; apart in memory, q and k stay two parts (no copy). Each layer equals the
+    dense product of the dequantized parts, and the two layers the same bits. The embedding dequantizes
+    only its rows."""
     g = torch.Generator().manual_seed(0)
     ws = [torch.randn(n, 64, generator=g) for n in (64, 32, 32)]
     parts = [_quant(ws[0], Q.Q4_0), _quant(ws[1], Q.Q4_0), _quant(ws[2], Q.Q8_0)]
-    stacked = stack_quant(parts)
+    apart = stack_quant(parts)
+    assert [p.qtype for p in apart] == [Q.Q4_0, Q.Q4_0, Q.Q8_0]
+    assert all(s.data.data_ptr() == p.data.data_ptr() for s, p in zip(apart, parts))
+    qk = torch.cat([parts[0].data, parts[1].data])  # q and k back to back, as in a file that lists them so
+    views = [QuantTensor(qk[:64], Q.Q4_0, (64, 64)), QuantTensor(qk[64:], Q.Q4_0, (32, 64)), parts[2]]
+    stacked = stack_quant(views)
     assert [p.qtype for p in stacked] == [Q.Q4_0, Q.Q8_0] and stacked[0].shape == (96, 64)
+    assert stacked[0].data.data_ptr() == qk.data_ptr()
     bias = torch.randn(128, generator=g)
     layer = QuantLinear(stacked, bias)
     x = torch.randn(5, 64, generator=g)
@@ -85,6 +95,7 @@ def test_mixed_format_stack_and_embedding_rows() -> None:
     int8 = all(kernel_path(p.qtype).endswith("+int8") for p in parts)  # the default on AVX2 / AVX-512
     xr = fake_quantize_act(x) if int8 else x  # what the kernels multiply with
     torch.testing.assert_close(layer(x), xr @ dense.T + bias, rtol=1e-5, atol=1e-4)
+    assert torch.equal(QuantLinear(apart, bias)(x), layer(x))
     emb_w = _quant(torch.randn(50, 64, generator=g), Q.Q8_0)
     emb = QuantEmbedding(emb_w)
     ids = torch.tensor([3, 49, 3, 0])
