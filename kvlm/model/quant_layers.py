@@ -17,7 +17,6 @@ from __future__ import annotations
 import itertools
 import logging
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -35,23 +34,20 @@ def _warn_fallback(qtype_name: str) -> None:
 
 
 def _adjacent(a: QuantTensor, b: QuantTensor) -> bool:
-    """b's bytes start where a's end, both contiguous in one storage (concat_rows can view them)."""
+    """b's bytes start where a's end, both contiguous in one storage (view_rows can view them)."""
     return (a.data.is_contiguous() and b.data.is_contiguous()
             and a.data.untyped_storage().data_ptr() == b.data.untyped_storage().data_ptr()
             and a.data.data_ptr() + a.data.numel() == b.data.data_ptr())
 
 
-def concat_rows(parts: list[QuantTensor]) -> QuantTensor:
-    """Parts of one format stacked along N. A view when each part's bytes follow the previous one's
-    in the same storage (e.g. gate and up, adjacent in a GGUF file); otherwise one copy of the blocks."""
+def view_rows(parts: list[QuantTensor]) -> QuantTensor:
+    """Parts of one format, each one's bytes following the previous one's in one storage (e.g. gate and
+    up, adjacent in a GGUF file), as one matrix stacked along N: a view, never a copy."""
     first = parts[0]
+    assert all(_adjacent(a, b) for a, b in itertools.pairwise(parts)), "view_rows: parts are not back to back"
     rows = sum(p.shape[0] for p in parts)
     rb = first.data.shape[1]
-    adjacent = all(_adjacent(a, b) for a, b in itertools.pairwise(parts))
-    # The copy in numpy: single-threaded, where torch.cat of uint8 rows wakes the thread pool (ms each).
-    data = (torch.as_strided(first.data, (rows, rb), (rb, 1)) if adjacent
-            else torch.from_numpy(np.concatenate([p.data.numpy() for p in parts])))
-    return QuantTensor(data, first.qtype, (rows, first.shape[1]))
+    return QuantTensor(torch.as_strided(first.data, (rows, rb), (rb, 1)), first.qtype, (rows, first.shape[1]))
 
 
 def stack_quant(parts: list[QuantTensor]) -> list[QuantTensor]:
@@ -67,7 +63,7 @@ def stack_quant(parts: list[QuantTensor]) -> list[QuantTensor]:
             runs[-1].append(p)
         else:
             runs.append([p])
-    return [r[0] if len(r) == 1 else concat_rows(r) for r in runs]
+    return [r[0] if len(r) == 1 else view_rows(r) for r in runs]
 
 
 class QuantLinear(nn.Module):

@@ -82,7 +82,8 @@ KVLM_INLINE void amx_signed(P* buf, int64_t nb) {
     } while (0)
 
 // Bytes of C per chunk: 2 chunks in flight stay in L1 with x's tiles (a chunk of 4 units at 2 x 2 tiles, 8 for
-// Q6_K's one panel: 32 KB of C in flight ran 1.3x faster than 64 KB, and Q6_K's 8 units 1.1x faster than 4)
+// Q6_K's one panel: on a 2-core Xeon, 2 threads, 32 KB of C in flight ran 1.3x faster than 64 KB, and Q6_K's 8
+// units 1.1x faster than 4)
 constexpr int64_t AMX_CHUNK_BYTES = 16384;
 
 // x packed per A tile: 16 rows x 32 bytes of one unit's codes, contiguous, then the 16 rows' block scales
@@ -250,7 +251,7 @@ bool amx_gemm(P* buf, const ActRows& a, int64_t mt, float* y, int64_t ldy, int64
     return true;
 }
 
-// Rows of x that go through the tiles: a multiple of 16, none below AMX_MIN_ROWS (one tile of 16 rows ran
-// at 0.91-1.11x the VNNI tiles, 64 rows 1.03-1.43x: `kvlm bench kernels`, docs/kernels.md).
+// Rows of x that go through the tiles: a multiple of 16, none below AMX_MIN_ROWS (on a 2-core Xeon, 2 threads,
+// one tile of 16 rows ran at 0.91-1.11x the VNNI tiles, 64 rows 1.03-1.43x: `kvlm bench kernels`,
+// docs/kernels.md).
 constexpr int64_t AMX_MIN_ROWS = 32;
-KVLM_INLINE int64_t amx_rows_of(int64_t M) { return M >= AMX_MIN_ROWS ? M / 16 * 16 : 0; }

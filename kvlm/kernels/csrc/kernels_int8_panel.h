@@ -276,7 +276,7 @@ KVLM_INLINE void panel_tiles(const PanelBlock* buf, const ActRows& a, int64_t m,
 // The rows [0, mt) of an M-row call that go through AMX tiles: none but on the avx512-amx unit.
 KVLM_INLINE int64_t amx_rows(int64_t M) {
 #if defined(KVLM_AMX)
-    return M > FLY_ROWS ? amx_rows_of(M) : 0;
+    return M > FLY_ROWS && M >= AMX_MIN_ROWS ? M / 16 * 16 : 0;
 #else
     (void)M;
     return 0;
