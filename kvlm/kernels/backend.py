@@ -25,6 +25,7 @@ the PyTorch references (SDPA, BLAS), which is what the `device` branch returns.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import Literal
 
@@ -39,6 +40,9 @@ NATIVE_TYPES = frozenset({Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q5_0, 
 # KVLM_KERNEL_ACT=f32 opts out; `reference.qmatmul_int8_ref` defines the numerics).
 INT8_ACT_TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K})
 INT8_ISAS = frozenset(native.ISAS)  # every unit: x86 vector kernels, NEON, or the portable one (same bits)
+# The units whose int8 kernel reads Q4_K weights packed in 16-row panels (`panels`, csrc/kernels_kquant_panels.h).
+PANEL_ISAS = frozenset({"avx512", "avx512-vnni", "avx512-amx"})
+ENV_PANELS = "KVLM_WEIGHT_PANELS"
 # The paged attention kernel reads head_dim in 16-float vectors (csrc/kernels_impl.h).
 ATTN_HEAD_DIM_MULTIPLE = 16
 
@@ -67,6 +71,17 @@ def kernel_path(qtype: Q) -> str:
     if qtype in INT8_ACT_TYPES and isa in INT8_ISAS and native.int8_activations():
         return f"{isa}+int8"
     return isa
+
+
+def panel_kernel(isa: str | None) -> bool:
+    """Whether qmatmul on this ISA path reads panel-packed weights (int8 activations on an AVX-512 unit)."""
+    return isa in PANEL_ISAS and native.int8_activations()
+
+
+def weight_panels() -> bool:
+    """Whether the loader packs Q4_K weights in 16-row panels (`panels`): where this process's path reads
+    them, unless KVLM_WEIGHT_PANELS=0 keeps the file's layout (an A/B of the two in one tree)."""
+    return panel_kernel(native_isa()) and os.environ.get(ENV_PANELS, "1").strip() != "0"
 
 
 # "paged-native": every row of every step attends over the cache's blocks in place with the native kernel,

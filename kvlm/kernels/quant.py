@@ -37,7 +37,8 @@ from __future__ import annotations
 import torch
 
 from kvlm.kernels import native
-from kvlm.kernels.backend import INT8_ACT_TYPES, INT8_ISAS, NATIVE_TYPES, native_isa
+from kvlm.kernels.backend import INT8_ACT_TYPES, INT8_ISAS, NATIVE_TYPES, native_isa, panel_kernel
+from kvlm.kernels.panels import unpack
 from kvlm.kernels.quant_tensor import ExpertStack, QuantTensor
 from kvlm.kernels.reference import dequantize_ref, qmatmul_ref
 
@@ -62,6 +63,7 @@ def _native(w: QuantTensor, on_cpu: bool) -> tuple[native.NativeOps, int] | None
 
 def dequantize(w: QuantTensor) -> torch.Tensor:
     """(N, K) float32."""
+    w = unpack(w)
     nat = _native(w, True)
     if nat is None:
         return dequantize_ref(w)
@@ -83,9 +85,11 @@ def qmatmul(x: torch.Tensor, w: QuantTensor, out: torch.Tensor | None = None) ->
         raise ValueError(f"out must be a contiguous float32 tensor of shape {(*x.shape[:-1], n)}")
     nat = _native(w, x.is_cpu)
     if nat is None:
-        y = qmatmul_ref(x, w)
+        y = qmatmul_ref(x, unpack(w))
         return y if out is None else out.copy_(y)
     ops, isa = nat
+    if w.panels and not (int8_path(w, isa) and panel_kernel(native.ISAS[isa])):
+        w = unpack(w)  # packed for a path this call does not take (same bytes, the file's order)
     # The common decode call is already (M, K) contiguous float32: skip each conversion when not needed
     # (each costs microseconds, and a decode step makes ~120 of these calls).
     x2 = x if x.dim() == 2 else x.reshape(-1, k)
@@ -94,11 +98,12 @@ def qmatmul(x: torch.Tensor, w: QuantTensor, out: torch.Tensor | None = None) ->
     if not x2.is_contiguous():
         x2 = x2.contiguous()
     m = x2.shape[0]
-    int8 = w.qtype in INT8_ACT_TYPES and native.ISAS[isa] in INT8_ISAS and native.int8_activations()
+    int8 = int8_path(w, isa)
     if m <= (INT8_ROW_MAX_ROWS if int8 else GEMV_MAX_ROWS):
         y = torch.empty(m, n, dtype=torch.float32) if out is None else out.view(m, n)
-        (ops.qmatmul_i8 if int8 else ops.qmatmul)(x2, _rows(w), _TYPE_IDS[w.qtype], k, isa, y)
+        (ops.qmatmul_i8 if int8 else ops.qmatmul)(x2, _rows(w), w.type_id, k, isa, y)
     else:
+        w = unpack(w)
         if int8:  # the int8 kernels' activations, as float32 for BLAS
             xf = torch.empty_like(x2)
             ops.fake_quantize_act(x2, isa, xf)
@@ -137,6 +142,11 @@ def expert_qmatmul(x: torch.Tensor, w: ExpertStack, counts: list[int],
         counts_t = torch.tensor(counts, dtype=torch.int64)
     ops.expert_qmatmul(x2, w.data, counts_t, _TYPE_IDS[w.qtype], k, isa, int8, out)
     return out
+
+
+def int8_path(w: QuantTensor, isa: int) -> bool:
+    """Whether qmatmul of w on ISA path id `isa` quantizes activations to int8 (module docstring)."""
+    return w.qtype in INT8_ACT_TYPES and native.ISAS[isa] in INT8_ISAS and native.int8_activations()
 
 
 def _tiled_matmul(x: torch.Tensor, w: QuantTensor, ops: native.NativeOps, isa: int) -> torch.Tensor:

@@ -14,14 +14,20 @@ import torch
 
 from kvlm.kernels.ggml_types import GGML_QUANT_SIZES, GGMLQuantizationType
 
+PANELS16 = 0x100  # type id flag of a panel-packed weight (csrc/kernels.h)
+
 
 @dataclass(frozen=True, slots=True)
 class QuantTensor:
-    """A (N, K) weight in GGUF block format: data is (N, K // block_elems * block_bytes) uint8."""
+    """A (N, K) weight in GGUF block format: data is (N, K // block_elems * block_bytes) uint8.
+
+    panels: the same bytes reordered in 16-row panels for the AVX-512 int8 kernel (`kernels.panels`; rows
+    16 p .. 16 p + 15 of data together hold panel p, so a slice of whole panels is still one)."""
 
     data: torch.Tensor
     qtype: GGMLQuantizationType
     shape: tuple[int, int]
+    panels: bool = False
 
     def __post_init__(self) -> None:
         n, k = self.shape
@@ -35,6 +41,11 @@ class QuantTensor:
     @property
     def nbytes(self) -> int:
         return self.data.numel()
+
+    @property
+    def type_id(self) -> int:
+        """The id the C++ kernels take: the ggml type, with PANELS16 set for a panel-packed weight."""
+        return int(self.qtype) | (PANELS16 if self.panels else 0)
 
 
 @dataclass(frozen=True, slots=True)

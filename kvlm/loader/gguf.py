@@ -389,7 +389,43 @@ def load_gguf(path: str | os.PathLike,
                                          f"x head_dim {config.head_dim} need {heads * config.head_dim}")
                 w = _unpermute_any(w, heads)
         state[hf] = w
+    if mapped is not None:
+        _pack_panels(state, mapped)
     return config, state, fields
+
+
+def _pack_panels(state: dict[str, Any], mapped: Any) -> None:
+    """Where this process's int8 kernel reads Q4_K in 16-row panels (`kernels.backend.weight_panels`), pack
+    each such matrix (`kernels.panels`) into one buffer, in file order (so neighbours in the file stay
+    neighbours, and merge as views), and drop its pages of the mapped file from this process right after
+    (MADV_DONTNEED: the bytes are resident once, never twice; they stay in the page cache). Not the
+    embedding table, which a lookup reads by row, nor experts (stacked later)."""
+    import torch
+
+    from kvlm.kernels import QuantTensor
+    from kvlm.kernels.backend import weight_panels
+    from kvlm.kernels.panels import pack, packable
+
+    if not weight_panels():
+        return
+    keys = [k for k, w in state.items() if isinstance(w, QuantTensor) and packable(w)
+            and not k.endswith("embed_tokens.weight") and ".experts." not in k]
+    buf = torch.empty(sum(state[k].nbytes for k in keys), dtype=torch.uint8)
+    off = 0
+    for k in keys:
+        w = state[k]
+        state[k] = pack(w, buf[off:off + w.nbytes])
+        off += w.nbytes
+        _release(w.data, mapped)
+
+
+def _release(t: Any, mapped: Any) -> None:
+    """Drop the whole pages of t that lie in the file mapping `mapped` from this process."""
+    from kvlm.loader.mapped_pages import drop_pages
+
+    lo, p, n = mapped.data_ptr(), t.data_ptr(), t.numel()
+    if lo <= p and p + n <= lo + mapped.numel():  # else a copy (the un-permuted q / k rows): freed with it
+        drop_pages(p, p + n)
 
 
 def _unpermute_any(w: Any, n_heads: int) -> Any:

@@ -19,6 +19,7 @@ import os
 import sys
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 _PAGE = mmap.PAGESIZE
 _MADV_DONTNEED = 4  # Linux
@@ -40,6 +41,21 @@ def file_mappings(path: Path) -> list[tuple[int, int]]:
     return out
 
 
+def _madvise() -> Any:
+    madvise = ctypes.CDLL(None, use_errno=True).madvise
+    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    return madvise
+
+
+def drop_pages(lo: int, hi: int) -> int:
+    """Drop the whole pages inside [lo, hi), addresses in a read-only file mapping, from this process (a
+    weight packed into new memory: its file bytes are never read again); returns the bytes released."""
+    a, b = -(-lo // _PAGE) * _PAGE, hi // _PAGE * _PAGE
+    if not sys.platform.startswith("linux") or b <= a:
+        return 0
+    return b - a if _madvise()(a, b - a, _MADV_DONTNEED) == 0 else 0
+
+
 def release_unused(path: Path, used: Iterable[tuple[int, int]]) -> int:
     """Drop the resident pages of `path`'s mappings (those holding some of `used`) outside the `used`
     [start, end) address ranges, widened to whole pages; returns the bytes of address range released."""
@@ -50,8 +66,7 @@ def release_unused(path: Path, used: Iterable[tuple[int, int]]) -> int:
     maps = [(a, b) for a, b in file_mappings(path) if any(a <= lo < b for lo, _ in keep)]
     if not maps:
         return 0
-    madvise = ctypes.CDLL(None, use_errno=True).madvise
-    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    madvise = _madvise()
     released = 0
     for start, end in maps:
         pos = start

@@ -37,7 +37,7 @@ import torch
 
 from kvlm.attention.metadata import AttentionMetadata, PagedRows
 from kvlm.kernels import native
-from kvlm.kernels.backend import Backend, kernel_path
+from kvlm.kernels.backend import Backend, kernel_path, native_isa, panel_kernel
 from kvlm.kernels.ggml_types import GGMLQuantizationType
 from kvlm.kernels.kv_quant import KVQuantFormat
 from kvlm.kernels.paged_attention import KV_DTYPES
@@ -56,7 +56,7 @@ def _linear_spec(lin: QuantLinear, spec: list[int], tensors: list[torch.Tensor])
     spec.append(len(lin.parts))
     for p in lin.parts:
         data = p.data if p.data.stride(1) == 1 else p.data.contiguous()
-        spec += [int(p.qtype), p.shape[0]]
+        spec += [p.type_id, p.shape[0]]
         tensors.append(data)
 
 
@@ -83,6 +83,8 @@ def _eligible(model: torch.nn.Module, kv_cache: object, backend: Backend) -> str
                 return "a projection is not quantized on a native kernel"
             if any(kernel_path(p.qtype) == "reference" for p in lin.parts):
                 return "a projection format has no native kernel"
+            if any(p.panels for p in lin.parts) and not panel_kernel(native_isa()):
+                return "weights packed in panels for a kernel path no longer taken"
         if attn.o_proj.bias is not None or (not moe and (mlp.gate_up_proj.bias is not None
                                                          or mlp.down_proj.bias is not None)):
             return "bias outside q/k/v"

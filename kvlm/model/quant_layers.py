@@ -47,7 +47,8 @@ def view_rows(parts: list[QuantTensor]) -> QuantTensor:
     assert all(_adjacent(a, b) for a, b in itertools.pairwise(parts)), "view_rows: parts are not back to back"
     rows = sum(p.shape[0] for p in parts)
     rb = first.data.shape[1]
-    return QuantTensor(torch.as_strided(first.data, (rows, rb), (rb, 1)), first.qtype, (rows, first.shape[1]))
+    return QuantTensor(torch.as_strided(first.data, (rows, rb), (rb, 1)), first.qtype, (rows, first.shape[1]),
+                       panels=first.panels)
 
 
 def stack_quant(parts: list[QuantTensor]) -> list[QuantTensor]:
@@ -59,7 +60,8 @@ def stack_quant(parts: list[QuantTensor]) -> list[QuantTensor]:
     was 43% of an 8-token `kvlm generate` (py-spy, 2026-12-05)."""
     runs: list[list[QuantTensor]] = []
     for p in parts:
-        if runs and runs[-1][0].qtype == p.qtype and runs[-1][0].shape[1] == p.shape[1] and _adjacent(runs[-1][-1], p):
+        r = runs[-1][0] if runs else None
+        if r and (r.qtype, r.shape[1], r.panels) == (p.qtype, p.shape[1], p.panels) and _adjacent(runs[-1][-1], p):
             runs[-1].append(p)
         else:
             runs.append([p])

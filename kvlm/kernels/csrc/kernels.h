@@ -9,6 +9,9 @@ extern "C" {
 
 // ggml type ids of the formats the kernels read (weights; F32/F16/BF16 also as KV cache element types).
 enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_BF16 = 30 };
+// A type id's flag: the weight's rows are packed in 16-row panels (kvlm/kernels/panels.py; Q4_K on the
+// AVX-512 units' int8 kernel only, kernels_kquant_panels.h). Other kernels refuse such an id.
+constexpr int PANELS16 = 0x100;
 // Quantized KV cache formats (not ggml ids; kernels_attn_quant.h, kvlm/kernels/kv_quant.py): int8 / int4
 // codes with a float16 scale per 32 values, caches (num_blocks, block_size, kv_heads, D / 32 * 34 or 18) bytes.
 enum { KV_Q8 = 1008, KV_Q4 = 1004 };

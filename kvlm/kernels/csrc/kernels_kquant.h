@@ -69,10 +69,9 @@ KVLM_INLINE void q5_unit(const uint8_t* const* rows, int64_t off, int qh_at, int
 }
 
 // Q4_K / Q5_K: the 12 packed 6-bit scales and mins (bytes 4..15) of 16 rows, decoded for all 8 sub-blocks.
-KVLM_INLINE void k4_scales(const uint8_t* const* rows, int64_t off, KHead* h) {
-    __m512i z[4], t[4];
-    load_rows(rows, off, z);
-    transpose4(z, t);  // t[0] = d | dmin << 16, t[1..3] = scales bytes 0..3, 4..7, 8..11
+// t[0] lane c = row c's d | dmin << 16, t[1..3] = its scale bytes 0..3, 4..7, 8..11 (a panel-packed block's
+// head as stored, kernels_kquant_panels.h).
+KVLM_INLINE void k4_scales_t(const __m512i* t, KHead* h) {
     const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(t[0]));
     const __m512 ndmin = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(t[0], 16))));
     const __m512i m63 = _mm512_set1_epi32(63), m15 = _mm512_set1_epi32(15), m3 = _mm512_set1_epi32(3);
@@ -91,6 +90,13 @@ KVLM_INLINE void k4_scales(const uint8_t* const* rows, int64_t off, KHead* h) {
         h->dw[j] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc));
         h->mw[j] = _mm512_mul_ps(ndmin, _mm512_cvtepi32_ps(mn));
     }
+}
+
+KVLM_INLINE void k4_scales(const uint8_t* const* rows, int64_t off, KHead* h) {
+    __m512i z[4], t[4];
+    load_rows(rows, off, z);
+    transpose4(z, t);
+    k4_scales_t(t, h);
 }
 
 template <int QT>
@@ -526,6 +532,8 @@ void gemm_kq_t(const uint8_t* w, int64_t rs, int64_t K, const int8_t* xq, const 
 
 #define KVLM_KQ_CALL(QT) gemm_kq_t<QT>(w, rs, K, xq, xd, xs, xi, M, y, ldy, n0, n1)
 
+#include "kernels_kquant_panels.h"  // Q4_K in 16-row panels (gemm_k4p)
+
 #else  // AVX2
 
 #include "kernels_int8_avx2.h"  // the AVX2 kernel of every int8 format (gemm_avx2_t)
@@ -543,6 +551,12 @@ int gemv_kq(int qtype, const uint8_t* w, int64_t rs, int64_t K, const int8_t* xq
         case T_Q4_K: KVLM_KQ_CALL(T_Q4_K); return 0;
         case T_Q5_K: KVLM_KQ_CALL(T_Q5_K); return 0;
         case T_Q6_K: KVLM_KQ_CALL(T_Q6_K); return 0;
+#if defined(KVLM_AVX512)
+        case T_Q4_K | PANELS16:  // whole panels of contiguous rows only
+            if (n0 % 16 || n1 % 16 || rs != K / 256 * 144) return -1;
+            gemm_k4p(w, rs, K, xq, xd, xs, xi, M, y, ldy, n0, n1);
+            return 0;
+#endif
         default: return -1;
     }
 }

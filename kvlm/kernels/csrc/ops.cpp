@@ -134,7 +134,8 @@ const KvlmKernels* table(int64_t isa) {
 
 bool has_int8(const KvlmKernels* t, int qtype) {
     return t->gemv_i8 != nullptr && (qtype == T_Q4_0 || qtype == T_Q4_1 || qtype == T_Q8_0 || qtype == T_Q5_0 ||
-                                     qtype == T_Q5_1 || qtype == T_Q4_K || qtype == T_Q5_K || qtype == T_Q6_K);
+                                     qtype == T_Q5_1 || qtype == T_Q4_K || qtype == T_Q5_K || qtype == T_Q6_K ||
+                                     qtype == (T_Q4_K | PANELS16));
 }
 
 // x (M, K) quantized per 32-element block (quantize_act, rows in parallel) into this thread's buffers
