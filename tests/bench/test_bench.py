@@ -174,6 +174,22 @@ def test_machine_ceilings_positive() -> None:
     assert peak_flops(n=64, repeats=2) > 0
 
 
+def test_native_read_pass_reads_every_word_of_each_stream() -> None:
+    """The 16-stream read pass behind read_bandwidth: the sum of every 64-bit word of a tensor that splits into
+    whole turns (threads x streams x 16 words), as 16 streams a thread or one."""
+    import torch
+    from deps import need_native
+
+    need_native("the read pass is a native op")
+    from kvlm.kernels import native
+
+    native.ops()
+    turns = torch.get_num_threads() * 16 * 16
+    src = torch.arange(3 * turns, dtype=torch.int64)
+    assert torch.ops.kvlm_kernels.read_pass(src, 16) == int(src.sum())
+    assert torch.ops.kvlm_kernels.read_pass(src, 1) == int(src.sum())
+
+
 def test_compare_keeps_the_bandwidth_timed_next_to_the_best_decode() -> None:
     """Best of the rounds: the highest prefill and decode, and with the decode the read bandwidth of its
     own round (a ceiling is only a ceiling of the decode it was timed next to)."""

@@ -6,6 +6,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstring>
 #include <atomic>
 #include <optional>
 #include <utility>
@@ -556,9 +557,42 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
     TORCH_CHECK(ok, "kvlm kernels: unsupported KV cache dtype");
 }
 
+// A read-only pass over src for bench.latency.read_bandwidth: each of torch's threads reads its share as
+// `streams` parts side by side, a 64-byte line of each in turn; returns the sum of the 64-bit words (so
+// the reads happen). Why: a CPU may read faster from several streams than from one (a 2-core Xeon read
+// ~32 GB/s from 16 streams a thread, ~27 from one), and decode reads 16 weight rows or a panel stream.
+int64_t read_pass(const at::Tensor& src, int64_t streams) {
+    TORCH_CHECK(src.is_cpu() && src.is_contiguous() && streams >= 1, "read_pass: a contiguous CPU tensor");
+    const auto* p = static_cast<const uint64_t*>(src.const_data_ptr());
+    const int64_t words = static_cast<int64_t>(src.nbytes() / 8), nt = at::get_num_threads();
+    std::vector<uint64_t> part(nt, 0);
+    typedef uint64_t V2 __attribute__((vector_size(16)));  // SSE2 / NEON: 16-byte loads and adds
+    constexpr int64_t W = 16;  // words a stream per turn: two 64-byte lines (8 to 64 measured alike)
+    at::parallel_for(0, nt, 1, [&](int64_t t0, int64_t t1) {
+        for (int64_t t = t0; t < t1; t++) {
+            const int64_t lo = words * t / nt, len = (words * (t + 1) / nt - lo) / streams / W * W;
+            std::vector<const uint64_t*> q(streams);
+            for (int64_t s = 0; s < streams; s++) q[s] = p + lo + s * len;
+            V2 acc[4] = {};
+            for (int64_t i = 0; i < len; i += W)
+                for (int64_t s = 0; s < streams; s++)
+                    for (int64_t j = 0; j < W; j += 8) {
+                        V2 v[4];
+                        memcpy(v, q[s] + i + j, 64);
+                        for (int k = 0; k < 4; k++) acc[k] += v[k];
+                    }
+            for (int k = 0; k < 4; k++) part[t] += acc[k][0] + acc[k][1];
+        }
+    });
+    uint64_t sum = 0;
+    for (uint64_t v : part) sum += v;
+    return static_cast<int64_t>(sum);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(kvlm_kernels, m) {
+    m.def("read_pass(Tensor src, int streams) -> int", &read_pass);
     m.def("best_isa() -> int", &kvlm::best_isa);
     m.def("isa_available(int isa) -> bool", &kvlm::isa_available);
     m.def("qmatmul(Tensor x, Tensor w, int qtype, int K, int isa, Tensor(a!) out) -> ()", &qmatmul);
