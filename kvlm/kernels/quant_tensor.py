@@ -37,6 +37,8 @@ class QuantTensor:
         if self.data.dtype != torch.uint8 or tuple(self.data.shape) != (n, k // elems * nbytes):
             raise ValueError(f"{self.qtype.name} data must be uint8 ({n}, {k // elems * nbytes}), "
                              f"got {self.data.dtype} {tuple(self.data.shape)}")
+        if self.panels and n % 16:
+            raise ValueError(f"a panel-packed weight has whole 16-row panels, got {n} rows")
 
     @property
     def nbytes(self) -> int:
