@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from kvlm.kernels import native
 from kvlm.kernels.ggml_types import GGMLQuantizationType as Q
 from kvlm.kernels.quant_tensor import QuantTensor
 
@@ -38,11 +39,13 @@ def pack(w: QuantTensor, out: torch.Tensor | None = None) -> QuantTensor:
     if not packable(w):
         raise ValueError(f"{w.qtype.name} {w.shape} cannot be packed in {PANEL_ROWS}-row panels")
     p, nb, d = _grid(w)
-    buf = torch.empty(w.nbytes, dtype=torch.uint8) if out is None else out
-    # (panel, row c, block, dword i) -> (panel, block, dword i, row c)
-    buf.view(torch.int32).view(p, nb, d, PANEL_ROWS).copy_(
-        w.data.view(torch.int32).view(p, PANEL_ROWS, nb, d).permute(0, 2, 3, 1))
-    return QuantTensor(buf.view(w.data.shape), w.qtype, w.shape, panels=True)
+    buf = (torch.empty(w.nbytes, dtype=torch.uint8) if out is None else out).view(w.data.shape)
+    if native.available():  # the same bytes, ~5x faster than the strided copy below
+        torch.ops.kvlm_kernels.pack_panels(w.data, d, buf)
+    else:  # (panel, row c, block, dword i) -> (panel, block, dword i, row c)
+        buf.view(torch.int32).view(p, nb, d, PANEL_ROWS).copy_(
+            w.data.view(torch.int32).view(p, PANEL_ROWS, nb, d).permute(0, 2, 3, 1))
+    return QuantTensor(buf, w.qtype, w.shape, panels=True)
 
 
 def unpack(w: QuantTensor) -> QuantTensor:

@@ -35,6 +35,14 @@ def test_pack_transposes_each_blocks_dwords_and_unpack_inverts_it() -> None:
         assert torch.equal(got[b], rows[:, b].T), f"block {b}"
 
 
+def test_native_pack_writes_the_strided_copys_bytes() -> None:
+    need_native("pack_panels is a native op")
+    w = random_blocks(T.Q4_K, 64, 1024, seed=9)
+    want = torch.empty_like(w.data)
+    want.view(torch.int32).view(4, 4, 36, 16).copy_(w.data.view(torch.int32).view(4, 16, 4, 36).permute(0, 2, 3, 1))
+    assert torch.equal(pack(w).data, want)
+
+
 def test_only_whole_panels_of_a_panel_format_pack() -> None:
     assert packable(random_blocks(T.Q4_K, 32, 256, seed=1))
     assert not packable(random_blocks(T.Q4_K, 37, 256, seed=1))  # a partial panel
