@@ -6,8 +6,8 @@ Every 2-D matrix of a GGUF file but the embedding table (of `--format`, or all),
 one row of x (`qmatmul`, M = 1), as a decode step walks them: the file is far larger than the caches, so each
 matrix comes from memory. One walk per layout per round, the order alternating; prints each layout's median
 and best GB/s (weight bytes per second). Matrices that cannot be packed (`kernels.panels.packable`) are the
-same objects in both walks. On a path without the panel kernel both walks unpack nothing and compute the
-same way, so the ratio is 1 (noise).
+same objects in both walks. Only on a path whose kernel reads panels (`kernels.backend.panel_kernel`: the
+AVX-512 units); elsewhere qmatmul would unpack a packed matrix at every call, so the script refuses.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import time
 import torch
 
 from kvlm.kernels import qmatmul
+from kvlm.kernels.backend import isa_name, native_isa, panel_kernel
 from kvlm.kernels.panels import pack, packable
 from kvlm.loader.gguf import file_bytes, quant_tensor, read_gguf
 
@@ -31,6 +32,8 @@ def main() -> None:
     p.add_argument("--format", help="only matrices of this GGUF type (e.g. Q4_K)")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
+    if not panel_kernel(native_isa()):
+        raise SystemExit(f"weight_walk_ab: the {isa_name()} path reads no panels: nothing to compare")
     reader, _ = read_gguf(a.file)
     mapped = file_bytes(reader)
     plain = [quant_tensor(t, mapped) for t in reader.tensors if len(t.shape) == 2 and t.name != "token_embd.weight"
