@@ -10,9 +10,9 @@ tensors, less the input embedding table unless the output matrix is tied to it) 
 is given as GB/s of its own weights and as a fraction of its bandwidth, and llama.cpp's row says how far over
 its decode an engine reading at that rate would be (`ceiling_over_this`). Not a hard limit: the pass is the
 better of two read patterns (`latency.read_bandwidth`), and a CPU may stream another pattern faster (on a
-2-core Xeon, 2026-12-05, kvlm's BF16 decode read its weights at 1.13x the one-stream sum's rate, before the
-16-stream pass was added). The K/V read at these short contexts is left out (under 1% of the weights at 32
-tokens on a 1B).
+2-core Xeon, 2026-12-05, kvlm's BF16 decode on `avx512-amx` read its weights at 1.13x the one-stream sum's
+rate, before the 16-stream pass was added). The K/V read at these short contexts is left out (under 1% of
+the weights at 32 tokens on a 1B).
 """
 
 from __future__ import annotations

@@ -80,8 +80,9 @@ def read_bandwidth(mib: int = 1024, repeats: int = 5, device: Any = "cpu") -> fl
     """Bytes/s of a read-only pass (each byte read once, nothing written), best of `repeats`: the ceiling
     of a decode step, which reads every weight once. 1 GiB: far past any CPU's caches. On CPU the faster of
     two passes: `src.sum()` (one stream a thread) and, with the native extension, `read_pass` reading
-    READ_STREAMS streams a thread side by side. Which is faster depends on the CPU: a 2-core Xeon read ~27 GB/s
-    one way and ~32 the other (2026-12-05), and a decode step there beat the sum alone."""
+    READ_STREAMS streams a thread side by side. Which is faster depends on the CPU: a 2-core Xeon (2026-12-05)
+    read ~22-24 GB/s by the sum and ~25-26 by the native pass, and its BF16 decode (`avx512-amx`) had read its
+    weights faster than the sum alone."""
     import torch
 
     from kvlm.kernels import native

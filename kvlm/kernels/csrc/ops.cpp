@@ -560,7 +560,7 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
 // A read-only pass over src for bench.latency.read_bandwidth: each of torch's threads reads its share as
 // `streams` parts side by side, a 64-byte line of each in turn; returns the sum of the 64-bit words (so
 // the reads happen). Why: a CPU may read faster from several streams than from one (a 2-core Xeon read
-// ~32 GB/s from 16 streams a thread, ~27 from one), and decode reads 16 weight rows or a panel stream.
+// ~25-26 GB/s this way, ~22-24 by torch's sum), and decode reads 16 weight rows or a panel stream.
 int64_t read_pass(const at::Tensor& src, int64_t streams) {
     TORCH_CHECK(src.is_cpu() && src.is_contiguous() && streams >= 1, "read_pass: a contiguous CPU tensor");
     const auto* p = static_cast<const uint64_t*>(src.const_data_ptr());
