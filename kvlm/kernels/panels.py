@@ -40,7 +40,7 @@ def pack(w: QuantTensor, out: torch.Tensor | None = None) -> QuantTensor:
         raise ValueError(f"{w.qtype.name} {w.shape} cannot be packed in {PANEL_ROWS}-row panels")
     p, nb, d = _grid(w)
     buf = (torch.empty(w.nbytes, dtype=torch.uint8) if out is None else out).view(w.data.shape)
-    if native.available():  # the same bytes, ~5x faster than the strided copy below
+    if native.available():  # the same bytes, faster (the 3B Q4_K_M's packing: 0.76 s, against 0.99)
         torch.ops.kvlm_kernels.pack_panels(w.data, d, buf)
     else:  # (panel, row c, block, dword i) -> (panel, block, dword i, row c)
         buf.view(torch.int32).view(p, nb, d, PANEL_ROWS).copy_(
