@@ -487,7 +487,7 @@ def test_int8_kernel_is_its_contract_bit_for_bit(qtype: T, isa: str) -> None:
     Then every M of a multi-row decode step (speculative verification: k + 1 rows; a small batch), 1 to 9,
     16 and 17, from the first row and from row 5 (the edge rows elsewhere in the tile): each of the few-row
     and many-row work orders on its boundaries must be the contract too. K-quants also at K = 2304 (9
-    super-blocks): AVX-512's streamed decode rows in chunks of 8 super-blocks and a tail chunk, and Q4_K's
+    super-blocks): AVX-512's streamed decode (whole rows, two streams a panel, K / 256 group sums a row), and Q4_K's
     few-row path past K = 2048. And M = 32, 33, 48 and 50: avx512-amx's tiles of 32 and 16 rows with the
     rest on the VNNI tiles, N = 37 giving a pair of panels and a lone tail panel."""
     if isa not in INT8_ISAS:

@@ -328,19 +328,27 @@ KVLM_INLINE void k6_row(const uint8_t* q, __m512i w[4], __m512i* sc) {
 constexpr int64_t STREAM_ROWS = 3;  // up to this many rows of x: kq_stream (k6_fly, before it, spilled registers at 4)
 
 // Q4_K and Q6_K, 1 to 3 rows of x (decode), in memory order. The rows' units come from k6_row / k4_row
-// as above, but each weight row is read whole (in chunks of STREAM_CHUNK super-blocks), the 16 rows one after
-// another, so a panel is one ascending stream. Why: reading a super-block of each of the 16 rows in turn
+// as above, but each weight row is read whole. Why: reading a super-block of each of the 16 rows in turn
 // (k6_fly, before) is 16 streams advancing 144-210 bytes at a time, which the hardware prefetcher does not
 // follow; a software prefetch of the panel after next carried it to ~30 GB/s on a Zen 5 whose plain
 // sequential reads reached 34-61 GB/s in the same minutes (even plain loads in that order stopped at ~30).
 // In row order the prefetcher streams: Q6_K 8192x2048 and 49152x2048 at M = 1, 2 threads, cold, 1.2-1.5x
-// (docs/kernels.md). Pass 1 keeps each (row, super-block)'s group sums P (k6_groups of the 4 dot products,
-// times Q6_K's int8 scales) in this thread's scratch S; pass 2 merges and transposes them per super-block
-// (rows r and r + 4, two 4 x 4 dword transposes: lane c = row c) and runs kq_finish unit after unit with
-// the panel's float scales (kq_head, read again from cache): the same int32 isums and float epilogue as
-// every other path, so the same bits. x0s: Q6_K's -32 x dword sums per (row of x, 64 codes), made once per
-// call. S: (MT, STREAM_CHUNK, 16) zmm.
-constexpr int64_t STREAM_CHUNK = 8;  // super-blocks of a row read at a time (K = 2048: whole rows; 4 and 16 no better)
+// (docs/kernels.md). The panel is read as STREAM_WAYS streams side by side, stream q over its rows
+// 8 q .. 8 q + 7 (contiguous bytes), a super-block of each stream in turn, each prefetching its own bytes
+// STREAM_AHEAD on, a block's lines at a time. Why: one stream a thread (the 16 rows one after another, in
+// chunks of 8 super-blocks, the panel after next prefetched a row chunk at a time) read Q6_K at ~17-19 GB/s on
+// a Xeon whose 2 threads read memory at ~24; two streams of whole rows, each with its own prefetch, at
+// 20-23 (1.13-1.39x, `scripts/kernel_ab/gbs.sh`, docs/kernels.md "Q6_K decode in two streams"). Pass 1 keeps
+// each (row, super-block)'s group sums P (k6_groups of the 4 dot products, times Q6_K's int8 scales) in this
+// thread's scratch S; pass 2 merges and transposes them per super-block (rows r and r + 4, two 4 x 4 dword
+// transposes: lane c = row c) and runs kq_finish unit after unit with the panel's float scales (kq_head, read
+// again from cache): the same int32 isums and float epilogue as every other path, so the same bits. x0s:
+// Q6_K's -32 x dword sums per (row of x, 64 codes), made once per call. S: (MT, K / 256, 16) zmm.
+// Against the loop before (Q6_K, M = 1): 1 way 1.09-1.19x where K >= 3072 (4 ways 1.21-1.43x), 4 ways 1.01-1.04x at
+// K = 2048 (1 way 1.10-1.12x); 2 ways 1.13-1.39x on every shape.
+constexpr int STREAM_WAYS = 2;
+constexpr int64_t STREAM_AHEAD = 2304;  // bytes (1152 to 4608 measured alike in the walk; 9216 0.9x)
+constexpr int64_t STREAM_K4_BLOCKS = 8;  // Q4_K streams up to K = 2048 (past it: panels, 0.92x at 2048 x 8192)
 struct alignas(64) ZV {
     __m512i v;
 };
@@ -355,64 +363,63 @@ KVLM_INLINE void k4_row(const uint8_t* q, __m512i w[4]) {
 }
 
 template <int QT, int MT>
-void kq_stream(const uint8_t* const* rows, const uint8_t* ahead, const uint8_t* end, const ActRows& a,
-               const ZV* x0s, ZV* S, float* y, int64_t ldy, __mmask16 live) {
+void kq_stream(const uint8_t* const* rows, const uint8_t* end, const ActRows& a, const ZV* x0s, ZV* S, float* y,
+               int64_t ldy, __mmask16 live) {
     constexpr int64_t BB = KQ<QT>::BB;
+    constexpr int RW = 16 / STREAM_WAYS;  // rows a stream
     const int64_t nsb = a.nb / 8;
     __m512 acc[MT], mn[MT];
     for (int i = 0; i < MT; i++) acc[i] = mn[i] = _mm512_setzero_ps();
-    for (int64_t b0 = 0; b0 < nsb; b0 += STREAM_CHUNK) {
-        const int64_t nc = nsb - b0 < STREAM_CHUNK ? nsb - b0 : STREAM_CHUNK;
-        for (int c = 0; c < 16; c++) {
-            // the same bytes of the panel after next, two panels ahead
-            const uint8_t* pa = ahead + (rows[c] - rows[0]) + b0 * BB;
-            for (const uint8_t* p = (const uint8_t*)((uintptr_t)pa & ~(uintptr_t)63); p < pa + nc * BB && p < end; p += 64)
-                _mm_prefetch((const char*)p, _MM_HINT_T1);
-            for (int64_t lb = 0; lb < nc; lb++) {
-                const int64_t b = b0 + lb;
+    for (int r = 0; r < RW; r++) {
+        for (int64_t b = 0; b < nsb; b++) {
+            for (int q = 0; q < STREAM_WAYS; q++) {
+                const int c = RW * q + r;
+                const uint8_t* cur = rows[c] + b * BB;
+                // this stream's lines STREAM_AHEAD on (past the row: the next row of the stream, or the next panel)
+                const uint8_t* pf = (const uint8_t*)((uintptr_t)(cur + STREAM_AHEAD) & ~(uintptr_t)63);
+                if (pf < end)
+                    for (int l = 0; l < (BB + 63) / 64 + 1; l++) _mm_prefetch((const char*)(pf + 64 * l), _MM_HINT_T1);
                 __m512i w[4], sc;
-                if constexpr (QT == T_Q6_K) k6_row(rows[c] + b * BB, w, &sc);
-                else k4_row(rows[c] + b * BB, w);
+                if constexpr (QT == T_Q6_K) k6_row(cur, w, &sc);
+                else k4_row(cur, w);
                 for (int i = 0; i < MT; i++) {
                     __m512i d[4];
                     for (int k = 0; k < 4; k++)
                         d[k] = dot_acc(QT == T_Q6_K ? x0s[(i * nsb + b) * 4 + k].v : _mm512_setzero_si512(), w[k],
                                        _mm512_loadu_si512((const void*)(a.xq + i * a.K + 256 * b + 64 * k)));
-                    S[(i * STREAM_CHUNK + lb) * 16 + c].v =
-                        QT == T_Q6_K ? _mm512_mullo_epi32(k6_groups(d), sc) : k6_groups(d);
+                    S[(i * nsb + b) * 16 + c].v = QT == T_Q6_K ? _mm512_mullo_epi32(k6_groups(d), sc) : k6_groups(d);
                 }
             }
         }
-        for (int64_t lb = 0; lb < nc; lb++) {
-            const int64_t b = b0 + lb;
-            KHead h;
-            if constexpr (QT == T_Q6_K) {  // only d (bytes 208..209, read inside the block as kq_head does)
-                const __m512i dd = _mm512_srli_epi32(dwords16<3>(rows, b * BB + 194), 16);
-                h.dw[0] = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dd));
-            } else {
-                kq_head<QT>(rows, b * BB, &h);
+    }
+    for (int64_t b = 0; b < nsb; b++) {  // pass 2, super-block after super-block
+        KHead h;
+        if constexpr (QT == T_Q6_K) {  // only d (bytes 208..209, read inside the block as kq_head does)
+            const __m512i dd = _mm512_srli_epi32(dwords16<3>(rows, b * BB + 194), 16);
+            h.dw[0] = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dd));
+        } else {
+            kq_head<QT>(rows, b * BB, &h);
+        }
+        for (int i = 0; i < MT; i++) {
+            const ZV* P = S + (i * nsb + b) * 16;
+            __m512i R[8];
+            for (int p = 0; p < 8; p++) {
+                const int r0 = p < 4 ? p : p + 4;
+                R[p] = _mm512_add_epi32(_mm512_shuffle_i32x4(P[r0].v, P[r0 + 4].v, 0x88),
+                                        _mm512_shuffle_i32x4(P[r0].v, P[r0 + 4].v, 0xDD));
             }
-            for (int i = 0; i < MT; i++) {
-                const ZV* P = S + (i * STREAM_CHUNK + lb) * 16;
-                __m512i R[8];
-                for (int p = 0; p < 8; p++) {
-                    const int r0 = p < 4 ? p : p + 4;
-                    R[p] = _mm512_add_epi32(_mm512_shuffle_i32x4(P[r0].v, P[r0 + 4].v, 0x88),
-                                            _mm512_shuffle_i32x4(P[r0].v, P[r0 + 4].v, 0xDD));
-                }
-                __m512i t[4], u[4];
-                transpose4(R, t);
-                transpose4(R + 4, u);
-                for (int j = 0; j < 4; j++) {
-                    const int64_t ib = i * a.nb + 8 * b + 2 * j;
-                    const __m512i e0 = _mm512_shuffle_i32x4(t[j], u[j], 0x88), e1 = _mm512_shuffle_i32x4(t[j], u[j], 0xDD);
-                    if constexpr (QT == T_Q6_K) {
-                        kq_finish<QT>(e0, h.dw[0], h.dw[0], a, ib, acc + i, mn + i);
-                        kq_finish<QT>(e1, h.dw[0], h.dw[0], a, ib + 1, acc + i, mn + i);
-                    } else {
-                        kq_finish<QT>(e0, h.dw[2 * j], h.mw[2 * j], a, ib, acc + i, mn + i);
-                        kq_finish<QT>(e1, h.dw[2 * j + 1], h.mw[2 * j + 1], a, ib + 1, acc + i, mn + i);
-                    }
+            __m512i t[4], u[4];
+            transpose4(R, t);
+            transpose4(R + 4, u);
+            for (int j = 0; j < 4; j++) {
+                const int64_t ib = i * a.nb + 8 * b + 2 * j;
+                const __m512i e0 = _mm512_shuffle_i32x4(t[j], u[j], 0x88), e1 = _mm512_shuffle_i32x4(t[j], u[j], 0xDD);
+                if constexpr (QT == T_Q6_K) {
+                    kq_finish<QT>(e0, h.dw[0], h.dw[0], a, ib, acc + i, mn + i);
+                    kq_finish<QT>(e1, h.dw[0], h.dw[0], a, ib + 1, acc + i, mn + i);
+                } else {
+                    kq_finish<QT>(e0, h.dw[2 * j], h.mw[2 * j], a, ib, acc + i, mn + i);
+                    kq_finish<QT>(e1, h.dw[2 * j + 1], h.mw[2 * j + 1], a, ib + 1, acc + i, mn + i);
                 }
             }
         }
@@ -474,13 +481,13 @@ void gemm_kq_t(const uint8_t* w, int64_t rs, int64_t K, const int8_t* xq, const 
     const ActRows a{xq, xd, xs, xi, K, K / 32};
     // Q4_K past K = 2048 keeps the panel path: its rows in chunks are 16 streams again, and its panel units
     // are cheap (0.92x measured at 2048 x 8192)
-    const bool stream = M <= STREAM_ROWS && (QT == T_Q6_K || (QT == T_Q4_K && a.nb <= 8 * STREAM_CHUNK));
+    const bool stream = M <= STREAM_ROWS && (QT == T_Q6_K || (QT == T_Q4_K && a.nb <= 8 * STREAM_K4_BLOCKS));
     const int32_t* l16 = QT == T_Q6_K && !stream ? lo16_sums(a, M) : nullptr;  // (kq_stream folds them in)
     if (QT == T_Q6_K && !stream && l16 == nullptr) return;
     const int64_t mt = amx_rows(M);  // rows [0, mt) on AMX tiles (then two panel buffers)
     KPanel* buf = M > FLY_ROWS ? thread_buffer<KPanel>(mt > 0 ? 2 * a.nb : a.nb) : nullptr;
-    // kq_stream's scratch: x0s (M, nb / 2) then S (M, STREAM_CHUNK, 16)
-    ZV* zs = stream ? thread_buffer<ZV>(M * a.nb / 2 + M * STREAM_CHUNK * 16) : nullptr;
+    // kq_stream's scratch: x0s (M, nb / 2) then S (M, nb / 8, 16)
+    ZV* zs = stream ? thread_buffer<ZV>(M * a.nb / 2 + M * a.nb / 8 * 16) : nullptr;
     if (stream && zs == nullptr) return;
     if (QT == T_Q6_K && zs) k6_x0(a, M, zs);
     prefetch_first_panels(w, rs, n0, n1);  // then two panels ahead, a slice per block, in both modes
@@ -510,9 +517,9 @@ void gemm_kq_t(const uint8_t* w, int64_t rs, int64_t K, const int8_t* xq, const 
                 const int32_t* lm = l16 ? l16 + m * a.nb : nullptr;
                 if (stream) {  // Q4_K / Q6_K: weight rows whole, in memory order
                     switch (M) {
-                        case 1: kq_stream<QT, 1>(rows, ahead, end, am, zs, zs + M * a.nb / 2, yp, ldy, mask); break;
-                        case 2: kq_stream<QT, 2>(rows, ahead, end, am, zs, zs + M * a.nb / 2, yp, ldy, mask); break;
-                        default: kq_stream<QT, 3>(rows, ahead, end, am, zs, zs + M * a.nb / 2, yp, ldy, mask); break;
+                        case 1: kq_stream<QT, 1>(rows, end, am, zs, zs + M * a.nb / 2, yp, ldy, mask); break;
+                        case 2: kq_stream<QT, 2>(rows, end, am, zs, zs + M * a.nb / 2, yp, ldy, mask); break;
+                        default: kq_stream<QT, 3>(rows, end, am, zs, zs + M * a.nb / 2, yp, ldy, mask); break;
                     }
                 } else {
                     switch (M - m < FLY_ROWS ? M - m : FLY_ROWS) {
