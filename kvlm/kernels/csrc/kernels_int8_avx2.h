@@ -20,7 +20,8 @@
 // 128-bit lanes of z[a]. A unit of the panel is lo[4] (elements 0..15) and hi[4] (16..31) in that layout.
 // Few rows of x (M <= FLY_ROWS2, decode): x's 16 bytes are broadcast to both lanes, each row's 4 partial
 // sums per z added up by sum_rows8 (no transpose), the unit used at once: 8 weight rows stream side by
-// side, the panel after next prefetched a slice per block. More rows (prefill): each unit is transposed
+// side, the panel after next prefetched a slice per block (Q6_K at one row of x reads whole weight rows in two
+// streams instead: q6_stream8, below). More rows (prefill): each unit is transposed
 // once (v[j] lane c = row c's elements 4j .. 4j + 3) into a per-thread buffer (its fill prefetching the
 // panel after next the same way), and tiles of ROW_TILE2 rows of x run against it with x's 4 bytes broadcast: 8 maddubs + 1 to 8 madd per 256 products.
 
@@ -518,6 +519,136 @@ void tiles8(const Panel8* buf, const ActRows& a, const int32_t* l16, int64_t M, 
     }
 }
 
+
+// ---- Q6_K at one row of x (decode): weight rows whole, two streams a panel -------------------------------
+// fly8 reads a block of each of the 8 rows in turn: 8 streams side by side, the panel after next prefetched a
+// slice per block. Here, as AVX-512's kq_stream (kernels_kquant.h): stream q reads rows 4 q .. 4 q + 3 whole,
+// one after another, a super-block of each stream in turn, each prefetching its own bytes STREAM8_AHEAD on.
+// A row's super-block is 8 ymm of u in x's element order (u[s]: unit s, elements 32 s .. 32 s + 31, against
+// x's block 8 b + s as stored); each unit's products go to 8 int32 lanes (maddubs, |2 u q| <= 2 * 63 * 127 <
+// 2^15, then madd with its two int8 sub-scales as int16: sl on elements 0..15, sh on 16..31), the 8 units are
+// reduced to one ymm (lane s: unit s) and the offset -32 (sl sum_lo q + sh sum_hi q) comes in as one madd of
+// the row's 16 sub-scales with x's 16-element sums (x16). That is direct8's integer isum, kept per (row of x,
+// super-block, weight row) in the thread's scratch S. Pass 2, per super-block: an 8 x 8 transpose (lane c:
+// weight row c) and finish8 unit after unit, as direct8: the same integers and fma order, so the same bits.
+// Why (1B/3B/8B shapes, 2 threads, the Xeon, `gbs.sh` against fly8, docs/kernels.md "Q6_K decode in two
+// streams"): Q6_K at M = 1 1.03-1.38x from memory (avx2), 1.03-1.20x (avx2-vnni); at M = 2 and 3 0.91-1.00x
+// (compute-bound there: fly8 keeps them). Q4_K the same way measured 0.99-1.01x from memory and 0.91x hot (its
+// units are cheap in fly8's layout, and the per-row reduction costs shuffles), so Q4_K keeps fly8.
+constexpr int STREAM8_WAYS = 2;
+constexpr int64_t STREAM8_AHEAD = 2304;  // bytes, as AVX-512's STREAM_AHEAD
+struct alignas(32) YV {
+    __m256i v;
+};
+
+// Lane s of the result: the sum of v[s]'s 8 int32 lanes.
+KVLM_INLINE __m256i sum_units8(const __m256i v[8]) {
+    __m256i t[4];
+    for (int k = 0; k < 4; k++)
+        t[k] = _mm256_add_epi32(_mm256_unpacklo_epi32(v[2 * k], v[2 * k + 1]), _mm256_unpackhi_epi32(v[2 * k], v[2 * k + 1]));
+    const __m256i u0 = _mm256_add_epi32(_mm256_unpacklo_epi64(t[0], t[1]), _mm256_unpackhi_epi64(t[0], t[1]));
+    const __m256i u1 = _mm256_add_epi32(_mm256_unpacklo_epi64(t[2], t[3]), _mm256_unpackhi_epi64(t[2], t[3]));
+    return _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20), _mm256_permute2x128_si256(u0, u1, 0x31));
+}
+
+// 8 x 8 int32 transpose: t[j] lane c = z[c] lane j.
+KVLM_INLINE void transpose88(const __m256i z[8], __m256i t[8]) {
+    __m256i a[8], b[8];
+    for (int k = 0; k < 4; k++) {
+        a[2 * k] = _mm256_unpacklo_epi32(z[2 * k], z[2 * k + 1]);
+        a[2 * k + 1] = _mm256_unpackhi_epi32(z[2 * k], z[2 * k + 1]);
+    }
+    for (int k = 0; k < 2; k++) {  // b[4 k + j], 128-bit lane L: rows 4 k .. 4 k + 3 of lane 4 L + j
+        b[4 * k + 0] = _mm256_unpacklo_epi64(a[4 * k + 0], a[4 * k + 2]);
+        b[4 * k + 1] = _mm256_unpackhi_epi64(a[4 * k + 0], a[4 * k + 2]);
+        b[4 * k + 2] = _mm256_unpacklo_epi64(a[4 * k + 1], a[4 * k + 3]);
+        b[4 * k + 3] = _mm256_unpackhi_epi64(a[4 * k + 1], a[4 * k + 3]);
+    }
+    for (int j = 0; j < 4; j++) {
+        t[j] = _mm256_permute2x128_si256(b[j], b[4 + j], 0x20);
+        t[j + 4] = _mm256_permute2x128_si256(b[j], b[4 + j], 0x31);
+    }
+}
+
+// One Q6_K row's super-block at q as 8 ymm of u (0..63), u[s] = elements 32 s .. 32 s + 31 in order. Half hh:
+// ql A = bytes 64 hh .. + 31, B = 64 hh + 32 .. + 63, qh H = 128 + 32 hh .. + 31; units 4 hh + 0..3 take A's
+// and B's low nibbles, then their high nibbles, with H's bit pairs 0-1, 2-3, 4-5, 6-7 on top (16-bit shifts,
+// the bits that cross bytes masked off).
+KVLM_INLINE void q6_units8(const uint8_t* q, __m256i u[8]) {
+    const __m256i m0f = _mm256_set1_epi8(15), m30 = _mm256_set1_epi8(0x30);
+    for (int hh = 0; hh < 2; hh++) {
+        const __m256i A = _mm256_loadu_si256((const __m256i*)(q + 64 * hh));
+        const __m256i B = _mm256_loadu_si256((const __m256i*)(q + 64 * hh + 32));
+        const __m256i H = _mm256_loadu_si256((const __m256i*)(q + 128 + 32 * hh));
+        u[4 * hh + 0] = _mm256_or_si256(_mm256_and_si256(A, m0f), _mm256_and_si256(_mm256_slli_epi16(H, 4), m30));
+        u[4 * hh + 1] = _mm256_or_si256(_mm256_and_si256(B, m0f), _mm256_and_si256(_mm256_slli_epi16(H, 2), m30));
+        u[4 * hh + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(A, 4), m0f), _mm256_and_si256(H, m30));
+        u[4 * hh + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(B, 4), m0f),
+                                        _mm256_and_si256(_mm256_srli_epi16(H, 2), m30));
+    }
+}
+
+void q6_stream8(const uint8_t* const* rows, const uint8_t* end, const ActRows& a, const YV* x16, YV* S, float* y,
+                int live) {
+    constexpr int64_t BB = KQ<T_Q6_K>::BB;
+    constexpr int RW = 8 / STREAM8_WAYS;  // rows a stream
+    const int64_t nsb = a.nb / 8;
+    // unit s's madd factor: int16 lanes 0..7 its scale 2 s, lanes 8..15 scale 2 s + 1, picked by pshufb from
+    // the 16 scales as int16 with both 128-bit halves holding scales 0..7 (s < 4) or 8..15
+    const __m256i pick[4] = {
+        _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3),
+        _mm256_setr_epi8(4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7),
+        _mm256_setr_epi8(8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 10, 11, 10, 11, 10, 11, 10, 11, 10, 11, 10, 11,
+                         10, 11, 10, 11),
+        _mm256_setr_epi8(12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 14, 15, 14, 15, 14, 15, 14, 15,
+                         14, 15, 14, 15, 14, 15, 14, 15)};
+    for (int r = 0; r < RW; r++) {
+        for (int64_t b = 0; b < nsb; b++) {
+            for (int q = 0; q < STREAM8_WAYS; q++) {
+                const int c = RW * q + r;
+                const uint8_t* cur = rows[c] + b * BB;
+                // this stream's lines STREAM8_AHEAD on (past the row: the next row of the stream, or the next panel)
+                const uint8_t* pf = (const uint8_t*)((uintptr_t)(cur + STREAM8_AHEAD) & ~(uintptr_t)63);
+                if (pf < end)
+                    for (int l = 0; l < (BB + 63) / 64 + 1; l++) _mm_prefetch((const char*)(pf + 64 * l), _MM_HINT_T1);
+                __m256i u[8];
+                q6_units8(cur, u);
+                const __m256i sc = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(cur + 192)));
+                const __m256i s16[2] = {_mm256_permute2x128_si256(sc, sc, 0x00), _mm256_permute2x128_si256(sc, sc, 0x11)};
+                const int8_t* xb = a.xq + 256 * b;
+                __m256i p[8];
+                for (int k = 0; k < 8; k++)
+                    p[k] = _mm256_madd_epi16(_mm256_maddubs_epi16(u[k], _mm256_loadu_si256((const __m256i*)(xb + 32 * k))),
+                                             _mm256_shuffle_epi8(s16[k / 4], pick[k % 4]));
+                const __m256i off = _mm256_madd_epi16(x16[b].v, sc);  // lane s: sl sum_lo q + sh sum_hi q
+                S[b * 8 + c].v = _mm256_sub_epi32(sum_units8(p), _mm256_slli_epi32(off, 5));
+            }
+        }
+    }
+    __m256 acc = _mm256_setzero_ps(), mn = acc;
+    for (int64_t b = 0; b < nsb; b++) {  // pass 2, super-block after super-block
+        const __m256 dw = halves8(rows, b * BB + 206, true);  // d at 208..209, as head8 reads it
+        __m256i z[8], t[8];
+        for (int c = 0; c < 8; c++) z[c] = S[b * 8 + c].v;
+        transpose88(z, t);
+        for (int s = 0; s < 8; s++) finish8(t[s], dw, a, 8 * b + s, &acc);
+    }
+    store8<T_Q6_K, 1>(&acc, &mn, y, 0, live);
+}
+
+// q6_stream8's x16 for the row of x: per super-block 16 int16, lanes 2 s and 2 s + 1: unit s's sums of q over
+// its elements 0..15 and 16..31 (|.| <= 16 * 127).
+KVLM_INLINE void x16_sums(const ActRows& a, const int32_t* l16, YV* x16) {
+    for (int64_t b = 0; b < a.nb / 8; b++) {
+        alignas(32) int16_t v[16];
+        for (int s = 0; s < 8; s++) {
+            const int64_t r = 8 * b + s;
+            v[2 * s] = (int16_t)l16[r], v[2 * s + 1] = (int16_t)(a.xi[r] - l16[r]);
+        }
+        x16[b].v = _mm256_load_si256((const __m256i*)v);
+    }
+}
+
 template <int QT>
 void gemm_avx2_t(const uint8_t* w, int64_t rs, int64_t K, const int8_t* xq, const float* xd, const float* xs,
                  const int32_t* xi, int64_t M, float* y, int64_t ldy, int64_t n0, int64_t n1) {
@@ -527,6 +658,11 @@ void gemm_avx2_t(const uint8_t* w, int64_t rs, int64_t K, const int8_t* xq, cons
     if (F::Q6 && l16 == nullptr) return;
     // many rows: up to PANELS2 panels (8 columns each) transposed side by side, then every row against them
     Panel8* buf = M > FLY_ROWS2 ? thread_buffer<Panel8>(PANELS2<QT> * a.nb) : nullptr;
+    // Q6_K at one row of x: q6_stream8's scratch, x16 (nb / 8) then S (nb / 8, 8)
+    const bool stream = QT == T_Q6_K && M == 1;
+    YV* zs = stream ? thread_buffer<YV>(a.nb / 8 * 9) : nullptr;
+    if (stream && zs == nullptr) return;
+    if (stream) x16_sums(a, l16, zs);
     int filled = 0, lives[2];
     // the first PF_PANELS panels; the panel loop prefetches PF_PANELS ahead from there on, in both modes
     for (const uint8_t* p = (const uint8_t*)((uintptr_t)(w + n0 * rs) & ~(uintptr_t)63);
@@ -539,6 +675,12 @@ void gemm_avx2_t(const uint8_t* w, int64_t rs, int64_t K, const int8_t* xq, cons
             rows[c] = w + (n + (c < live ? c : live - 1)) * rs;
         float* yp = y + n;
         const uint8_t *ahead = w + (n + 8 * PF_PANELS) * rs, *end = w + n1 * rs;
+        if constexpr (QT == T_Q6_K) {
+            if (stream) {  // Q6_K, one row: weight rows whole, two streams
+                q6_stream8(rows, end, a, zs, zs + a.nb / 8, yp, live);
+                continue;
+            }
+        }
         if (buf == nullptr) {  // few rows (or no buffer): 4 rows of x at a time
             for (int64_t m = 0; m < M; m += FLY_ROWS2) {
                 const ActRows am{xq + m * K, xd + 8 * m * a.nb, xs + m * a.nb, xi + m * a.nb, K, a.nb};
