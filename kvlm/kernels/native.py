@@ -288,6 +288,7 @@ class NativeOps:
     moe_mlp: Any  # a routed MLP (router, top-k, experts, weighted sum) in one call (model/moe.py, csrc/moe.cpp)
     moe_route: Any  # the routing alone (router logits -> top-k ids and weights)
     moe_buffers: Any  # moe_mlp's work-buffer budget per pass and the bytes this thread's buffers hold (tests)
+    qmatmul_parts: Any  # a layer's separate q / k / v or gate / up parts on x quantized once (kernels/quant.py)
 
 
 @functools.cache
@@ -302,7 +303,7 @@ def ops() -> NativeOps | None:
                      ns.silu_mul.default, ns.rope.default, ns.gelu_tanh_mul.default, ns.kv_quantize.default,
                      ns.hadamard.default, ns.decode_lora_create.default, ns.decode_lora_free.default,
                      ns.lora_b_add.default, ns.expert_qmatmul.default, ns.moe_mlp.default, ns.moe_route.default,
-                     ns.moe_buffers.default)
+                     ns.moe_buffers.default, ns.qmatmul_parts.default)
 
 
 @functools.cache

@@ -116,6 +116,31 @@ def qmatmul(x: torch.Tensor, w: QuantTensor, out: torch.Tensor | None = None) ->
     return y if x.dim() == 2 else y.view(*x.shape[:-1], n)
 
 
+def qmatmul_parts(x: torch.Tensor, parts: list[QuantTensor]) -> torch.Tensor | None:
+    """x (M, K) float32 contiguous -> (M, sum of N) = torch.cat([qmatmul(x, w) for w in parts], -1), bit for bit,
+    in one native call: x quantized once, one parallel loop over every part's panels, each part's columns written
+    in place. For a layer's q / k / v or gate / up kept apart (they need not be next to each other in the file,
+    nor of one type). None where the call would not go to one native kernel per part the same way (the caller
+    then runs the parts one by one)."""
+    m, k = x.shape
+    if not 1 < len(parts) <= 4 or x.dtype != torch.float32 or not x.is_contiguous():
+        return None
+    nats = [_native(w, x.is_cpu) for w in parts]
+    if any(nat is None for nat in nats):
+        return None
+    ops, isa = nats[0]
+    int8 = {int8_path(w, isa) for w in parts}
+    if len(int8) != 1:
+        return None
+    i8 = int8.pop()
+    if m > (INT8_ROW_MAX_ROWS if i8 else GEMV_MAX_ROWS) or any(
+            w.panels and not (i8 and panel_kernel(native.ISAS[isa])) for w in parts):
+        return None
+    out = torch.empty(m, sum(w.shape[0] for w in parts), dtype=torch.float32)
+    ops.qmatmul_parts(x, [_rows(w) for w in parts], [w.type_id for w in parts], k, isa, i8, out)
+    return out
+
+
 def expert_qmatmul(x: torch.Tensor, w: ExpertStack, counts: list[int],
                    counts_t: torch.Tensor | None = None) -> torch.Tensor:
     """Mixture-of-experts (llama.cpp's mul_mat_id): x (R, K) float32 rows grouped by expert in ascending id,

@@ -20,7 +20,7 @@ import logging
 import torch
 from torch import nn
 
-from kvlm.kernels import QuantTensor, dequantize, kernel_path, qmatmul
+from kvlm.kernels import QuantTensor, dequantize, kernel_path, qmatmul, qmatmul_parts
 
 log = logging.getLogger("kvlm")
 _warned: set[str] = set()
@@ -105,8 +105,12 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features).float()  # (M, K)
-        out = self._part(x2, 0) if len(self.parts) == 1 else torch.cat(
-            [self._part(x2, i) for i in range(len(self.parts))], dim=-1)  # (M, N)
+        if len(self.parts) == 1:
+            out = self._part(x2, 0)  # (M, N)
+        else:  # separate parts: one native call on x quantized once, else each part in turn
+            out = qmatmul_parts(x2.contiguous(), self.parts) if all(d is None for d in self.dense_t) else None
+            if out is None:
+                out = torch.cat([self._part(x2, i) for i in range(len(self.parts))], dim=-1)
         if self.bias is not None:
             out = out + self.bias
         return out.view(*lead, self.out_features)

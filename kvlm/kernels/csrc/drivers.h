@@ -30,6 +30,22 @@ const KvlmKernels* table(int64_t isa);
 bool matmul(const KvlmKernels* t, int qtype, const uint8_t* w, int64_t rs, int64_t K, int64_t N, const float* x,
             int64_t M, float* y, int64_t ldy, int act);
 
+// A layer's weight kept in separate parts (q / k / v, gate / up): part j's (N, K) rows at w, rs apart, in ggml
+// type qtype; its output columns at y, rows ldy floats apart (the parts side by side in one output).
+struct MatPart {
+    int qtype;
+    const uint8_t* w;
+    int64_t rs, N;
+    float* y;
+    int64_t ldy;
+};
+constexpr int MAX_PARTS = 4;
+
+// Each part's y (M, ldy)[:, 0:N] = x (M, K) @ W_j.T in one call: x quantized once (ACT_INT8, for the parts with
+// an int8 kernel), one parallel loop in which each task takes the same share of every part's panels. Each
+// column has the bits `matmul` gives its part alone.
+bool matmul_parts(const KvlmKernels* t, const MatPart* parts, int np, int64_t K, const float* x, int64_t M, int act);
+
 // x (M, K) quantized to int8 per 32-element block (quantize_act): q (M, K) int8, d (M, K/32, 8) expanded
 // scales, s (M, K/32) block sums d * sum(q), i (M, K/32) sum(q). quantize_x fills this thread's buffers
 // (grown to the largest call, kept): valid until its next call on the same thread.

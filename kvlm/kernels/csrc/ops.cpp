@@ -177,6 +177,35 @@ bool matmul(const KvlmKernels* t, int qtype, const uint8_t* w, int64_t rs, int64
     return ok;
 }
 
+bool matmul_parts(const KvlmKernels* t, const MatPart* parts, int np, int64_t K, const float* x, int64_t M, int act) {
+    bool i8[MAX_PARTS], any8 = false;
+    TORCH_CHECK(np >= 1 && np <= MAX_PARTS, "kvlm matmul_parts: 1 to ", MAX_PARTS, " parts");
+    int64_t work = 0;
+    for (int j = 0; j < np; j++) {
+        any8 |= (i8[j] = act == ACT_INT8 && has_int8(t, parts[j].qtype) && K % 32 == 0);
+        work += parts[j].N;
+    }
+    ActQ q{};
+    if (any8) q = quantize_x(t, x, M, K);
+    // Each task takes the same share of every part's 16-column panels (as a call per part would split it), so
+    // parts of different cost (Q4_K q beside a Q6_K v) keep the threads even; small products run on fewer tasks.
+    const int64_t nt = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), work * K * M / 32768));
+    std::atomic<bool> ok{true};
+    at::parallel_for(0, nt, 1, [&](int64_t t0, int64_t t1) {
+        for (int64_t task = t0; task < t1; task++)
+            for (int j = 0; j < np; j++) {
+                const MatPart& p = parts[j];
+                const int64_t panels = (p.N + 15) / 16, p0 = panels * task / nt, p1 = panels * (task + 1) / nt;
+                if (p0 == p1) continue;
+                const int64_t n0 = 16 * p0, n1 = std::min(p.N, 16 * p1);
+                const int rc = i8[j] ? t->gemv_i8(p.qtype, p.w, p.rs, K, q.q, q.d, q.s, q.i, M, p.y, p.ldy, n0, n1)
+                                     : t->gemv(p.qtype, p.w, p.rs, K, x, M, p.y, p.ldy, n0, n1);
+                if (rc) ok = false;
+            }
+    });
+    return ok;
+}
+
 // Mixture-of-experts, llama.cpp's mul_mat_id, for np projections that read the same rows x (R, K) (gate and
 // up): projection j's y_j (R, ldy_j)[:, 0:N_j] = each expert's rows of x times that expert's W_e.T, the rows
 // grouped by expert in ascending id (counts[e] rows each), W_e at w + e * es, its rows rs apart. x is
@@ -375,6 +404,35 @@ void qmatmul(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64_t K,
                                  w.size(0), x.const_data_ptr<float>(), x.size(0), out.mutable_data_ptr<float>(),
                                  w.size(0), kvlm::ACT_F32);
     TORCH_CHECK(ok, "kvlm kernels: no kernel for ggml type ", qtype);
+}
+
+// out (M, sum of N_j) = x (M, K) times each part W_j (N_j, row_bytes, ggml type qtypes[j]) side by side: a
+// layer's q / k / v or gate / up kept as separate tensors (they need not be next to each other in the file,
+// nor of one type). kvlm::matmul_parts: x quantized once, each part's columns written in place (no
+// concatenation). Each column has the bits `qmatmul` / `qmatmul_i8` give its part alone.
+void qmatmul_parts(const at::Tensor& x, at::TensorList ws, at::IntArrayRef qtypes, int64_t K, int64_t isa, bool int8,
+                   const at::Tensor& out) {
+    const int64_t np = (int64_t)ws.size();
+    TORCH_CHECK(np >= 1 && np <= kvlm::MAX_PARTS && (int64_t)qtypes.size() == np, "qmatmul_parts: 1 to ",
+                kvlm::MAX_PARTS, " parts, one type each");
+    TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous() &&
+                    x.size(1) == K, "x must be a contiguous float32 (M, K) CPU tensor");
+    int64_t cols = 0;
+    for (int64_t j = 0; j < np; j++) check_weight(ws[j]), cols += ws[j].size(0);
+    TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.dim() == 2 && out.size(0) == x.size(0) &&
+                    out.size(1) == cols, "out must be a contiguous float32 (M, sum of the parts' N) tensor");
+    const KvlmKernels* t = table(isa);
+    kvlm::MatPart parts[kvlm::MAX_PARTS];
+    for (int64_t j = 0, col = 0; j < np; col += ws[j].size(0), j++) {
+        parts[j] = {static_cast<int>(qtypes[j]), ws[j].const_data_ptr<uint8_t>(), ws[j].stride(0), ws[j].size(0),
+                    out.mutable_data_ptr<float>() + col, cols};
+        if (int8)
+            TORCH_CHECK(K % 32 == 0 && kvlm::has_int8(t, parts[j].qtype),
+                        "kvlm kernels: no int8-activation kernel for ggml type ", parts[j].qtype, " on this ISA path");
+    }
+    const bool ok = kvlm::matmul_parts(t, parts, (int)np, K, x.const_data_ptr<float>(), x.size(0),
+                                       int8 ? kvlm::ACT_INT8 : kvlm::ACT_F32);
+    TORCH_CHECK(ok, "kvlm kernels: no kernel for a part's ggml type");
 }
 
 // As qmatmul, with x quantized to int8 per 32-element block first (Q4_0, Q4_1, Q8_0 on AVX2 / AVX-512).
@@ -618,6 +676,8 @@ TORCH_LIBRARY(kvlm_kernels, m) {
     m.def("isa_available(int isa) -> bool", &kvlm::isa_available);
     m.def("qmatmul(Tensor x, Tensor w, int qtype, int K, int isa, Tensor(a!) out) -> ()", &qmatmul);
     m.def("qmatmul_i8(Tensor x, Tensor w, int qtype, int K, int isa, Tensor(a!) out) -> ()", &qmatmul_i8);
+    m.def("qmatmul_parts(Tensor x, Tensor[] ws, int[] qtypes, int K, int isa, bool int8, Tensor(a!) out) -> ()",
+          &qmatmul_parts);
     m.def("expert_qmatmul(Tensor x, Tensor w, Tensor counts, int qtype, int K, int isa, bool int8, Tensor(a!) out) -> ()",
           &expert_qmatmul);
     m.def("fake_quantize_act(Tensor x, int isa, Tensor(a!) out) -> ()", &fake_quantize_act);
