@@ -116,6 +116,9 @@ def qmatmul(x: torch.Tensor, w: QuantTensor, out: torch.Tensor | None = None) ->
     return y if x.dim() == 2 else y.view(*x.shape[:-1], n)
 
 
+MAX_PARTS = 4  # parts of one qmatmul_parts call (csrc/drivers.h MAX_PARTS)
+
+
 def qmatmul_parts(x: torch.Tensor, parts: list[QuantTensor]) -> torch.Tensor | None:
     """x (M, K) float32 contiguous -> (M, sum of N) = torch.cat([qmatmul(x, w) for w in parts], -1), bit for bit,
     in one native call: x quantized once, one parallel loop over every part's panels, each part's columns written
@@ -123,7 +126,7 @@ def qmatmul_parts(x: torch.Tensor, parts: list[QuantTensor]) -> torch.Tensor | N
     nor of one type). None where the call would not go to one native kernel per part the same way (the caller
     then runs the parts one by one)."""
     m, k = x.shape
-    if not 1 < len(parts) <= 4 or x.dtype != torch.float32 or not x.is_contiguous():
+    if not 1 < len(parts) <= MAX_PARTS or x.dtype != torch.float32 or not x.is_contiguous():
         return None
     nats = [_native(w, x.is_cpu) for w in parts]
     if any(nat is None for nat in nats):
