@@ -523,7 +523,8 @@ void tiles8(const Panel8* buf, const ActRows& a, const int32_t* l16, int64_t M, 
 // ---- Q6_K at one row of x (decode): weight rows whole, two streams a panel -------------------------------
 // fly8 reads a block of each of the 8 rows in turn: 8 streams side by side, the panel after next prefetched a
 // slice per block. Here, as AVX-512's kq_stream (kernels_kquant.h): stream q reads rows 4 q .. 4 q + 3 whole,
-// one after another, a super-block of each stream in turn, each prefetching its own bytes STREAM8_AHEAD on.
+// one after another, a super-block of each stream in turn, each prefetching its own bytes STREAM_AHEAD on
+// (prefetch_stream, kernels_kquant.h).
 // A row's super-block is 8 ymm of u in x's element order (u[s]: unit s, elements 32 s .. 32 s + 31, against
 // x's block 8 b + s as stored); each unit's products go to 8 int32 lanes (maddubs, |2 u q| <= 2 * 63 * 127 <
 // 2^15, then madd with its two int8 sub-scales as int16: sl on elements 0..15, sh on 16..31), the 8 units are
@@ -536,7 +537,6 @@ void tiles8(const Panel8* buf, const ActRows& a, const int32_t* l16, int64_t M, 
 // (compute-bound there: fly8 keeps them). Q4_K the same way measured 0.99-1.01x from memory and 0.91x hot (its
 // units are cheap in fly8's layout, and the per-row reduction costs shuffles), so Q4_K keeps fly8.
 constexpr int STREAM8_WAYS = 2;
-constexpr int64_t STREAM8_AHEAD = 2304;  // bytes, as AVX-512's STREAM_AHEAD
 struct alignas(32) YV {
     __m256i v;
 };
@@ -607,10 +607,7 @@ void q6_stream8(const uint8_t* const* rows, const uint8_t* end, const ActRows& a
             for (int q = 0; q < STREAM8_WAYS; q++) {
                 const int c = RW * q + r;
                 const uint8_t* cur = rows[c] + b * BB;
-                // this stream's lines STREAM8_AHEAD on (past the row: the next row of the stream, or the next panel)
-                const uint8_t* pf = (const uint8_t*)((uintptr_t)(cur + STREAM8_AHEAD) & ~(uintptr_t)63);
-                if (pf < end)
-                    for (int l = 0; l < (BB + 63) / 64 + 1; l++) _mm_prefetch((const char*)(pf + 64 * l), _MM_HINT_T1);
+                prefetch_stream<BB>(cur, end);
                 __m256i u[8];
                 q6_units8(cur, u);
                 const __m256i sc = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(cur + 192)));

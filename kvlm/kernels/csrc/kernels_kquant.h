@@ -30,6 +30,19 @@ template <> struct KQ<T_Q4_K> { static constexpr int BE = 256, BB = 144, SUB = 8
 template <> struct KQ<T_Q5_K> { static constexpr int BE = 256, BB = 176, SUB = 8; static constexpr bool MIN = true; };
 template <> struct KQ<T_Q6_K> { static constexpr int BE = 256, BB = 210, SUB = 8; static constexpr bool MIN = false; };
 
+// The row-stream decode kernels (AVX-512 kq_stream, AVX2 q6_stream8) read a panel's weight rows whole, in a few
+// streams side by side; each stream prefetches its own bytes STREAM_AHEAD on, one block's lines per block read.
+constexpr int64_t STREAM_AHEAD = 2304;  // bytes (1152 to 4608 measured alike on the Xeon's Q6_K walk; 9216 0.9x)
+
+// Prefetch into L2 the lines of the BB bytes STREAM_AHEAD past cur (past the row: the stream's next row, or the
+// next panel), unless they start past end.
+template <int64_t BB>
+KVLM_INLINE void prefetch_stream(const uint8_t* cur, const uint8_t* end) {
+    const uint8_t* pf = (const uint8_t*)((uintptr_t)(cur + STREAM_AHEAD) & ~(uintptr_t)63);
+    if (pf < end)
+        for (int l = 0; l < (BB + 63) / 64 + 1; l++) _mm_prefetch((const char*)(pf + 64 * l), _MM_HINT_T1);
+}
+
 #if defined(KVLM_AVX512)
 
 // One unit of 16 rows in load_rows' layout: lo[a] 128-bit lane l = row a + 4l's elements 0..15, hi[a]
@@ -338,16 +351,15 @@ constexpr int64_t STREAM_ROWS = 3;  // up to this many rows of x: kq_stream (k6_
 // STREAM_AHEAD on, a block's lines at a time. Why: one stream a thread (the 16 rows one after another, in
 // chunks of 8 super-blocks, the panel after next prefetched a row chunk at a time) read Q6_K at ~17-19 GB/s on
 // a Xeon whose 2 threads read memory at ~24; two streams of whole rows, each with its own prefetch, at
-// 20-23 (1.13-1.39x, `scripts/kernel_ab/gbs.sh`, docs/kernels.md "Q6_K decode in two streams"). Pass 1 keeps
-// each (row, super-block)'s group sums P (k6_groups of the 4 dot products, times Q6_K's int8 scales) in this
-// thread's scratch S; pass 2 merges and transposes them per super-block (rows r and r + 4, two 4 x 4 dword
+// 20-23 (1.13-1.39x on `avx512-vnni`, `scripts/kernel_ab/gbs.sh`, docs/kernels.md "Q6_K decode in two
+// streams"). Pass 1 keeps each (row, super-block)'s group sums P (k6_groups of the 4 dot products, times
+// Q6_K's int8 scales) in this thread's scratch S; pass 2 merges and transposes them per super-block (rows r and r + 4, two 4 x 4 dword
 // transposes: lane c = row c) and runs kq_finish unit after unit with the panel's float scales (kq_head, read
 // again from cache): the same int32 isums and float epilogue as every other path, so the same bits. x0s:
 // Q6_K's -32 x dword sums per (row of x, 64 codes), made once per call. S: (MT, K / 256, 16) zmm.
-// Against the loop before (Q6_K, M = 1): 1 way 1.09-1.19x where K >= 3072 (4 ways 1.21-1.43x), 4 ways 1.01-1.04x at
-// K = 2048 (1 way 1.10-1.12x); 2 ways 1.13-1.39x on every shape.
+// Against the loop before (Q6_K, M = 1, the Xeon, `avx512-vnni`): 1 way 1.09-1.19x where K >= 3072 (4 ways
+// 1.21-1.43x), 4 ways 1.01-1.04x at K = 2048 (1 way 1.10-1.12x); 2 ways 1.13-1.39x on every shape.
 constexpr int STREAM_WAYS = 2;
-constexpr int64_t STREAM_AHEAD = 2304;  // bytes (1152 to 4608 measured alike in the walk; 9216 0.9x)
 constexpr int64_t STREAM_K4_BLOCKS = 8;  // Q4_K streams up to K = 2048 (past it: panels, 0.92x at 2048 x 8192)
 struct alignas(64) ZV {
     __m512i v;
@@ -375,10 +387,7 @@ void kq_stream(const uint8_t* const* rows, const uint8_t* end, const ActRows& a,
             for (int q = 0; q < STREAM_WAYS; q++) {
                 const int c = RW * q + r;
                 const uint8_t* cur = rows[c] + b * BB;
-                // this stream's lines STREAM_AHEAD on (past the row: the next row of the stream, or the next panel)
-                const uint8_t* pf = (const uint8_t*)((uintptr_t)(cur + STREAM_AHEAD) & ~(uintptr_t)63);
-                if (pf < end)
-                    for (int l = 0; l < (BB + 63) / 64 + 1; l++) _mm_prefetch((const char*)(pf + 64 * l), _MM_HINT_T1);
+                prefetch_stream<BB>(cur, end);
                 __m512i w[4], sc;
                 if constexpr (QT == T_Q6_K) k6_row(cur, w, &sc);
                 else k4_row(cur, w);
