@@ -7,7 +7,7 @@ one row of x (`qmatmul`, M = 1), as a decode step walks them: the file is far la
 matrix comes from memory. One walk per layout per round, the order alternating; prints each layout's median
 and best GB/s (weight bytes per second). Matrices that cannot be packed (`kernels.panels.packable`) are the
 same objects in both walks. Only on a path whose kernel reads panels (`kernels.backend.panel_kernel`: the
-AVX-512 units); elsewhere qmatmul would unpack a packed matrix at every call, so the script refuses.
+AVX-512 and AVX2 units); elsewhere qmatmul would unpack a packed matrix at every call, so the script refuses.
 """
 
 from __future__ import annotations

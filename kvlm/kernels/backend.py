@@ -40,8 +40,9 @@ NATIVE_TYPES = frozenset({Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q5_0, 
 # KVLM_KERNEL_ACT=f32 opts out; `reference.qmatmul_int8_ref` defines the numerics).
 INT8_ACT_TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K})
 INT8_ISAS = frozenset(native.ISAS)  # every unit: x86 vector kernels, NEON, or the portable one (same bits)
-# The units whose int8 kernel reads Q4_K weights packed in 16-row panels (`panels`, csrc/kernels_kquant_panels.h).
-PANEL_ISAS = frozenset({"avx512", "avx512-vnni", "avx512-amx"})
+# The units whose int8 kernel reads Q4_K weights packed in 16-row panels (`panels`, csrc/kernels_kquant_panels.h;
+# AVX2: kernels_kquant_panels_avx2.h).
+PANEL_ISAS = frozenset({"avx2", "avx2-vnni", "avx512", "avx512-vnni", "avx512-amx"})
 ENV_PANELS = "KVLM_WEIGHT_PANELS"
 # The paged attention kernel reads head_dim in 16-float vectors (csrc/kernels_impl.h).
 ATTN_HEAD_DIM_MULTIPLE = 16
@@ -74,7 +75,7 @@ def kernel_path(qtype: Q) -> str:
 
 
 def panel_kernel(isa: str | None) -> bool:
-    """Whether qmatmul on this ISA path reads panel-packed weights (int8 activations on an AVX-512 unit)."""
+    """Whether qmatmul on this ISA path reads panel-packed weights (int8 activations on an x86 vector unit)."""
     return isa in PANEL_ISAS and native.int8_activations()
 
 

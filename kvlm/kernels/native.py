@@ -58,6 +58,7 @@ _SOURCES = ("ops.cpp", "decode.cpp", "moe.cpp", "elementwise.cpp", "kv_quant.cpp
             "isa_avx512_amx.cpp", "isa_neon.cpp", "isa_neon_dotprod.cpp", "isa_neon_i8mm.cpp")
 _HEADERS = ("kernels.h", "kernels_impl.h", "kernels_bf16.h", "kernels_int8.h", "kernels_int8_panel.h",
             "kernels_int8_avx2.h", "kernels_int8_amx.h", "kernels_kquant.h", "kernels_kquant_panels.h",
+            "kernels_kquant_panels_avx2.h",
             "kernels_int8_portable.h", "drivers.h", "elementwise.h", "kernels_attn_quant.h", "kv_quantize.h")
 
 

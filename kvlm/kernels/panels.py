@@ -1,10 +1,11 @@
-"""Weights reordered in 16-row panels, the layout the AVX-512 int8 kernel reads in one stream (Q4_K today).
+"""Weights reordered in 16-row panels, the layout the x86 int8 kernels read in one stream (Q4_K today).
 
 Packed once at load (`loader.gguf` where `backend.weight_panels()` says so): panel p, weight rows 16 p ..
 16 p + 15, keeps its 16 x row_bytes bytes, super-block after super-block, and within a super-block the rows'
 36 dwords (144 bytes) are transposed: row c's dword i goes to (i, c). The first 4 x 16 dwords are then the
-16 rows' heads (d | dmin, the 12 scale bytes), the next 32 x 16 their quants: csrc/kernels_kquant_panels.h,
-whose comment gives the reason (decode compute on the file's layout took as long as its memory reads) and
+16 rows' heads (d | dmin, the 12 scale bytes), the next 32 x 16 their quants: csrc/kernels_kquant_panels.h
+(AVX-512; the AVX2 units read each 64-byte line as two 8-row halves, kernels_kquant_panels_avx2.h), whose comment
+gives the reason (decode compute on the file's layout took as long as its memory reads) and
 the measurement. Packing permutes dwords, nothing else: `unpack` inverts it exactly, and a path that does
 not read panels (float32 activations, the reference, another ISA forced later in the process) computes on
 the unpacked bytes, with the same results.

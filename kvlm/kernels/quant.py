@@ -7,7 +7,7 @@ so `data` is a (N, row_bytes) uint8 tensor (possibly a view over the memory-mapp
 
 `qmatmul(x, w)` computes `x @ dequantize(w).T` on the blocks in place with the native kernels
 (`native.py`, `csrc/`) where they are built, else with the reference (`reference.py`). A weight the loader
-packed in 16-row panels (`panels.py`: Q4_K where the AVX-512 int8 kernel runs) goes to that kernel as it is;
+packed in 16-row panels (`panels.py`: Q4_K where an x86 int8 kernel runs) goes to that kernel as it is;
 any other path (float32 activations, another ISA forced later, the reference) unpacks it first.
 
 Numerics. Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K on every native path use int8

@@ -21,7 +21,7 @@ PANELS16 = 0x100  # type id flag of a panel-packed weight (csrc/kernels.h)
 class QuantTensor:
     """A (N, K) weight in GGUF block format: data is (N, K // block_elems * block_bytes) uint8.
 
-    panels: the same bytes reordered in 16-row panels for the AVX-512 int8 kernel (`kernels.panels`; rows
+    panels: the same bytes reordered in 16-row panels for the x86 int8 kernels (`kernels.panels`; rows
     16 p .. 16 p + 15 of data together hold panel p, so a slice of whole panels is still one)."""
 
     data: torch.Tensor

@@ -6,6 +6,8 @@
 // as `kvlm bench latency` does). GB/s are weight bytes over the call's time. cold rotates over >= 512 MiB of
 // weight copies (decode reads weights from memory); hot reuses one matrix. Threads split the output columns
 // in 16-column panels, as ops.cpp does. Exits 1 (MISMATCH) if the trees' outputs differ in any bit.
+// FMT Q4_K/P: the new tree reads the weights packed in 16-row panels (kvlm/kernels/panels.py's bytes, the
+// type's PANELS16 flag), the old one the file's layout: the same bits are expected.
 #include <math.h>
 #include <omp.h>
 #include <stdio.h>
@@ -63,14 +65,26 @@ int main(int argc, char** argv) {
     const char* fn = argv[c];
     const int64_t N = atol(argv[c + 1]), K = atol(argv[c + 2]), M = atol(argv[c + 3]);
     const Fmt* f = nullptr;
+    const bool packed = !strcmp(fn, "Q4_K/P");  // the new side on panels (N a multiple of 16)
     for (auto& g : FMTS)
-      if (!strcmp(g.name, fn)) f = &g;
+      if (!strcmp(g.name, packed ? "Q4_K" : fn)) f = &g;
     if (!f) { fprintf(stderr, "unknown format %s\n", fn); return 2; }
     const int64_t rs = K / f->be * f->bb, bytes = N * rs, nb = K / 32;
     const int copies = hot ? 1 : (int)std::max<int64_t>(2, (512ll << 20) / bytes + 1);
     std::vector<std::vector<uint8_t>> ws;
     ws.push_back(make_w(*f, N, K));
     for (int i = 1; i < copies; i++) ws.push_back(ws[0]);  // same bytes, other addresses: still from memory
+    std::vector<std::vector<uint8_t>> wp;  // Q4_K/P: each copy packed, (panel, row c, block, dword i) ->
+    if (packed)                            // (panel, block, dword i, row c), 36 dwords a block
+      for (auto& w : ws) {
+        std::vector<uint8_t> o(w.size());
+        const int64_t nbk = rs / 144;
+        for (int64_t n = 0; n < N; n++)
+          for (int64_t b = 0; b < nbk; b++)
+            for (int i = 0; i < 36; i++)
+              memcpy(&o[(n / 16 * 16) * rs + (b * 36 + i) * 64 + 4 * (n % 16)], &w[n * rs + b * 144 + 4 * i], 4);
+        wp.push_back(std::move(o));
+      }
     std::vector<float> x(M * K);
     std::normal_distribution<float> nd(0, 1);
     for (auto& v : x) v = nd(rng);
@@ -87,18 +101,19 @@ int main(int argc, char** argv) {
         const double t0 = omp_get_wtime(), c0 = cpu_s();
         double el;
         do {
-          const uint8_t* w = ws[iters % copies].data();
+          const bool p16 = packed && side == 1;
+          const uint8_t* w = (p16 ? wp : ws)[iters % copies].data();
 #pragma omp parallel for schedule(static)
           for (int p = 0; p < th; p++) {
             const int64_t p0 = panels * p / th, p1 = panels * (p + 1) / th;
-            t->gemv_i8(f->qt, w, rs, K, a.q.data(), a.d.data(), a.s.data(), a.i.data(), M, y[side].data(), N,
+            t->gemv_i8(p16 ? f->qt | 0x100 : f->qt, w, rs, K, a.q.data(), a.d.data(), a.s.data(), a.i.data(), M, y[side].data(), N,
                        16 * p0, std::min(N, 16 * p1));
           }
           iters++;
           el = omp_get_wtime() - t0;
         } while (el < 0.3);
         const double per = el / iters, cpu = (cpu_s() - c0) / iters;
-        printf("%s %s %ldx%ld M=%ld th=%d %s: %.4f ms  %.2f GB/s  %.2f GB/s/core\n", side ? "new" : "old", f->name,
+        printf("%s %s %ldx%ld M=%ld th=%d %s: %.4f ms  %.2f GB/s  %.2f GB/s/core\n", side ? "new" : "old", fn,
                N, K, M, th, hot ? "hot" : "cold", per * 1e3, bytes / per / 1e9, bytes / cpu / 1e9);
         fflush(stdout);
       }

@@ -1,6 +1,6 @@
-"""Q4_K weights packed in 16-row panels (`kernels.panels`, csrc/kernels_kquant_panels.h): the file's bytes in
-another order, read by the AVX-512 int8 kernel, with the bits of the file's layout on every path; the loader
-packs them where that kernel runs and keeps the embedding table by row."""
+"""Q4_K weights packed in 16-row panels (`kernels.panels`, csrc/kernels_kquant_panels.h and _avx2.h): the file's
+bytes in another order, read by the AVX-512 and AVX2 int8 kernels, with the bits of the file's layout on every
+path; the loader packs them where that kernel runs and keeps the embedding table by row."""
 
 from __future__ import annotations
 
@@ -54,8 +54,9 @@ def test_only_whole_panels_of_a_panel_format_pack() -> None:
 
 def test_packed_weights_give_the_file_layouts_bits(isa: str) -> None:
     """Every M through each work order (in-register units for up to 4 rows, the panel buffer and its row tiles,
-    AMX tiles from 32 rows), from row 0 and row 5 (the edge rows elsewhere), at K = 768 and 2304. On a path
-    without the panel kernel (AVX2, scalar) qmatmul unpacks: the same bits again."""
+    AMX tiles from 32 rows; AVX2: both halves for up to 2 rows, a half at a time for 3 to 8, the two panel
+    buffers past 8), from row 0 and row 5 (the edge rows elsewhere), at K = 768 and 2304. On a path without the
+    panel kernel (scalar, NEON) qmatmul unpacks: the same bits again."""
     for k in (768, 2304):
         w = random_blocks(T.Q4_K, 48, k, seed=31)
         p = pack(w)
@@ -101,9 +102,11 @@ def test_loader_packs_where_the_kernel_reads_panels(q4k_gguf: Path, monkeypatch:
         assert not plain[k].panels and torch.equal(unpack(state[k]).data, plain[k].data), k
 
 
-def test_engine_bits_with_and_without_panels(q4k_gguf: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Greedy logits of a batch, chunked and whole, and of a prompt alone: the same bits packed or not."""
-    need_native()
+def test_engine_bits_with_and_without_panels(q4k_gguf: Path, monkeypatch: pytest.MonkeyPatch, isa: str) -> None:
+    """Greedy logits of a batch, chunked and whole, and of a prompt alone: the same bits packed or not, on each
+    path whose kernel reads panels (AVX-512's gemm_k4p, AVX2's gemm_k4p8)."""
+    if not weight_panels():
+        pytest.skip(f"{isa} reads no panels")
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     prompts = random_prompts(4, 11, lo=3, hi=60)
 

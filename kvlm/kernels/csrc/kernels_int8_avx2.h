@@ -148,32 +148,39 @@ struct Head8 {
 template <int QT>
 constexpr int RAW_AT = QT == T_Q4_K ? 16 : QT == T_Q5_K ? 48 : 0;
 
+// A Q4_K / Q5_K super-block's 8 unit factors for 8 rows, from t[0] = d | dmin << 16 and t[1..3] = the scale bytes
+// 0..3, 4..7, 8..11 (lane c: row c): dw[j] = d sc_j, mw[j] = -(dmin m_j), the same float ops as kernels_kquant.h's
+// k4_scales_t.
+KVLM_INLINE void k4_scales8(const __m256i t[4], __m256* dw, __m256* mw) {
+    const __m256 d = half_lo8(t[0]);
+    const __m256 ndmin = _mm256_sub_ps(_mm256_setzero_ps(), half_lo8(_mm256_srli_epi32(t[0], 16)));
+    const __m256i m63 = _mm256_set1_epi32(63), m15 = _mm256_set1_epi32(15), m3 = _mm256_set1_epi32(3);
+    for (int j = 0; j < 8; j++) {
+        __m256i sc, mn;
+        if (j < 4) {
+            sc = _mm256_and_si256(_mm256_srli_epi32(t[1], 8 * j), m63);
+            mn = _mm256_and_si256(_mm256_srli_epi32(t[2], 8 * j), m63);
+        } else {
+            const int k = j - 4;
+            sc = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(t[3], 8 * k), m15),
+                                 _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(t[1], 8 * k + 6), m3), 4));
+            mn = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(t[3], 8 * k + 4), m15),
+                                 _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(t[2], 8 * k + 6), m3), 4));
+        }
+        dw[j] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc));
+        mw[j] = _mm256_mul_ps(ndmin, _mm256_cvtepi32_ps(mn));
+    }
+}
+
 template <int QT>
 KVLM_INLINE void head8(const uint8_t* const* rows, int64_t off, Head8* h) {
     if constexpr (QT == T_Q6_K)
         for (int i = 0; i < 12; i++) load_rows8(rows, off + RAW_AT<QT> + 16 * i, h->raw[i]);
-    if constexpr (QT == T_Q4_K || QT == T_Q5_K) {  // the same float ops as kernels_kquant.h's k4_scales
+    if constexpr (QT == T_Q4_K || QT == T_Q5_K) {
         __m256i z[4], t[4];
         load_rows8(rows, off, z);
-        transpose8(z, t);  // t[0] = d | dmin << 16, t[1..3] = scale bytes 0..3, 4..7, 8..11
-        const __m256 d = half_lo8(t[0]);
-        const __m256 ndmin = _mm256_sub_ps(_mm256_setzero_ps(), half_lo8(_mm256_srli_epi32(t[0], 16)));
-        const __m256i m63 = _mm256_set1_epi32(63), m15 = _mm256_set1_epi32(15), m3 = _mm256_set1_epi32(3);
-        for (int j = 0; j < 8; j++) {
-            __m256i sc, mn;
-            if (j < 4) {
-                sc = _mm256_and_si256(_mm256_srli_epi32(t[1], 8 * j), m63);
-                mn = _mm256_and_si256(_mm256_srli_epi32(t[2], 8 * j), m63);
-            } else {
-                const int k = j - 4;
-                sc = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(t[3], 8 * k), m15),
-                                     _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(t[1], 8 * k + 6), m3), 4));
-                mn = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(t[3], 8 * k + 4), m15),
-                                     _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(t[2], 8 * k + 6), m3), 4));
-            }
-            h->dw[j] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc));
-            h->mw[j] = _mm256_mul_ps(ndmin, _mm256_cvtepi32_ps(mn));
-        }
+        transpose8(z, t);
+        k4_scales8(t, h->dw, h->mw);
         if constexpr (QT == T_Q5_K) {
             load_rows8(rows, off + 16, h->qh);
             load_rows8(rows, off + 32, h->qh + 4);
@@ -535,7 +542,8 @@ void tiles8(const Panel8* buf, const ActRows& a, const int32_t* l16, int64_t M, 
 // Why (1B/3B/8B shapes, 2 threads, the Xeon, `gbs.sh` against fly8, docs/kernels.md "Q6_K decode in two
 // streams"): Q6_K at M = 1 1.03-1.38x from memory (avx2), 1.03-1.20x (avx2-vnni); at M = 2 and 3 0.91-1.00x
 // (compute-bound there: fly8 keeps them). Q4_K the same way measured 0.99-1.01x from memory and 0.91x hot (its
-// units are cheap in fly8's layout, and the per-row reduction costs shuffles), so Q4_K keeps fly8.
+// units are cheap in fly8's layout, and the per-row reduction costs shuffles), so Q4_K keeps fly8 on the file's
+// layout; packed in panels it has its own kernel (kernels_kquant_panels_avx2.h).
 constexpr int STREAM8_WAYS = 2;
 struct alignas(32) YV {
     __m256i v;

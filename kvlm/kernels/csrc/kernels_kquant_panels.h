@@ -1,5 +1,5 @@
-// Q4_K weights in 16-row panels (the AVX-512 units; kvlm/kernels/panels.py packs them once at load: the
-// file's bytes, reordered). Panel p (weight rows 16 p .. 16 p + 15) is 16 row_bytes contiguous bytes at
+// Q4_K weights in 16-row panels (the AVX-512 units; the AVX2 ones read the same bytes in
+// kernels_kquant_panels_avx2.h; kvlm/kernels/panels.py packs them once at load: the file's bytes, reordered). Panel p (weight rows 16 p .. 16 p + 15) is 16 row_bytes contiguous bytes at
 // w + 16 p rs, super-block after super-block, K4P_BB bytes each:
 //     4 x 16 dwords of the rows' heads: dword i lane c = row c's bytes 4 i .. 4 i + 3 (d | dmin << 16, then
 //       the 12 scale bytes): k4_scales' transposed t[0..3] as stored;
@@ -12,12 +12,7 @@
 // loop ran at ~40 GB/s a core from L2. Each thread's panels are one ascending stream, prefetched into L2
 // (docs/kernels.md has the numbers).
 // Every unit's integer sums and float epilogue are kq_tile_unit's, so a row has the bits of every other path.
-constexpr int64_t K4P_BB = 16 * 144;       // a super-block of the 16 rows
-// Decode prefetches each line twice, K4P_AHEAD and 2 K4P_AHEAD ahead, a quarter block per unit pair. In
-// development runs (the 3B Q4_K_M's Q4_K walk at M = 1, 2 threads, the Xeon; variants behind a temporary
-// switch, alternating in one process): 22.0 GB/s, against 19.0 spread once 2 blocks ahead, 18.2 a whole
-// block at a time 4 ahead, 14.7 with no software prefetch, and 17.7 on the file's layout (kq_fly).
-constexpr int64_t K4P_AHEAD = 2 * K4P_BB;
+// K4P_BB and K4P_AHEAD: kernels_kquant.h (the AVX2 unit reads the same panels, kernels_kquant_panels_avx2.h).
 
 KVLM_INLINE void k4p_head(const uint8_t* pb, KHead* h) {
     __m512i t[4];
