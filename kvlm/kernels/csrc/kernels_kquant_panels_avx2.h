@@ -110,13 +110,15 @@ void k4p8_fly(const uint8_t* panel, int h0, const uint8_t* end, const ActRows& a
 KVLM_INLINE void k4p8_prep_panel(const uint8_t* panel, const ActRows& a, Panel8* buf, const uint8_t* end) {
     for (int64_t b = 0; b < a.nb / 8; b++) {
         const uint8_t* pb = panel + b * K4P_BB;
-        prefetch_k4p8<K4P_BB>(pb + a.nb / 8 * K4P_BB, end);  // the next panel, a block a block: it arrives while
-                                                               // this one's tiles run (as gemm_avx2_t's buffer path)
+        // the next panel's block, an eighth per unit pair: it arrives while this panel's tiles run (as
+        // gemm_avx2_t's buffer path prefetches the panel after next)
+        const uint8_t* next = pb + a.nb / 8 * K4P_BB;
         for (int h = 0; h < 2; h++) {
             __m256 dw[8], mw[8];
             k4p8_head(pb, h, dw, mw);
             Panel8* p = buf + h * a.nb + 8 * b;
             for (int j = 0; j < 4; j++) {  // units 2 j (low nibbles) and 2 j + 1 (high)
+                prefetch_k4p8<K4P_BB / 8>(next + K4P_BB / 8 * (4 * h + j), end);
                 for (int t = 0; t < 8; t++) {
                     const __m256i z = _mm256_loadu_si256((const __m256i*)(pb + 256 + 64 * (8 * j + t) + 32 * h));
                     p[2 * j].v[t] = nib8(z, 0), p[2 * j + 1].v[t] = nib8(z, 4);
