@@ -7,7 +7,7 @@
 // weight copies (decode reads weights from memory); hot reuses one matrix. Threads split the output columns
 // in 16-column panels, as ops.cpp does. Exits 1 (MISMATCH) if the trees' outputs differ in any bit.
 // FMT Q4_K/P: the new tree reads the weights packed in 16-row panels (kvlm/kernels/panels.py's bytes, the
-// type's PANELS16 flag), the old one the file's layout: the same bits are expected.
+// type's PANELS16 flag), the old one the file's layout: the same bits are expected. Q4_K/PP: both on panels.
 #include <math.h>
 #include <omp.h>
 #include <stdio.h>
@@ -65,7 +65,7 @@ int main(int argc, char** argv) {
     const char* fn = argv[c];
     const int64_t N = atol(argv[c + 1]), K = atol(argv[c + 2]), M = atol(argv[c + 3]);
     const Fmt* f = nullptr;
-    const bool packed = !strcmp(fn, "Q4_K/P");  // the new side on panels (N a multiple of 16)
+    const bool both = !strcmp(fn, "Q4_K/PP"), packed = both || !strcmp(fn, "Q4_K/P");  // N a multiple of 16
     for (auto& g : FMTS)
       if (!strcmp(g.name, packed ? "Q4_K" : fn)) f = &g;
     if (!f) { fprintf(stderr, "unknown format %s\n", fn); return 2; }
@@ -101,7 +101,7 @@ int main(int argc, char** argv) {
         const double t0 = omp_get_wtime(), c0 = cpu_s();
         double el;
         do {
-          const bool p16 = packed && side == 1;
+          const bool p16 = packed && (side == 1 || both);
           const uint8_t* w = (p16 ? wp : ws)[iters % copies].data();
 #pragma omp parallel for schedule(static)
           for (int p = 0; p < th; p++) {

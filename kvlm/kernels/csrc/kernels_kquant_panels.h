@@ -57,10 +57,13 @@ void k4p_fly(const uint8_t* panel, const uint8_t* end, const ActRows& a, float* 
 KVLM_INLINE void k4p_prep_panel(const uint8_t* panel, const ActRows& a, KPanel* buf, const uint8_t* end) {
     for (int64_t b = 0; b < a.nb / 8; b++) {
         const uint8_t* pb = panel + b * K4P_BB;
-        prefetch_slice(pb + 2 * K4P_AHEAD, end, 0, K4P_BB);
+        const uint8_t* next = pb + a.nb / 8 * K4P_BB;  // the next panel's block, a quarter per unit pair
         KHead h;
         k4p_head(pb, &h);
-        for (int j = 0; j < 4; j++) k4p_units(pb, h, j, [&](int s, const KPanel& u) { buf[8 * b + s] = u; });
+        for (int j = 0; j < 4; j++) {
+            prefetch_slice(next + K4P_BB / 4 * j, end, 0, K4P_BB / 4);
+            k4p_units(pb, h, j, [&](int s, const KPanel& u) { buf[8 * b + s] = u; });
+        }
     }
 }
 
