@@ -12,12 +12,15 @@
 // panels as one ascending stream, prefetched as AVX-512's k4p_fly does.
 // Why: in the file's layout (fly8) Q4_K at one row of x read 16.7 GB/s from memory on 2 threads of the Xeon
 // (read pass 23), while it ran at 24 GB/s hot: the 8 interleaved row streams, not the arithmetic, held it.
+// Here: 1.18-1.21x at one row of x from memory, 86-94% of the read pass (docs/kernels.md "Q4_K panels on AVX2").
 // The integer sums are exact and each unit's float epilogue is finish8's, in unit order: the bits of fly8 and
 // of tile8 on the file's layout (tests/kernels/test_panels.py on every ISA).
 
 namespace {
 
-// Lines of [p, p + BYTES) into L2 (from p's line on), unless p is past end: a quarter super-block a call.
+// Lines of [p, p + BYTES) into L2 (from p's line on), unless p is past end: a quarter (decode) or an eighth (the
+// buffer's fill) of a super-block a call: the fill prefetching a whole block at a time ran 9 to 16 rows of x at
+// 0.92-0.95x of fly8's buffer path from memory, and at 0.99-1.01x spread this way.
 template <int64_t BYTES>
 KVLM_INLINE void prefetch_k4p8(const uint8_t* p, const uint8_t* end) {
     if (p >= end) return;
@@ -129,7 +132,8 @@ KVLM_INLINE void k4p8_prep_panel(const uint8_t* panel, const ActRows& a, Panel8*
     }
 }
 
-constexpr int64_t K4P8_FLY = 8;  // up to this many rows of x: k4p8_fly, 4 at a time (M = 5..8: 1.04-1.18x the buffer; 9..16 lost)
+// Up to this many rows of x: k4p8_fly, 4 at a time (at 5 to 8 rows 1.04-1.18x the buffer path; at 9 to 16 0.93x)
+constexpr int64_t K4P8_FLY = 8;
 
 // gemm_avx2_t<T_Q4_K> on panel-packed weights: columns [n0, n1), both multiples of 16 (checked by gemv_kq).
 void gemm_k4p8(const uint8_t* w, int64_t rs, int64_t K, const int8_t* xq, const float* xd, const float* xs,
