@@ -17,9 +17,9 @@
 // lane or the thread split:
 //     acc = 0;  for ib = 0 .. K/32 - 1:  acc = fma(float(isum_ib) * dw_ib, xd_ib, acc)
 //     formats with mw: mn = 0;  for ib:  mn = fma(mw_ib, xs_ib, mn);  y = acc + mn.   Others: y = acc.
-// on AVX-512 (16 columns per vector, kernels_int8_panel.h's layout and helpers); on AVX2 a weight row at
-// a time, unit ib into accumulator ib % 4 (8 lanes of partial sums), the mins likewise, y = hsum of
-// the accumulators' sum + the mins' sum, Q5_0's offset as a min term -16 d (exact) instead.
+// on AVX-512 (16 columns per vector, kernels_int8_panel.h's layout and helpers) and on AVX2 alike (8 columns
+// per ymm, kernels_int8_avx2.h; Q4_K packed in 16-row panels, kernels_kquant_panels_avx2.h), so both give the
+// same bits.
 
 namespace {
 
