@@ -12,21 +12,19 @@
 // panels as one ascending stream, prefetched as AVX-512's k4p_fly does.
 // Why: in the file's layout (fly8) Q4_K at one row of x read 16.7 GB/s from memory on 2 threads of the Xeon
 // (read pass 23), while it ran at 24 GB/s hot: the 8 interleaved row streams, not the arithmetic, held it.
-// Here: 1.18-1.21x at one row of x from memory, 86-94% of the read pass (docs/kernels.md "Q4_K panels on AVX2").
+// Here: 1.18-1.21x at one row of x from memory, 86-94% of the read pass (the Xeon, avx2 and avx2-vnni; docs/kernels.md
+// "Q4_K panels on AVX2").
 // The integer sums are exact and each unit's float epilogue is finish8's, in unit order: the bits of fly8 and
 // of tile8 on the file's layout (tests/kernels/test_panels.py on every ISA).
 
 namespace {
 
-// Lines of [p, p + BYTES) into L2 (from p's line on), unless p is past end: a quarter (decode) or an eighth (the
-// buffer's fill) of a super-block a call: the fill prefetching a whole block at a time ran 9 to 16 rows of x at
-// 0.92-0.95x of fly8's buffer path from memory, and at 0.99-1.01x spread this way.
+// Lines of [p, p + BYTES) into L2 (kernels_int8_avx2.h's prefetch_slice8), unless p is past end: a quarter (decode)
+// or an eighth (the buffer's fill) of a super-block a call. The fill prefetching a whole block at a time ran 9 to
+// 16 rows of x at 0.92-0.95x of fly8's buffer path from memory, and at 0.99-1.01x spread this way (the Xeon, avx2).
 template <int64_t BYTES>
 KVLM_INLINE void prefetch_k4p8(const uint8_t* p, const uint8_t* end) {
-    if (p >= end) return;
-    p = (const uint8_t*)((uintptr_t)p & ~(uintptr_t)63);
-#pragma GCC unroll 16
-    for (int64_t l = 0; l < (BYTES + 63) / 64; l++) _mm_prefetch((const char*)(p + 64 * l), _MM_HINT_T1);
+    if (p < end) prefetch_slice8<BYTES>(p, 0);
 }
 
 // The 8 unit factors of a super-block's half (rows 8 half .. 8 half + 7) at pb.
@@ -132,7 +130,8 @@ KVLM_INLINE void k4p8_prep_panel(const uint8_t* panel, const ActRows& a, Panel8*
     }
 }
 
-// Up to this many rows of x: k4p8_fly, 4 at a time (at 5 to 8 rows 1.04-1.18x the buffer path; at 9 to 16 0.93x)
+// Up to this many rows of x: k4p8_fly, 4 at a time (at 5 to 8 rows 1.04-1.18x the buffer path; at 9 to 16 0.93x;
+// the Xeon, avx2 and avx2-vnni)
 constexpr int64_t K4P8_FLY = 8;
 
 // gemm_avx2_t<T_Q4_K> on panel-packed weights: columns [n0, n1), both multiples of 16 (checked by gemv_kq).
