@@ -56,12 +56,11 @@ def _sync(device: Any) -> None:
 
 
 def memory_bandwidth(mib: int = 256, repeats: int = 5, device: Any = "cpu") -> float:
-    """Bytes/s of a tensor copy (each byte read once and written once), best of `repeats`."""
-    import torch
+    """Bytes/s of a tensor copy (each byte read once and written once), best of `repeats`, in the pages the
+    weights have (`_buffer`)."""
 
     n = mib * 2**20 // 4
-    src = torch.ones(n, dtype=torch.float32, device=device)
-    dst = torch.empty_like(src)
+    src, dst = _buffer(n, device).fill_(1), _buffer(n, device)
     dst.copy_(src)  # touch every page first: page faults are not bandwidth
     best = float("inf")
     for _ in range(repeats):
@@ -82,12 +81,12 @@ def read_bandwidth(mib: int = 1024, repeats: int = 5, device: Any = "cpu") -> fl
     two passes: `src.sum()` (one stream a thread) and, with the native extension, `read_pass` reading
     READ_STREAMS streams a thread side by side. Which is faster depends on the CPU: a 2-core Xeon (2026-12-05)
     read ~22-24 GB/s by the sum and ~25-26 by the native pass, and its BF16 decode (`avx512-amx`) had read its
-    weights faster than the sum alone."""
+    weights faster than the sum alone. In the pages the weights have (`_buffer`)."""
     import torch
 
     from kvlm.kernels import native
 
-    src = torch.ones(mib * 2**20 // 4, dtype=torch.float32, device=device)  # ones: every page touched
+    src = _buffer(mib * 2**20 // 4, device).fill_(1)  # every page touched
     passes = [src.sum]
     if src.device.type == "cpu" and native.available():
         passes.append(lambda: torch.ops.kvlm_kernels.read_pass(src, READ_STREAMS))
@@ -101,6 +100,19 @@ def read_bandwidth(mib: int = 1024, repeats: int = 5, device: Any = "cpu") -> fl
             _sync(device)
             best = min(best, time.perf_counter() - t)
     return src.numel() * 4 / best
+
+
+def _buffer(n: int, device: Any) -> Any:
+    """n float32 on device; on CPU in 2 MiB pages where the loader puts the weights there (loader/huge_pages.py),
+    so the ceiling is measured in the pages a decode step reads: a 2-core Xeon under KVM read 1 GiB at 12-18
+    GB/s in 4 KiB pages and 28-33 in 2 MiB ones (2026-12-06)."""
+    import torch
+
+    from kvlm.loader import huge_pages
+
+    if torch.device(device).type == "cpu" and huge_pages.worth(4 * n):
+        return huge_pages.empty(4 * n).view(torch.float32)
+    return torch.empty(n, dtype=torch.float32, device=device)
 
 
 def peak_flops(n: int = 2048, repeats: int = 3, device: Any = "cpu") -> float:

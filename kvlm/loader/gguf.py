@@ -390,32 +390,56 @@ def load_gguf(path: str | os.PathLike,
                 w = _unpermute_any(w, heads)
         state[hf] = w
     if mapped is not None:
-        _pack_panels(state, mapped)
+        _place_weights(state, mapped, config.tie_word_embeddings)
     return config, state, fields
 
 
-def _pack_panels(state: dict[str, Any], mapped: Any) -> None:
-    """Where this process's int8 kernel reads Q4_K in 16-row panels (`kernels.backend.weight_panels`), pack
-    each such matrix (`kernels.panels`) into one buffer, in file order (so neighbours in the file stay
-    neighbours, and merge as views), and drop its pages of the mapped file from this process right after
-    (MADV_DONTNEED: the bytes are resident once, never twice; they stay in the page cache). Not the
-    embedding table, which a lookup reads by row, nor experts (stacked later)."""
+def _place_weights(state: dict[str, Any], mapped: Any, tied: bool) -> None:
+    """Copy the matrices a decode step reads out of the mapped file into one buffer in 2 MiB pages
+    (`huge_pages`: a step streams them with 512x fewer TLB misses), packing Q4_K in 16-row panels where this
+    process's int8 kernel reads them so (`kernels.backend.weight_panels`, `kernels.panels`). File order, and
+    a matrix that followed the previous one back to back in the file (gate and up) follows it in the buffer
+    too, so every pair that merged as views before (model/quant_layers.py `stack_quant`) still does; the
+    others start on a 64-byte line. Each matrix's pages of the mapped file are dropped from this process right
+    after its copy (MADV_DONTNEED: the bytes are resident once, never twice; they stay in the page cache). Not the
+    embedding table unless tied to the output (a lookup reads one row a token; never packed), nor experts
+    (stacked later).
+    Without 2 MiB pages (`huge_pages.worth`: KVLM_HUGE_PAGES=0, not Linux, a model under 2 MiB) only the
+    panel-packed matrices move, into plain memory.
+    """
     import torch
 
     from kvlm.kernels import QuantTensor
     from kvlm.kernels.backend import weight_panels
     from kvlm.kernels.panels import pack, packable
+    from kvlm.loader import huge_pages
+    from kvlm.model.quant_layers import back_to_back
 
-    if not weight_panels():
+    panels = weight_panels()
+    keys = [k for k, w in state.items() if isinstance(w, QuantTensor)
+            and (tied or not k.endswith("embed_tokens.weight")) and ".experts." not in k]
+    packed = {k for k in keys if panels and packable(state[k]) and not k.endswith("embed_tokens.weight")}
+    huge = huge_pages.worth(sum(state[k].nbytes for k in keys))
+    if not huge:
+        keys = [k for k in keys if k in packed]
+    if not keys:
         return
-    keys = [k for k, w in state.items() if isinstance(w, QuantTensor) and packable(w)
-            and not k.endswith("embed_tokens.weight") and ".experts." not in k]
-    buf = torch.empty(sum(state[k].nbytes for k in keys), dtype=torch.uint8)
-    off = 0
+    offsets, end, prev = [], 0, None
     for k in keys:
         w = state[k]
-        state[k] = pack(w, buf[off:off + w.nbytes])
-        off += w.nbytes
+        if prev is None or not back_to_back(prev, w):
+            end = -(-end // 64) * 64
+        offsets.append(end)
+        end, prev = end + w.nbytes, w
+    buf = huge_pages.empty(end) if huge else torch.empty(end, dtype=torch.uint8)
+    for k, off in zip(keys, offsets):
+        w = state[k]
+        dst = buf[off:off + w.nbytes]
+        if k in packed:
+            state[k] = pack(w, dst)
+        else:
+            dst.view(w.data.shape).copy_(w.data)
+            state[k] = QuantTensor(dst.view(w.data.shape), w.qtype, w.shape, panels=w.panels)
         _release(w.data, mapped)
 
 

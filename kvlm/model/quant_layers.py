@@ -33,7 +33,7 @@ def _warn_fallback(qtype_name: str) -> None:
                     qtype_name)
 
 
-def _adjacent(a: QuantTensor, b: QuantTensor) -> bool:
+def back_to_back(a: QuantTensor, b: QuantTensor) -> bool:
     """b's bytes start where a's end, both contiguous in one storage (view_rows can view them)."""
     return (a.data.is_contiguous() and b.data.is_contiguous()
             and a.data.untyped_storage().data_ptr() == b.data.untyped_storage().data_ptr()
@@ -44,7 +44,7 @@ def view_rows(parts: list[QuantTensor]) -> QuantTensor:
     """Parts of one format, each one's bytes following the previous one's in one storage (e.g. gate and
     up, adjacent in a GGUF file), as one matrix stacked along N: a view, never a copy."""
     first = parts[0]
-    assert all(_adjacent(a, b) for a, b in itertools.pairwise(parts)), "view_rows: parts are not back to back"
+    assert all(back_to_back(a, b) for a, b in itertools.pairwise(parts)), "view_rows: parts are not back to back"
     rows = sum(p.shape[0] for p in parts)
     rb = first.data.shape[1]
     return QuantTensor(torch.as_strided(first.data, (rows, rb), (rb, 1)), first.qtype, (rows, first.shape[1]),
@@ -61,7 +61,7 @@ def stack_quant(parts: list[QuantTensor]) -> list[QuantTensor]:
     runs: list[list[QuantTensor]] = []
     for p in parts:
         r = runs[-1][0] if runs else None
-        if r and (r.qtype, r.shape[1], r.panels) == (p.qtype, p.shape[1], p.panels) and _adjacent(runs[-1][-1], p):
+        if r and (r.qtype, r.shape[1], r.panels) == (p.qtype, p.shape[1], p.panels) and back_to_back(runs[-1][-1], p):
             runs[-1].append(p)
         else:
             runs.append([p])

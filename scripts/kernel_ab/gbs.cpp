@@ -6,6 +6,8 @@
 // as `kvlm bench latency` does). GB/s are weight bytes over the call's time. cold rotates over >= 512 MiB of
 // weight copies (decode reads weights from memory); hot reuses one matrix. Threads split the output columns
 // in 16-column panels, as ops.cpp does. Exits 1 (MISMATCH) if the trees' outputs differ in any bit.
+// KVLM_AB_PAGES=huge: the new side reads copies of the weights in 2 MiB pages (the old side 4 KiB ones), and the
+// bandwidth passes run in 2 MiB pages; with OLD = this tree's revision it measures the pages alone.
 // FMT Q4_K/P: the new tree reads the weights packed in 16-row panels (kvlm/kernels/panels.py's bytes, the
 // type's PANELS16 flag), the old one the file's layout: the same bits are expected. Q4_K/PP: both on panels.
 #include <math.h>
@@ -13,6 +15,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <time.h>
 
 #include <algorithm>
@@ -21,6 +24,23 @@
 
 #include "formats.h"  // the weight formats, both trees' tables, cpu_s()
 
+static bool g_huge = false;  // KVLM_AB_PAGES=huge: the new side's weights and the bandwidth passes in 2 MiB pages
+
+// bytes of anonymous memory on a 2 MiB boundary, advised for transparent huge pages (Linux); not touched.
+static uint8_t* huge_alloc(size_t bytes) {
+  const size_t H = 2u << 20, n = (bytes + H - 1) / H * H;
+  void* p = mmap(nullptr, n + H, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  uint8_t* q = (uint8_t*)(((uintptr_t)p + H - 1) / H * H);
+  madvise(q, n, MADV_HUGEPAGE);
+  return q;
+}
+
+static const uint8_t* huge_copy(const std::vector<uint8_t>& w) {
+  uint8_t* q = huge_alloc(w.size());
+  memcpy(q, w.data(), w.size());
+  return q;
+}
+
 struct Act { std::vector<int8_t> q; std::vector<float> d, s; std::vector<int32_t> i; };
 
 // Bytes/s of reading (sum of 32-byte loads) or copying 512 MiB with th threads, best of 5.
@@ -28,7 +48,8 @@ __attribute__((target("avx2"))) static double bandwidth(int th, bool copy) {
   const size_t n = (512ull << 20) / 32;
   static __m256i *src = nullptr, *dst = nullptr;
   if (src == nullptr) {  // once: 2 x 512 MiB, every page touched (page faults are not bandwidth)
-    src = (__m256i*)aligned_alloc(64, n * 32), dst = (__m256i*)aligned_alloc(64, n * 32);
+    src = (__m256i*)(g_huge ? huge_alloc(n * 32) : aligned_alloc(64, n * 32));
+    dst = (__m256i*)(g_huge ? huge_alloc(n * 32) : aligned_alloc(64, n * 32));
     memset(src, 1, n * 32), memset(dst, 0, n * 32);
   }
   double best = 1e9;
@@ -58,6 +79,8 @@ int main(int argc, char** argv) {
   }
   const KvlmKernels* T[2] = {kvlm_old(), kvlm_new()};
   const int rounds = atoi(argv[1]), th = atoi(argv[2]), hot = atoi(argv[3]);
+  const char* pages = getenv("KVLM_AB_PAGES");  // "huge": the new side reads copies in 2 MiB pages
+  const bool huge = g_huge = pages && !strcmp(pages, "huge");
   omp_set_num_threads(th);
   printf("bandwidth th=%d: read %.2f GB/s  copy %.2f GB/s\n", th, bandwidth(th, false), bandwidth(th, true));
   fflush(stdout);
@@ -85,6 +108,9 @@ int main(int argc, char** argv) {
               memcpy(&o[(n / 16 * 16) * rs + (b * 36 + i) * 64 + 4 * (n % 16)], &w[n * rs + b * 144 + 4 * i], 4);
         wp.push_back(std::move(o));
       }
+    std::vector<const uint8_t*> wh;  // KVLM_AB_PAGES=huge: the new side's copies
+    if (huge)
+      for (auto& w : (packed ? wp : ws)) wh.push_back(huge_copy(w));
     std::vector<float> x(M * K);
     std::normal_distribution<float> nd(0, 1);
     for (auto& v : x) v = nd(rng);
@@ -102,7 +128,7 @@ int main(int argc, char** argv) {
         double el;
         do {
           const bool p16 = packed && (side == 1 || both);
-          const uint8_t* w = (p16 ? wp : ws)[iters % copies].data();
+          const uint8_t* w = huge && side == 1 ? wh[iters % copies] : (p16 ? wp : ws)[iters % copies].data();
 #pragma omp parallel for schedule(static)
           for (int p = 0; p < th; p++) {
             const int64_t p0 = panels * p / th, p1 = panels * (p + 1) / th;

@@ -7,8 +7,9 @@
 # Prints per case old and new GB/s (wall; per core of process CPU time, median and best: on a loaded machine
 # the best CPU-time round is the least disturbed one) and new/old. Exits 1 if the
 # trees' outputs differ in any bit. KVLM_AB_CACHE=dir keeps the two compiled objects for reruns.
+# KVLM_AB_PAGES=huge: the new side reads its weights from 2 MiB pages (OLD may then be this tree: pages alone).
 set -euo pipefail
-if [ $# -lt 1 ] || [ "$1" = "--help" ] || [ "$1" = "-h" ]; then sed -n 2,8p "$0" | sed 's/^# \{0,1\}//'; exit 0; fi
+if [ $# -lt 1 ] || [ "$1" = "--help" ] || [ "$1" = "-h" ]; then sed -n 2,9p "$0" | sed 's/^# \{0,1\}//'; exit 0; fi
 OLD=$1; shift
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 W=$(mktemp -d); trap 'rm -rf "$W"' EXIT

@@ -21,8 +21,9 @@ build_objects() {
   local olddir side c=${KVLM_AB_CACHE:-}
   if [ -d "$1/kvlm/kernels/csrc" ]; then olddir=$(cd "$1" && pwd)/kvlm/kernels/csrc
   else git -C "$2" archive "$1" kvlm/kernels/csrc | tar -x -C "$4"; olddir=$4/kvlm/kernels/csrc; fi
-  # an A/B of identical sources (OLD = HEAD after committing the change) measures nothing: say so
-  if diff -rq "$olddir" "$2/kvlm/kernels/csrc" >/dev/null; then
+  # an A/B of identical sources (OLD = HEAD after committing the change) measures nothing: say so (unless
+  # KVLM_AB_PAGES=huge, where the two sides differ in the weights' page size, gbs.cpp)
+  if [ -z "${KVLM_AB_PAGES:-}" ] && diff -rq "$olddir" "$2/kvlm/kernels/csrc" >/dev/null; then
     echo "kernel_ab: $1 has this tree's kernel sources: nothing to compare (name the revision before the change)" >&2
     exit 2
   fi

@@ -4,9 +4,11 @@
 from __future__ import annotations
 
 import zlib
+from pathlib import Path
 
 import gguf
 import numpy as np
+import pytest
 import torch
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
@@ -79,3 +81,14 @@ def random_blocks(qtype: T, n: int, k: int, seed: int) -> QuantTensor:
             blocks[0] = 0
         raw = blocks.reshape(n, -1)
     return QuantTensor(torch.from_numpy(np.ascontiguousarray(raw)), qtype, (n, k))
+
+
+def write_tiny_q4k_gguf(path: Path) -> Path:
+    """The tiny Llama in Q4_K (synthetic blocks: gguf's numpy code only dequantizes K-quants), hidden 256 so
+    its matrices are whole 16-row panels, the head tied to the embedding."""
+    from tiny_models import tiny_config, write_tiny_gguf
+
+    cfg = tiny_config(hidden_size=256, intermediate_size=256, head_dim=64, tie_word_embeddings=True)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf.quants, "quantize", synthetic_quantize)
+        return write_tiny_gguf(path, cfg, tensor_type="Q4_K")

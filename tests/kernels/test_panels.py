@@ -6,15 +6,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import gguf
 import pytest
 import torch
 from deps import need_native
 from engine_runs import assert_identical, random_prompts, run_engine
 from gguf import GGMLQuantizationType as T
-from quantize import random_blocks, synthetic_quantize  # noqa: E402  (tests/helpers)
+from quantize import random_blocks, write_tiny_q4k_gguf  # noqa: E402  (tests/helpers)
 from test_kernels import int8_activation_cases
-from tiny_models import tiny_config, write_tiny_gguf
 
 from kvlm import EngineConfig, SamplingParams
 from kvlm.engine.engine import Engine
@@ -80,10 +78,7 @@ def test_packed_merged_parts_and_views_of_whole_panels() -> None:
 
 @pytest.fixture(scope="module")
 def q4k_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    cfg = tiny_config(hidden_size=256, intermediate_size=256, head_dim=64, tie_word_embeddings=True)
-    with pytest.MonkeyPatch.context() as mp:  # gguf's numpy code only dequantizes K-quants
-        mp.setattr(gguf.quants, "quantize", synthetic_quantize)
-        return write_tiny_gguf(tmp_path_factory.mktemp("panels") / "tiny-Q4_K.gguf", cfg, tensor_type="Q4_K")
+    return write_tiny_q4k_gguf(tmp_path_factory.mktemp("panels") / "tiny-Q4_K.gguf")
 
 
 def test_loader_packs_where_the_kernel_reads_panels(q4k_gguf: Path, monkeypatch: pytest.MonkeyPatch) -> None:
