@@ -104,8 +104,8 @@ def read_bandwidth(mib: int = 1024, repeats: int = 5, device: Any = "cpu") -> fl
 
 def _buffer(n: int, device: Any) -> Any:
     """n float32 on device; on CPU in 2 MiB pages where the loader puts the weights there (loader/huge_pages.py),
-    so the ceiling is measured in the pages a decode step reads: a 2-core Xeon under KVM read 1 GiB at 12-18
-    GB/s in 4 KiB pages and 28-33 in 2 MiB ones (2026-12-06)."""
+    so the ceiling is measured in the pages a decode step reads: on a 2-core Xeon under KVM the read pass was
+    14-15 GB/s in 4 KiB pages and 22-23 in 2 MiB ones in one hour (2026-12-06, docs/results/xeon_session27.txt)."""
     import torch
 
     from kvlm.loader import huge_pages

@@ -5,21 +5,18 @@ A decode step reads every weight matrix once, front to back. In 4 KiB pages a 3B
 ~450,000 pages, and a core's TLB holds a few thousand entries, so each new 4 KiB of a stream costs a page
 walk. In a virtual machine (KVM, any cloud host) a walk is two-dimensional, the guest's tables through the
 host's, and costs several memory reads. 2 MiB pages cut the walks 512-fold. Measured on a 2-core Intel Xeon
-under KVM (2026-12-06, AVX-512 path, `KVLM_AB_PAGES=huge scripts/kernel_ab/gbs.sh`, the same kernel on the
-same bytes in turn): the Q4_K decode product read 1.20-1.36x faster from 2 MiB pages; a plain read of 1 GiB
-ran at 28-33 GB/s against 12-18 in 4 KiB pages.
+under KVM (2026-12-06, docs/results/xeon_session27.txt): the same decode kernels on the same bytes
+(`KVLM_AB_PAGES=huge scripts/kernel_ab/gbs.sh`) ran 1.35-2.26x (`avx512-amx`) and 1.62-4.49x (`avx2`) faster
+from 2 MiB pages in their least disturbed rounds; `kvlm bench compare`'s read pass was 14-15 GB/s in 4 KiB
+pages (`KVLM_HUGE_PAGES=0`) and 22-23 in 2 MiB ones in the same hour.
 
-Where kvlm controls the memory it asks for them:
-* `empty(nbytes)`: anonymous memory, 2 MiB aligned and advised MADV_HUGEPAGE (under the kernel's default
-  `madvise` policy nothing else gets them). The loader puts the weight matrices a decode step reads there
-  (loader/gguf.py `_place_weights`).
-* `advise(lo, hi)`: MADV_HUGEPAGE on a range of a file mapping (a GGUF or safetensors file read in place).
-  Pages already in the page cache keep their size; on filesystems with large folios (ext4, XFS on recent
-  kernels), pages read after this come in 2 MiB folios and are mapped whole.
+`empty(nbytes)` is anonymous memory, 2 MiB aligned and advised MADV_HUGEPAGE (under the kernel's default
+`madvise` policy nothing else gets them). The loader puts the weight matrices a decode step reads there
+(loader/gguf.py `_place_weights`), and `kvlm bench latency` / `compare` time their read pass there.
 
-Nothing here changes a byte, so no bit of any result. KVLM_HUGE_PAGES=0 turns both off (plain torch.empty,
-no advice); elsewhere than Linux, or where /sys/kernel/mm/transparent_hugepage/enabled says [never], they
-are off too. This module knows nothing about models.
+Nothing here changes a byte, so no bit of any result. KVLM_HUGE_PAGES=0 turns it off (plain torch.empty);
+elsewhere than Linux, or where /sys/kernel/mm/transparent_hugepage/enabled says [never], it is off too. This
+module knows nothing about models.
 """
 
 from __future__ import annotations
@@ -35,7 +32,6 @@ import torch
 HUGE = 2 << 20  # x86-64 and arm64 (4 KiB base pages) PMD size
 MIN_BYTES = HUGE  # below this, `worth` says no: one partly used 2 MiB page gains nothing
 ENV = "KVLM_HUGE_PAGES"
-_MADV_HUGEPAGE = 14  # Linux
 
 
 @functools.cache
@@ -68,17 +64,6 @@ def empty(nbytes: int) -> torch.Tensor:
     start = -_address(m) % HUGE  # the first 2 MiB boundary inside the mapping
     m.madvise(mmap.MADV_HUGEPAGE, start, size)
     return torch.frombuffer(m, dtype=torch.uint8, count=nbytes, offset=start)  # keeps m alive
-
-
-def advise(lo: int, hi: int) -> bool:
-    """MADV_HUGEPAGE on the whole 2 MiB pages inside the addresses [lo, hi) of an existing mapping; True if
-    the kernel took it."""
-    a, b = -(-lo // HUGE) * HUGE, hi // HUGE * HUGE
-    if not enabled() or b <= a:
-        return False
-    madvise = ctypes.CDLL(None, use_errno=True).madvise
-    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    return madvise(a, b - a, _MADV_HUGEPAGE) == 0
 
 
 def _address(m: mmap.mmap) -> int:
