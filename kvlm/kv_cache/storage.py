@@ -35,6 +35,7 @@ The cache knows tensors and slots; it does not know requests, blocks' owners or 
 from __future__ import annotations
 
 import ctypes
+import mmap
 import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
@@ -178,13 +179,25 @@ def resident_bytes(tensors: list[torch.Tensor]) -> int | None:
     return total
 
 
+def untouched(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An uninitialized tensor none of whose pages is resident yet, on CPU: a private anonymous mapping of
+    its own, so its memory becomes resident page by page as it is written. torch.empty gives no such
+    promise: glibc serves allocations under its mmap threshold (which grows, up to 32 MiB, as large blocks
+    are freed) from heap memory the process may already have touched; a 32 MiB pool tensor was found 10 MiB
+    resident before any write (tests/kv_cache/test_kv_pool_memory.py). Elsewhere: torch.empty."""
+    nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    if torch.device(device).type != "cpu" or nbytes == 0 or not hasattr(mmap, "MAP_PRIVATE"):
+        return torch.empty(shape, dtype=dtype, device=device)
+    m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(m, dtype=torch.uint8).view(dtype).view(shape)  # the tensor keeps m alive
+
+
 class _LayerStorage:
     """K and V tensors of one shape per layer, and update_and_fetch as write then fetch.
 
-    The tensors are allocated, not filled: a large torch.empty is an untouched anonymous mapping, so
-    memory becomes resident page by page as tokens are written and the pool size is a limit, not an
-    up-front cost. Slots are read only after being written, except the padding of a gathered batch,
-    which `fetch` zeroes (`_zero_padding`)."""
+    The tensors are allocated, not filled (`untouched`): memory becomes resident page by page as tokens
+    are written and the pool size is a limit, not an up-front cost. Slots are read only after being
+    written, except the padding of a gathered batch, which `fetch` zeroes (`_zero_padding`)."""
 
     def __init__(self, num_layers: int, shape: tuple[int, ...], dtype: KVElement, device: torch.device,
                  compute_dtype: torch.dtype | None = None, first_dims: list[int] | None = None,
@@ -193,8 +206,8 @@ class _LayerStorage:
         row, tensor_dtype = stored_row(dtype, self.head_dim)
         self.element, self.k_center = dtype, k_center  # k_center: the keys' centers, or None
         dims = first_dims or [lead[0]] * num_layers  # per layer, when layers' pools differ (layer groups)
-        self.k = [torch.empty(n, *lead[1:], row, dtype=tensor_dtype, device=device) for n in dims]
-        self.v = [torch.empty(n, *lead[1:], row, dtype=tensor_dtype, device=device) for n in dims]
+        self.k = [untouched((n, *lead[1:], row), tensor_dtype, device) for n in dims]
+        self.v = [untouched((n, *lead[1:], row), tensor_dtype, device) for n in dims]
         # what fetch() returns (the model's activations)
         self.compute_dtype = compute_dtype or (torch.float32 if isinstance(dtype, KVQuantFormat) else dtype)
 
