@@ -103,6 +103,33 @@ def test_rows_bit_identical_to_one_row_decode(isa: str, dtype: torch.dtype, head
     torch.testing.assert_close(got, paged_attention_ref(q, kc, vc, tables, seq_ids, ctx_lens, scale), **TOL)
 
 
+@pytest.mark.parametrize(("heads", "kv_heads", "d"), [(9, 3, 64), (4, 2, 128), (8, 8, 64), (4, 1, 64)],
+                         ids=["9-3-64", "4-2-128", "8-8-64", "4-1-64"])
+@pytest.mark.parametrize("cache", ["float32", "float16", "int8", "int4"])
+def test_fewer_items_than_threads_split_the_kv_heads(isa: str, cache: str, heads: int, kv_heads: int, d: int,
+                                                     no_fallback: None) -> None:
+    """A call with fewer (tile, chunk) items than threads (one or two decode rows, short or a few chunks
+    long) gives each thread a share of the kv heads (kvlm/kernels/csrc/ops.cpp, kv_split; 3 kv heads in 2
+    shares are 1 and 2): at 1 to 4 threads every row has the bits of that row alone on one thread."""
+    gen = torch.Generator().manual_seed(heads * d + kv_heads)
+    lens = [1, 40, 128, 129, 300]
+    dtype = torch.float16 if cache == "float16" else torch.float32
+    kc, vc, tables = _cache(gen, lens, heads, kv_heads, d, 16, dtype)
+    if cache in ("int8", "int4"):
+        fmt = kv_quant.FORMATS[cache]
+        kc, vc = kv_quant.quantize(kc, fmt), kv_quant.quantize(vc, fmt)
+    q = torch.randn(len(lens), heads, d, generator=gen)
+    seq_ids = torch.arange(len(lens), dtype=torch.int32)
+    ctx_lens = torch.tensor(lens, dtype=torch.int32)
+    scale = d ** -0.5
+    want = _with_threads(1, lambda: _one_row_each(q, kc, vc, tables, seq_ids, ctx_lens, scale))
+    for rows in ([0], [1], [2], [3], [4], [1, 2], [0, 4]):
+        r = torch.tensor(rows)
+        for threads in (2, 3, 4):
+            got = _with_threads(threads, lambda: paged_attention(q[r], kc, vc, tables, seq_ids[r], ctx_lens[r], scale))
+            assert torch.equal(got, want[r]), f"rows {rows} at {threads} threads differ from one thread's"
+
+
 @pytest.mark.parametrize("block_size", [1, 7, 16, 48, None], ids=["bs1", "bs7", "bs16", "bs48", "contiguous"])
 def test_block_sizes(isa: str, block_size: int | None, no_fallback: None) -> None:
     """Blocks that do not divide the 16-token groups or the 128-token chunks, and one block per sequence."""

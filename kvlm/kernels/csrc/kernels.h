@@ -36,13 +36,13 @@ enum { KV_Q8 = 1008, KV_Q4 = 1004 };
 //
 // Tiling (the speed for prefill rows, which share their sequence's K/V): `order` lists the rows grouped
 // by sequence, by ascending ctx_len within one; tile k is rows order[tiles[2k] .. tiles[2k] + tiles[2k+1])
-// (at most KVLM_ATTN_TILE rows of one sequence). Work item i is chunk items[2i + 1] of tile items[2i]:
-// every row of the tile with tokens in that chunk, all heads, so each 16-token K/V group is read from
-// memory once per tile. A tile whose longest row has one chunk writes out directly. Otherwise each item
+// (at most KVLM_ATTN_TILE rows of one sequence). Work item i is chunk items[3i + 1] of tile items[3i]:
+// every row of the tile with tokens in that chunk, the heads of kv-head share items[3i + 2] (all heads when
+// kv_split is 1), so each 16-token K/V group is read from memory once per tile and share. A tile whose longest row has one chunk writes out directly. Otherwise each item
 // writes the partial softmax states of its multi-chunk rows, row j of the tile and chunk c at
 // part + (part_first[k] + j * nc + c) * H * (D + 2) (acc (H, D), then max (H), then denominator (H)),
-// nc the tile's chunk count, and decrements pending[k] (set to nc by the caller); the item that brings
-// it to 0 combines those rows.
+// nc the tile's chunk count, and decrements pending[k] (set by the caller to the tile's items: nc times
+// kv_split); the item that brings it to 0 combines those rows.
 enum { KVLM_ATTN_TILE = 16 };  // rows per tile
 
 typedef struct KvlmPagedAttn {
@@ -58,7 +58,7 @@ typedef struct KvlmPagedAttn {
     float scale;
     const int32_t* order;       // (T,)
     const int32_t* tiles;       // (n_tiles, 2): first index into order, rows
-    const int32_t* items;       // (n_items, 2): tile, chunk index
+    const int32_t* items;       // (n_items, 3): tile, chunk index, kv-head share (of kv_split)
     const int64_t* part_first;  // (n_tiles,): index of the tile's first partial state
     float* part;                // (sum over multi-chunk tiles of rows * nc, H, D + 2)
     int32_t* pending;           // (n_tiles,)
@@ -69,6 +69,9 @@ typedef struct KvlmPagedAttn {
     // sequence's token 0 is its position-0 key: k0_seqs[seq] != 0 (k0_seqs NULL: every sequence).
     const float* k0_delta;
     const uint8_t* k0_seqs;
+    // An item of share s covers kv heads [s KVH / kv_split, (s + 1) KVH / kv_split) and their query heads: a
+    // call with fewer (tile, chunk) items than threads (a short decode) splits each into kv_split items.
+    int64_t kv_split;
 } KvlmPagedAttn;
 
 typedef struct KvlmKernels {

@@ -846,11 +846,11 @@ struct AttnRow {
     bool k0;         // the chunk holds the row's position-0 key, stored centered on k0 (KvlmPagedAttn)
 };
 
-// Row r's score of its token 0 += scale * (q_h . k0_delta[h / G]) per head h, the dot in a fixed order:
+// Row r's score of its token 0 += scale * (q_h . k0_delta[h / G]) per head h in [h0, h1), the dot in a fixed order:
 // 16-lane products summed over D / 16, then hsum (the position-0 key's center correction, KvlmPagedAttn).
-KVLM_INLINE void attn_k0_correct(const KvlmPagedAttn* a, const AttnRow& r) {
+KVLM_INLINE void attn_k0_correct(const KvlmPagedAttn* a, const AttnRow& r, int64_t h0, int64_t h1) {
     const int64_t H = a->H, D = a->D, G = H / a->kv_heads, CH = a->chunk;
-    for (int64_t h = 0; h < H; h++) {
+    for (int64_t h = h0; h < h1; h++) {
         const float* q = r.q + h * D;
         const float* d = a->k0_delta + (h / G) * D;
         v16 s = (v16){};
@@ -1205,16 +1205,18 @@ template <class E>
 constexpr bool attn_pf_per_head = sizeof(typename E::T) >= 2;
 
 // One work item: rows[0 .. nr) of one sequence (block table `tab`), by ascending n, over the chunk that
-// starts at token t0, every head. Two passes, K then V, each streaming the chunk's 16-token groups front
+// starts at token t0, kv heads [g0, g1) and their query heads. Two passes, K then V, each streaming the chunk's 16-token groups front
 // to back (all kv heads of a token are one contiguous row; the next group prefetched, attn_prefetch); a
 // group's K or V rows come from memory once and from L1 for every further (row, head) pair. Per row:
 // scores of all H heads into sc (H, chunk), the chunk's softmax, then acc (H, D) = sum p * V. A row takes
 // part in a group only while it has tokens there (n > 16 * grp); rows sorted by n make those a suffix.
 // NV = D / 16 if fixed at compile time, else 0.
 template <class E, int NV>
-void attn_chunk(const KvlmPagedAttn* a, const int32_t* tab, int64_t t0, AttnRow* rows, int64_t nr) {
+void attn_chunk(const KvlmPagedAttn* a, const int32_t* tab, int64_t t0, AttnRow* rows, int64_t nr, int64_t g0,
+                int64_t g1) {
     typedef typename E::T T;
     const int64_t H = a->H, KVH = a->kv_heads, D = a->D, CH = a->chunk, G = H / KVH, row = KVH * E::head(D);
+    const int64_t h0 = g0 * G, h1 = g1 * G, e0 = g0 * E::head(D), en = (g1 - g0) * E::head(D);  // heads; elements
     const int64_t nmax = rows[nr - 1].n, ngrp = (nmax + 15) / 16;
     const T* kc = (const T*)a->k_cache;
     const T* vc = (const T*)a->v_cache;
@@ -1228,12 +1230,12 @@ void attn_chunk(const KvlmPagedAttn* a, const int32_t* tab, int64_t t0, AttnRow*
         while (rows[j0].n <= 16 * grp) j0++;
         token_rows(tab, a->block_size, row, t0 + 16 * grp, t0 + nmax, off);
         if constexpr (!attn_pf_per_head<E>)
-            attn_prefetch(tab, a->block_size, row, t0 + 16 * (grp + ATTN_PF), t0 + nmax, (const char*)kc, sizeof(T), 0, row);
+            attn_prefetch(tab, a->block_size, row, t0 + 16 * (grp + ATTN_PF), t0 + nmax, (const char*)kc, sizeof(T), e0, en);
         if (grp + ATTN_PF >= ngrp)  // the V pass's first groups
-            attn_prefetch(tab, a->block_size, row, t0 + 16 * (grp + ATTN_PF - ngrp), t0 + nmax, (const char*)vc, sizeof(T), 0,
-                          row);
+            attn_prefetch(tab, a->block_size, row, t0 + 16 * (grp + ATTN_PF - ngrp), t0 + nmax, (const char*)vc, sizeof(T), e0,
+                          en);
         const int64_t np = (nr - j0) * G;
-        for (int64_t g = 0; g < KVH; g++) {
+        for (int64_t g = g0; g < g1; g++) {
             AttnPairs pr{rows + j0, g * G, g * G, g * G + G};
             int64_t u = 0;
             if constexpr (attn_pf_per_head<E>)
@@ -1263,15 +1265,15 @@ void attn_chunk(const KvlmPagedAttn* a, const int32_t* tab, int64_t t0, AttnRow*
     }
     if (t0 == 0 && a->k0_delta)
         for (int64_t j = 0; j < nr; j++)
-            if (rows[j].k0) attn_k0_correct(a, rows[j]);
+            if (rows[j].k0) attn_k0_correct(a, rows[j], h0, h1);
     // Softmax of the chunk, per row and head: p = exp(s - max) in place, den = sum p (lanes, then one
     // fixed-order sum). An empty row (n = 0) gets max -inf, den 0. Tokens before a sliding window first
     // become -inf (a row is only here with at least one token of its window in the chunk).
     for (int64_t j = 0; j < nr; j++) {
         const int64_t ng = (rows[j].n + 15) / 16;
-        for (int64_t h = 0; h < H && rows[j].skip > 0; h++)
+        for (int64_t h = h0; h < h1 && rows[j].skip > 0; h++)
             for (int64_t i = 0; i < rows[j].skip; i++) rows[j].sc[h * CH + i] = -__builtin_inff();
-        for (int64_t h = 0; h < H; h++) {
+        for (int64_t h = h0; h < h1; h++) {
             float* s = rows[j].sc + h * CH;
 #if defined(KVLM_AVX2)
             {  // the same in 8-lane halves: lanes 0..7 and 8..15 of each group, max and sum trees unchanged
@@ -1314,16 +1316,16 @@ void attn_chunk(const KvlmPagedAttn* a, const int32_t* tab, int64_t t0, AttnRow*
             rows[j].mx[h] = mh;
             rows[j].den[h] = hsum(l);
         }
-        for (int64_t i = 0; i < H * D; i++) rows[j].acc[i] = 0.0f;
+        for (int64_t i = h0 * D; i < h1 * D; i++) rows[j].acc[i] = 0.0f;
     }
     // V pass: acc stays in registers over a group, for ATTN_VP (row, head) pairs sharing each V row.
     for (int64_t grp = 0, j0 = 0; grp < ngrp; grp++) {
         while (rows[j0].n <= 16 * grp) j0++;
         token_rows(tab, a->block_size, row, t0 + 16 * grp, t0 + nmax, off);
         if constexpr (!attn_pf_per_head<E>)
-            attn_prefetch(tab, a->block_size, row, t0 + 16 * (grp + ATTN_PF), t0 + nmax, (const char*)vc, sizeof(T), 0, row);
+            attn_prefetch(tab, a->block_size, row, t0 + 16 * (grp + ATTN_PF), t0 + nmax, (const char*)vc, sizeof(T), e0, en);
         const int64_t np = (nr - j0) * G;
-        for (int64_t g = 0; g < KVH; g++) {
+        for (int64_t g = g0; g < g1; g++) {
             AttnPairs pr{rows + j0, g * G, g * G, g * G + G};
             int64_t u = 0;
             if constexpr (attn_pf_per_head<E>)
@@ -1376,7 +1378,9 @@ void paged_attn_t(const KvlmPagedAttn* a, float* scratch, int64_t i0, int64_t i1
     // A row's live chunks: those holding tokens of its window (an empty row has one, empty).
     auto live = [&](int64_t L) -> int64_t { return L <= 0 ? 1 : (L - 1) / CH - first(L) / CH + 1; };
     for (int64_t it = i0; it < i1; it++) {
-        const int64_t k = a->items[2 * it], c = a->items[2 * it + 1], t0 = c * CH;
+        const int64_t k = a->items[3 * it], c = a->items[3 * it + 1], t0 = c * CH, sh = a->items[3 * it + 2];
+        const int64_t g0 = sh * a->kv_heads / a->kv_split, g1 = (sh + 1) * a->kv_heads / a->kv_split;  // kv heads
+        const int64_t h0 = g0 * (H / a->kv_heads), h1 = g1 * (H / a->kv_heads);
         const int32_t* tr = a->order + a->tiles[2 * k];
         const int64_t R = a->tiles[2 * k + 1];
         // The tile's chunks: c0 (its shortest row's first live one) .. nc - 1; partial states by c - c0.
@@ -1407,11 +1411,11 @@ void paged_attn_t(const KvlmPagedAttn* a, float* scratch, int64_t i0, int64_t i1
             }
             r.den = r.mx + H;
         }
-        if (j1 > j0) attn_chunk<E, NV>(a, a->block_tables + s0 * a->max_blocks, t0, rows, j1 - j0);
+        if (j1 > j0) attn_chunk<E, NV>(a, a->block_tables + s0 * a->max_blocks, t0, rows, j1 - j0, g0, g1);
         for (int64_t j = 0; j < j1 - j0; j++) {
             if (live(a->ctx_lens[tr[j0 + j]]) > 1) continue;
             float* o = rows[j].acc;
-            for (int64_t h = 0; h < H; h++) {
+            for (int64_t h = h0; h < h1; h++) {
                 const v16 inv = splat(rows[j].den[h] > 0.0f ? 1.0f / rows[j].den[h] : 0.0f);  // L = 0: zeros
                 for (int64_t i = 0; i < D; i += 16) st(o + h * D + i, ld(o + h * D + i) * inv);
             }

@@ -278,8 +278,8 @@ bool paged_attention_rows(const KvlmKernels* t, int kv_dtype, const float* q, co
     if (kv_dtype != T_F32 && kv_dtype != T_F16 && kv_dtype != T_BF16 && kv_dtype != KV_Q8 && kv_dtype != KV_Q4)
         return false;
     if (T == 0) return true;
-    thread_local std::vector<int32_t> order, tiles, items, pending;
-    thread_local std::vector<int64_t> part_first, item_first, cost, bound;
+    thread_local std::vector<int32_t> order, tiles, items, split, pending;
+    thread_local std::vector<int64_t> part_first, item_first, cost, split_cost, bound;
     thread_local std::vector<float> part;
     auto seq = [&](int64_t r) -> int64_t { return seq_ids ? seq_ids[r] : r; };
     // Rows grouped by sequence, by ascending context length within one (the order tiles need; any order
@@ -331,6 +331,22 @@ bool paged_attention_rows(const KvlmKernels* t, int kv_dtype, const float* q, co
     item_first.push_back(static_cast<int64_t>(items.size() / 2));
     const int64_t stride = H * (D + 2);
     const int64_t nthreads = std::max<int64_t>(1, at::get_num_threads());
+    // Fewer (tile, chunk) items than threads (a decode of fewer sequences than threads, each within one
+    // chunk): each item becomes kv_split items of a share of the kv heads, so every thread has one. A head's
+    // arithmetic does not depend on which heads share its item: the same bits. The 1B Q4_K_M's decode at 64
+    // tokens, 2 threads of the Xeon: attention 0.66-0.69 -> 0.40-0.42 ms a step (avx2), 0.56-0.57 -> 0.37-0.38
+    // (avx512-amx) (docs/results/xeon_session28.txt).
+    const int64_t n_items = static_cast<int64_t>(items.size() / 2);
+    const int64_t kv_split = n_items >= nthreads ? 1 : std::min<int64_t>(KVH, (nthreads + n_items - 1) / n_items);
+    split.clear();
+    split_cost.clear();
+    for (int64_t i = 0; i < n_items; i++)
+        for (int64_t sh = 0; sh < kv_split; sh++) {
+            split.push_back(items[2 * i]), split.push_back(items[2 * i + 1]), split.push_back(static_cast<int32_t>(sh));
+            split_cost.push_back(cost[i]);
+        }
+    for (int64_t& f : item_first) f *= kv_split;
+    for (int32_t& n : pending) n *= static_cast<int32_t>(kv_split);
     std::atomic<bool> ok{true};
     for (int64_t k0 = 0; k0 < n_tiles;) {
         // A wave: tiles k0 .. k1 - 1, their partial states from the start of `part`.
@@ -346,17 +362,17 @@ bool paged_attention_rows(const KvlmKernels* t, int kv_dtype, const float* q, co
         // Threads take contiguous runs of items of about equal cost (a tile's chunks stay together, so its
         // partial states are mostly combined from the cache that wrote them).
         int64_t total = 0;
-        for (int64_t i = i0; i < i1; i++) total += cost[i];
+        for (int64_t i = i0; i < i1; i++) total += split_cost[i];
         const int64_t parts = std::min<int64_t>(nthreads, i1 - i0);
         bound.assign(parts + 1, i1);
         bound[0] = i0;
         for (int64_t i = i0, p = 1, acc = 0; i < i1 && p < parts; i++) {
-            acc += cost[i];
+            acc += split_cost[i];
             while (p < parts && acc * parts >= total * p) bound[p++] = i + 1;
         }
         const KvlmPagedAttn a{kv_dtype, q, k_cache, v_cache, block_tables, seq_ids, ctx_lens, out, H, KVH, D, BS, MB,
-                              ATTN_CHUNK, scale, order.data(), tiles.data(), items.data(), part_first.data(),
-                              part.data(), pending.data(), window, k0_delta, k0_seqs};
+                              ATTN_CHUNK, scale, order.data(), tiles.data(), split.data(), part_first.data(),
+                              part.data(), pending.data(), window, k0_delta, k0_seqs, kv_split};
         const int64_t* bnd = bound.data();  // (a thread_local's name would mean each worker's own vector)
         at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
             thread_local std::vector<float> scratch;  // (KVLM_ATTN_TILE, H, ATTN_CHUNK) scores, (KVLM_ATTN_TILE, 2 H)
