@@ -50,9 +50,14 @@ def paged_rows(positions: torch.Tensor, query_lens: list[int], seq_lens: list[in
     the tokens its last row attends and its shift (a bounded cache's rows read p + 1 - shift tokens of
     [sinks | kept]; 0 otherwise). int32, as the native kernels take them."""
     dev = positions.device
-    qlens = torch.tensor(query_lens, device=dev)
-    row_seq = torch.repeat_interleave(torch.arange(len(query_lens), dtype=torch.int32, device=dev), qlens)
+    row_seq = torch.arange(len(query_lens), dtype=torch.int32, device=dev)
+    # decode (one row per sequence): row t is sequence t, nothing to repeat; repeat_interleave was ~1% of the
+    # default model's decode step (py-spy, docs/results/xeon_session28.txt)
+    qlens = None if all(q == 1 for q in query_lens) else torch.tensor(query_lens, device=dev)
+    if qlens is not None:
+        row_seq = torch.repeat_interleave(row_seq, qlens)
     row_ctx = (positions + 1).to(torch.int32)  # causal: the row at position p attends p + 1 tokens
     if any(shifts):
-        row_ctx -= torch.repeat_interleave(torch.tensor(shifts, dtype=torch.int32, device=dev), qlens)
+        shift = torch.tensor(shifts, dtype=torch.int32, device=dev)
+        row_ctx -= shift if qlens is None else torch.repeat_interleave(shift, qlens)
     return PagedRows(row_seq, row_ctx, torch.tensor(seq_lens, dtype=torch.int32, device=dev))
