@@ -185,7 +185,7 @@ def untouched(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) 
     promise: glibc serves allocations under its mmap threshold (which grows, up to 32 MiB, as large blocks
     are freed) from heap memory the process may already have touched; a 32 MiB pool tensor was found 10 MiB
     resident before any write (tests/kv_cache/test_kv_pool_memory.py). Elsewhere: torch.empty."""
-    nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    nbytes = torch.Size(shape).numel() * dtype.itemsize
     if torch.device(device).type != "cpu" or nbytes == 0 or not hasattr(mmap, "MAP_PRIVATE"):
         return torch.empty(shape, dtype=dtype, device=device)
     m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)

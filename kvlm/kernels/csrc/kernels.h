@@ -38,11 +38,11 @@ enum { KV_Q8 = 1008, KV_Q4 = 1004 };
 // by sequence, by ascending ctx_len within one; tile k is rows order[tiles[2k] .. tiles[2k] + tiles[2k+1])
 // (at most KVLM_ATTN_TILE rows of one sequence). Work item i is chunk items[3i + 1] of tile items[3i]:
 // every row of the tile with tokens in that chunk, the heads of kv-head share items[3i + 2] (all heads when
-// kv_split is 1), so each 16-token K/V group is read from memory once per tile and share. A tile whose longest row has one chunk writes out directly. Otherwise each item
-// writes the partial softmax states of its multi-chunk rows, row j of the tile and chunk c at
-// part + (part_first[k] + j * nc + c) * H * (D + 2) (acc (H, D), then max (H), then denominator (H)),
-// nc the tile's chunk count, and decrements pending[k] (set by the caller to the tile's items: nc times
-// kv_split); the item that brings it to 0 combines those rows.
+// kv_split is 1), so each 16-token K/V group is read from memory once per tile and share. A tile whose
+// longest row has one chunk writes out directly. Otherwise each item writes the partial softmax states
+// of its multi-chunk rows, row j of the tile and chunk c at part + (part_first[k] + j * nc + c) * H * (D + 2)
+// (acc (H, D), then max (H), then denominator (H)), nc the tile's chunk count, and decrements pending[k]
+// (set by the caller to the tile's items: nc times kv_split); the item that brings it to 0 combines those rows.
 enum { KVLM_ATTN_TILE = 16 };  // rows per tile
 
 typedef struct KvlmPagedAttn {

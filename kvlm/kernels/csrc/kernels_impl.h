@@ -846,8 +846,8 @@ struct AttnRow {
     bool k0;         // the chunk holds the row's position-0 key, stored centered on k0 (KvlmPagedAttn)
 };
 
-// Row r's score of its token 0 += scale * (q_h . k0_delta[h / G]) per head h in [h0, h1), the dot in a fixed order:
-// 16-lane products summed over D / 16, then hsum (the position-0 key's center correction, KvlmPagedAttn).
+// Row r's score of its token 0 += scale * (q_h . k0_delta[h / G]) per head h in [h0, h1), the dot in a fixed
+// order: 16-lane products summed over D / 16, then hsum (the position-0 key's center correction, KvlmPagedAttn).
 KVLM_INLINE void attn_k0_correct(const KvlmPagedAttn* a, const AttnRow& r, int64_t h0, int64_t h1) {
     const int64_t H = a->H, D = a->D, G = H / a->kv_heads, CH = a->chunk;
     for (int64_t h = h0; h < h1; h++) {
@@ -1205,10 +1205,11 @@ template <class E>
 constexpr bool attn_pf_per_head = sizeof(typename E::T) >= 2;
 
 // One work item: rows[0 .. nr) of one sequence (block table `tab`), by ascending n, over the chunk that
-// starts at token t0, kv heads [g0, g1) and their query heads. Two passes, K then V, each streaming the chunk's 16-token groups front
-// to back (all kv heads of a token are one contiguous row; the next group prefetched, attn_prefetch); a
-// group's K or V rows come from memory once and from L1 for every further (row, head) pair. Per row:
-// scores of all H heads into sc (H, chunk), the chunk's softmax, then acc (H, D) = sum p * V. A row takes
+// starts at token t0, kv heads [g0, g1) and their query heads [h0, h1). Two passes, K then V, each streaming
+// the chunk's 16-token groups front to back (all kv heads of a token are one contiguous row; the next group's
+// part for these heads prefetched, attn_prefetch); a group's K or V rows come from memory once and from L1 for
+// every further (row, head) pair. Per row: the heads' scores into sc (H, chunk) rows h0 .. h1 - 1, the chunk's
+// softmax, then acc (H, D) rows h0 .. h1 - 1 = sum p * V. A row takes
 // part in a group only while it has tokens there (n > 16 * grp); rows sorted by n make those a suffix.
 // NV = D / 16 if fixed at compile time, else 0.
 template <class E, int NV>

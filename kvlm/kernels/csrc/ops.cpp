@@ -312,7 +312,7 @@ bool paged_attention_rows(const KvlmKernels* t, int kv_dtype, const float* q, co
             tiles.push_back(static_cast<int32_t>(first)), tiles.push_back(static_cast<int32_t>(rows));
             pending.push_back(static_cast<int32_t>(nc - c0));
             part_first.push_back(nc - c0 > 1 ? rows * (nc - c0) : 0);  // its partial states (offsets set per wave)
-            item_first.push_back(static_cast<int64_t>(items.size() / 2));
+            item_first.push_back(static_cast<int64_t>(items.size() / 3));
             for (int64_t c = c0; c < nc; c++) {
                 int64_t w = 0;  // the item's cost: its rows' tokens (16-token groups) plus a per-row overhead
                 for (int64_t j = first; j < first + rows; j++) {
@@ -321,6 +321,7 @@ bool paged_attention_rows(const KvlmKernels* t, int kv_dtype, const float* q, co
                     if (len > 0 || c == 0) w += (std::min(ATTN_CHUNK, std::max<int64_t>(len, 0)) + 15) / 16 * 16 + 32;
                 }
                 items.push_back(static_cast<int32_t>(k)), items.push_back(static_cast<int32_t>(c));
+                items.push_back(0);  // kv-head share 0 of 1 (kv_split below)
                 cost.push_back(w);
             }
             first += rows;
@@ -328,7 +329,7 @@ bool paged_attention_rows(const KvlmKernels* t, int kv_dtype, const float* q, co
         r0 = r1;
     }
     const int64_t n_tiles = static_cast<int64_t>(pending.size());
-    item_first.push_back(static_cast<int64_t>(items.size() / 2));
+    item_first.push_back(static_cast<int64_t>(items.size() / 3));
     const int64_t stride = H * (D + 2);
     const int64_t nthreads = std::max<int64_t>(1, at::get_num_threads());
     // Fewer (tile, chunk) items than threads (a decode of fewer sequences than threads, each within one
@@ -336,17 +337,22 @@ bool paged_attention_rows(const KvlmKernels* t, int kv_dtype, const float* q, co
     // arithmetic does not depend on which heads share its item: the same bits. The 1B Q4_K_M's decode at 64
     // tokens, 2 threads of the Xeon: attention 0.66-0.69 -> 0.40-0.42 ms a step (avx2), 0.56-0.57 -> 0.37-0.38
     // (avx512-amx) (docs/results/xeon_session28.txt).
-    const int64_t n_items = static_cast<int64_t>(items.size() / 2);
+    const int64_t n_items = static_cast<int64_t>(items.size() / 3);
     const int64_t kv_split = n_items >= nthreads ? 1 : std::min<int64_t>(KVH, (nthreads + n_items - 1) / n_items);
-    split.clear();
-    split_cost.clear();
-    for (int64_t i = 0; i < n_items; i++)
-        for (int64_t sh = 0; sh < kv_split; sh++) {
-            split.push_back(items[2 * i]), split.push_back(items[2 * i + 1]), split.push_back(static_cast<int32_t>(sh));
-            split_cost.push_back(cost[i]);
-        }
-    for (int64_t& f : item_first) f *= kv_split;
-    for (int32_t& n : pending) n *= static_cast<int32_t>(kv_split);
+    if (kv_split > 1) {
+        split.clear();
+        split_cost.clear();
+        for (int64_t i = 0; i < n_items; i++)
+            for (int64_t sh = 0; sh < kv_split; sh++) {
+                split.push_back(items[3 * i]), split.push_back(items[3 * i + 1]);
+                split.push_back(static_cast<int32_t>(sh));
+                split_cost.push_back(cost[i]);
+            }
+        items.swap(split);
+        cost.swap(split_cost);
+        for (int64_t& f : item_first) f *= kv_split;
+        for (int32_t& n : pending) n *= static_cast<int32_t>(kv_split);
+    }
     std::atomic<bool> ok{true};
     for (int64_t k0 = 0; k0 < n_tiles;) {
         // A wave: tiles k0 .. k1 - 1, their partial states from the start of `part`.
@@ -362,16 +368,16 @@ bool paged_attention_rows(const KvlmKernels* t, int kv_dtype, const float* q, co
         // Threads take contiguous runs of items of about equal cost (a tile's chunks stay together, so its
         // partial states are mostly combined from the cache that wrote them).
         int64_t total = 0;
-        for (int64_t i = i0; i < i1; i++) total += split_cost[i];
+        for (int64_t i = i0; i < i1; i++) total += cost[i];
         const int64_t parts = std::min<int64_t>(nthreads, i1 - i0);
         bound.assign(parts + 1, i1);
         bound[0] = i0;
         for (int64_t i = i0, p = 1, acc = 0; i < i1 && p < parts; i++) {
-            acc += split_cost[i];
+            acc += cost[i];
             while (p < parts && acc * parts >= total * p) bound[p++] = i + 1;
         }
         const KvlmPagedAttn a{kv_dtype, q, k_cache, v_cache, block_tables, seq_ids, ctx_lens, out, H, KVH, D, BS, MB,
-                              ATTN_CHUNK, scale, order.data(), tiles.data(), split.data(), part_first.data(),
+                              ATTN_CHUNK, scale, order.data(), tiles.data(), items.data(), part_first.data(),
                               part.data(), pending.data(), window, k0_delta, k0_seqs, kv_split};
         const int64_t* bnd = bound.data();  // (a thread_local's name would mean each worker's own vector)
         at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
