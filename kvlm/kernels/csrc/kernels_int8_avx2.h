@@ -527,6 +527,94 @@ void tiles8(const Panel8* buf, const ActRows& a, const int32_t* l16, int64_t M, 
 }
 
 
+// ---- Q8_0, many rows, plain AVX2: int16 pairs ------------------------------------------------------------
+// Q8_0's weights are signed bytes, so tile_unit8 moves each product's sign to x before maddubs (unsigned x
+// signed): abs, sign, maddubs, madd and an add per 32 products, with 2 KB of x per unit no register can keep.
+// Here the panel is widened to int16 once (and x once per call): a pair of products is one madd (pmaddwd)
+// into the int32 sum, 2 madd and 2 adds per 32 products, no sign flips, so 16 columns (2 panels) fit in
+// registers against 4 rows. The sums are the same integers (|isum| <= 32 * 128 * 127) and finish8 takes them
+// as before: the same bits. 1.15-1.3x on the default model's shapes at M = 512 (docs/kernels.md, "AVX2").
+// AVX-VNNI keeps tile_unit8's w + 128 form (one vpdpbusd per 32 products).
+struct PanelW8 {
+    __m256i w[16];  // w[t] lane c: row c's elements 2 t and 2 t + 1 as an int16 pair
+    __m256 dw;
+};
+
+// v[j] lane c = row c's bytes (e0 e1 e2 e3) = elements 4 j .. 4 j + 3 (prep8's transpose), each as two words
+// (e0 | e1 << 8, e2 | e3 << 8): the even bytes sign-extended in their words (lo) and the odd ones (hi), then
+// the pairs (e0, e1) and (e2, e3) blended from them.
+KVLM_INLINE void prep_w8(const Unit8& u, PanelW8* p) {
+    __m256i v[8];
+    transpose8(u.lo, v);
+    transpose8(u.hi, v + 4);
+    for (int j = 0; j < 8; j++) {
+        const __m256i lo = _mm256_srai_epi16(_mm256_slli_epi16(v[j], 8), 8);  // words: e0, e2
+        const __m256i hi = _mm256_srai_epi16(v[j], 8);                        // words: e1, e3
+        p->w[2 * j] = _mm256_blend_epi16(lo, _mm256_slli_epi32(hi, 16), 0xaa);
+        p->w[2 * j + 1] = _mm256_blend_epi16(_mm256_srli_epi32(lo, 16), hi, 0xaa);
+    }
+    p->dw = u.dw;
+}
+
+// Unit ib of rows m0 .. m0 + MT - 1 against NP widened panels side by side; x16 = x as int16, rows K apart.
+template <int MT, int NP>
+KVLM_INLINE void tile_unit_w8(const PanelW8* const* p, const ActRows& a, const int16_t* x16, int64_t m0, int64_t ib,
+                              __m256* acc) {
+    __m256i s[MT * NP];
+    for (int k = 0; k < MT * NP; k++) s[k] = _mm256_setzero_si256();
+    const int16_t* xb = x16 + m0 * a.K + 32 * ib;
+#pragma GCC unroll 16
+    for (int t = 0; t < 16; t++) {
+        __m256i w[NP];
+        for (int q = 0; q < NP; q++) w[q] = p[q]->w[t];
+        for (int i = 0; i < MT; i++) {
+            int32_t x2;
+            memcpy(&x2, xb + i * a.K + 2 * t, 4);
+            const __m256i x = _mm256_set1_epi32(x2);
+            for (int q = 0; q < NP; q++) {
+                __m256i& sum = s[i * NP + q];
+                sum = _mm256_add_epi32(sum, _mm256_madd_epi16(w[q], x));
+                __asm__("" : "+x"(sum));  // one chain a sum, as tile_unit8's (else GCC spills a tree of products)
+            }
+        }
+    }
+    for (int k = 0; k < MT * NP; k++) finish8(s[k], p[k % NP]->dw, a, (m0 + k / NP) * a.nb + ib, acc + k);
+}
+
+template <int MT, int NP>
+void tile_w8(const PanelW8* buf, const ActRows& a, const int16_t* x16, int64_t m0, float* y, int64_t ldy,
+             const int* live) {
+    __m256 acc[MT * NP];
+    for (int k = 0; k < MT * NP; k++) acc[k] = _mm256_setzero_ps();
+    for (int64_t ib = 0; ib < a.nb; ib++) {
+        const PanelW8* p[NP];
+        for (int q = 0; q < NP; q++) p[q] = buf + q * a.nb + ib;
+        tile_unit_w8<MT, NP>(p, a, x16, m0, ib, acc);
+    }
+    for (int q = 0; q < NP; q++) {
+        __m256 aq[MT];
+        for (int i = 0; i < MT; i++) aq[i] = acc[i * NP + q];
+        store8<T_Q8_0, MT>(aq, aq, y + m0 * ldy + 8 * q, ldy, live[q]);  // Q8_0 has no min term
+    }
+}
+
+constexpr int64_t ROW_TILE_W8 = 4;
+constexpr int PANELS_W8 = 2;
+
+template <int NP>
+void tiles_w8(const PanelW8* buf, const ActRows& a, const int16_t* x16, int64_t M, float* y, int64_t ldy,
+              const int* live) {
+    constexpr int64_t T = ROW_TILE_W8;
+    int64_t m = 0;
+    for (; m + T <= M; m += T) tile_w8<T, NP>(buf, a, x16, m, y, ldy, live);
+    switch (M - m) {
+        case 1: tile_w8<1, NP>(buf, a, x16, m, y, ldy, live); break;
+        case 2: tile_w8<2, NP>(buf, a, x16, m, y, ldy, live); break;
+        case 3: tile_w8<3, NP>(buf, a, x16, m, y, ldy, live); break;
+        default: break;
+    }
+}
+
 // ---- Q6_K at one row of x (decode): weight rows whole, two streams a panel -------------------------------
 // fly8 reads a block of each of the 8 rows in turn: 8 streams side by side, the panel after next prefetched a
 // slice per block. Here, as AVX-512's kq_stream (kernels_kquant.h): stream q reads rows 4 q .. 4 q + 3 whole,
@@ -654,11 +742,48 @@ KVLM_INLINE void x16_sums(const ActRows& a, const int32_t* l16, YV* x16) {
     }
 }
 
+// Q8_0 at more than FLY_ROWS2 rows on plain AVX2: gemm_avx2_t's buffer path with widened panels (PanelW8).
+void gemm_w8(const uint8_t* w, int64_t rs, const ActRows& a, int64_t M, float* y, int64_t ldy, int64_t n0, int64_t n1) {
+    constexpr int BB = F2<T_Q8_0>::BB;
+    PanelW8* buf = thread_buffer<PanelW8>(PANELS_W8 * a.nb);
+    int16_t* x16 = thread_buffer<int16_t>(M * a.K);  // this thread's copy of x as int16 (M K / 16 ops)
+    if (buf == nullptr || x16 == nullptr) return;
+    for (int64_t e = 0; e < M * a.K; e += 16)
+        _mm256_store_si256((__m256i*)(x16 + e), _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(a.xq + e))));
+    for (const uint8_t* p = (const uint8_t*)((uintptr_t)(w + n0 * rs) & ~(uintptr_t)63);
+         p < w + (n1 < n0 + 8 * PF_PANELS ? n1 : n0 + 8 * PF_PANELS) * rs; p += 64)
+        _mm_prefetch((const char*)p, _MM_HINT_T1);
+    int filled = 0, lives[PANELS_W8];
+    Head8 h;
+    Unit8 u;
+    for (int64_t n = n0; n < n1; n += 8) {
+        const int live = n1 - n < 8 ? (int)(n1 - n) : 8;
+        const uint8_t* rows[8];
+        for (int c = 0; c < 8; c++) rows[c] = w + (n + (c < live ? c : live - 1)) * rs;
+        const uint8_t *ahead = w + (n + 8 * PF_PANELS) * rs, *end = w + n1 * rs;
+        PanelW8* pb = buf + filled * a.nb;
+        for (int64_t b = 0; b < a.nb; b++) {
+            if (ahead < end) prefetch_slice8<8 * BB>(ahead, b);
+            unit8<T_Q8_0>(rows, b * BB, 0, h, &u);
+            prep_w8(u, pb + b);
+        }
+        lives[filled++] = live;
+        if (filled == PANELS_W8 || n + 8 >= n1) {
+            float* yf = y + n - 8 * (filled - 1);
+            if (filled == 2) tiles_w8<2>(buf, a, x16, M, yf, ldy, lives);
+            else tiles_w8<1>(buf, a, x16, M, yf, ldy, lives);
+            filled = 0;
+        }
+    }
+}
+
 template <int QT>
 void gemm_avx2_t(const uint8_t* w, int64_t rs, int64_t K, const int8_t* xq, const float* xd, const float* xs,
                  const int32_t* xi, int64_t M, float* y, int64_t ldy, int64_t n0, int64_t n1) {
     using F = F2<QT>;
     const ActRows a{xq, xd, xs, xi, K, K / 32};
+    if constexpr (QT == T_Q8_0 && !VNNI8)
+        if (M > FLY_ROWS2) return gemm_w8(w, rs, a, M, y, ldy, n0, n1);  // int16 pairs (PanelW8)
     const int32_t* l16 = F::Q6 ? lo16_sums(a, M) : nullptr;
     if (F::Q6 && l16 == nullptr) return;
     // many rows: up to PANELS2 panels (8 columns each) transposed side by side, then every row against them
