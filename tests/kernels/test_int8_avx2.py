@@ -74,3 +74,26 @@ def test_avx2_int8_rows_and_columns_any_shape(qtype: T, avx2: None) -> None:
     bound = 1e-5 * (fake_quantize_act(x).double().abs() @ dequantize_ref(w).double().abs().T) + 1e-30
     err = (full.double() - ref).abs()
     assert (err <= bound).all(), f"max error / bound {(err / bound).max():.3g}"
+
+
+def test_avx2_q8_0_rows_past_one_widened_chunk(avx2: None) -> None:
+    """Q8_0 at more than 4 rows multiplies int16 pairs, x widened 256 rows at a time (gemm_w8): rows on
+    either side of that boundary, and of the 4-row tiles within it, keep the bits they have alone (one row:
+    the few-rows path) and in a batch that starts elsewhere."""
+    k = 288
+    pool = random_blocks(T.Q8_0, 37, k, seed=35)
+    w = QuantTensor(pool.data, T.Q8_0, (37, k))
+    x = _x(600, k, seed=36, huge=1e30)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        full = qmatmul(x, w)
+        assert torch.equal(qmatmul(x[250:530], w), full[250:530])
+        torch.set_num_threads(1)
+        for i in (0, 3, 4, 254, 255, 256, 257, 511, 512, 513, 599):
+            assert torch.equal(qmatmul(x[i:i + 1], w), full[i:i + 1]), f"row {i}"
+    finally:
+        torch.set_num_threads(before)
+    ref = qmatmul_int8_ref(x, w).double()
+    bound = 1e-5 * (fake_quantize_act(x).double().abs() @ dequantize_ref(w).double().abs().T) + 1e-30
+    assert ((full.double() - ref).abs() <= bound).all()

@@ -533,7 +533,7 @@ void tiles8(const Panel8* buf, const ActRows& a, const int32_t* l16, int64_t M, 
 // Here the panel is widened to int16 once (and x once per call): a pair of products is one madd (pmaddwd)
 // into the int32 sum, 2 madd and 2 adds per 32 products, no sign flips, so 16 columns (2 panels) fit in
 // registers against 4 rows. The sums are the same integers (|isum| <= 32 * 128 * 127) and finish8 takes them
-// as before: the same bits. 1.15-1.3x on the default model's shapes at M = 512 (docs/kernels.md, "AVX2").
+// as before: the same bits. 1.1-1.3x on the default model's shapes at M = 512 (docs/kernels.md, "AVX2").
 // AVX-VNNI keeps tile_unit8's w + 128 form (one vpdpbusd per 32 products).
 struct PanelW8 {
     __m256i w[16];  // w[t] lane c: row c's elements 2 t and 2 t + 1 as an int16 pair
@@ -742,37 +742,47 @@ KVLM_INLINE void x16_sums(const ActRows& a, const int32_t* l16, YV* x16) {
     }
 }
 
-// Q8_0 at more than FLY_ROWS2 rows on plain AVX2: gemm_avx2_t's buffer path with widened panels (PanelW8).
-void gemm_w8(const uint8_t* w, int64_t rs, const ActRows& a, int64_t M, float* y, int64_t ldy, int64_t n0, int64_t n1) {
+// Q8_0 at more than FLY_ROWS2 rows on plain AVX2: gemm_avx2_t's buffer path with widened panels (PanelW8), W8_ROWS
+// rows of x at a time (their int16 copy, 2 W8_ROWS K bytes a thread, stays in L2 at the default model's K; each
+// chunk re-reads and re-widens the panels, which costs little next to 256 rows of products).
+constexpr int64_t W8_ROWS = 256;
+
+[[maybe_unused]] void gemm_w8(const uint8_t* w, int64_t rs, const ActRows& a, int64_t M, float* y, int64_t ldy,
+                              int64_t n0, int64_t n1) {
     constexpr int BB = F2<T_Q8_0>::BB;
-    PanelW8* buf = thread_buffer<PanelW8>(PANELS_W8 * a.nb);
-    int16_t* x16 = thread_buffer<int16_t>(M * a.K);  // this thread's copy of x as int16 (M K / 16 ops)
+    const int64_t K = a.K, nb = a.nb;
+    PanelW8* buf = thread_buffer<PanelW8>(PANELS_W8 * nb);
+    int16_t* x16 = thread_buffer<int16_t>((M < W8_ROWS ? M : W8_ROWS) * K);
     if (buf == nullptr || x16 == nullptr) return;
-    for (int64_t e = 0; e < M * a.K; e += 16)
-        _mm256_store_si256((__m256i*)(x16 + e), _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(a.xq + e))));
-    for (const uint8_t* p = (const uint8_t*)((uintptr_t)(w + n0 * rs) & ~(uintptr_t)63);
-         p < w + (n1 < n0 + 8 * PF_PANELS ? n1 : n0 + 8 * PF_PANELS) * rs; p += 64)
-        _mm_prefetch((const char*)p, _MM_HINT_T1);
-    int filled = 0, lives[PANELS_W8];
     Head8 h;
     Unit8 u;
-    for (int64_t n = n0; n < n1; n += 8) {
-        const int live = n1 - n < 8 ? (int)(n1 - n) : 8;
-        const uint8_t* rows[8];
-        for (int c = 0; c < 8; c++) rows[c] = w + (n + (c < live ? c : live - 1)) * rs;
-        const uint8_t *ahead = w + (n + 8 * PF_PANELS) * rs, *end = w + n1 * rs;
-        PanelW8* pb = buf + filled * a.nb;
-        for (int64_t b = 0; b < a.nb; b++) {
-            if (ahead < end) prefetch_slice8<8 * BB>(ahead, b);
-            unit8<T_Q8_0>(rows, b * BB, 0, h, &u);
-            prep_w8(u, pb + b);
-        }
-        lives[filled++] = live;
-        if (filled == PANELS_W8 || n + 8 >= n1) {
-            float* yf = y + n - 8 * (filled - 1);
-            if (filled == 2) tiles_w8<2>(buf, a, x16, M, yf, ldy, lives);
-            else tiles_w8<1>(buf, a, x16, M, yf, ldy, lives);
-            filled = 0;
+    for (int64_t m0 = 0; m0 < M; m0 += W8_ROWS) {
+        const int64_t mc = M - m0 < W8_ROWS ? M - m0 : W8_ROWS;
+        const ActRows am{a.xq + m0 * K, a.xd + 8 * m0 * nb, a.xs + m0 * nb, a.xi + m0 * nb, K, nb};
+        for (int64_t e = 0; e < mc * K; e += 16)  // K is a multiple of 32
+            _mm256_store_si256((__m256i*)(x16 + e), _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(am.xq + e))));
+        for (const uint8_t* p = (const uint8_t*)((uintptr_t)(w + n0 * rs) & ~(uintptr_t)63);
+             p < w + (n1 < n0 + 8 * PF_PANELS ? n1 : n0 + 8 * PF_PANELS) * rs; p += 64)
+            _mm_prefetch((const char*)p, _MM_HINT_T1);
+        int filled = 0, lives[PANELS_W8];
+        for (int64_t n = n0; n < n1; n += 8) {
+            const int live = n1 - n < 8 ? (int)(n1 - n) : 8;
+            const uint8_t* rows[8];
+            for (int c = 0; c < 8; c++) rows[c] = w + (n + (c < live ? c : live - 1)) * rs;
+            const uint8_t *ahead = w + (n + 8 * PF_PANELS) * rs, *end = w + n1 * rs;
+            PanelW8* pb = buf + filled * nb;
+            for (int64_t b = 0; b < nb; b++) {
+                if (ahead < end) prefetch_slice8<8 * BB>(ahead, b);
+                unit8<T_Q8_0>(rows, b * BB, 0, h, &u);
+                prep_w8(u, pb + b);
+            }
+            lives[filled++] = live;
+            if (filled == PANELS_W8 || n + 8 >= n1) {
+                float* yf = y + m0 * ldy + n - 8 * (filled - 1);
+                if (filled == 2) tiles_w8<2>(buf, am, x16, mc, yf, ldy, lives);
+                else tiles_w8<1>(buf, am, x16, mc, yf, ldy, lives);
+                filled = 0;
+            }
         }
     }
 }
