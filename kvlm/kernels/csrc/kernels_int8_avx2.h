@@ -23,7 +23,8 @@
 // side, the panel after next prefetched a slice per block (Q6_K at one row of x reads whole weight rows in two
 // streams instead: q6_stream8, below). More rows (prefill): each unit is transposed
 // once (v[j] lane c = row c's elements 4j .. 4j + 3) into a per-thread buffer (its fill prefetching the
-// panel after next the same way), and tiles of ROW_TILE2 rows of x run against it with x's 4 bytes broadcast: 8 maddubs + 1 to 8 madd per 256 products.
+// panel after next the same way), and tiles of ROW_TILE2 rows of x run against it with x's 4 bytes broadcast: 8 maddubs + 1 to 8 madd per 256 products
+// (Q8_0 without AVX-VNNI: int16 pairs instead, gemm_w8).
 
 namespace {
 
@@ -747,13 +748,14 @@ KVLM_INLINE void x16_sums(const ActRows& a, const int32_t* l16, YV* x16) {
 // chunk re-reads and re-widens the panels, which costs little next to 256 rows of products).
 constexpr int64_t W8_ROWS = 256;
 
-[[maybe_unused]] void gemm_w8(const uint8_t* w, int64_t rs, const ActRows& a, int64_t M, float* y, int64_t ldy,
+// False (nothing written) when its buffers cannot be had: the caller then takes the signed-byte tiles.
+[[maybe_unused]] bool gemm_w8(const uint8_t* w, int64_t rs, const ActRows& a, int64_t M, float* y, int64_t ldy,
                               int64_t n0, int64_t n1) {
     constexpr int BB = F2<T_Q8_0>::BB;
     const int64_t K = a.K, nb = a.nb;
     PanelW8* buf = thread_buffer<PanelW8>(PANELS_W8 * nb);
     int16_t* x16 = thread_buffer<int16_t>((M < W8_ROWS ? M : W8_ROWS) * K);
-    if (buf == nullptr || x16 == nullptr) return;
+    if (buf == nullptr || x16 == nullptr) return false;
     Head8 h;
     Unit8 u;
     for (int64_t m0 = 0; m0 < M; m0 += W8_ROWS) {
@@ -785,6 +787,7 @@ constexpr int64_t W8_ROWS = 256;
             }
         }
     }
+    return true;
 }
 
 template <int QT>
@@ -793,7 +796,7 @@ void gemm_avx2_t(const uint8_t* w, int64_t rs, int64_t K, const int8_t* xq, cons
     using F = F2<QT>;
     const ActRows a{xq, xd, xs, xi, K, K / 32};
     if constexpr (QT == T_Q8_0 && !VNNI8)
-        if (M > FLY_ROWS2) return gemm_w8(w, rs, a, M, y, ldy, n0, n1);  // int16 pairs (PanelW8)
+        if (M > FLY_ROWS2 && gemm_w8(w, rs, a, M, y, ldy, n0, n1)) return;  // int16 pairs (PanelW8)
     const int32_t* l16 = F::Q6 ? lo16_sums(a, M) : nullptr;
     if (F::Q6 && l16 == nullptr) return;
     // many rows: up to PANELS2 panels (8 columns each) transposed side by side, then every row against them
