@@ -179,6 +179,11 @@ def run(formats: list[str], rows: list[int], threads: int | None, min_s: float,
     cpu = cpu_name()
     print(f"# kvlm kernels: path {isa_name()}, {torch.get_num_threads()} threads, {cpu}, "
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+    from kvlm.kernels import native
+
+    if isa_name() not in ("reference", native.best_isa()):  # a forced path: torch's matmul is not held to it
+        print(f"# f32 = torch.matmul on torch's own kernels, which {native.ENV_ISA} does not restrict: "
+              f"'speedup' sets kvlm's {isa_name()} path against this CPU's best float32 matmul")
     print(f"{'format':6} {'N x K':>12} {'M':>4} {'qmatmul ms':>11} {'GB/s':>7} {'f32 ms':>9} {'GB/s':>7} "
           f"{'speedup':>8}")
     results = []

@@ -6,10 +6,11 @@ from __future__ import annotations
 import argparse
 
 import pytest
+import torch
 from deps import need_native
 
 from kvlm.bench import kernels
-from kvlm.kernels import kv_quant
+from kvlm.kernels import kv_quant, native
 
 
 @pytest.mark.parametrize("kv", kernels.ATTN_KV)
@@ -54,3 +55,29 @@ def test_k_quants_without_a_quantizer_get_random_blocks(name: str) -> None:
     w = kernels.random_weight(GGMLQuantizationType[name], 4, 512, torch.Generator().manual_seed(0))
     y = kernels.qmatmul(torch.ones(1, 512), w)
     assert y.shape == (1, 4) and torch.isfinite(y).all()
+
+
+def test_a_forced_path_says_the_float32_matmul_is_not_held_to_it(monkeypatch: pytest.MonkeyPatch,
+                                                                  capsys: pytest.CaptureFixture) -> None:
+    """Under KVLM_KERNEL_ISA below this CPU's best, the header says torch's float32 matmul (the 'speedup'
+    baseline) still runs on its own kernels; on the best path it says nothing of the kind."""
+    need_native()
+    if native.best_isa() == "scalar":
+        pytest.skip("no path below this CPU's best to force")
+    args = dict(formats=["Q4_0"], rows=[1], threads=None, min_s=0.001, attn_threads=None, shapes=((64, 64),))
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.delenv(native.ENV_ISA, raising=False)  # the best path first, whatever the shell forced
+        native.refresh()
+        kernels.run(**args)
+        assert "does not restrict" not in capsys.readouterr().out
+        monkeypatch.setenv(native.ENV_ISA, "scalar")
+        native.refresh()
+        kernels.run(**args)
+    finally:
+        monkeypatch.undo()
+        native.refresh()
+        torch.set_num_threads(before)
+    out = capsys.readouterr().out
+    assert "path scalar" in out
+    assert "KVLM_KERNEL_ISA does not restrict: 'speedup' sets kvlm's scalar path against" in out
