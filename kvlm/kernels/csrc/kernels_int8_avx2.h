@@ -465,6 +465,21 @@ template <int QT>
 constexpr int PANELS2 = QT == T_Q6_K || QT == T_Q8_0 ? 1 : 2;
 constexpr int64_t PF_PANELS = 2;  // decode prefetches the panel this many ahead (1, 4, 8: measured alike)
 
+// The first PF_PANELS panels of columns [n0, n1) into L2 (the panel loops prefetch PF_PANELS ahead from there).
+KVLM_INLINE void prefetch_first_panels8(const uint8_t* w, int64_t rs, int64_t n0, int64_t n1) {
+    for (const uint8_t* p = (const uint8_t*)((uintptr_t)(w + n0 * rs) & ~(uintptr_t)63);
+         p < w + (n1 < n0 + 8 * PF_PANELS ? n1 : n0 + 8 * PF_PANELS) * rs; p += 64)
+        _mm_prefetch((const char*)p, _MM_HINT_T1);
+}
+
+// The 8 weight rows of the panel at column n (a tail panel's lanes past n1 repeat its last row); returns how
+// many of its columns are live.
+KVLM_INLINE int panel_rows8(const uint8_t* w, int64_t rs, int64_t n, int64_t n1, const uint8_t** rows) {
+    const int live = n1 - n < 8 ? (int)(n1 - n) : 8;
+    for (int c = 0; c < 8; c++) rows[c] = w + (n + (c < live ? c : live - 1)) * rs;
+    return live;
+}
+
 // Few rows: every unit decoded and used at once, for MT rows of x.
 template <int QT, int MT>
 void fly8(const uint8_t* const* rows, const uint8_t* ahead, const uint8_t* end, const ActRows& a,
@@ -763,14 +778,11 @@ constexpr int64_t W8_ROWS = 256;
         const ActRows am{a.xq + m0 * K, a.xd + 8 * m0 * nb, a.xs + m0 * nb, a.xi + m0 * nb, K, nb};
         for (int64_t e = 0; e < mc * K; e += 16)  // K is a multiple of 32
             _mm256_store_si256((__m256i*)(x16 + e), _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(am.xq + e))));
-        for (const uint8_t* p = (const uint8_t*)((uintptr_t)(w + n0 * rs) & ~(uintptr_t)63);
-             p < w + (n1 < n0 + 8 * PF_PANELS ? n1 : n0 + 8 * PF_PANELS) * rs; p += 64)
-            _mm_prefetch((const char*)p, _MM_HINT_T1);
+        prefetch_first_panels8(w, rs, n0, n1);
         int filled = 0, lives[PANELS_W8];
         for (int64_t n = n0; n < n1; n += 8) {
-            const int live = n1 - n < 8 ? (int)(n1 - n) : 8;
             const uint8_t* rows[8];
-            for (int c = 0; c < 8; c++) rows[c] = w + (n + (c < live ? c : live - 1)) * rs;
+            const int live = panel_rows8(w, rs, n, n1, rows);
             const uint8_t *ahead = w + (n + 8 * PF_PANELS) * rs, *end = w + n1 * rs;
             PanelW8* pb = buf + filled * nb;
             for (int64_t b = 0; b < nb; b++) {
@@ -807,15 +819,10 @@ void gemm_avx2_t(const uint8_t* w, int64_t rs, int64_t K, const int8_t* xq, cons
     if (stream && zs == nullptr) return;
     if (stream) x16_sums(a, l16, zs);
     int filled = 0, lives[2];
-    // the first PF_PANELS panels; the panel loop prefetches PF_PANELS ahead from there on, in both modes
-    for (const uint8_t* p = (const uint8_t*)((uintptr_t)(w + n0 * rs) & ~(uintptr_t)63);
-         p < w + (n1 < n0 + 8 * PF_PANELS ? n1 : n0 + 8 * PF_PANELS) * rs; p += 64)
-        _mm_prefetch((const char*)p, _MM_HINT_T1);
+    prefetch_first_panels8(w, rs, n0, n1);  // then PF_PANELS ahead from there on, in both modes
     for (int64_t n = n0; n < n1; n += 8) {
-        const int live = n1 - n < 8 ? (int)(n1 - n) : 8;
         const uint8_t* rows[8];
-        for (int c = 0; c < 8; c++)  // a tail panel's lanes past n1 repeat the last row
-            rows[c] = w + (n + (c < live ? c : live - 1)) * rs;
+        const int live = panel_rows8(w, rs, n, n1, rows);
         float* yp = y + n;
         const uint8_t *ahead = w + (n + 8 * PF_PANELS) * rs, *end = w + n1 * rs;
         if constexpr (QT == T_Q6_K) {
